@@ -58,7 +58,7 @@ def check_tensor(
 
 
 def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str = "") -> None:
-    """Raise ``ValueError`` unless ``t.shape == shape``; ``what`` explains where ``shape`` comes from."""
+    """Raise ``ValueError`` unless ``t.shape == shape``; ``what`` says why."""
     if tuple(t.shape) != tuple(shape):
         hint = f" ({what})" if what else ""
         raise ValueError(f"{name} must have shape {tuple(shape)}{hint}, got {tuple(t.shape)}")

@@ -48,7 +48,9 @@ def sqnr_db(signal: torch.Tensor, estimate: torch.Tensor) -> float:
     return float(20.0 * torch.log10(torch.linalg.vector_norm(s) / noise))
 
 
-def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor") -> None:
+def assert_bitwise_equal(
+    actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor"
+) -> None:
     """Assert two tensors have equal shape, dtype and bytes (NaN payloads included).
 
     FP8 tensors are compared through a ``uint8`` view since CPU FP8 lacks comparison ops. The

@@ -52,4 +52,6 @@ def scaled_down(dim: int, factor: int = 16, floor: int = 128) -> int:
 
 def dense_shapes_cpu(factor: int = 16) -> list[tuple[int, int]]:
     """The DeepSeek-V3 (N, K) shapes scaled down for the CPU, tails kept."""
-    return [(scaled_down(n, factor), scaled_down(k, factor)) for n, k in DSV3_DENSE_NK + DSV3_EXTRA_NK]
+    return [
+        (scaled_down(n, factor), scaled_down(k, factor)) for n, k in DSV3_DENSE_NK + DSV3_EXTRA_NK
+    ]
