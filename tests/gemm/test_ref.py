@@ -105,3 +105,15 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"b sf must have shape \(6, 2\)"):
         fp8_gemm_nt_1d1d(qa, qb)
     assert qa[0].dtype == FP8_DTYPE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 128, 4096])
+@pytest.mark.parametrize("n,k", [(2112, 7168), (576, 7168), (7168, 2048)])
+def test_reference_on_cuda(m, n, k):
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    d = fp8_gemm_nt(per_token_cast_to_fp8(x), per_block_cast_to_fp8(w))
+    diff = calc_diff(d, x.double() @ w.double().t())
+    assert diff < CALC_DIFF_MAX, f"{m=}, {n=}, {k=}, {diff=:.2e}"

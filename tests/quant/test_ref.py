@@ -213,3 +213,17 @@ def test_bad_block_and_scale_shapes():
     wq, wsf = per_block_cast_to_fp8(torch.randn(300, 300))
     with pytest.raises(ValueError, match=r"w_sf must have shape \(3, 3\)"):
         per_block_cast_back(wq, wsf[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(4096, 7168), (4096, 2112), (13, 576), (1, 300)])
+def test_reference_on_cuda_matches_cpu_bitwise(m, k):
+    # The same reference ops on CUDA must produce the CPU's bits: CUDA's fp32 division is IEEE and
+    # its e4m3 cast is RNE + saturating like torch's CPU cast (DESIGN §7).
+    x = _rand(m, k, torch.bfloat16, seed=m + k)
+    for fn in (per_token_cast_to_fp8, per_token_cast_to_fp8_t, per_block_cast_to_fp8):
+        for pow2 in (False, True):
+            cpu = fn(x, pow2_scale=pow2)
+            gpu = fn(x.cuda(), pow2_scale=pow2)
+            for name, c, g in zip(("fp8", "sf"), cpu, gpu):
+                assert_bitwise_equal(g.cpu(), c, f"{fn.__name__} {name} {m=} {k=} {pow2=}")
