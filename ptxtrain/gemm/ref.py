@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ptxtrain._checks import ceil_div, check_tensor
+from ptxtrain._checks import ceil_div, check_same_device, check_tensor
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE, per_block_cast_back, per_token_cast_back
 
 Operand = tuple[torch.Tensor, torch.Tensor]
@@ -60,6 +60,48 @@ def _check_out(out: torch.Tensor, shape: tuple[int, int], dtypes, device) -> Non
         raise ValueError(f"out must be on {device} like a and b, got {out.device}")
 
 
+def validate_1d2d(
+    a: object, b: object, out: torch.Tensor | None, out_dtype: torch.dtype
+) -> tuple[int, int, int]:
+    """Check the arguments of any ``fp8_gemm_nt`` backend; return (M, N, K).
+
+    Raises:
+        TypeError / ValueError: see :func:`fp8_gemm_nt`.
+    """
+    a_fp8, sf_a = _unpack("a", a)
+    b_fp8, sf_b = _unpack("b", b)
+    m, n, k = _check_pair_shapes(a_fp8, b_fp8)
+    _check_sf("a", sf_a, (m, ceil_div(k, BLOCK)), "[M, ⌈K/128⌉], one per 1x128 tile")
+    _check_sf("b", sf_b, (ceil_div(n, BLOCK), ceil_div(k, BLOCK)), "[⌈N/128⌉, ⌈K/128⌉]")
+    check_same_device(a=a_fp8, sf_a=sf_a, b=b_fp8, sf_b=sf_b)
+    if out is not None:
+        _check_out(out, (m, n), (torch.bfloat16, torch.float32), a_fp8.device)
+    elif out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    return m, n, k
+
+
+def validate_1d1d(
+    a: object, b: object, out: torch.Tensor | None, accumulate: bool
+) -> tuple[int, int, int]:
+    """Check the arguments of any ``fp8_gemm_nt_1d1d`` backend; return (M, N, K).
+
+    Raises:
+        TypeError / ValueError: see :func:`fp8_gemm_nt_1d1d`.
+    """
+    a_fp8, sf_a = _unpack("a", a)
+    b_fp8, sf_b = _unpack("b", b)
+    m, n, k = _check_pair_shapes(a_fp8, b_fp8)
+    _check_sf("a", sf_a, (m, ceil_div(k, BLOCK)), "[M, ⌈K/128⌉], one per 1x128 tile")
+    _check_sf("b", sf_b, (n, ceil_div(k, BLOCK)), "[N, ⌈K/128⌉], one per 1x128 tile")
+    check_same_device(a=a_fp8, sf_a=sf_a, b=b_fp8, sf_b=sf_b)
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out (the fp32 tensor to add into)")
+    if out is not None:
+        _check_out(out, (m, n), (torch.float32,), a_fp8.device)
+    return m, n, k
+
+
 def fp8_gemm_nt(
     a: Operand,
     b: Operand,
@@ -85,16 +127,10 @@ def fp8_gemm_nt(
 
     Source: DeepGEMM ``fp8_gemm_nt``; DESIGN §2.
     """
-    a_fp8, sf_a = _unpack("a", a)
-    b_fp8, sf_b = _unpack("b", b)
-    m, n, k = _check_pair_shapes(a_fp8, b_fp8)
-    _check_sf("a", sf_a, (m, ceil_div(k, BLOCK)), "[M, ⌈K/128⌉], one per 1x128 tile")
-    _check_sf("b", sf_b, (ceil_div(n, BLOCK), ceil_div(k, BLOCK)), "[⌈N/128⌉, ⌈K/128⌉]")
+    validate_1d2d(a, b, out, out_dtype)
+    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     if out is not None:
-        _check_out(out, (m, n), (torch.bfloat16, torch.float32), a_fp8.device)
         out_dtype = out.dtype
-    elif out_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     a_hp = per_token_cast_back(a_fp8, sf_a)  # [M, K] fp32
     b_hp = per_block_cast_back(b_fp8, sf_b)  # [N, K] fp32
     d = (a_hp @ b_hp.t()).to(out_dtype)  # [M, N]
@@ -131,15 +167,8 @@ def fp8_gemm_nt_1d1d(
 
     Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; DESIGN §2.
     """
-    a_fp8, sf_a = _unpack("a", a)
-    b_fp8, sf_b = _unpack("b", b)
-    m, n, k = _check_pair_shapes(a_fp8, b_fp8)
-    _check_sf("a", sf_a, (m, ceil_div(k, BLOCK)), "[M, ⌈K/128⌉], one per 1x128 tile")
-    _check_sf("b", sf_b, (n, ceil_div(k, BLOCK)), "[N, ⌈K/128⌉], one per 1x128 tile")
-    if accumulate and out is None:
-        raise ValueError("accumulate=True needs out (the fp32 tensor to add into)")
-    if out is not None:
-        _check_out(out, (m, n), (torch.float32,), a_fp8.device)
+    validate_1d1d(a, b, out, accumulate)
+    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     a_hp = per_token_cast_back(a_fp8, sf_a)  # [M, K] fp32
     b_hp = per_token_cast_back(b_fp8, sf_b)  # [N, K] fp32
     d = a_hp @ b_hp.t()  # [M, N] fp32

@@ -1,0 +1,100 @@
+"""GPU timing with DESIGN §6's method, and the environment record every result carries."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import statistics
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+_L2_FLUSH_BYTES = 256 << 20  # well above the H100's 50 MB / H200's 60 MB L2
+
+
+class GpuTimer:
+    """Times a callable on the current CUDA stream, one call per measurement.
+
+    Each measurement: memset a 256 MB buffer (evicts L2), queue a ~``sleep_us`` device sleep so
+    the host can enqueue the call before the device reaches it (launch overhead hidden), record
+    the start event, call, record the end event. Returns the median in microseconds.
+    """
+
+    def __init__(
+        self, *, warmup: int = 5, repeats: int = 50, flush_l2: bool = True, sleep_us: float = 200.0
+    ):
+        if not torch.cuda.is_available():
+            raise RuntimeError("GpuTimer needs a CUDA device")
+        self.warmup, self.repeats, self.flush_l2 = warmup, repeats, flush_l2
+        self._flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        clock_khz = torch.cuda.get_device_properties(0).clock_rate or 1_800_000
+        self._sleep_cycles = int(sleep_us * clock_khz / 1e3)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.repeats):
+            if self.flush_l2:
+                self._flush.zero_()
+            torch.cuda._sleep(self._sleep_cycles)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)  # ms -> µs
+        return statistics.median(times)
+
+
+def git_sha() -> str:
+    """The repository's HEAD sha (with ``-dirty`` if the tree has changes), or ``unknown``."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    """Device, versions, git sha and date for a results record."""
+    env = {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(
+            device=p.name,
+            sm_count=p.multi_processor_count,
+            capability=f"{p.major}.{p.minor}",
+            gpu_memory_gib=round(p.total_memory / 2**30, 1),
+        )
+    else:
+        env["device"] = "cpu"
+    return env

@@ -1,0 +1,146 @@
+"""cuBLAS blockwise FP8 GEMMs through ``torch._scaled_mm`` (the baseline that is always on Hopper).
+
+Design note. PyTorch ≥ 2.9 with CUDA ≥ 12.9 exposes cuBLASLt's DeepSeek-style block scaling through
+``torch._scaled_mm``, which infers the recipe from the scale tensors' shapes and strides. The
+layout that works on the H100/H200 test machines (torch 2.11 + CUDA 13; DESIGN §2) for 1D2D is::
+
+    torch._scaled_mm(a_fp8, b_fp8.t(), sf_a_mn_major, sf_b.t(), out_dtype=torch.bfloat16)
+
+with ``sf_a_mn_major = sf_a.t().contiguous().t()`` ([M, ⌈K/128⌉], strides (1, M)) and ``sf_b`` a
+contiguous [⌈N/128⌉, ⌈K/128⌉] tensor. For 1D1D (both operands 1x128) the accepted scale layout of
+the second operand is not documented, so :func:`fp8_gemm_nt_1d1d` probes the candidate layouts once
+per device on a small problem, checks each against the reference, and remembers the first that
+works; when none does it raises ``NotImplementedError`` (callers fall back to another backend).
+cuBLAS needs K and N to be multiples of 16 for FP8 operands; other shapes raise ``ValueError``
+before any launch, and :func:`supports` says so up front.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ptxtrain.gemm import ref
+
+_ALIGN = 16  # cuBLASLt FP8: leading dimensions multiple of 16 bytes (= 16 e4m3 elements)
+
+
+def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> bool:
+    """Whether cuBLAS blockwise FP8 can run this shape here (CUDA, sm_90, N and K % 16 == 0)."""
+    if not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else device
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+        return False
+    return m > 0 and n % _ALIGN == 0 and k % _ALIGN == 0 and k > 0
+
+
+def _check_cuda_shape(a: torch.Tensor, n: int, k: int) -> None:
+    if a.device.type != "cuda":
+        raise ValueError(f"the cublas backend needs CUDA tensors, got a on {a.device}")
+    if n % _ALIGN or k % _ALIGN:
+        raise ValueError(
+            f"the cublas backend needs N and K to be multiples of {_ALIGN}, got N={n}, K={k}; "
+            "use the triton or ref backend"
+        )
+
+
+def _mn_major(sf: torch.Tensor) -> torch.Tensor:
+    return sf.t().contiguous().t()
+
+
+def fp8_gemm_nt(
+    a: ref.Operand,
+    b: ref.Operand,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """cuBLAS 1D2D GEMM with the contract of :func:`ptxtrain.gemm.ref.fp8_gemm_nt`.
+
+    Raises:
+        TypeError / ValueError: as the reference, plus non-CUDA tensors or N, K not multiples of 16.
+    """
+    ref.validate_1d2d(a, b, out, out_dtype)
+    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
+    m, k = a_fp8.shape
+    n = b_fp8.shape[0]
+    dtype = out.dtype if out is not None else out_dtype
+    if m == 0:
+        d = torch.empty(0, n, dtype=dtype, device=a_fp8.device)
+        return d if out is None else out
+    _check_cuda_shape(a_fp8, n, k)
+    d = torch._scaled_mm(
+        a_fp8, b_fp8.t(), _mn_major(sf_a), sf_b.contiguous().t(), out_dtype=dtype
+    )  # [M, N]
+    if out is None:
+        return d
+    out.copy_(d)
+    return out
+
+
+# Candidate (scale_a, scale_b) layouts for 1x128 x 1x128, tried in order; the first that runs and
+# matches the reference is kept per device.
+_1D1D_LAYOUTS = {
+    "a_mn_b_mn": lambda sa, sb: (_mn_major(sa), sb.t()),
+    "a_mn_b_mn_contig": lambda sa, sb: (_mn_major(sa), sb.t().contiguous()),
+}
+_1d1d_layout_by_device: dict[int, str | None] = {}
+
+
+def _probe_1d1d_layout(device: torch.device) -> str | None:
+    from ptxtrain.quant import per_token_cast_to_fp8
+    from ptxtrain.testing import calc_diff
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(256, 384, device=device, generator=g)
+    y = torch.randn(256, 384, device=device, generator=g)
+    (qa, sa), (qb, sb) = per_token_cast_to_fp8(x), per_token_cast_to_fp8(y)
+    want = x.double() @ y.double().t()
+    for name, layout in _1D1D_LAYOUTS.items():
+        try:
+            s_a, s_b = layout(sa, sb)
+            d = torch._scaled_mm(qa, qb.t(), s_a, s_b, out_dtype=torch.float32)
+        except (RuntimeError, ValueError):
+            continue
+        if calc_diff(d, want) < 1e-3:
+            return name
+    return None
+
+
+def fp8_gemm_nt_1d1d(
+    a: ref.Operand,
+    b: ref.Operand,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """cuBLAS 1D1D (wgrad) GEMM with the contract of :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`.
+
+    Raises:
+        TypeError / ValueError: as the reference, plus non-CUDA tensors or N, K not multiples of 16.
+        NotImplementedError: this torch/cuBLAS accepts no 1x128 x 1x128 scale layout.
+    """
+    ref.validate_1d1d(a, b, out, accumulate)
+    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
+    m, k = a_fp8.shape
+    n = b_fp8.shape[0]
+    if m == 0:
+        return torch.empty(0, n, device=a_fp8.device) if out is None else out
+    _check_cuda_shape(a_fp8, n, k)
+    dev = a_fp8.device.index if a_fp8.device.index is not None else torch.cuda.current_device()
+    if dev not in _1d1d_layout_by_device:
+        _1d1d_layout_by_device[dev] = _probe_1d1d_layout(a_fp8.device)
+    layout = _1d1d_layout_by_device[dev]
+    if layout is None:
+        raise NotImplementedError(
+            f"torch {torch.__version__}'s _scaled_mm accepts no 1x128 x 1x128 scale layout here"
+        )
+    s_a, s_b = _1D1D_LAYOUTS[layout](sf_a, sf_b)
+    d = torch._scaled_mm(a_fp8, b_fp8.t(), s_a, s_b, out_dtype=torch.float32)  # [M, N]
+    if out is None:
+        return d
+    if accumulate:
+        out.add_(d)
+    else:
+        out.copy_(d)
+    return out
