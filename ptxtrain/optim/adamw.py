@@ -1,0 +1,620 @@
+"""AdamW with BF16 moments, FP32 master weights and FP32 gradient accumulation.
+
+Design note (DeepSeek-V3 report §3.3 "Low-Precision Storage and Communication"; DESIGN §1):
+
+* **Why BF16 moments.** Adam's two moment buffers are the largest part of optimizer state.
+  DeepSeek-V3 keeps them in BF16 and reports no observable loss of quality. The arithmetic stays
+  FP32: each step upcasts ``exp_avg`` / ``exp_avg_sq``, updates them, and rounds them back to BF16
+  (round to nearest even). BF16 has FP32's exponent range, so the tiny squared gradients in
+  ``exp_avg_sq`` do not underflow; FP16 would flush them to zero, which is why
+  ``moment_dtype=torch.float16`` is refused. Only ``sqrt(exp_avg_sq)`` reaches the update, which
+  halves the relative rounding error there (about 2^-10).
+* **Why FP32 master weights and FP32 gradients.** An update ``lr·m/√v`` is often smaller than half
+  a BF16 ulp of the weight and would vanish if added to the BF16 weight directly. So the optimizer
+  keeps an FP32 ``master`` copy, updates it, and rounds it into the BF16 working weight. Gradients
+  summed over micro-batches stay FP32 too (Megatron's ``main_grad``). Each low-precision parameter
+  gets a post-accumulate-grad hook that adds its BF16 ``.grad`` into an FP32 buffer owned by the
+  optimizer and then frees ``.grad``.
+* **Byte accounting** (per parameter element, live during ``step``):
+
+  ==========================  ======  ======  ======  =======  ==========  =====
+  setup                       weight  grad    master  exp_avg  exp_avg_sq  total
+  ==========================  ======  ======  ======  =======  ==========  =====
+  torch AdamW, FP32 model     4       4       –       4        4           16
+  usual BF16 mixed precision  2       4       4       4        4           18
+  this AdamW (DeepSeek-V3)    2       4       4       2        2           14
+  ==========================  ======  ======  ======  =======  ==========  =====
+
+  Each parameter tensor also holds a 4-byte ``step`` counter (a 0-d FP32 tensor, as in torch);
+  ``optimizer_state_bytes`` counts it under ``other``. :func:`optimizer_state_bytes` measures the
+  tensors that are actually allocated, for any ``torch.optim.Optimizer``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["AdamW", "optimizer_state_bytes"]
+
+# Parameter dtypes narrower than FP32: these get an FP32 master copy and FP32 gradient buffers.
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Moment storage dtypes accepted (FP16 is refused: exp_avg_sq underflows, see the module note).
+_MOMENT_DTYPES = (torch.bfloat16, torch.float32)
+# Attribute set on a parameter to the id() of the AdamW whose FP32-gradient hook owns it. Only the
+# newest AdamW built over a parameter collects its gradients; older hooks do nothing.
+_OWNER_ATTR = "_ptxtrain_fp32_grad_owner"
+# State keys this optimizer writes (and that ``optimizer_state_bytes`` reports by name).
+_NAMED_STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _is_real_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_hyper(name: str, value: object, *, low: float = 0.0) -> float:
+    """Return ``value`` as a float; raise unless it is a finite real number ≥ ``low``."""
+    if not _is_real_number(value):
+        raise TypeError(f"{name} must be a real number (int or float), got {type(value).__name__}")
+    value = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(value) or value < low:
+        raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
+    return value
+
+
+def _check_betas(value: object) -> tuple[float, float]:
+    """Return ``(beta1, beta2)``; raise unless both are real numbers in [0, 1)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {value!r}")
+    out = []
+    for i, b in enumerate(value):
+        if not _is_real_number(b):
+            raise TypeError(f"betas[{i}] must be a real number, got {type(b).__name__}")
+        if not 0.0 <= float(b) < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+        out.append(float(b))
+    return out[0], out[1]
+
+
+def _check_group(group: Mapping[str, Any]) -> None:
+    """Validate the hyper-parameters of one param group (raises naming the key)."""
+    _check_hyper("lr", group["lr"])
+    _check_betas(group["betas"])
+    _check_hyper("eps", group["eps"])
+    _check_hyper("weight_decay", group["weight_decay"])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Logical bytes of ``t``: elements x element size (a view is not charged its whole storage)."""
+    return t.numel() * t.element_size()
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with BF16 moments and FP32 master weights and gradients.
+
+    The DeepSeek-V3 optimizer recipe (report §3.3; DESIGN §1 "AdamW"). The update is exactly
+    ``torch.optim.AdamW``'s, in FP32 (or FP64 for FP64 params), per element::
+
+        w ← w · (1 − lr·weight_decay)
+        m ← β1·m + (1 − β1)·g            v ← β2·v + (1 − β2)·g²
+        w ← w − lr/(1 − β1^t) · m / (√v / √(1 − β2^t) + eps)
+
+    Storage:
+
+    * ``state[p]["exp_avg"]``, ``state[p]["exp_avg_sq"]``: shape of ``p``, dtype ``moment_dtype``.
+      They are upcast to FP32 for the update and rounded back (to nearest even).
+    * ``state[p]["master"]``: FP32 copy of ``p``, only when ``p`` is BF16/FP16 and
+      ``master_weights``. ``step`` updates the master and rounds it into ``p``. Without a master,
+      a low-precision ``p`` is updated in FP32 and rounded back each step.
+    * ``state[p]["step"]``: 0-d FP32 CPU tensor (torch's convention).
+
+    FP32 gradients (``fp32_grads=True``): at construction, every BF16/FP16 parameter that
+    requires grad gets a ``register_post_accumulate_grad_hook``. After autograd has accumulated
+    ``p.grad``, the hook adds it (upcast) into an FP32 buffer held by the optimizer and sets
+    ``p.grad = None``. Summing over micro-batches therefore happens in FP32, and only the FP32
+    buffer stays in memory. Consequences:
+
+    * Build the optimizer **before** the first backward whose gradients it should see.
+    * After backward, ``p.grad`` of those parameters is ``None``. Read gradients with
+      :meth:`grad_for`, and clip with :meth:`clip_grad_norm_` instead of
+      ``torch.nn.utils.clip_grad_norm_``, which would skip them.
+    * :meth:`zero_grad` frees the buffers (``set_to_none=True``) or zeroes them.
+    * A ``p.grad`` set by hand is folded into the buffer by :meth:`step`, :meth:`grad_for` and
+      :meth:`clip_grad_norm_`.
+    * Only the newest ``AdamW`` built over a parameter collects its gradients. The hook of an
+      older one does nothing, so you can build a fresh optimizer over the same model (e.g. to
+      resume) without removing the old one's hooks. :meth:`remove_hooks` removes them by hand.
+    * This does not mix with ``DistributedDataParallel``'s gradient buckets, which all-reduce
+      ``p.grad``. Under DDP use ``fp32_grads=False``, or all-reduce the buffers from
+      :meth:`grad_for` yourself.
+
+    Parameter groups: ``lr``, ``betas``, ``eps`` and ``weight_decay`` may differ per group and
+    may be changed between steps (``group["lr"] = ...``, as a warmup + cosine schedule does).
+    They are checked again at every :meth:`step`. ``moment_dtype``, ``master_weights`` and
+    ``fp32_grads`` apply to the whole optimizer and are not stored in param groups, so
+    ``state_dict()["param_groups"]`` holds only JSON-friendly numbers.
+
+    Args:
+        params: iterable of parameters or of param-group dicts. Parameters must be floating-point
+            leaf tensors (FP32, FP64, BF16 or FP16).
+        lr: learning rate, finite and ≥ 0.
+        betas: ``(β1, β2)``, each in [0, 1).
+        eps: added to the denominator, finite and ≥ 0.
+        weight_decay: decoupled decay coefficient, finite and ≥ 0 (applied as ``w *= 1 − lr·wd``).
+        moment_dtype: storage dtype of both moments: ``torch.bfloat16`` (default) or
+            ``torch.float32``.
+        master_weights: keep an FP32 master copy of each BF16/FP16 parameter.
+        fp32_grads: accumulate gradients of BF16/FP16 parameters in FP32 buffers (see above).
+
+    Raises:
+        TypeError: a hyper-parameter has the wrong type, ``moment_dtype`` is not BF16/FP32,
+            ``master_weights``/``fp32_grads`` is not a bool, or a parameter is not floating point.
+        ValueError: a hyper-parameter is out of range (the message names it), or a parameter is
+            not a leaf or appears twice.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        *,
+        moment_dtype: torch.dtype = torch.bfloat16,
+        master_weights: bool = True,
+        fp32_grads: bool = True,
+    ) -> None:
+        if not isinstance(moment_dtype, torch.dtype):
+            raise TypeError(
+                f"moment_dtype must be a torch.dtype (torch.bfloat16 or torch.float32), "
+                f"got {type(moment_dtype).__name__}"
+            )
+        if moment_dtype not in _MOMENT_DTYPES:
+            raise TypeError(
+                f"moment_dtype must be torch.bfloat16 or torch.float32, got {moment_dtype}"
+                + (
+                    " (FP16 moments underflow: squared gradients below 6e-8 become 0)"
+                    if moment_dtype == torch.float16
+                    else ""
+                )
+            )
+        for name, flag in (("master_weights", master_weights), ("fp32_grads", fp32_grads)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        _check_group(defaults)
+        self.moment_dtype = moment_dtype
+        self.master_weights = master_weights
+        self.fp32_grads = fp32_grads
+        # FP32 gradient buffers of hooked parameters (Megatron's main_grad); not optimizer state,
+        # so never part of state_dict().
+        self._main_grads: dict[torch.Tensor, torch.Tensor] = {}
+        self._hook_handles: dict[torch.Tensor, Any] = {}
+        # Filled by add_param_group, which torch.optim.Optimizer.__init__ calls once per group.
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ param groups and hooks
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (see ``torch.optim.Optimizer.add_param_group``) and hook its params.
+
+        Raises:
+            TypeError / ValueError: as for the constructor, for the group's own hyper-parameters
+                or parameters.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, (set, type(None))):  # torch itself rejects sets (no order)
+            params = list(params)  # a generator must be consumed once, here
+        param_group["params"] = params
+        for i, p in enumerate(params if isinstance(params, list) else []):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params[{i}] must be a torch.Tensor, got {type(p).__name__}")
+            if not p.is_floating_point():
+                raise TypeError(f"params[{i}] must be a floating-point tensor, got {p.dtype}")
+        _check_group({k: param_group.get(k, v) for k, v in self.defaults.items()})
+        super().add_param_group(param_group)
+        if self.fp32_grads:
+            for p in self.param_groups[-1]["params"]:
+                if p.dtype in _LOW_PRECISION and p.requires_grad:
+                    self._register_hook(p)
+
+    def _register_hook(self, p: torch.Tensor) -> None:
+        opt_ref = weakref.ref(self)  # the hook must not keep the optimizer alive
+        token = id(self)
+
+        def hook(param: torch.Tensor) -> None:
+            opt = opt_ref()
+            if opt is not None and getattr(param, _OWNER_ATTR, None) == token:
+                opt._absorb_grad(param)
+
+        setattr(p, _OWNER_ATTR, token)
+        self._hook_handles[p] = p.register_post_accumulate_grad_hook(hook)
+
+    def _owns(self, p: torch.Tensor) -> bool:
+        return p in self._hook_handles and getattr(p, _OWNER_ATTR, None) == id(self)
+
+    @torch.no_grad()
+    def _absorb_grad(self, p: torch.Tensor) -> None:
+        """Add ``p.grad`` (upcast) into the FP32 buffer of ``p`` and free ``p.grad``."""
+        g = p.grad
+        if g is None:
+            return
+        if g.is_sparse:
+            raise TypeError("AdamW needs dense gradients, got a sparse gradient")
+        buf = self._main_grads.get(p)
+        if buf is None:
+            self._main_grads[p] = g.to(torch.float32, copy=True)
+        else:
+            buf.add_(g)  # FP32 += BF16: the BF16 value converts exactly, the sum rounds in FP32
+        p.grad = None
+
+    def remove_hooks(self) -> None:
+        """Remove the FP32-gradient hooks. Later backward passes leave gradients in ``p.grad``.
+
+        Existing FP32 buffers stay until :meth:`zero_grad`; :meth:`step` still uses them.
+        """
+        for p, handle in self._hook_handles.items():
+            handle.remove()
+            if getattr(p, _OWNER_ATTR, None) == id(self):
+                delattr(p, _OWNER_ATTR)
+        self._hook_handles.clear()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def grad_for(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient :meth:`step` will use for ``p``, or ``None`` if it has none.
+
+        This is the FP32 buffer for a hooked BF16/FP16 parameter (shape of ``p``, FP32), otherwise
+        ``p.grad``. A ``p.grad`` set by hand on a hooked parameter is first folded into the buffer.
+        In-place changes to the returned tensor (e.g. an all-reduce) affect the next step.
+        """
+        if self._owns(p) and p.grad is not None:
+            self._absorb_grad(p)
+        buf = self._main_grads.get(p)
+        return buf if buf is not None else p.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients: ``p.grad`` as torch does, and the FP32 buffers.
+
+        ``set_to_none=True`` frees the buffers; ``False`` zeroes them in place.
+        """
+        super().zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            self._main_grads.clear()
+        else:
+            for buf in self._main_grads.values():
+                buf.zero_()
+
+    # ------------------------------------------------------------------ clipping
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip the gradients :meth:`step` will use, like ``torch.nn.utils.clip_grad_norm_``.
+
+        The norm runs over all parameters of all groups, using the FP32 buffers where
+        ``fp32_grads`` keeps them and ``p.grad`` elsewhere. Each tensor's norm is computed in FP32
+        (or wider). Gradients are scaled in place by ``min(1, max_norm / (total + 1e-6))``.
+
+        Returns:
+            The total norm before clipping: a 0-d FP32 tensor on the first gradient's device
+            (``tensor(0.)`` on CPU if no parameter has a gradient).
+
+        Raises:
+            TypeError: ``max_norm`` or ``norm_type`` is not a real number.
+            ValueError: ``max_norm`` is negative or not finite, or ``norm_type`` is not > 0.
+            RuntimeError: ``error_if_nonfinite`` and the total norm is NaN or infinite (as torch).
+        """
+        max_norm = _check_hyper("max_norm", max_norm)
+        if not _is_real_number(norm_type):
+            raise TypeError(f"norm_type must be a real number, got {type(norm_type).__name__}")
+        if not float(norm_type) > 0:
+            raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
+        grads = [g for p in self._params() if (g := self.grad_for(p)) is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        device, fp32 = grads[0].device, torch.float32
+        norms = [
+            torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, fp32))
+            for g in grads
+        ]
+        norms = [n.float().to(device) for n in norms]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite ({total}); "
+                "pass error_if_nonfinite=False to clip anyway"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return total
+
+    # ------------------------------------------------------------------ the update
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Create any missing state entry of ``p`` (first step, or a partial checkpoint)."""
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = torch.zeros_like(
+                    p, dtype=self.moment_dtype, memory_format=torch.preserve_format
+                )
+        if self._needs_master(p) and "master" not in state:
+            state["master"] = p.detach().to(torch.float32, copy=True)
+
+    def _needs_master(self, p: torch.Tensor) -> bool:
+        return self.master_weights and p.dtype in _LOW_PRECISION
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Do one AdamW update of every parameter that has a gradient; return ``closure()``'s loss.
+
+        Parameters without a gradient (no FP32 buffer and ``p.grad is None``) are skipped, and
+        their ``step`` count does not advance, as in torch.
+
+        Raises:
+            ValueError / TypeError: a group's ``lr``, ``betas``, ``eps`` or ``weight_decay`` was set
+                to an invalid value (the message names it).
+            TypeError: a gradient is sparse.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            _check_group(group)
+            lr = float(group["lr"])
+            beta1, beta2 = (float(b) for b in group["betas"])
+            eps = float(group["eps"])
+            weight_decay = float(group["weight_decay"])
+            for p in group["params"]:
+                grad = self.grad_for(p)
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise TypeError("AdamW needs dense gradients, got a sparse gradient")
+                state = self.state[p]
+                self._init_state(p, state)
+                self._update_one(p, grad, state, lr, beta1, beta2, eps, weight_decay)
+        return loss
+
+    def _update_one(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+    ) -> None:
+        compute = torch.promote_types(p.dtype, torch.float32)  # FP32, or FP64 for FP64 params
+        master = state.get("master") if self._needs_master(p) else None
+        weight = master if master is not None else p.detach().to(compute)  # aliases p when FP32
+        g = grad.to(compute)  # read only
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        m = exp_avg.to(compute)  # a FP32 copy of BF16 moments; the state itself when FP32
+        v = exp_avg_sq.to(compute)
+
+        state["step"] += 1
+        step = float(state["step"].item())
+        # Same operation order as torch.optim.AdamW's single-tensor path.
+        if weight_decay != 0:
+            weight.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        weight.addcdiv_(m, denom, value=-(lr / bias_correction1))
+
+        if m is not exp_avg:
+            exp_avg.copy_(m)  # round to nearest even
+        if v is not exp_avg_sq:
+            exp_avg_sq.copy_(v)
+        if weight is not p:
+            p.copy_(weight)  # master (or FP32 working copy) → BF16/FP16 param, round to nearest
+
+    # ------------------------------------------------------------------ checkpointing
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` and keep every tensor's precision exactly.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts state tensors to the parameter's dtype.
+        That would round the FP32 master of a BF16 parameter to BF16, and widen BF16 moments of an
+        FP32 parameter to FP32. This override instead loads ``master`` as FP32, ``exp_avg`` and
+        ``exp_avg_sq`` as ``moment_dtype``, and ``step`` as a 0-d FP32 CPU tensor. Other tensors go
+        to the parameter's device with their own dtype. A state saved in the same configuration
+        therefore round-trips bitwise. Tensors are always copied, so the loaded optimizer never
+        shares storage with ``state_dict``. The tensors may come from safetensors files
+        (plain tensors, same keys); state keys may be ints or int strings (as after JSON). A
+        ``master`` is dropped where this optimizer keeps none, and a missing one is rebuilt from
+        the parameter at the next step.
+
+        Load model weights and optimizer state from the same checkpoint: the master overwrites
+        the parameter at the next step. Load-state-dict pre/post hooks run as in torch.
+
+        Raises:
+            TypeError: ``state_dict`` is not a mapping with ``"state"`` and ``"param_groups"``, or
+                a state tensor has a non-floating dtype where a float is needed.
+            ValueError: the group structure differs from this optimizer's (as torch), a state
+                tensor's shape differs from its parameter's, or a group hyper-parameter is invalid.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise TypeError(
+                    f"state_dict needs keys 'state' and 'param_groups', missing {key!r}"
+                )
+        state_dict = dict(state_dict)  # shallow copy, as torch
+        for pre_hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+
+        groups = self.param_groups
+        saved_groups = [dict(g) for g in state_dict["param_groups"]]
+        if len(groups) != len(saved_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(groups)}"
+            )
+        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(
+                    f"param group {i} of state_dict has {len(sg['params'])} params, this "
+                    f"optimizer's has {len(g['params'])}"
+                )
+            for k in self.defaults:  # a group saved without a key keeps this optimizer's value
+                sg.setdefault(k, g[k])
+            _check_group(sg)
+        id_map: dict[int, torch.Tensor] = {}
+        for g, sg in zip(groups, saved_groups):
+            for saved_id, p in zip(sg["params"], g["params"]):
+                id_map[int(saved_id)] = p
+
+        state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        for key, entry in state_dict["state"].items():
+            try:
+                param = id_map.get(int(key))
+            except (TypeError, ValueError):
+                param = None
+            if param is None:
+                continue  # state of a parameter this optimizer does not hold
+            state[param] = self._restore_entry(param, int(key), entry)
+
+        new_groups = []
+        for g, sg in zip(groups, saved_groups):
+            sg["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                sg["param_names"] = g["param_names"]
+            new_groups.append(sg)
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        for post_hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
+            post_hook(self)
+
+    def _restore_entry(
+        self, p: torch.Tensor, saved_id: int, entry: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in entry.items():
+            where = f"state_dict['state'][{saved_id}][{key!r}]"
+            if key == "step":
+                out[key] = torch.as_tensor(value).to(device="cpu", dtype=torch.float32, copy=True)
+                if out[key].numel() != 1:
+                    raise ValueError(f"{where} must be a scalar, got shape {tuple(out[key].shape)}")
+                out[key] = out[key].reshape(())
+                continue
+            if key == "master" and not self._needs_master(p):
+                continue
+            if not isinstance(value, torch.Tensor):
+                out[key] = value
+                continue
+            if value.shape != p.shape:
+                raise ValueError(
+                    f"{where} must have the parameter's shape {tuple(p.shape)}, "
+                    f"got {tuple(value.shape)}"
+                )
+            if key in _NAMED_STATE and not value.is_floating_point():
+                raise TypeError(f"{where} must be a floating-point tensor, got {value.dtype}")
+            if key == "master":
+                dtype = torch.float32
+            elif key in ("exp_avg", "exp_avg_sq"):
+                dtype = self.moment_dtype
+            else:
+                dtype = value.dtype
+            out[key] = value.to(device=p.device, dtype=dtype, copy=True)
+        return out
+
+    # ------------------------------------------------------------------ accounting
+    def state_bytes(self) -> dict[str, int | float]:
+        """Bytes held for this optimizer's parameters by category; see ``optimizer_state_bytes``."""
+        return optimizer_state_bytes(self)
+
+
+def optimizer_state_bytes(
+    optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor] | None = None
+) -> dict[str, int | float]:
+    """Measure the memory an optimizer's parameters, gradients and state occupy now, in bytes.
+
+    Works for any ``torch.optim.Optimizer``, so the saving of :class:`AdamW` over, say,
+    ``torch.optim.AdamW`` is one call each. Only tensors that exist at call time are counted
+    (logical size: elements x element size). Call it after backward and step and before
+    ``zero_grad`` to see the full training-time footprint. Before the first step there is no
+    state, and after ``zero_grad()`` there are no gradients.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        params: restrict the count to these parameters (each must be in ``optimizer``). Default:
+            every parameter of every group, each counted once.
+
+    Returns:
+        A dict with int byte counts ``param`` (the parameters themselves), ``grad`` (``p.grad``,
+        plus :class:`AdamW`'s FP32 gradient buffers), ``master``, ``exp_avg``, ``exp_avg_sq``
+        (state tensors under those keys), ``other`` (every other state tensor: ``step`` counters,
+        amsgrad's ``max_exp_avg_sq``, SGD's ``momentum_buffer``, ...), ``total`` (sum of the
+        above), ``numel`` (parameter elements), and the float ``per_param`` = ``total / numel``
+        (0.0 when there are no elements). Example: torch AdamW over an FP32 model after a step
+        gives 4 + 4 + 0 + 4 + 4 = 16 bytes/param plus 4 bytes of ``step`` per tensor. This
+        AdamW over a BF16 model gives 2 + 4 + 4 + 2 + 2 = 14 plus the same ``step`` bytes.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or ``params`` holds a
+            non-tensor.
+        ValueError: a tensor in ``params`` is not a parameter of ``optimizer``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    held: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            held.setdefault(id(p), p)
+    if params is None:
+        chosen = list(held.values())
+    else:
+        chosen, seen = [], set()
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params[{i}] must be a torch.Tensor, got {type(p).__name__}")
+            if id(p) not in held:
+                raise ValueError(
+                    f"params[{i}] (shape {tuple(p.shape)}) is not a parameter of the optimizer"
+                )
+            if id(p) not in seen:
+                seen.add(id(p))
+                chosen.append(p)
+
+    main_grads = optimizer._main_grads if isinstance(optimizer, AdamW) else {}
+    out: dict[str, int | float] = dict.fromkeys(
+        ("param", "grad", "master", "exp_avg", "exp_avg_sq", "other"), 0
+    )
+    numel = 0
+    for p in chosen:
+        numel += p.numel()
+        out["param"] += _nbytes(p)
+        for g in (p.grad, main_grads.get(p)):
+            if g is not None:
+                out["grad"] += _nbytes(g)
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[key if key in _NAMED_STATE else "other"] += _nbytes(value)
+    out["total"] = sum(out.values())
+    out["numel"] = numel
+    out["per_param"] = out["total"] / numel if numel else 0.0
+    return out
