@@ -1,0 +1,422 @@
+"""FP8 Linear with DeepSeek-V3's fine-grained scaling, its config and recipes, and the model swap.
+
+Layers, top to bottom: :class:`Fp8LinearConfig` (frozen, named recipes), ``_Fp8LinearFunction``
+(the three GEMMs as an autograd Function), :class:`Fp8Linear` (an ``nn.Linear`` that runs it) and
+:func:`convert_to_fp8_training` (swaps the Linears of a model in place). The GEMMs and quantizers
+are called through :mod:`ptxtrain.gemm` and :mod:`ptxtrain.quant` at call time, so the fast
+kernels that later sit behind those names are picked up without a change here.
+
+Source: DeepSeek-V3 report §3.3; DESIGN §1; API after torchao's ``convert_to_float8_training``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptxtrain import gemm, quant
+from ptxtrain._checks import HP_DTYPES, check_tensor
+
+RECIPES: tuple[str, ...] = ("deepseek", "deepseek_pow2", "deepseek_wgrad_bf16", "bf16")
+
+# The GEMM contracts (DESIGN §2) fix the scale granularity at 128.
+_GEMM_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8LinearConfig:
+    """How an :class:`Fp8Linear` runs its three GEMMs (DeepSeek-V3 report §3.3; DESIGN §1).
+
+    The defaults are DeepSeek's recipe: all three GEMMs in FP8 E4M3, activations and output
+    gradients scaled per 1x128 tile, weights per 128x128 block, fp32 scales computed online.
+    Prefer :meth:`from_recipe_name`; a hand-built config is named ``"custom"`` unless told.
+
+    Raises:
+        TypeError: a flag is not a bool, a block not an int, ``fp8_dtype`` not a torch.dtype or
+            ``recipe_name`` not a str.
+        ValueError: a block is not 128, or ``fp8_dtype`` is not ``torch.float8_e4m3fn``.
+    """
+
+    # Fprop y = x·Wᵀ in FP8 (1D2D GEMM); False: matmul in the activation dtype.
+    fprop: bool = True
+    # Dgrad dx = dy·W in FP8 (1D2D GEMM on W's blocks transposed); False: high precision.
+    dgrad: bool = True
+    # Wgrad dW = dyᵀ·x in FP8 (1D1D GEMM over tokens); False: high precision (x is then saved
+    # in its own dtype for backward instead of as FP8).
+    wgrad: bool = True
+    # Tile width of activations / output gradients (1 x act_block along the GEMM's K); only 128.
+    act_block: int = 128
+    # Edge of the weight's square scaling blocks (weight_block x weight_block); only 128.
+    weight_block: int = 128
+    # Round every scale up to a power of two (exact rescaling; TransformerEngine's default).
+    pow2_scale: bool = False
+    # Element format of every FP8 tensor, forward and backward; DeepSeek-V3 uses E4M3 only.
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    # Name shown by Fp8Linear's repr: one of RECIPES, or "custom" for a hand-built config.
+    recipe_name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for name in ("fprop", "dgrad", "wgrad", "pow2_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        for name in ("act_block", "weight_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            if value != _GEMM_BLOCK:
+                raise ValueError(
+                    f"{name} must be {_GEMM_BLOCK} (the FP8 GEMMs of ptxtrain.gemm take "
+                    f"128-wide scale blocks), got {value}"
+                )
+        if not isinstance(self.fp8_dtype, torch.dtype):
+            raise TypeError(f"fp8_dtype must be a torch.dtype, got {type(self.fp8_dtype).__name__}")
+        if self.fp8_dtype != quant.FP8_DTYPE:
+            raise ValueError(
+                f"fp8_dtype must be torch.float8_e4m3fn (DeepSeek-V3 uses E4M3 for every FP8 "
+                f"tensor, forward and backward), got {self.fp8_dtype}"
+            )
+        if not isinstance(self.recipe_name, str):
+            raise TypeError(f"recipe_name must be a str, got {type(self.recipe_name).__name__}")
+
+    @classmethod
+    def from_recipe_name(cls, name: str) -> Fp8LinearConfig:
+        """The config of a named recipe.
+
+        - ``"deepseek"``: all three GEMMs in FP8, 1x128 / 128x128 tiles, fp32 scales (report §3.3).
+        - ``"deepseek_pow2"``: the same with scales rounded up to powers of two.
+        - ``"deepseek_wgrad_bf16"``: fprop and dgrad in FP8, wgrad in the activation dtype.
+        - ``"bf16"``: every GEMM in high precision; an Fp8Linear then equals ``nn.Linear``
+          exactly, and :func:`convert_to_fp8_training` leaves a model unchanged.
+
+        Raises:
+            TypeError: ``name`` is not a str.
+            ValueError: ``name`` is not one of :data:`RECIPES` (the message lists them).
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"recipe name must be a str, got {type(name).__name__}")
+        if name == "deepseek":
+            return cls(recipe_name=name)
+        if name == "deepseek_pow2":
+            return cls(pow2_scale=True, recipe_name=name)
+        if name == "deepseek_wgrad_bf16":
+            return cls(wgrad=False, recipe_name=name)
+        if name == "bf16":
+            return cls(fprop=False, dgrad=False, wgrad=False, recipe_name=name)
+        raise ValueError(f"recipe name must be one of {', '.join(RECIPES)}; got {name!r}")
+
+    @property
+    def fp8_gemms(self) -> tuple[str, ...]:
+        """Names of the GEMMs that run in FP8, e.g. ``("fprop", "dgrad")``."""
+        return tuple(g for g in ("fprop", "dgrad", "wgrad") if getattr(self, g))
+
+    @property
+    def any_fp8(self) -> bool:
+        """Whether at least one GEMM runs in FP8 (False for the ``"bf16"`` recipe)."""
+        return bool(self.fp8_gemms)
+
+
+def _resolve_config(config: Fp8LinearConfig | str | None) -> Fp8LinearConfig:
+    if config is None:
+        return Fp8LinearConfig.from_recipe_name("deepseek")
+    if isinstance(config, str):
+        return Fp8LinearConfig.from_recipe_name(config)
+    if not isinstance(config, Fp8LinearConfig):
+        raise TypeError(
+            f"config must be an Fp8LinearConfig, a recipe name or None, got {type(config).__name__}"
+        )
+    return config
+
+
+def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Output dtype to ask of an FP8 GEMM whose result ends up in ``dtype``."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _autocast_off(device_type: str):
+    """Disable autocast around the reference GEMMs (their fp32 matmuls must stay fp32)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """``y = x·Wᵀ + b`` with the GEMMs chosen by an :class:`Fp8LinearConfig`.
+
+    Inputs: x [M, K] (fp32 / bf16 / fp16), weight [N, K], bias [N] or None, config, and whether
+    grad mode was on at the call (nothing is prepared for backward when it was off).
+    Output: y [M, N] in x's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, input_hp, weight_hp, bias_hp, config, grad_enabled):
+        # needs_input_grad ignores an outer no_grad / inference_mode: honour grad_enabled too.
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
+        act_dtype = input_hp.dtype
+        pow2 = config.pow2_scale
+        keep_xt_fp8 = need_dw and config.wgrad  # 128x1 tiles of x, stored transposed [K, M]
+        with _autocast_off(input_hp.device.type):
+            # -- quantize x: 1x128 for fprop, 128x1 (transposed) for wgrad; one pass when both.
+            input_fp8 = input_sf = input_t_fp8 = input_t_sf = None
+            if config.fprop and keep_xt_fp8:
+                input_fp8, input_sf, input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_both(
+                    input_hp, pow2_scale=pow2
+                )
+            elif config.fprop:
+                input_fp8, input_sf = quant.per_token_cast_to_fp8(input_hp, pow2_scale=pow2)
+            elif keep_xt_fp8:
+                input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_t(input_hp, pow2_scale=pow2)
+            # -- quantize W 128x128 once; dgrad reuses the forward's blocks.
+            weight_fp8 = weight_sf = None
+            if config.fprop or (need_dx and config.dgrad):
+                weight_fp8, weight_sf = quant.per_block_cast_to_fp8(weight_hp, pow2_scale=pow2)
+            # -- Fprop: y [M, N] = x [M, K] · Wᵀ; bias added in fp32, one rounding to act_dtype.
+            if config.fprop:
+                out_dtype = _gemm_out_dtype(act_dtype) if bias_hp is None else torch.float32
+                y = gemm.fp8_gemm_nt(
+                    (input_fp8, input_sf), (weight_fp8, weight_sf), out_dtype=out_dtype
+                )
+                if bias_hp is not None:
+                    y = y + bias_hp.float()
+                y = y.to(act_dtype)
+            else:
+                bias_act = None if bias_hp is None else bias_hp.to(act_dtype)
+                y = F.linear(input_hp, weight_hp.to(act_dtype), bias_act)
+
+        # -- Save for backward: FP8 data wherever the GEMM is FP8; high precision only where a
+        # GEMM was configured off (the weight is a Parameter anyway, so saving it costs nothing).
+        saved: dict[str, torch.Tensor] = {}
+        if need_dx and config.dgrad:
+            saved.update(weight_fp8=weight_fp8, weight_sf=weight_sf)
+        elif need_dx:
+            saved["weight_hp"] = weight_hp
+        if keep_xt_fp8:
+            saved.update(input_t_fp8=input_t_fp8, input_t_sf=input_t_sf)
+        elif need_dw:
+            saved["input_hp"] = input_hp
+        ctx.saved_names = tuple(saved)
+        ctx.save_for_backward(*saved.values())
+        ctx.config = config
+        ctx.act_dtype = act_dtype
+        ctx.weight_dtype = weight_hp.dtype
+        ctx.bias_dtype = None if bias_hp is None else bias_hp.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        config = ctx.config
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        pow2 = config.pow2_scale
+        dy = grad_output  # [M, N], y's dtype (= the activation dtype)
+        dx = dw = db = None
+        with _autocast_off(dy.device.type):
+            # -- quantize dy: 1x128 along N for dgrad, 128x1 (transposed [N, M]) for wgrad.
+            fp8_dgrad, fp8_wgrad = need_dx and config.dgrad, need_dw and config.wgrad
+            if fp8_dgrad and fp8_wgrad:
+                dy_fp8, dy_sf, dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_both(
+                    dy, pow2_scale=pow2
+                )
+            elif fp8_dgrad:
+                dy_fp8, dy_sf = quant.per_token_cast_to_fp8(dy, pow2_scale=pow2)
+            elif fp8_wgrad:
+                dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_t(dy, pow2_scale=pow2)
+            # -- Dgrad: dx [M, K] = dy [M, N] · W [N, K]; B = Wᵀ [K, N] from W's blocks transposed.
+            if fp8_dgrad:
+                weight_t = (
+                    saved["weight_fp8"].t().contiguous(),
+                    saved["weight_sf"].t().contiguous(),
+                )
+                dx = gemm.fp8_gemm_nt(
+                    (dy_fp8, dy_sf), weight_t, out_dtype=_gemm_out_dtype(ctx.act_dtype)
+                ).to(ctx.act_dtype)
+            elif need_dx:
+                dx = dy @ saved["weight_hp"].to(dy.dtype)
+            # -- Wgrad: dW [N, K] = dyᵀ [N, M] · x [M, K]; both operands 1x128 along M (1D1D).
+            if fp8_wgrad:
+                input_t = (saved["input_t_fp8"], saved["input_t_sf"])
+                dw = gemm.fp8_gemm_nt_1d1d((dy_t_fp8, dy_t_sf), input_t).to(ctx.weight_dtype)
+            elif need_dw:
+                dw = (dy.t() @ saved["input_hp"].to(dy.dtype)).to(ctx.weight_dtype)
+            # -- dbias [N]: summed over tokens in fp32.
+            if need_db:
+                db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run in FP8 with DeepSeek-V3's fine-grained scaling.
+
+    Parameters and ``state_dict`` keys are those of ``nn.Linear`` (``weight`` [out, in],
+    ``bias`` [out]), so a checkpoint loads into either class. The parameters stay in their own
+    dtype (high precision); the FP8 copies live only inside a forward/backward.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        config: an :class:`Fp8LinearConfig`, a recipe name from :data:`RECIPES`, or None for
+            ``"deepseek"``.
+
+    Forward: input [*, in_features] (any leading dims, zero tokens included) of dtype float32,
+    bfloat16 or float16 → output [*, out_features] in the input's dtype. Gradients: input's in the
+    input's dtype, weight's and bias's in their own dtypes. Under ``torch.autocast`` the input is
+    first cast to the autocast dtype (as ``nn.Linear``'s matmul would be).
+
+    Non-finite values: a NaN or ±inf in a 1x128 tile of the input makes that tile's scale
+    non-finite, so the tile dequantizes to NaN (``ptxtrain.quant.ref``); every output that reads the
+    tile — the whole token row in the output, and the gradients that read it — becomes NaN. NaN/inf
+    in the weight spoil the outputs reading the 128x128 block alike. They propagate, never turn
+    into finite numbers. (In a GEMM configured off they follow ordinary matmul rules instead.)
+
+    Raises (from forward):
+        TypeError: input is not a tensor of dtype float32 / bfloat16 / float16.
+        ValueError: input is 0-D or its last dimension is not ``in_features``.
+
+    Source: DeepSeek-V3 report §3.3; DESIGN §1.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        config: Fp8LinearConfig | str | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = _resolve_config(config)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, config: Fp8LinearConfig | str | None = None
+    ) -> Fp8Linear:
+        """An Fp8Linear sharing ``linear``'s Parameter objects (no copy, same device and dtype).
+
+        An optimizer built over the old module's parameters keeps working. The new module takes
+        ``linear``'s train/eval mode; hooks registered on ``linear`` are not carried over.
+
+        Raises:
+            TypeError: ``linear`` is not an ``nn.Linear``, or ``config`` is of a wrong type.
+            ValueError: ``config`` is an unknown recipe name.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        config = _resolve_config(config)
+        with torch.device("meta"):  # allocate nothing; the real Parameters are attached below
+            new = cls(linear.in_features, linear.out_features, bias=False, config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        check_tensor("input", input, dtypes=HP_DTYPES)
+        if input.dim() == 0 or input.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input must have shape [*, {self.in_features}] (last dim = in_features), "
+                f"got {tuple(input.shape)}"
+            )
+        if not self.config.any_fp8:  # "bf16" recipe: exactly nn.Linear
+            return F.linear(input, self.weight, self.bias)
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):  # cast as autocast would for nn.Linear
+            input = input.to(torch.get_autocast_dtype(device_type))
+        lead = input.shape[:-1]
+        x = input.reshape(-1, self.in_features)  # [M, K]
+        # (The Function turns autocast off inside, so the reference GEMMs stay in fp32.)
+        grad = torch.is_grad_enabled()
+        y = _Fp8LinearFunction.apply(x, self.weight, self.bias, self.config, grad)  # [M, N]
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        gemms = ", ".join(cfg.fp8_gemms) or "none"
+        return (
+            f"{super().extra_repr()}, recipe={cfg.recipe_name}, fp8_gemms=({gemms}), "
+            f"pow2_scale={cfg.pow2_scale}"
+        )
+
+
+def convert_to_fp8_training(
+    module: nn.Module,
+    config: Fp8LinearConfig | str | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> nn.Module:
+    """Swap every ``nn.Linear`` in ``module`` (recursively, in place) for an :class:`Fp8Linear`.
+
+    Each swapped module shares its Parameters with the original (:meth:`Fp8Linear.from_linear`),
+    so parameter identity, ``state_dict`` keys and an existing optimizer are unaffected. Modules
+    that are already Fp8Linear are skipped; subclasses of ``nn.Linear`` count as Linears (their own
+    ``forward`` is replaced — exclude them with the filter if that matters). A Linear reachable
+    under two names becomes one shared Fp8Linear.
+
+    Args:
+        module: the model. If it is itself an ``nn.Linear`` it cannot be swapped in place: use the
+            returned module (fqn ``""`` for the filter).
+        config: an :class:`Fp8LinearConfig`, a recipe name, or None for ``"deepseek"``. With a
+            config that runs no GEMM in FP8 (the ``"bf16"`` recipe) nothing is swapped and
+            ``module`` is returned unchanged, since such an Fp8Linear would equal ``nn.Linear``.
+        module_filter_fn: ``fn(linear, fqn) -> bool`` called for each candidate Linear with its
+            fully-qualified name (e.g. ``"model.layers.0.self_attn.q_proj"``); False keeps it in
+            high precision. None converts all.
+
+    Returns:
+        ``module`` (or, for a top-level Linear, the new Fp8Linear).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, ``config`` is of a wrong type, or
+            ``module_filter_fn`` is not callable.
+        ValueError: ``config`` is an unknown recipe name.
+
+    Source: torchao ``convert_to_float8_training`` (API shape); DeepSeek-V3 report §3.3 (recipe).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    config = _resolve_config(config)
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(
+            f"module_filter_fn must be callable (mod, fqn) -> bool or None, "
+            f"got {type(module_filter_fn).__name__}"
+        )
+    if not config.any_fp8:
+        return module
+
+    def wanted(mod: nn.Module, fqn: str) -> bool:
+        if not isinstance(mod, nn.Linear) or isinstance(mod, Fp8Linear):
+            return False
+        return module_filter_fn is None or bool(module_filter_fn(mod, fqn))
+
+    if isinstance(module, nn.Linear):
+        return Fp8Linear.from_linear(module, config) if wanted(module, "") else module
+
+    # Collect first, then swap, so the traversal never sees a half-converted tree.
+    swaps: list[tuple[nn.Module, str, nn.Linear, str]] = []
+
+    def visit(parent: nn.Module, prefix: str, seen: set[int]) -> None:
+        # _modules, not named_children(): the latter hides a module's second name.
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.Linear):
+                swaps.append((parent, name, child, fqn))
+            elif id(child) not in seen:
+                seen.add(id(child))
+                visit(child, fqn, seen)
+
+    visit(module, "", {id(module)})
+    converted: dict[int, nn.Module] = {}
+    for parent, name, child, fqn in swaps:
+        if id(child) not in converted:
+            converted[id(child)] = (
+                Fp8Linear.from_linear(child, config) if wanted(child, fqn) else child
+            )
+        setattr(parent, name, converted[id(child)])
+    return module
