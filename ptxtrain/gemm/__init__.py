@@ -1,9 +1,80 @@
-"""Block-scaled FP8 GEMMs with DeepGEMM's contracts (DESIGN §2).
+"""Block-scaled FP8 GEMMs with DeepGEMM's contracts (DESIGN §2), dispatched to a backend.
 
-Today every function is the pure-PyTorch reference in :mod:`ptxtrain.gemm.ref`, which runs on any
-device; Triton and PTX kernels arrive behind the same names.
+Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`):
+
+- ``ref``: dequantize + fp32 matmul in PyTorch; any device; the oracle.
+- ``cublas``: cuBLAS blockwise FP8 through ``torch._scaled_mm`` (sm_90, N and K multiples of 16).
+- ``triton``: Triton block-scaled kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+
+``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA, ``cublas`` for 1D2D
+shapes it supports, otherwise ``triton``, otherwise ``ref``. ``PTXTRAIN_GEMM_BACKEND`` forces one.
 """
 
-from ptxtrain.gemm.ref import fp8_gemm_nt, fp8_gemm_nt_1d1d
+from __future__ import annotations
 
-__all__ = ["fp8_gemm_nt", "fp8_gemm_nt_1d1d"]
+import torch
+
+from ptxtrain import _backend
+from ptxtrain.gemm import ref
+from ptxtrain.gemm.ref import Operand
+
+BACKENDS = ("ref", "cublas", "triton")
+ENV_VAR = "PTXTRAIN_GEMM_BACKEND"
+
+
+def backends() -> dict[str, str]:
+    """Each GEMM backend → ``"available"`` or ``"unavailable: <reason>"`` on this machine."""
+    return _backend.availability(__name__, BACKENDS)
+
+
+def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> str:
+    """The backend ``auto`` (or ``PTXTRAIN_GEMM_BACKEND``) gives a ``kind`` ("1d2d" / "1d1d")
+    GEMM of this shape on ``device``.
+
+    Raises:
+        ValueError: ``PTXTRAIN_GEMM_BACKEND`` holds an unknown name.
+    """
+    forced = _backend.requested(ENV_VAR, BACKENDS)
+    if forced != "auto":
+        return forced
+    if device.type != "cuda":
+        return "ref"
+    if kind == "1d2d":
+        from ptxtrain.gemm import cublas
+
+        if cublas.supports(m, n, k, device=device):
+            return "cublas"
+    return "triton" if _backend.triton_usable(device) else "ref"
+
+
+def fp8_gemm_nt(
+    a: Operand,
+    b: Operand,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``D = A · Bᵀ``, A scaled per 1x128 tile, B per 128x128 block (1D2D), on the selected
+    backend. Contract, shapes and errors: :func:`ptxtrain.gemm.ref.fp8_gemm_nt`."""
+    m, n, k = ref.validate_1d2d(a, b, out, out_dtype)
+    name = select_backend("1d2d", m, n, k, a[0].device)
+    impl = _backend.load(__name__, name).fp8_gemm_nt
+    return impl(a, b, out=out, out_dtype=out_dtype)
+
+
+def fp8_gemm_nt_1d1d(
+    a: Operand,
+    b: Operand,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """``D (+)= A · Bᵀ``, both operands scaled per 1x128 tile (1D1D, wgrad), fp32 out, on the
+    selected backend. Contract, shapes and errors: :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`."""
+    m, n, k = ref.validate_1d1d(a, b, out, accumulate)
+    name = select_backend("1d1d", m, n, k, a[0].device)
+    impl = _backend.load(__name__, name).fp8_gemm_nt_1d1d
+    return impl(a, b, out=out, accumulate=accumulate)
+
+
+__all__ = ["BACKENDS", "backends", "fp8_gemm_nt", "fp8_gemm_nt_1d1d", "select_backend"]

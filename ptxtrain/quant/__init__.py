@@ -1,31 +1,112 @@
 """FP8 quantization with DeepSeek-V3's fine-grained scaling (1x128 tiles, 128x128 blocks).
 
-Today every function is the pure-PyTorch reference in :mod:`ptxtrain.quant.ref`, which runs on
-any device; GPU kernels arrive behind the same names.
+Backends (each a module with the quantizers of :mod:`ptxtrain.quant.ref`, bit-identical):
+
+- ``ref``: PyTorch ops; any device; the oracle.
+- ``triton``: Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), incl. the fused
+  one-read ``per_token_cast_to_fp8_both``.
+
+``auto`` (the default) picks ``triton`` for CUDA tensors when Triton is installed, else ``ref``;
+``PTXTRAIN_QUANT_BACKEND`` forces one. Dequantization (``*_cast_back``) is always the reference.
 """
 
+from __future__ import annotations
+
+import torch
+
+from ptxtrain import _backend
 from ptxtrain.quant.ref import (
     AMAX_EPS,
     BLOCK,
     FP8_DTYPE,
     FP8_MAX,
     per_block_cast_back,
-    per_block_cast_to_fp8,
     per_token_cast_back,
-    per_token_cast_to_fp8,
-    per_token_cast_to_fp8_both,
-    per_token_cast_to_fp8_t,
 )
+
+BACKENDS = ("ref", "triton")
+ENV_VAR = "PTXTRAIN_QUANT_BACKEND"
+
+
+def backends() -> dict[str, str]:
+    """Each quantization backend → ``"available"`` or ``"unavailable: <reason>"`` here."""
+    return _backend.availability(__name__, BACKENDS)
+
+
+def select_backend(x: torch.Tensor) -> str:
+    """The backend ``auto`` (or ``PTXTRAIN_QUANT_BACKEND``) gives for input ``x``.
+
+    Raises:
+        ValueError: ``PTXTRAIN_QUANT_BACKEND`` holds an unknown name.
+    """
+    forced = _backend.requested(ENV_VAR, BACKENDS)
+    if forced != "auto":
+        return forced
+    if x.device.type == "cuda" and _backend.triton_usable(x.device):
+        return "triton"
+    return "ref"
+
+
+def _impl(fn_name: str, x: object):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    return getattr(_backend.load(__name__, select_backend(x)), fn_name)
+
+
+def per_token_cast_to_fp8(
+    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 quantization on the selected backend.
+
+    Contract and errors: :func:`ptxtrain.quant.ref.per_token_cast_to_fp8`.
+    """
+    return _impl("per_token_cast_to_fp8", x)(x, block, pow2_scale=pow2_scale)
+
+
+def per_token_cast_to_fp8_t(
+    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x1 quantization stored transposed, on the selected backend.
+
+    Contract and errors: :func:`ptxtrain.quant.ref.per_token_cast_to_fp8_t`.
+    """
+    return _impl("per_token_cast_to_fp8_t", x)(x, block, pow2_scale=pow2_scale)
+
+
+def per_token_cast_to_fp8_both(
+    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both quantizations of one tensor (one read in the fused kernel), on the selected backend.
+
+    Contract and errors: :func:`ptxtrain.quant.ref.per_token_cast_to_fp8_both`.
+    """
+    return _impl("per_token_cast_to_fp8_both", x)(x, block, pow2_scale=pow2_scale)
+
+
+def per_block_cast_to_fp8(
+    w: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 quantization on the selected backend.
+
+    Contract and errors: :func:`ptxtrain.quant.ref.per_block_cast_to_fp8`.
+    """
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    return _impl("per_block_cast_to_fp8", w)(w, block, pow2_scale=pow2_scale)
+
 
 __all__ = [
     "AMAX_EPS",
+    "BACKENDS",
     "BLOCK",
     "FP8_DTYPE",
     "FP8_MAX",
+    "backends",
     "per_block_cast_back",
     "per_block_cast_to_fp8",
     "per_token_cast_back",
     "per_token_cast_to_fp8",
     "per_token_cast_to_fp8_both",
     "per_token_cast_to_fp8_t",
+    "select_backend",
 ]

@@ -1,0 +1,62 @@
+"""Backend choice shared by ``ptxtrain.gemm`` and ``ptxtrain.quant``.
+
+A backend is a module implementing the same functions as the subpackage's ``ref.py``. The choice
+is made per call from the device (and, for GEMMs, the shape), and can be forced with an
+environment variable (``PTXTRAIN_GEMM_BACKEND`` / ``PTXTRAIN_QUANT_BACKEND``: ``auto`` or a
+backend name), read at each call so tests and benchmarks can switch it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+
+def requested(env_var: str, names: tuple[str, ...]) -> str:
+    """The backend forced by ``env_var`` (``auto`` when unset).
+
+    Raises:
+        ValueError: the variable holds something other than ``auto`` or one of ``names``.
+    """
+    value = os.environ.get(env_var, "").strip().lower() or "auto"
+    if value != "auto" and value not in names:
+        raise ValueError(f"{env_var} must be one of auto, {', '.join(names)}; got {value!r}")
+    return value
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton kernels can run on ``device``: a CUDA tensor with triton installed, or the Triton
+    interpreter (``TRITON_INTERPRET=1``) for CPU tensors."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def load(package: str, name: str) -> ModuleType:
+    """Import ``package.name`` (e.g. ``ptxtrain.gemm.triton``).
+
+    Raises:
+        RuntimeError: the backend's module cannot be imported here (the message says why).
+    """
+    try:
+        return importlib.import_module(f"{package}.{name}")
+    except ImportError as e:
+        raise RuntimeError(f"backend {name!r} of {package} is unavailable: {e}") from e
+
+
+def availability(package: str, names: tuple[str, ...]) -> dict[str, str]:
+    """For ``backends()``: each backend name → ``"available"`` or ``"unavailable: <why>"``."""
+    out = {}
+    for name in names:
+        try:
+            load(package, name)
+            out[name] = "available"
+        except RuntimeError as e:
+            out[name] = f"unavailable: {e.__cause__ or e}"
+    return out

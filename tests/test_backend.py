@@ -1,0 +1,59 @@
+"""Backend selection for ptxtrain.gemm and ptxtrain.quant."""
+
+import pytest
+import torch
+
+from ptxtrain import gemm, quant
+
+
+def test_auto_on_cpu_is_reference(monkeypatch):
+    monkeypatch.delenv("PTXTRAIN_GEMM_BACKEND", raising=False)
+    monkeypatch.delenv("PTXTRAIN_QUANT_BACKEND", raising=False)
+    assert gemm.select_backend("1d2d", 64, 256, 512, torch.device("cpu")) == "ref"
+    assert quant.select_backend(torch.ones(2, 2)) == "ref"
+
+
+def test_env_forces_backend(monkeypatch):
+    monkeypatch.setenv("PTXTRAIN_GEMM_BACKEND", "Triton")
+    assert gemm.select_backend("1d1d", 1, 1, 1, torch.device("cpu")) == "triton"
+    monkeypatch.setenv("PTXTRAIN_QUANT_BACKEND", "ref")
+    assert quant.select_backend(torch.ones(1)) == "ref"
+
+
+def test_unknown_env_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PTXTRAIN_GEMM_BACKEND", "cutlass")
+    x = torch.randn(4, 128)
+    qa = quant.per_token_cast_to_fp8(x)
+    qb = quant.per_block_cast_to_fp8(x)
+    with pytest.raises(
+        ValueError, match=r"PTXTRAIN_GEMM_BACKEND must be one of auto, ref.*'cutlass'"
+    ):
+        gemm.fp8_gemm_nt(qa, qb)
+    monkeypatch.setenv("PTXTRAIN_QUANT_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="PTXTRAIN_QUANT_BACKEND"):
+        quant.per_token_cast_to_fp8(x)
+
+
+def test_backends_listing():
+    listing = gemm.backends()
+    assert set(listing) == set(gemm.BACKENDS) and listing["ref"] == "available"
+    assert set(quant.backends()) == set(quant.BACKENDS)
+
+
+def test_dispatch_validates_before_selecting(monkeypatch):
+    monkeypatch.delenv("PTXTRAIN_GEMM_BACKEND", raising=False)
+    with pytest.raises(TypeError, match="a must be a pair"):
+        gemm.fp8_gemm_nt(torch.ones(2, 2), torch.ones(2, 2))
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        quant.per_token_cast_to_fp8([[1.0]])
+
+
+@pytest.mark.gpu
+def test_auto_on_hopper_uses_fast_backends(monkeypatch):
+    monkeypatch.delenv("PTXTRAIN_GEMM_BACKEND", raising=False)
+    monkeypatch.delenv("PTXTRAIN_QUANT_BACKEND", raising=False)
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "cublas"
+    assert gemm.select_backend("1d2d", 13, 200, 300, dev) == "triton"  # N, K not % 16: no cuBLAS
+    assert quant.select_backend(torch.ones(1, device=dev)) == "triton"
