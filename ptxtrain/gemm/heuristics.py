@@ -1,0 +1,255 @@
+"""Launch-config heuristics for the Triton block-scaled FP8 GEMMs (pure functions, no GPU needed).
+
+Design note. Every kernel in :mod:`ptxtrain.gemm.triton` walks K in steps of ``BLOCK_K = 128``,
+one scale block per step, so a config only chooses the output tile (``block_m`` x ``block_n``),
+the warps, the software-pipeline depth, the L2 swizzle width ``group_m``, the kernel variant and,
+for persistent variants, how many programs share an SM.
+
+What decides speed (measured on an H200, Triton 3.6, CUDA graphs with the L2 flushed):
+Triton waits for each 128-K block's WGMMAs right after issuing them, because the block's partial
+sum is needed at once for the FP32 promotion ``acc += blk * (sf_a * sf_b)``; within one program
+the tensor core idles while the CUDA cores promote. Only *other* programs on the same SM fill
+that gap. A 64x128 tile on one warpgroup (4 warps) needs ~155 registers and ~74 KB of shared
+memory at 3 stages, so 2-3 such programs share an SM, and it beat every 128x128 / 64x256 /
+128x64 config at M = 4096 (0.70-0.89x of cuBLAS blockwise, 1D2D; forcing 128x128 to 128 registers
+for two programs per SM spilled and ran at half speed). With few tiles (decode-sized M), 64x64
+tiles spread the work over more SMs and reached 1.05-1.25x of cuBLAS. TMA loads beat pointer
+loads by 10-45% once tiles are many; with few tiles both run alike and the pointer variant has
+less host overhead. Measurements: 1D2D over the DeepSeek-V3 shapes at M = 64, 128, 4096 and 1D1D
+over the wgrad shapes at K = 4096 (tokens); the rules below are those results, not a model.
+
+Rules of :func:`select_config` (any ``num_sms``):
+
+- ``block_m = 64``, 4 warps; ``block_n = 64`` with 5 stages while 64x64 tiles number at most two
+  waves (``2 · num_sms``), else ``block_n = 128`` with 3 stages;
+- at most two waves of tiles: ``tiled``; more: 1D2D ``tma`` (``tma_persistent`` with two programs
+  per SM when K <= 512, where prologue and epilogue weigh most), 1D1D ``tma_persistent`` with
+  two programs per SM.
+
+Source: DeepSeek-V3 report §3.3 (promotion every 128 K); DeepGEMM's block-size choice (fill the
+SMs); DESIGN §6 (132 SMs; a plain Triton kernel at ~0.7x of cuBLAS at M = 4096).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ptxtrain._checks import ceil_div
+
+BLOCK_K = 128  # one K step = one 1x128 / 128x128 scale block (DeepSeek-V3 §3.3)
+KINDS = ("1d2d", "1d1d")
+# "tiled": one program per output tile, pointer loads (correct for any strides).
+# "persistent": programs_per_sm x num_sms programs looping over the tiles (tl.range flatten=True).
+# "tma" / "tma_persistent": the same with A and B loaded through host-built tensor descriptors
+#   (TMA on sm_90); the launcher falls back to the pointer twin unless both operands are K-major
+#   with 16-byte aligned rows and bases.
+VARIANTS = ("tiled", "persistent", "tma", "tma_persistent")
+H100_SMS = 132  # H100 SXM and H200 (DESIGN §6)
+
+_BLOCK_MS = (64, 128)
+_BLOCK_NS = (64, 128, 256)
+_NUM_WARPS = (4, 8)
+_SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90
+_EPILOGUE_SMEM = 64 * 1024  # kept free for Triton's layout conversions and scale buffers
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration of a Triton block-scaled FP8 GEMM kernel.
+
+    Attributes:
+        block_m: output tile rows (64 or 128).
+        block_n: output tile columns (64, 128 or 256). With 1D2D and ``block_n = 256`` a tile
+            spans two 128-row scale blocks of B; the kernel handles both cases.
+        num_warps: 4 or 8 (one or two warpgroups).
+        num_stages: software-pipeline depth of the K loop (1 to 6).
+        group_m: tile rows per L2 swizzle group (consecutive programs run down ``group_m`` tile
+            rows before moving right, so they share B tiles in L2).
+        variant: one of :data:`VARIANTS`.
+        programs_per_sm: persistent variants launch ``programs_per_sm x num_sms`` programs
+            (1 to 4); ignored by the others.
+
+    Raises:
+        ValueError: a field outside the values above.
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    variant: str = "tiled"
+    programs_per_sm: int = 1
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("block_m", _BLOCK_MS),
+            ("block_n", _BLOCK_NS),
+            ("num_warps", _NUM_WARPS),
+            ("num_stages", (1, 2, 3, 4, 5, 6)),
+            ("variant", VARIANTS),
+            ("programs_per_sm", (1, 2, 3, 4)),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in allowed:
+                raise ValueError(f"GemmConfig.{name} must be one of {allowed}, got {value!r}")
+        if isinstance(self.group_m, bool) or not isinstance(self.group_m, int) or self.group_m < 1:
+            raise ValueError(f"GemmConfig.group_m must be an int >= 1, got {self.group_m!r}")
+
+    @property
+    def block_k(self) -> int:
+        """K per step: always 128, one scale block."""
+        return BLOCK_K
+
+    @property
+    def persistent(self) -> bool:
+        return self.variant in ("persistent", "tma_persistent")
+
+    @property
+    def uses_tma(self) -> bool:
+        return self.variant in ("tma", "tma_persistent")
+
+    def acc_regs_per_thread(self) -> int:
+        """Registers per thread for the running and the per-block FP32 accumulators."""
+        return 2 * self.block_m * self.block_n // (32 * self.num_warps)
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the operand ring: ``num_stages`` x (A tile + B tile), 1 byte each."""
+        return self.num_stages * (self.block_m + self.block_n) * BLOCK_K
+
+
+def _check_dims(m: object, n: object, k: object, kind: object, num_sms: object) -> None:
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+        raise ValueError(f"num_sms must be an int >= 1, got {num_sms!r}")
+
+
+def _check_variant(variant: object) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def m_bucket(m: int) -> int:
+    """The autotuning bucket of ``m``: the next power of two, clamped to [16, 8192].
+
+    Configs tuned for one M are reused for every M of its bucket (keys ``(bucket, N, K)``).
+
+    Raises:
+        ValueError: ``m`` is not an int >= 0.
+    """
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ValueError(f"m must be an int >= 0, got {m!r}")
+    bucket = 16
+    while bucket < m and bucket < 8192:
+        bucket *= 2
+    return bucket
+
+
+def num_tiles(m: int, n: int, config: GemmConfig) -> int:
+    """Output tiles of an [m, n] result under ``config``."""
+    return ceil_div(m, config.block_m) * ceil_div(n, config.block_n)
+
+
+@functools.lru_cache(maxsize=4096)
+def select_config(
+    m: int,
+    n: int,
+    k: int,
+    kind: str = "1d2d",
+    num_sms: int = H100_SMS,
+    *,
+    variant: str | None = None,
+) -> GemmConfig:
+    """Choose the launch config of an ``[m, k] x [n, k]ᵀ`` block-scaled FP8 GEMM.
+
+    Pure and deterministic (cached); the rules and the measurements behind them are in the
+    module docstring.
+
+    Args:
+        m, n, k: GEMM sizes (ints >= 0).
+        kind: ``"1d2d"`` (:func:`ptxtrain.gemm.triton.fp8_gemm_nt`) or ``"1d1d"``
+            (:func:`ptxtrain.gemm.triton.fp8_gemm_nt_1d1d`).
+        num_sms: streaming multiprocessors of the GPU (132 on H100 SXM / H200).
+        variant: force a kernel variant from :data:`VARIANTS` (tiles stay the heuristic's;
+            persistent variants get two programs per SM); None lets the rules choose.
+
+    Returns:
+        A :class:`GemmConfig`.
+
+    Raises:
+        TypeError / ValueError: non-int or negative sizes, unknown ``kind`` / ``variant``,
+        ``num_sms < 1``.
+
+    Source: measurements in this module's docstring; DeepGEMM's block-size choice.
+    """
+    _check_dims(m, n, k, kind, num_sms)
+    if variant is not None:
+        _check_variant(variant)
+    m1, n1 = max(m, 1), max(n, 1)
+    few_tiles = 2 * num_sms
+    if ceil_div(m1, 64) * ceil_div(n1, 64) <= few_tiles:
+        block_n, stages = 64, 5
+    else:
+        block_n, stages = 128, 3
+    tiles = ceil_div(m1, 64) * ceil_div(n1, block_n)
+    programs_per_sm = 1
+    if variant is None:
+        if tiles <= few_tiles:
+            variant = "tiled"
+        elif kind == "1d1d" or k <= 512:
+            variant, programs_per_sm = "tma_persistent", 2
+        else:
+            variant = "tma"
+    elif variant in ("persistent", "tma_persistent"):
+        programs_per_sm = 2
+    group_m = 8 if ceil_div(m1, 64) > 1 else 1
+    return GemmConfig(64, block_n, 4, stages, group_m, variant, programs_per_sm)
+
+
+def _max_stages(bm: int, bn: int) -> int:
+    per_stage = (bm + bn) * BLOCK_K
+    return max(2, min(5, (_SMEM_BYTES - _EPILOGUE_SMEM) // per_stage))
+
+
+# (block_m, block_n, num_warps) an autotuner tries: the accumulators of each fit 128 registers per
+# thread; 8 warps only where 4 would not fit (8 warps on 64-row tiles measured slower).
+_TUNE_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8))
+
+
+def autotune_configs(
+    m: int, n: int, k: int, kind: str = "1d2d", *, variants: tuple[str, ...] | None = None
+) -> tuple[GemmConfig, ...]:
+    """The candidate list an autotuner times for one shape; the heuristic's choice comes first.
+
+    Tiles 64x64, 64x128, 128x64 (4 warps), 128x128 and 64x256 (8 warps; 128-row tiles only when
+    ``m > 64``), pipeline depth 3 and the deepest that fits the shared memory, for each of
+    ``variants`` (default: all of :data:`VARIANTS`), with 1 and 2 programs per SM for the
+    persistent ones.
+
+    Raises:
+        TypeError / ValueError: as :func:`select_config`; an unknown variant.
+    """
+    _check_dims(m, n, k, kind, H100_SMS)
+    variants = VARIANTS if variants is None else tuple(variants)
+    for v in variants:
+        _check_variant(v)
+    first = select_config(m, n, k, kind)
+    out: list[GemmConfig] = [first] if first.variant in variants else []
+    for variant in variants:
+        persistent = variant in ("persistent", "tma_persistent")
+        for bm, bn, warps in _TUNE_TILES:
+            if m <= 64 and bm != 64:
+                continue
+            for pps in (1, 2) if persistent else (1,):
+                for stages in sorted({3, _max_stages(bm, bn)}):
+                    cfg = GemmConfig(bm, bn, warps, stages, 8, variant, pps)
+                    if cfg not in out:
+                        out.append(cfg)
+    return tuple(out)

@@ -1,0 +1,155 @@
+"""GEMM launch-config heuristics: pure functions, checked without a GPU."""
+
+import dataclasses
+
+import pytest
+
+from ptxtrain.gemm.heuristics import (
+    BLOCK_K,
+    H100_SMS,
+    VARIANTS,
+    GemmConfig,
+    autotune_configs,
+    m_bucket,
+    num_tiles,
+    select_config,
+)
+from ptxtrain.testing.shapes import (
+    AWKWARD_M,
+    AWKWARD_NK,
+    DSV3_DENSE_NK,
+    DSV3_EXTRA_NK,
+    DSV3_WGRAD_MN,
+)
+
+DENSE = DSV3_DENSE_NK + DSV3_EXTRA_NK
+SMEM_LIMIT = 227 * 1024  # sm_90 shared memory per block
+
+
+def test_config_defaults_and_properties():
+    cfg = GemmConfig()
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 128, 4, 3)
+    assert cfg.block_k == BLOCK_K == 128
+    assert not cfg.persistent and not cfg.uses_tma
+    tp = GemmConfig(variant="tma_persistent", programs_per_sm=2)
+    assert tp.persistent and tp.uses_tma
+    assert GemmConfig(128, 128, 8).acc_regs_per_thread() == 2 * 128 * 128 // 256
+    assert GemmConfig(64, 128, 4, 3).smem_bytes() == 3 * (64 + 128) * 128
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_m = 128  # frozen: a config is a value
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_m", 32),
+        ("block_n", 96),
+        ("num_warps", 2),
+        ("num_stages", 0),
+        ("variant", "warp_specialized"),
+        ("programs_per_sm", 5),
+        ("group_m", 0),
+        ("block_m", True),
+    ],
+)
+def test_config_rejects_bad_fields(field, value):
+    with pytest.raises(ValueError, match=f"GemmConfig.{field}"):
+        GemmConfig(**{field: value})
+
+
+@pytest.mark.parametrize("m", [0, 1, 13, 64, 128, 129, 4096, 16384])
+@pytest.mark.parametrize("n,k", [*DENSE, *AWKWARD_NK])
+@pytest.mark.parametrize("kind", ["1d2d", "1d1d"])
+def test_select_config_is_valid_and_fills_the_gpu(m, n, k, kind):
+    cfg = select_config(m, n, k, kind)
+    assert isinstance(cfg, GemmConfig)
+    assert cfg == select_config(m, n, k, kind)  # deterministic
+    # No spills: two fp32 tiles within 128 registers/thread; operand ring within shared memory.
+    assert cfg.acc_regs_per_thread() <= 128 and cfg.smem_bytes() <= SMEM_LIMIT - 64 * 1024
+    tiles = num_tiles(max(m, 1), max(n, 1), cfg)
+    # Fill the SMs: the chosen tiles never leave SMs idle while a 64x64 split would use them.
+    finest = num_tiles(max(m, 1), max(n, 1), GemmConfig(64, 64))
+    assert tiles >= min(H100_SMS, finest), f"{m=} {n=} {k=}: {tiles} tiles for {cfg}"
+    if cfg.persistent:
+        assert cfg.programs_per_sm >= 2  # one program per SM leaves its promotion unhidden
+
+
+@pytest.mark.parametrize("n,k", DENSE)
+def test_select_config_dsv3_regimes(n, k):
+    # Decode-sized M: 64-row tiles, pointer loads (lowest host overhead), tiles spread over SMs.
+    small = select_config(64, n, k)
+    assert small.block_m == 64 and small.variant == "tiled"
+    # Training-sized M: 64x128 one-warpgroup tiles (2-3 programs per SM) loaded through TMA.
+    big = select_config(4096, n, k)
+    assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (64, 128, 4, 3)
+    assert big.uses_tma
+    assert big.persistent == (k <= 512)
+
+
+@pytest.mark.parametrize("m,n", DSV3_WGRAD_MN)
+def test_select_config_wgrad_is_persistent_tma(m, n):
+    cfg = select_config(m, n, 4096, "1d1d")
+    assert cfg.variant == "tma_persistent" and cfg.programs_per_sm == 2
+
+
+def test_select_config_depends_on_num_sms():
+    # 2112 columns in 64-wide tiles are 33 tiles at M = 64: at most two waves on 17 SMs, not on 8.
+    assert select_config(64, 2112, 7168, num_sms=17).block_n == 64
+    assert select_config(64, 2112, 7168, num_sms=8).block_n == 128
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_select_config_variant_override(variant):
+    cfg = select_config(4096, 7168, 2048, variant=variant)
+    auto = select_config(4096, 7168, 2048)
+    assert cfg.variant == variant
+    assert (cfg.block_m, cfg.block_n) == (auto.block_m, auto.block_n)
+    assert cfg.programs_per_sm == (2 if cfg.persistent else 1)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,exc,match",
+    [
+        ((-1, 8, 8), {}, ValueError, "m must be >= 0"),
+        ((8, 8.0, 8), {}, TypeError, "n must be an int"),
+        ((8, 8, True), {}, TypeError, "k must be an int"),
+        ((8, 8, 8, "2d2d"), {}, ValueError, "kind must be one of"),
+        ((8, 8, 8, "1d2d", 0), {}, ValueError, "num_sms must be an int >= 1"),
+        ((8, 8, 8), {"variant": "fast"}, ValueError, "variant must be one of"),
+    ],
+)
+def test_select_config_rejects_bad_arguments(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        select_config(*args, **kwargs)
+
+
+def test_m_bucket():
+    assert [m_bucket(m) for m in (0, 1, 16, 17, 64, 65, 4096, 4097, 100000)] == [
+        16,
+        16,
+        16,
+        32,
+        64,
+        128,
+        4096,
+        8192,
+        8192,
+    ]
+    with pytest.raises(ValueError, match="m must be an int >= 0"):
+        m_bucket(-3)
+
+
+@pytest.mark.parametrize("m", [*AWKWARD_M, 4096])
+def test_autotune_configs(m):
+    cands = autotune_configs(m, 7168, 2048)
+    assert cands[0] == select_config(m, 7168, 2048)  # the heuristic's choice is tried first
+    assert len(set(cands)) == len(cands)
+    assert {c.variant for c in cands} == set(VARIANTS)
+    for c in cands:
+        assert c.acc_regs_per_thread() <= 128 and c.smem_bytes() <= SMEM_LIMIT - 64 * 1024, c
+        assert m > 64 or c.block_m == 64, c  # a 128-row tile would be more than half empty
+        assert c.persistent or c.programs_per_sm == 1, c
+    pointer_only = autotune_configs(m, 7168, 2048, variants=("tiled", "persistent"))
+    assert pointer_only and all(not c.uses_tma for c in pointer_only)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        autotune_configs(m, 7168, 2048, variants=("tiled", "nope"))
