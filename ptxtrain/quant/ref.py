@@ -49,7 +49,11 @@ def _check_hp_2d(name: str, x: torch.Tensor) -> torch.Tensor:
 
 def _scale_from_amax(amax: torch.Tensor, pow2_scale: bool) -> torch.Tensor:
     """fp32 amax (any shape) → fp32 dequantization factor ``sf``."""
-    sf = amax.clamp(min=AMAX_EPS) / FP8_MAX
+    amax = amax.clamp(min=AMAX_EPS)
+    # Divide by a tensor, not a Python scalar: on CUDA, PyTorch turns ``tensor / scalar`` into a
+    # multiplication by the scalar's reciprocal, which is 1 ulp off IEEE division for about half
+    # of the inputs; tensor / tensor is IEEE on both devices.
+    sf = amax / torch.full_like(amax, FP8_MAX)
     if pow2_scale:
         # Exact: frexp gives sf = mant * 2^exp with mant in [0.5, 1); the next power of two at or
         # above sf is 2^exp, or 2^(exp-1) when sf already is a power of two (mant == 0.5).
