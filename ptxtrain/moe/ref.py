@@ -1,0 +1,202 @@
+"""Pure-PyTorch references of the MoE routing math and the token permutation (DeepSeek-V3 §2.1.2).
+
+These functions are *the* definition: :class:`ptxtrain.moe.Router` and :class:`ptxtrain.moe.MoE`
+call them, and future GPU kernels (fused gate + top-k, permutation, the expert-parallel
+dispatch/combine) are tested against them. Everything is differentiable where it should be
+(gate weights with respect to the router input and weight; permuted rows; the un-permute).
+
+Permutation convention. With ``T`` tokens and top-``k`` routing, the ``T·k`` (token, slot) pairs
+are numbered ``slot = t·k + j`` (row-major over ``topk_idx [T, k]``). ``permute_ref`` sorts them
+by expert with a *stable* sort, so rows of one expert are contiguous and in ascending token
+order; ``sorted_slots [T·k]`` maps permuted row -> slot, and ``sorted_slots // k`` is the source
+token. ``tokens_per_expert [E]`` gives the slice lengths (what a grouped GEMM needs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["permute_ref", "route_ref", "seq_balance_loss_ref", "unpermute_ref"]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs (float64 reference runs stay float64 end to end)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def route_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    top_k: int,
+    n_groups: int,
+    n_limited_groups: int,
+    route_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sigmoid routing with selection-only bias and group-limited top-k (report eqs. 12-16).
+
+    ``s = sigmoid(x · weightᵀ)`` in fp32 (fp64 when ``x`` is fp64). Selection uses ``s + bias``:
+    each group of ``E / n_groups`` consecutive experts is scored by the sum of its two largest
+    ``s + bias`` (its single largest when a group has one expert), the ``n_limited_groups`` best
+    groups are kept, and the top-``k`` experts among them are chosen. Gate weights are the chosen
+    ``s`` (bias not included) normalized to sum 1, times ``route_scale``.
+
+    Args:
+        x: ``[T, D]`` token activations, any float dtype (upcast to fp32).
+        weight: ``[E, D]`` router weight (the expert centroids ``e_i``), any float dtype.
+        bias: ``[E]`` fp32 selection bias ``b_i`` (auxiliary-loss-free balancing).
+        top_k, n_groups, n_limited_groups, route_scale: as in ``DeepSeekV3Config``
+            (``n_activated_experts``, ``n_expert_groups``, ``n_limited_groups``, ``route_scale``).
+
+    Returns:
+        ``topk_idx [T, k]`` int64 expert ids, ordered by descending ``s + bias``;
+        ``topk_weights [T, k]`` fp32 (fp64 for fp64 ``x``), each row summing to ``route_scale``;
+        ``scores [T, E]`` same dtype, the affinities ``s`` (for the balance loss).
+
+    Raises:
+        ValueError: shapes disagree, or ``top_k`` / the groups do not fit ``E``.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or bias.dim() != 1:
+        raise ValueError(
+            f"route_ref needs x [T, D], weight [E, D], bias [E]; got {tuple(x.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(bias.shape)}"
+        )
+    n_experts = weight.shape[0]
+    if x.shape[1] != weight.shape[1] or bias.shape[0] != n_experts:
+        raise ValueError(
+            f"route_ref: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
+            f"{tuple(bias.shape)} disagree on D or E"
+        )
+    if n_groups <= 0 or n_experts % n_groups != 0:
+        raise ValueError(f"n_groups must divide E={n_experts}, got n_groups={n_groups}")
+    per_group = n_experts // n_groups
+    if not 0 < n_limited_groups <= n_groups:
+        raise ValueError(f"n_limited_groups must be in [1, {n_groups}], got {n_limited_groups}")
+    if not 0 < top_k <= n_limited_groups * per_group:
+        raise ValueError(
+            f"top_k must be in [1, n_limited_groups x experts per group = "
+            f"{n_limited_groups * per_group}], got {top_k}"
+        )
+
+    acc = _acc_dtype(x.dtype)
+    logits = torch.nn.functional.linear(x.to(acc), weight.to(acc))  # [T, E]
+    scores = logits.sigmoid()  # [T, E] affinities s
+    choice = scores.detach() + bias.to(acc)  # [T, E] selection scores s + b (no gradient)
+    if n_limited_groups < n_groups:
+        grouped = choice.view(x.shape[0], n_groups, per_group)  # [T, G, E/G]
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [T, G]
+        keep = group_scores.topk(n_limited_groups, dim=-1).indices  # [T, M]
+        group_mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+        choice = grouped.masked_fill(group_mask.unsqueeze(-1), float("-inf")).flatten(1)
+    topk_idx = choice.topk(top_k, dim=-1).indices  # [T, k]
+    gates = scores.gather(1, topk_idx)  # [T, k] selected s, differentiable
+    topk_weights = gates / (gates.sum(-1, keepdim=True) + 1e-20) * route_scale
+    return topk_idx, topk_weights, scores
+
+
+def seq_balance_loss_ref(
+    scores: torch.Tensor, topk_idx: torch.Tensor, seq_len: int, alpha: float
+) -> torch.Tensor:
+    """Sequence-wise balance loss ``α Σ_i f_i P_i`` (report eqs. 17-20), averaged over sequences.
+
+    Per sequence of ``T = seq_len`` tokens: ``f_i = E / (k·T) · #{t : i ∈ TopK_t}`` (no gradient),
+    ``P_i = (1/T) Σ_t s_{i,t} / Σ_j s_{j,t}``. Perfect balance gives ``α``.
+
+    Args:
+        scores: ``[N, E]`` fp32 affinities ``s`` from :func:`route_ref`, ``N = B·T``, token
+            order row-major over ``[B, T]``.
+        topk_idx: ``[N, k]`` int64 selected experts.
+        seq_len: ``T``; must divide ``N``.
+        alpha: the loss weight ``α``.
+
+    Returns:
+        scalar in ``scores``' dtype.
+
+    Raises:
+        ValueError: ``seq_len`` does not divide ``N`` or the shapes disagree.
+    """
+    n_tokens, n_experts = scores.shape
+    if topk_idx.shape[0] != n_tokens:
+        raise ValueError(
+            f"scores {tuple(scores.shape)} and topk_idx {tuple(topk_idx.shape)} disagree on N"
+        )
+    if seq_len <= 0 or n_tokens % seq_len != 0:
+        raise ValueError(f"seq_len must divide the token count {n_tokens}, got {seq_len}")
+    k = topk_idx.shape[1]
+    n_seqs = n_tokens // seq_len
+    probs = scores / scores.sum(-1, keepdim=True)  # [N, E] s'
+    p = probs.view(n_seqs, seq_len, n_experts).mean(1)  # [B, E] P_i
+    counts = torch.zeros(n_seqs, n_experts, dtype=scores.dtype, device=scores.device)
+    seq_of = topk_idx.reshape(n_seqs, seq_len * k)  # [B, T·k]
+    counts.scatter_add_(1, seq_of, torch.ones_like(seq_of, dtype=scores.dtype))
+    f = counts * (n_experts / (k * seq_len))  # [B, E] f_i
+    return alpha * (f * p).sum(-1).mean()
+
+
+def permute_ref(
+    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copy each token once per selected expert, grouped by expert (stable order).
+
+    Args:
+        x: ``[T, D]`` tokens, any dtype.
+        topk_idx: ``[T, k]`` int64 expert ids in ``[0, num_experts)``.
+        num_experts: ``E``.
+
+    Returns:
+        ``x_permuted [T·k, D]`` (dtype of ``x``; rows of expert 0 first, then expert 1, ...),
+        ``sorted_slots [T·k]`` int64 (permuted row -> slot ``t·k + j``; token = ``slot // k``),
+        ``tokens_per_expert [E]`` int64 (slice lengths, summing to ``T·k``).
+
+    Raises:
+        ValueError: shapes disagree.
+        TypeError: ``topk_idx`` is not int64.
+    """
+    if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"permute_ref needs x [T, D] and topk_idx [T, k], got {tuple(x.shape)} and "
+            f"{tuple(topk_idx.shape)}"
+        )
+    if topk_idx.dtype != torch.int64:
+        raise TypeError(f"topk_idx must be int64, got {topk_idx.dtype}")
+    k = topk_idx.shape[1]
+    flat = topk_idx.flatten()  # [T·k]
+    sorted_slots = flat.argsort(stable=True)  # [T·k]
+    tokens_per_expert = torch.bincount(flat, minlength=num_experts)  # [E]
+    x_permuted = x.index_select(0, sorted_slots // k)  # [T·k, D]
+    return x_permuted, sorted_slots, tokens_per_expert
+
+
+def unpermute_ref(
+    y_permuted: torch.Tensor, sorted_slots: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Weighted sum of each token's expert outputs back in token order (the "combine").
+
+    ``y[t] = Σ_j topk_weights[t, j] · y_permuted[row of slot t·k+j]``, accumulated in **fp32**
+    (``index_add`` of fp32 products; fp64 for fp64 inputs), then cast to ``y_permuted``'s dtype.
+
+    Args:
+        y_permuted: ``[T·k, D]`` expert outputs in permuted order.
+        sorted_slots: ``[T·k]`` int64 from :func:`permute_ref`.
+        topk_weights: ``[T, k]`` gate weights (fp32).
+
+    Returns:
+        ``y [T, D]`` in ``y_permuted.dtype``.
+
+    Raises:
+        ValueError: shapes disagree.
+    """
+    n_tokens, k = topk_weights.shape
+    if y_permuted.dim() != 2 or y_permuted.shape[0] != n_tokens * k:
+        raise ValueError(
+            f"y_permuted must be [T·k, D] = [{n_tokens * k}, D], got {tuple(y_permuted.shape)}"
+        )
+    if sorted_slots.shape != (n_tokens * k,):
+        raise ValueError(f"sorted_slots must be [{n_tokens * k}], got {tuple(sorted_slots.shape)}")
+    acc = _acc_dtype(y_permuted.dtype)
+    w = topk_weights.to(acc).flatten().index_select(0, sorted_slots)  # [T·k] in permuted order
+    contrib = y_permuted.to(acc) * w.unsqueeze(1)  # [T·k, D] fp32
+    y = torch.zeros(n_tokens, y_permuted.shape[1], dtype=acc, device=y_permuted.device)
+    y = y.index_add(0, sorted_slots // k, contrib)  # [T, D] fp32
+    return y.to(y_permuted.dtype)

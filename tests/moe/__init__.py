@@ -1,0 +1,1 @@
+"""Tests of ptxtrain.moe: routing, permutation and the MoE layer."""
