@@ -25,7 +25,8 @@ for stage in $stages; do
       python3 -c "import ptxtrain.gemm as g, ptxtrain.quant as q; print('gemm', g.backends()); print('quant', q.backends())"
       ;;
     tests)
-      python3 -m pytest -q -m "gpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+      # TEST_PATHS narrows the run (default: the whole suite's GPU-marked tests).
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TEST_PATHS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
     quant|gemm|linear|train)

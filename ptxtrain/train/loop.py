@@ -1,0 +1,595 @@
+"""The training job behind ``ptxtrain train``: one process, one device, byte-level LM.
+
+Each step ``s`` (1-based, = optimizer steps completed afterwards) runs::
+
+    lr      = lr_at(s - 1)                      linear warmup, then cosine decay to min_lr
+    x, y    = corpus.get_batch("train", B, T, batch_generator(seed, s))
+    out     = model(x, y); out.loss.backward()  total loss: LM + MTP + sequence-balance terms
+    norm    = optimizer.clip_grad_norm_(grad_clip)
+    optimizer.step(); optimizer.zero_grad()
+    stats   = model.update_router_biases()      auxiliary-loss-free balancing (report §2.1.2)
+
+The batch of a step depends on ``(seed, step)`` only, and a checkpoint holds the model, the
+optimizer (FP32 master weights, BF16 moments) and the step, so a resumed run continues the
+exact same trajectory (bitwise on CPU). Precision ``fp8`` swaps the eligible ``nn.Linear``
+modules for FP8 ones with DeepSeek-V3's fine-grained recipe (report §3.3) before the optimizer
+is built; the weights stay BF16 and the optimizer keeps their FP32 masters either way.
+
+The run folder gets ``config.json``, ``metrics.jsonl``, ``loss.png``, ``checkpoint/``,
+``samples.txt`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import platform
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..data import ByteTokenizer, Corpus, batch_generator, load_corpus
+from .checkpoint import (
+    CHECKPOINT_DIR,
+    PREV_DIR,
+    load_checkpoint,
+    save_checkpoint,
+    write_json_atomic,
+)
+from .metrics import MetricsWriter, format_summary, plot_loss_curve, read_metrics
+
+PRECISIONS = ("bf16", "fp8")
+DEVICES = ("auto", "cpu", "cuda")
+# TrainArgs fields that shape the training trajectory: a resumed run must match them exactly.
+TRAJECTORY_FIELDS = (
+    "preset",
+    "precision",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "seed",
+)
+RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "summary.json")
+SAMPLE_PROMPT = "\n"
+SAMPLE_COUNT = 3
+SAMPLE_TEMPERATURE = 0.8
+
+
+_NO_CLIP = 1e30
+
+
+class _StopFlag:
+    """The first Ctrl-C (SIGINT) asks the loop to stop after the step in flight, checkpointed;
+    a second one interrupts at once (KeyboardInterrupt)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @contextlib.contextmanager
+    def on_sigint(self):
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        try:
+            previous = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread: leave SIGINT alone
+            yield
+            return
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+class TrainConfigError(ValueError):
+    """Training arguments that cannot work (bad value, missing device, run folder in use)."""
+
+
+@dataclass
+class TrainArgs:
+    """Arguments of ``train()``; the CLI flags of ``ptxtrain train`` map one to one.
+
+    Units: steps are optimizer steps; ``batch_size`` is sequences per step; ``seq_len`` is
+    tokens (bytes) per sequence, so one step sees ``batch_size * seq_len`` tokens.
+    """
+
+    # --- model and numerics ---
+    preset: str = "tiny"  # model preset name (ptxtrain.model.PRESETS)
+    precision: str = "bf16"  # "bf16", or "fp8" = DeepSeek-V3 fine-grained FP8 Linear layers
+    # --- schedule ---
+    steps: int = 500  # optimizer steps in total (the cosine schedule spans them)
+    batch_size: int = 16  # sequences per step
+    seq_len: int = 128  # tokens per sequence (<= the preset's max_seq_len)
+    # --- optimizer ---
+    lr: float = 3e-3  # peak learning rate, reached after warmup
+    min_lr: float = 3e-4  # learning rate at the end of the cosine decay
+    warmup_steps: int = 30  # linear warmup from lr/warmup_steps to lr
+    weight_decay: float = 0.1  # decoupled AdamW decay of matrices (not of norms or biases)
+    grad_clip: float = 1.0  # clip the global gradient L2 norm to this; 0 = no clipping
+    seed: int = 0  # model init and batch sampling (batch of step s = f(seed, s))
+    # --- run ---
+    device: str = "auto"  # "auto" (cuda if available), "cpu" or "cuda"
+    out: str | None = None  # run folder; None = runs/<preset>-<precision>
+    resume: bool = False  # continue from <out>/checkpoint
+    overwrite: bool = False  # start fresh even if <out> already holds a run
+    # --- evaluation, checkpoints, samples ---
+    eval_every: int = 50  # validate every this many steps (and at the last step); 0 = never
+    eval_batches: int = 8  # validation batches per evaluation (fixed batches, same every time)
+    ckpt_every: int = 200  # checkpoint every this many steps (and at the end); 0 = end only
+    sample_tokens: int = 200  # bytes sampled per sample at the end; 0 = no samples
+    # --- data ---
+    data: str | None = None  # text file or folder; None = the embedded Shakespeare corpus
+    # --- Python API only ---
+    progress: bool = True  # show a tqdm progress bar
+    stop_after: int | None = None  # stop (checkpointed) after this many steps of this call
+
+    def validate(self) -> None:
+        """Raise ``TrainConfigError`` naming the flag of the first invalid value."""
+
+        def bad(name: str, want: str) -> TrainConfigError:
+            flag = "--" + name.replace("_", "-")
+            return TrainConfigError(f"{flag} {want}, got {getattr(self, name)!r}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        for name in ("steps", "batch_size", "seq_len", "eval_batches"):
+            v = getattr(self, name)
+            if not is_int(v) or v <= 0:
+                raise bad(name, "must be an integer > 0")
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "seed"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 0:
+                raise bad(name, "must be an integer >= 0")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            v = getattr(self, name)
+            if not is_num(v) or v < 0:
+                raise bad(name, "must be a finite number >= 0")
+        if self.lr <= 0:
+            raise bad("lr", "must be > 0")
+        if self.min_lr > self.lr:
+            raise TrainConfigError(f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr})")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", f"must be one of {list(PRECISIONS)}")
+        if self.device not in DEVICES:
+            raise bad("device", f"must be one of {list(DEVICES)}")
+        if self.stop_after is not None and (not is_int(self.stop_after) or self.stop_after <= 0):
+            raise TrainConfigError(f"stop_after must be an integer > 0, got {self.stop_after!r}")
+        if self.resume and self.overwrite:
+            raise TrainConfigError("--resume and --overwrite exclude each other")
+
+    def run_dir(self) -> Path:
+        """``out``, or ``runs/<preset>-<precision>`` when it is None."""
+        return Path(self.out) if self.out else Path("runs") / f"{self.preset}-{self.precision}"
+
+    def trajectory(self) -> dict[str, Any]:
+        """The fields a resumed run must share with the checkpoint (``TRAJECTORY_FIELDS``)."""
+        return {k: getattr(self, k) for k in TRAJECTORY_FIELDS}
+
+
+def lr_at(i: int, args: TrainArgs) -> float:
+    """Learning rate of the step with 0-based index ``i``: linear warmup, then cosine decay.
+
+    ``lr * (i + 1) / warmup_steps`` for ``i < warmup_steps``; afterwards
+    ``min_lr + (lr - min_lr) * (1 + cos(π p)) / 2`` with ``p = (i - warmup) / (steps - warmup)``.
+    """
+    if i < args.warmup_steps:
+        return args.lr * (i + 1) / args.warmup_steps
+    p = (i - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.min_lr + (args.lr - args.min_lr) * 0.5 * (1.0 + math.cos(math.pi * min(p, 1.0)))
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → ``cuda`` if available else ``cpu``.
+
+    Raises:
+        TrainConfigError: ``cuda`` asked for but unavailable, or an unknown name.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainConfigError("--device cuda, but torch sees no CUDA device")
+        return torch.device("cuda")
+    if name == "cpu":
+        return torch.device("cpu")
+    raise TrainConfigError(f"--device must be one of {list(DEVICES)}, got {name!r}")
+
+
+def _device_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"type": device.type, "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        idx = torch.cuda.current_device()
+        info["name"] = torch.cuda.get_device_name(idx)
+        info["capability"] = list(torch.cuda.get_device_capability(idx))
+    else:
+        info["name"] = platform.processor() or platform.machine()
+    return info
+
+
+def _versions() -> dict[str, str]:
+    import numpy
+    import safetensors
+
+    return {
+        "ptxtrain": __version__,
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "numpy": numpy.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices (``ndim >= 2``: linear weights, embeddings); not norms or biases."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+class _Printer:
+    """Writes lines to stdout, through tqdm while a bar is active so the bar stays intact."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def __call__(self, msg: str = "") -> None:
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stdout)
+        else:
+            print(msg, flush=True)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, corpus: Corpus, args: TrainArgs, device: torch.device
+) -> float:
+    """Mean next-token loss (nats/byte) over ``eval_batches`` fixed validation batches.
+
+    Validation batch ``i`` is ``batch_generator(seed, i, "val")``: the same bytes every time,
+    so successive values are comparable.
+    """
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for i in range(args.eval_batches):
+        x, y = corpus.get_batch(
+            "val", args.batch_size, args.seq_len, batch_generator(args.seed, i, "val")
+        )
+        out = model(x.to(device), y.to(device))
+        total += float(out.lm_loss)
+    model.train(was_training)
+    return total / args.eval_batches
+
+
+def _bytes_per_param(b: dict | None) -> dict[str, float | None]:
+    """Optimizer state (master + moments + step counters) and the whole training footprint
+    (weights + FP32 grads + state), in bytes per parameter, measured after an update."""
+    if not b or not b["numel"]:
+        return {"optimizer_bytes_per_param": None, "training_bytes_per_param": None}
+    state = b["master"] + b["exp_avg"] + b["exp_avg_sq"] + b["other"]
+    return {
+        "optimizer_bytes_per_param": state / b["numel"],
+        "training_bytes_per_param": b["total"] / b["numel"],
+    }
+
+
+def _samples(model: torch.nn.Module, args: TrainArgs, device: torch.device) -> list[str]:
+    from ..model import generate
+
+    tok = ByteTokenizer()
+    prompt = tok.encode(SAMPLE_PROMPT).to(device)
+    prompt = prompt[None, :].expand(SAMPLE_COUNT, -1).contiguous()  # [B, T0]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        ids = generate(
+            model, prompt, args.sample_tokens, temperature=SAMPLE_TEMPERATURE, generator=gen
+        )
+    model.train(was_training)
+    return [tok.decode(row) for row in ids[:, prompt.shape[1] :].cpu()]
+
+
+def _prepare_run_dir(run_dir: Path, args: TrainArgs) -> None:
+    if args.resume:
+        if not run_dir.is_dir():
+            raise TrainConfigError(f"--resume: run folder {run_dir} does not exist")
+        return
+    in_use = [n for n in (CHECKPOINT_DIR, PREV_DIR, "metrics.jsonl") if (run_dir / n).exists()]
+    if in_use and not args.overwrite:
+        raise TrainConfigError(
+            f"run folder {run_dir} already holds a run ({', '.join(in_use)}); pass --resume "
+            "to continue it, --overwrite to replace it, or --out for a new folder"
+        )
+    for name in (CHECKPOINT_DIR, PREV_DIR):
+        if (run_dir / name).is_dir():
+            shutil.rmtree(run_dir / name)
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train (or resume) a model on the byte corpus and return the run summary.
+
+    Args:
+        args: the run's arguments (validated here).
+        model_overrides: fields replacing those of the preset's ``DeepSeekV3Config`` (e.g. a
+            smaller model for tests); they are part of the checkpointed config.
+
+    Returns:
+        A JSON-able dict: ``out``, ``preset``, ``precision``, ``device``, ``step`` (steps done
+        in total), ``steps_run`` / ``tokens_run`` / ``time_s`` / ``tokens_per_s`` (this call),
+        ``tokens_per_step``, ``losses`` (train loss of every step of the run, from step 1),
+        ``first_loss``, ``last_loss``, ``best_val_loss``, ``last_val_loss``,
+        ``unigram_entropy`` (nats/byte), ``optimizer_bytes_per_param`` (FP32 master + BF16
+        moments), ``training_bytes_per_param`` (plus weights and FP32 grads; both None when no
+        step ran in this call), ``peak_memory_bytes``
+        (CUDA only, else None), ``params`` and ``samples``. It is also written to
+        ``summary.json`` and printed as a table.
+
+    Raises:
+        TrainConfigError: invalid arguments or overrides, an unknown preset, an unusable device
+            or run folder.
+        CorpusError: ``--data`` missing, unreadable, empty or too short for ``seq_len``.
+        CheckpointError: ``resume`` with a missing, corrupt or mismatched checkpoint.
+        FloatingPointError: the train loss became NaN or infinite.
+
+    A first Ctrl-C stops the run after the step in flight and checkpoints it (the summary then
+    has ``interrupted=True``); a second one raises ``KeyboardInterrupt`` at once.
+    """
+    from ..model import build_model, fp8_module_filter, get_preset
+    from ..nn import Fp8LinearConfig, convert_to_fp8_training
+    from ..optim import AdamW
+
+    args.validate()
+    log = _Printer()
+    try:
+        config = get_preset(args.preset)
+        if model_overrides:
+            config = type(config).from_dict({**config.to_dict(), **model_overrides})
+    except (ValueError, TypeError) as e:
+        raise TrainConfigError(str(e)) from None
+    if args.seq_len > config.max_seq_len:
+        raise TrainConfigError(
+            f"--seq-len {args.seq_len} exceeds the {args.preset} preset's max_seq_len "
+            f"{config.max_seq_len}"
+        )
+    device = resolve_device(args.device)
+    run_dir = args.run_dir()
+
+    t_load = time.perf_counter()
+    corpus = load_corpus(args.data)
+    corpus.check_seq_len(args.seq_len)
+    corpus_info = corpus.describe()
+    entropy = corpus_info["unigram_entropy_nats"]
+    log(
+        f"corpus: {corpus_info['source']} ({len(corpus.files)} documents, "
+        f"{corpus_info['bytes']:,} bytes: {corpus_info['train_bytes']:,} train / "
+        f"{corpus_info['val_bytes']:,} val) loaded in {time.perf_counter() - t_load:.2f} s; "
+        f"byte-unigram entropy {entropy:.4f} nats/byte"
+    )
+    _prepare_run_dir(run_dir, args)
+
+    model = build_model(config, dtype=torch.bfloat16, device=device, seed=args.seed)
+    if args.precision == "fp8":
+        convert_to_fp8_training(
+            model, Fp8LinearConfig.from_recipe_name("deepseek"), module_filter_fn=fp8_module_filter
+        )
+    model.train()
+    optimizer = AdamW(_param_groups(model, args.weight_decay), lr=args.lr)
+    ckpt_config = {
+        "model": config.to_dict(),
+        "train": args.trajectory(),
+        "corpus_sha256": corpus_info["sha256"],
+    }
+
+    # Not compared on resume (the corpus hash is); lets `ptxtrain train --resume` find the data.
+    data_path = str(Path(args.data).expanduser().resolve()) if args.data else None
+    ckpt_kw = dict(model=model, optimizer=optimizer, config=ckpt_config, extra={"data": data_path})
+    start = 0
+    if args.resume:
+        meta = load_checkpoint(
+            run_dir, model=model, optimizer=optimizer, expected_config=ckpt_config
+        )
+        start = int(meta["step"])
+        log(f"resumed from {meta['path']} at step {start}")
+
+    params = model.num_params()
+    write_json_atomic(
+        run_dir / "config.json",
+        {
+            "model": config.to_dict(),
+            "preset": args.preset,
+            "model_overrides": model_overrides or {},
+            "train": {k: v for k, v in dataclasses.asdict(args).items() if k != "progress"},
+            "params": params,
+            "corpus": corpus_info,
+            "device": _device_info(device),
+            "versions": _versions(),
+            "resumed_from_step": start if args.resume else None,
+        },
+    )
+    log(
+        f"model: {args.preset} ({params['total']:,} params, {params['activated']:,} activated "
+        f"per token), precision {args.precision}, device {device}; run folder {run_dir}"
+    )
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+    tokens_per_step = args.batch_size * args.seq_len
+    done = last_saved = start
+    step_time = 0.0
+    t0 = time.perf_counter()
+    writer = MetricsWriter(run_dir / "metrics.jsonl", keep_until=start if args.resume else None)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=args.steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not args.progress,
+        dynamic_ncols=True,
+        file=sys.stdout,
+    )
+    log.bar = bar
+    stop = _StopFlag()
+    state_bytes = None
+    val_loss = None
+    try:
+        with stop.on_sigint():
+            for step in range(start + 1, end + 1):
+                t_step = time.perf_counter()
+                lr = lr_at(step - 1, args)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                x, y = corpus.get_batch(
+                    "train", args.batch_size, args.seq_len, batch_generator(args.seed, step)
+                )
+                out = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                out.loss.backward()
+                # With clipping off, a max_norm no norm reaches keeps the gradients unscaled.
+                grad_norm = float(optimizer.clip_grad_norm_(args.grad_clip or _NO_CLIP))
+                optimizer.step()
+                if state_bytes is None:  # the full footprint: after step, before zero_grad
+                    state_bytes = optimizer.state_bytes()
+                optimizer.zero_grad(set_to_none=True)
+                moe_stats = model.update_router_biases()
+                loss = float(out.lm_loss.detach())
+                dt = time.perf_counter() - t_step
+                step_time += dt
+                record: dict[str, Any] = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_step / dt,
+                    "grad_norm": grad_norm,
+                    "time_s": dt,
+                }
+                for name in ("mtp_loss", "aux_loss"):
+                    v = getattr(out, name, None)
+                    if v is not None:
+                        record[name] = float(v.detach())
+                if not math.isfinite(loss):
+                    writer.write(record)
+                    raise FloatingPointError(
+                        f"the train loss became {loss} at step {step}; the checkpoint in "
+                        f"{run_dir} holds step {last_saved} (try a lower --lr)"
+                    )
+                if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                    val_loss = evaluate(model, corpus, args, device)
+                    record["val_loss"] = val_loss
+                if moe_stats:
+                    record["moe"] = moe_stats
+                writer.write(record)
+                done = step
+                bar.update(1)
+                bar.set_postfix_str(
+                    f"loss {loss:.3f}"
+                    + (f" val {val_loss:.3f}" if val_loss is not None else "")
+                    + f" {tokens_per_step / dt:,.0f} tok/s"
+                )
+                if stop.requested:
+                    break
+                if args.ckpt_every and step % args.ckpt_every == 0 and step < end:
+                    save_checkpoint(run_dir, step=step, **ckpt_kw)
+                    last_saved = step
+            if done > last_saved:
+                save_checkpoint(run_dir, step=done, **ckpt_kw)
+                last_saved = done
+    finally:
+        bar.close()
+        log.bar = None
+        writer.close()
+    if stop.requested:
+        log(f"interrupted: stopped after step {done}; checkpoint saved, continue with --resume")
+    wall = time.perf_counter() - t0
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    plot_loss_curve(
+        records,
+        run_dir / "loss.png",
+        entropy=entropy,
+        title=f"ptxtrain {args.preset} {args.precision}: byte-level LM",
+    )
+    samples = _samples(model, args, device) if args.sample_tokens else []
+    if samples:
+        text = "".join(
+            f"--- sample {i + 1} (prompt {SAMPLE_PROMPT!r}, temperature {SAMPLE_TEMPERATURE}, "
+            f"step {done}) ---\n{s}\n\n"
+            for i, s in enumerate(samples)
+        )
+        (run_dir / "samples.txt").write_text(text, encoding="utf-8")
+        log(f"\nsamples (step {done}):\n" + text.rstrip())
+
+    losses = [r["loss"] for r in records]
+    vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    steps_run = done - start
+    summary = {
+        "out": str(run_dir),
+        "preset": args.preset,
+        "precision": args.precision,
+        "device": str(device),
+        "step": done,
+        "interrupted": stop.requested,
+        "steps_run": steps_run,
+        "tokens_per_step": tokens_per_step,
+        "tokens_run": steps_run * tokens_per_step,
+        "time_s": wall,
+        "train_time_s": step_time,
+        "tokens_per_s": steps_run * tokens_per_step / step_time if step_time else 0.0,
+        "losses": losses,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "best_val_loss": min(vals) if vals else None,
+        "last_val_loss": vals[-1] if vals else None,
+        "unigram_entropy": entropy,
+        **_bytes_per_param(state_bytes),
+        "peak_memory_bytes": (
+            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        ),
+        "params": params,
+        "samples": samples,
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    log("\n" + format_summary(summary))
+    return summary
+
+
+__all__ = [
+    "PRECISIONS",
+    "TRAJECTORY_FIELDS",
+    "TrainArgs",
+    "TrainConfigError",
+    "evaluate",
+    "lr_at",
+    "resolve_device",
+    "train",
+]

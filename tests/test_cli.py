@@ -1,0 +1,164 @@
+"""``ptxtrain`` command line: a short ``train`` run in-process, resume, and user errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ptxtrain
+from ptxtrain.cli import main
+
+FAST = ["--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--min-lr", "1e-3",
+        "--warmup-steps", "2", "--eval-batches", "2", "--no-progress",
+        "--device", "cpu"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    code = main(["train", "--steps", "10", "--eval-every", "5", "--sample-tokens", "16",
+                 "--out", str(out), *FAST])  # fmt: skip
+    return code, out
+
+
+def test_train_smoke(smoke_run, capsys):
+    code, out = smoke_run
+    assert code == 0
+    for name in ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "summary.json"):
+        assert (out / name).is_file(), name
+    assert (out / "checkpoint" / "meta.json").is_file()
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 11))
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.5  # starts at ln(256) = 5.55; drops fast
+    assert [r["step"] for r in recs if "val_loss" in r] == [5, 10]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["preset"] == "tiny" and cfg["train"]["steps"] == 10
+
+
+def test_resume_takes_flags_from_the_checkpoint(smoke_run, capsys):
+    out = smoke_run[1]
+    # No schedule flags given: they come from the checkpoint, so nothing mismatches; the run
+    # is already complete, so no step runs.
+    assert (
+        main(["train", "--resume", "--out", str(out), "--no-progress", "--sample-tokens", "0"]) == 0
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 10 and summary["steps_run"] == 0
+    # A flag that contradicts the checkpoint is refused.
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--lr", "0.5", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ptxtrain: error:") and "train.lr" in err
+
+
+def _error(argv, capsys):
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["train", "--steps", "0"], "--steps: must be >= 1"),
+        (["train", "--steps", "ten"], "expected an integer"),
+        (["train", "--lr", "-1"], "--lr: must be > 0"),
+        (["train", "--lr", "nan"], "finite"),
+        (["train", "--preset", "huge"], "invalid choice: 'huge'"),
+        (["train", "--precision", "fp16"], "invalid choice"),
+        (["train", "--bogus"], "unrecognized arguments"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_flags_exit_2(argv, needle, capsys):
+    code, err = _error(argv, capsys)
+    assert code == 2
+    assert "ptxtrain: error:" in err and needle in err
+    assert "Traceback" not in err
+
+
+def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
+    out = str(tmp_path / "r")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["--data", str(tmp_path / "missing.txt")], "does not exist"),
+        (["--data", str(empty)], "holds no *.txt or *.md"),
+        (["--seq-len", "100000"], "max_seq_len"),
+        (["--resume"], "no checkpoint"),
+        (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "no CUDA device"))
+    for extra, needle in cases:
+        code, err = _error(["train", "--out", out, "--no-progress", *extra], capsys)
+        assert code == 2, (extra, err)
+        assert err.startswith("ptxtrain: error:") and needle in err, (extra, err)
+        assert "Traceback" not in err
+    # The smoke run's folder is in use: a fresh run there is refused.
+    code, err = _error(["train", "--out", str(smoke_run[1]), "--no-progress"], capsys)
+    assert code == 2 and "--resume" in err
+
+
+def test_corrupt_checkpoint_exit_2(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--eval-every", "0", "--sample-tokens", "0",
+                 "--out", str(out), *FAST]) == 0  # fmt: skip
+    path = out / "checkpoint" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    path.write_bytes(bytes(data))
+    code, err = _error(["train", "--resume", "--out", str(out), "--no-progress"], capsys)
+    assert code == 2
+    assert "corrupt checkpoint" in err and "model.safetensors" in err
+    assert "Traceback" not in err
+
+
+def test_python_m_ptxtrain_help():
+    root = Path(ptxtrain.__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    r = subprocess.run(
+        [sys.executable, "-m", "ptxtrain", "train", "--help"],
+        capture_output=True, text=True, timeout=120, cwd=root, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for flag in ("--precision", "--steps", "--batch-size", "--seq-len", "--lr", "--min-lr",
+                 "--warmup-steps", "--weight-decay", "--grad-clip", "--seed", "--device",
+                 "--out", "--resume", "--eval-every", "--eval-batches", "--ckpt-every",
+                 "--sample-tokens", "--data"):  # fmt: skip
+        assert flag in r.stdout, flag
+    r = subprocess.run(
+        [sys.executable, "-m", "ptxtrain", "train", "--steps", "-3"],
+        capture_output=True, text=True, timeout=120, cwd=root, env=env,
+    )  # fmt: skip
+    assert r.returncode == 2 and "ptxtrain: error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_resume_inherits_data_path(tmp_path, capsys):
+    g = torch.Generator().manual_seed(4)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "\n"]
+    idx = torch.randint(0, len(words), (3000,), generator=g).tolist()
+    (tmp_path / "mine.txt").write_text(" ".join(words[i] for i in idx))
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(tmp_path / "mine.txt"), "--steps", "2", "--eval-every", "0",
+            "--sample-tokens", "0", "--out", str(out), *FAST]  # fmt: skip
+    assert main(argv) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["corpus"]["source"] == str((tmp_path / "mine.txt").resolve())
+    # --data is not repeated: the checkpoint remembers it (otherwise the corpus hash differs).
+    resume = ["train", "--resume", "--out", str(out), "--no-progress", "--sample-tokens", "0"]
+    code, err = _error(resume, capsys)
+    assert code == 0, err
+    # Another corpus is refused: its hash differs from the checkpoint's.
+    (tmp_path / "other.txt").write_text("something else entirely " * 100)
+    code, err = _error([*resume, "--data", str(tmp_path / "other.txt")], capsys)
+    assert code == 2 and "corpus_sha256" in err

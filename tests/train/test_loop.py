@@ -1,0 +1,175 @@
+"""The training loop: exact resume (bf16 and fp8), run-folder contents, argument errors."""
+
+import itertools
+import json
+import math
+import os
+import signal
+
+import pytest
+
+from ptxtrain.train import CheckpointError, TrainArgs, TrainConfigError, lr_at, read_metrics, train
+from ptxtrain.train import loop as loop_mod
+
+# A smaller-than-tiny model so that a few steps take well under a second on a 2-core CPU.
+SMALL = {
+    "dim": 64,
+    "n_layers": 2,
+    "n_dense_layers": 1,
+    "dense_inter_dim": 128,
+    "n_heads": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "moe_inter_dim": 32,
+    "n_routed_experts": 4,
+    "n_activated_experts": 2,
+    "n_expert_groups": 2,
+    "n_limited_groups": 1,
+    "max_seq_len": 32,
+}
+
+
+def _args(out, **kw):
+    base = dict(
+        steps=6, batch_size=4, seq_len=16, lr=1e-2, min_lr=1e-3, warmup_steps=2,
+        eval_every=3, eval_batches=2, ckpt_every=2, sample_tokens=0, progress=False,
+        out=str(out), device="cpu",  # bitwise resume is promised on CPU
+    )  # fmt: skip
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def _losses(run_dir):
+    return [
+        (r["step"], r["loss"], r.get("val_loss")) for r in read_metrics(run_dir / "metrics.jsonl")
+    ]
+
+
+def test_lr_schedule():
+    a = TrainArgs(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10)
+    lrs = [lr_at(i, a) for i in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(x < y for x, y in itertools.pairwise(lrs[:10]))  # warmup rises
+    assert all(x >= y for x, y in itertools.pairwise(lrs[9:]))  # cosine falls
+    # Halfway through the decay the cosine is at the midpoint of [min_lr, lr].
+    assert lr_at(55, a) == pytest.approx(0.55)
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    no_warmup = TrainArgs(steps=10, lr=2.0, min_lr=0.0, warmup_steps=0)
+    assert lr_at(0, no_warmup) == 2.0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_resume_is_bitwise_exact(tmp_path, precision):
+    straight = tmp_path / "straight"
+    resumed = tmp_path / "resumed"
+    s1 = train(_args(straight, precision=precision), model_overrides=SMALL)
+    half = train(_args(resumed, precision=precision, stop_after=3), model_overrides=SMALL)
+    assert half["step"] == 3
+    s2 = train(_args(resumed, precision=precision, resume=True), model_overrides=SMALL)
+    assert s2["step"] == 6 and s2["steps_run"] == 3
+    # Same train loss and val loss at every step, compared as exact floats.
+    assert _losses(straight) == _losses(resumed)
+    assert s1["losses"] == s2["losses"]
+    # And the final weights and optimizer state are the same bytes.
+    for name in ("model.safetensors", "optimizer.safetensors", "optimizer.json"):
+        a = (straight / "checkpoint" / name).read_bytes()
+        b = (resumed / "checkpoint" / name).read_bytes()
+        assert a == b, f"{precision}: {name} differs after resume"
+    assert s1["losses"][-1] < s1["losses"][0]
+
+
+def test_sigint_stops_after_the_step_and_resumes_exactly(tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    train(_args(straight, steps=5, ckpt_every=0), model_overrides=SMALL)
+
+    real = loop_mod.batch_generator
+
+    def interrupt_at_step_3(seed, step, split="train"):
+        if split == "train" and step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler only sets a flag
+        return real(seed, step, split)
+
+    monkeypatch.setattr(loop_mod, "batch_generator", interrupt_at_step_3)
+    run = tmp_path / "run"
+    s = train(_args(run, steps=5, ckpt_every=0), model_overrides=SMALL)
+    assert s["interrupted"] and s["step"] == 3
+    monkeypatch.setattr(loop_mod, "batch_generator", real)
+    train(_args(run, steps=5, ckpt_every=0, resume=True), model_overrides=SMALL)
+    assert _losses(run) == _losses(straight)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+
+def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    train(_args(run, stop_after=2, ckpt_every=0), model_overrides=SMALL)
+    with open(run / "metrics.jsonl", "a") as f:  # a crashed run logged step 3 but never saved it
+        f.write(json.dumps({"step": 3, "loss": 0.0}) + "\n" + '{"step": 4, "lo')
+    train(_args(run, resume=True, ckpt_every=0), model_overrides=SMALL)
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert all(r["loss"] > 0 for r in read_metrics(run / "metrics.jsonl"))
+
+
+def test_resume_with_other_hyperparameters_is_refused(tmp_path):
+    run = tmp_path / "run"
+    train(_args(run, stop_after=2), model_overrides=SMALL)
+    with pytest.raises(CheckpointError, match=r"train\.lr: checkpoint 0\.01, now 0\.02"):
+        train(_args(run, resume=True, lr=2e-2), model_overrides=SMALL)
+    with pytest.raises(CheckpointError, match=r"model\.dim"):
+        train(_args(run, resume=True), model_overrides={**SMALL, "dim": 32, "n_heads": 2})
+
+
+def test_run_folder_contents(tmp_path):
+    run = tmp_path / "run"
+    s = train(_args(run, sample_tokens=24), model_overrides=SMALL)
+    for name in ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "summary.json"):
+        assert (run / name).is_file(), name
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["model"]["dim"] == SMALL["dim"]
+    assert cfg["train"]["lr"] == 1e-2 and cfg["versions"]["torch"]
+    assert cfg["device"]["type"] == "cpu"
+    assert 0 < cfg["corpus"]["unigram_entropy_nats"] < math.log(256)
+    recs = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    for r in recs:
+        assert {"loss", "lr", "tokens_per_s", "grad_norm", "moe"} <= set(r)
+        assert r["moe"]["tokens"] > 0
+    assert [r["step"] for r in recs if "val_loss" in r] == [3, 6]
+    assert len(s["samples"]) == 3 and all(s["samples"])
+    assert "sample 1" in (run / "samples.txt").read_text(encoding="utf-8")
+    # DeepSeek-V3's optimizer: FP32 master (4) + BF16 moments (2 + 2) = 8 B/param plus the
+    # per-tensor step counters; with BF16 weights and FP32 grads, 14 plus the same.
+    assert 8.0 <= s["optimizer_bytes_per_param"] < 8.2
+    assert 14.0 <= s["training_bytes_per_param"] < 14.2
+
+
+def test_existing_run_folder_needs_resume_or_overwrite(tmp_path):
+    run = tmp_path / "run"
+    train(_args(run, steps=2, eval_every=0), model_overrides=SMALL)
+    with pytest.raises(TrainConfigError, match="--resume"):
+        train(_args(run, steps=2, eval_every=0), model_overrides=SMALL)
+    s = train(_args(run, steps=2, eval_every=0, overwrite=True), model_overrides=SMALL)
+    assert s["step"] == 2
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"steps": 0}, "--steps"),
+        ({"batch_size": -1}, "--batch-size"),
+        ({"lr": float("nan")}, "--lr"),
+        ({"min_lr": 1.0}, "--min-lr"),
+        ({"precision": "fp16"}, "--precision"),
+        ({"device": "tpu"}, "--device"),
+        ({"seq_len": 64}, "max_seq_len"),
+        ({"preset": "huge"}, "unknown model preset"),
+        ({"resume": True, "overwrite": True}, "exclude"),
+    ],
+)
+def test_bad_arguments(tmp_path, kw, match):
+    with pytest.raises(TrainConfigError, match=match):
+        train(_args(tmp_path / "run", **kw), model_overrides=SMALL)
