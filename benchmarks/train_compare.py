@@ -7,11 +7,13 @@ bytes per parameter of ptxtrain's AdamW vs ``torch.optim.AdamW`` on the same mod
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
 STEPS = int(os.environ.get("PTXTRAIN_CMP_STEPS", "250"))
+RUN_ROOT = Path(os.environ.get("PTXTRAIN_CMP_RUNS", "/tmp/ptxtrain-runs"))
 DEVICE = os.environ.get("PTXTRAIN_CMP_DEVICE", "cuda")  # cpu: a smoke run of this script
 
 
@@ -55,8 +57,11 @@ def compare(out_dir: Path) -> dict:
     )
     runs = {}
     for precision in ("bf16", "fp8"):
-        args = TrainArgs(precision=precision, out=str(out_dir / f"small-{precision}"), **common)
+        run_dir = RUN_ROOT / f"small-{precision}"  # checkpoints stay out of the results folder
+        args = TrainArgs(precision=precision, out=str(run_dir), **common)
         runs[precision] = train(args)
+        for name in ("loss.png", "samples.txt"):
+            shutil.copyfile(run_dir / name, out_dir / f"small-{precision}-{name}")
     bf16, fp8 = runs["bf16"], runs["fp8"]
     gap = {}
     for frac in (0.25, 0.5, 0.75, 1.0):
