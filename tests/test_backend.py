@@ -56,4 +56,5 @@ def test_auto_on_hopper_uses_fast_backends(monkeypatch):
     if torch.cuda.get_device_capability() == (9, 0):
         assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "cublas"
     assert gemm.select_backend("1d2d", 13, 200, 300, dev) == "triton"  # N, K not % 16: no cuBLAS
+    assert gemm.select_backend("1d2d", 13, 256, 512, dev) == "triton"  # M % 4 != 0: no cuBLAS
     assert quant.select_backend(torch.ones(1, device=dev)) == "triton"

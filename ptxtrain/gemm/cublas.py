@@ -11,7 +11,8 @@ contiguous [⌈N/128⌉, ⌈K/128⌉] tensor. For 1D1D (both operands 1x128) the
 the second operand is not documented, so :func:`fp8_gemm_nt_1d1d` probes the candidate layouts once
 per device on a small problem, checks each against the reference, and remembers the first that
 works; when none does it raises ``NotImplementedError`` (callers fall back to another backend).
-cuBLAS needs K and N to be multiples of 16 for FP8 operands; other shapes raise ``ValueError``
+cuBLAS needs K and N to be multiples of 16 for FP8 operands and (torch 2.11) M a multiple of
+4; other shapes raise ``ValueError``
 before any launch, and :func:`supports` says so up front.
 """
 
@@ -31,16 +32,19 @@ def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> b
     dev = torch.device("cuda") if device is None else device
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
         return False
-    return m > 0 and n % _ALIGN == 0 and k % _ALIGN == 0 and k > 0
+    # torch 2.11's blockwise path also rejects M % 4 != 0 (CUBLAS_STATUS_NOT_SUPPORTED from the
+    # heuristic query) in every scale layout: seen on an H200 with MoE expert row counts.
+    return m > 0 and m % 4 == 0 and n % _ALIGN == 0 and k % _ALIGN == 0 and k > 0
 
 
 def _check_cuda_shape(a: torch.Tensor, n: int, k: int) -> None:
     if a.device.type != "cuda":
         raise ValueError(f"the cublas backend needs CUDA tensors, got a on {a.device}")
-    if n % _ALIGN or k % _ALIGN:
+    m = a.shape[0]
+    if n % _ALIGN or k % _ALIGN or m % 4:
         raise ValueError(
-            f"the cublas backend needs N and K to be multiples of {_ALIGN}, got N={n}, K={k}; "
-            "use the triton or ref backend"
+            f"the cublas backend needs M % 4 == 0 and N, K multiples of {_ALIGN}, got M={m}, "
+            f"N={n}, K={k}; use the triton or ref backend"
         )
 
 
