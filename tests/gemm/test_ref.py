@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ptxtrain.gemm import fp8_gemm_nt, fp8_gemm_nt_1d1d
-from ptxtrain.quant import FP8_DTYPE, per_block_cast_to_fp8, per_token_cast_to_fp8
+from ptxtrain.gemm.ref import fp8_gemm_nt, fp8_gemm_nt_1d1d
+from ptxtrain.quant.ref import FP8_DTYPE, per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing import calc_diff
 from ptxtrain.testing.shapes import AWKWARD_M, AWKWARD_NK, dense_shapes_cpu
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ptxtrain.quant import (
+from ptxtrain.quant.ref import (
     AMAX_EPS,
     FP8_DTYPE,
     FP8_MAX,
