@@ -11,8 +11,8 @@ contiguous [⌈N/128⌉, ⌈K/128⌉] tensor. For 1D1D (both operands 1x128) the
 the second operand is not documented, so :func:`fp8_gemm_nt_1d1d` probes the candidate layouts once
 per device on a small problem, checks each against the reference, and remembers the first that
 works; when none does it raises ``NotImplementedError`` (callers fall back to another backend).
-cuBLAS needs K and N to be multiples of 16 for FP8 operands and (torch 2.11) M a multiple of
-4; other shapes raise ``ValueError``
+Measured limits (torch 2.11, see :func:`supports`): M % 4 == 0, N % 16 == 0 and K % 512 == 0;
+elsewhere cuBLAS fails or, worse, returns wrong numbers, so other shapes raise ``ValueError``
 before any launch, and :func:`supports` says so up front.
 """
 
@@ -23,6 +23,7 @@ import torch
 from ptxtrain.gemm import ref
 
 _ALIGN = 16  # cuBLASLt FP8: leading dimensions multiple of 16 bytes (= 16 e4m3 elements)
+_K_ALIGN = 512  # 4 scale blocks of 128: see supports()
 
 
 def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> bool:
@@ -32,19 +33,24 @@ def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> b
     dev = torch.device("cuda") if device is None else device
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
         return False
-    # torch 2.11's blockwise path also rejects M % 4 != 0 (CUBLAS_STATUS_NOT_SUPPORTED from the
-    # heuristic query) in every scale layout: seen on an H200 with MoE expert row counts.
-    return m > 0 and m % 4 == 0 and n % _ALIGN == 0 and k % _ALIGN == 0 and k > 0
+    # Measured on an H200 with torch 2.11 + CUDA 13 (benchmarks/diag_cublas.py):
+    # - M % 4 != 0 fails (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic query);
+    # - ⌈K/128⌉ < 4 returns WRONG results with no error (calc_diff 5e-2 at K = 128, 1.0 at 256),
+    #   and ⌈K/128⌉ % 4 != 0 with several N-blocks was wrong through the Fp8Linear path
+    #   (ANCHORS §7: "K-blocks padded to a multiple of 4").
+    # So cuBLAS is used only where it was verified: K % 512 == 0 (every DeepSeek-V3 K).
+    return m > 0 and m % 4 == 0 and n % _ALIGN == 0 and k % _K_ALIGN == 0
 
 
 def _check_cuda_shape(a: torch.Tensor, n: int, k: int) -> None:
     if a.device.type != "cuda":
         raise ValueError(f"the cublas backend needs CUDA tensors, got a on {a.device}")
     m = a.shape[0]
-    if n % _ALIGN or k % _ALIGN or m % 4:
+    if n % _ALIGN or k % _K_ALIGN or m % 4:
         raise ValueError(
-            f"the cublas backend needs M % 4 == 0 and N, K multiples of {_ALIGN}, got M={m}, "
-            f"N={n}, K={k}; use the triton or ref backend"
+            f"the cublas backend needs M % 4 == 0, N % {_ALIGN} == 0 and K % {_K_ALIGN} == 0 "
+            f"(cuBLAS blockwise is wrong or unsupported elsewhere), got M={m}, N={n}, K={k}; "
+            "use the triton or ref backend"
         )
 
 
