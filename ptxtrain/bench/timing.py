@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import statistics
 import subprocess
@@ -52,7 +53,12 @@ class GpuTimer:
 
 
 def git_sha() -> str:
-    """The repository's HEAD sha (with ``-dirty`` if the tree has changes), or ``unknown``."""
+    """The repository's HEAD sha (with ``-dirty`` if the tree has changes), or ``unknown``.
+
+    ``PTXTRAIN_GIT_SHA`` wins when set: the GPU machines get a copy of the tree without ``.git``.
+    """
+    if os.environ.get("PTXTRAIN_GIT_SHA"):
+        return os.environ["PTXTRAIN_GIT_SHA"]
     root = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(
