@@ -201,26 +201,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-_TRAIN_FIELDS = (
-    "preset",
-    "precision",
-    "steps",
-    "batch_size",
-    "seq_len",
-    "lr",
-    "min_lr",
-    "warmup_steps",
-    "weight_decay",
-    "grad_clip",
-    "seed",
-    "device",
-    "out",
-    "eval_every",
-    "eval_batches",
-    "ckpt_every",
-    "sample_tokens",
-    "data",
-)
+# TrainArgs fields a flag can set besides the trajectory ones (loop.TRAJECTORY_FIELDS).
+_RUN_FIELDS = ("device", "out", "eval_every", "eval_batches", "ckpt_every", "sample_tokens", "data")
 
 
 def _train_args_from(ns: argparse.Namespace):
@@ -228,7 +210,8 @@ def _train_args_from(ns: argparse.Namespace):
     from .train.checkpoint import read_checkpoint_meta
     from .train.loop import TRAJECTORY_FIELDS, TrainArgs
 
-    given = {k: getattr(ns, k) for k in _TRAIN_FIELDS if getattr(ns, k) is not None}
+    fields = TRAJECTORY_FIELDS + _RUN_FIELDS
+    given = {k: getattr(ns, k) for k in fields if getattr(ns, k) is not None}
     if ns.resume:
         probe = TrainArgs(**given)
         meta = read_checkpoint_meta(probe.run_dir())

@@ -38,6 +38,21 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
+def _time_backends(row: dict, backends: dict, qa, qb, want: torch.Tensor, timer) -> None:
+    """Check and time each backend on one shape; fill ``row``'s calc_diff, µs and TFLOPS."""
+    for name, fn in backends.items():
+        try:
+            d = fn(qa, qb)
+            row["calc_diff"][name] = calc_diff(d, want)
+            row["us"][name] = timer(lambda fn=fn: fn(qa, qb))
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            row["us"][name] = None
+            row.setdefault("errors", {})[name] = str(e).splitlines()[0][:200]
+    flops = 2.0 * row["m"] * row["n"] * row["k"]
+    for name, us in row["us"].items():
+        row["tflops"][name] = flops / (us * 1e-6) / 1e12 if us else None
+
+
 def bench_1d2d(ms=DSV3_M, shapes=DSV3_DENSE_NK, *, repeats: int = 50) -> dict:
     """Time every 1D2D backend and BF16 cuBLAS on ``ms`` x ``shapes``; return a results record."""
     timer = GpuTimer(repeats=repeats)
@@ -51,18 +66,8 @@ def bench_1d2d(ms=DSV3_M, shapes=DSV3_DENSE_NK, *, repeats: int = 50) -> dict:
             xb, wb = x.bfloat16(), w.bfloat16()
             qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
             row = {"m": m, "n": n, "k": k, "us": {}, "tflops": {}, "calc_diff": {}}
-            flops = 2.0 * m * n * k
             row["us"]["bf16"] = timer(lambda xb=xb, wb=wb: xb @ wb.t())
-            for name, fn in backends.items():
-                try:
-                    d = fn(qa, qb)
-                    row["calc_diff"][name] = calc_diff(d, want)
-                    row["us"][name] = timer(lambda fn=fn, qa=qa, qb=qb: fn(qa, qb))
-                except (ValueError, RuntimeError, NotImplementedError) as e:
-                    row["us"][name] = None
-                    row.setdefault("errors", {})[name] = str(e).splitlines()[0][:200]
-            for name, us in row["us"].items():
-                row["tflops"][name] = flops / (us * 1e-6) / 1e12 if us else None
+            _time_backends(row, backends, qa, qb, want, timer)
             rows.append(row)
             del x, w, want, xb, wb, qa, qb
     return {
@@ -78,6 +83,7 @@ def bench_1d1d(k_tokens: int = 4096, pairs=DSV3_WGRAD_MN, *, repeats: int = 50) 
     """Time the wgrad (1D1D, fp32 out) backends and an fp32-out BF16 matmul over ``pairs``."""
     timer = GpuTimer(repeats=repeats)
     backends = fp8_backends("1d1d")
+    has_out_dtype = _mm_has_out_dtype()
     rows = []
     for m, n in pairs:
         k = k_tokens
@@ -87,23 +93,13 @@ def bench_1d1d(k_tokens: int = 4096, pairs=DSV3_WGRAD_MN, *, repeats: int = 50) 
         ab, bb = a.bfloat16(), b.bfloat16()
         qa, qb = per_token_cast_to_fp8(a), per_token_cast_to_fp8(b)
         row = {"m": m, "n": n, "k": k, "us": {}, "tflops": {}, "calc_diff": {}}
-        row["us"]["bf16"] = timer(
-            lambda ab=ab, bb=bb: (
-                torch.mm(ab, bb.t(), out_dtype=torch.float32)
-                if _mm_has_out_dtype()
-                else (ab @ bb.t()).float()
+        if has_out_dtype:
+            row["us"]["bf16"] = timer(
+                lambda ab=ab, bb=bb: torch.mm(ab, bb.t(), out_dtype=torch.float32)
             )
-        )
-        for name, fn in backends.items():
-            try:
-                d = fn(qa, qb)
-                row["calc_diff"][name] = calc_diff(d, want)
-                row["us"][name] = timer(lambda fn=fn, qa=qa, qb=qb: fn(qa, qb))
-            except (ValueError, RuntimeError, NotImplementedError) as e:
-                row["us"][name] = None
-                row.setdefault("errors", {})[name] = str(e).splitlines()[0][:200]
-        for name, us in row["us"].items():
-            row["tflops"][name] = 2.0 * m * n * k / (us * 1e-6) / 1e12 if us else None
+        else:
+            row["us"]["bf16"] = timer(lambda ab=ab, bb=bb: (ab @ bb.t()).float())
+        _time_backends(row, backends, qa, qb, want, timer)
         rows.append(row)
         del a, b, want, ab, bb, qa, qb
     return {
