@@ -30,8 +30,11 @@ for stage in $stages; do
       python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TEST_PATHS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
-    quant|gemm|linear|train)
-      python3 benchmarks/gpu_suite.py "$stage" --out "$OUT" || status=1
+    quant|gemm|linear)
+      python3 -m ptxtrain bench "$stage" --json "$OUT/$(date -u +%Y%m%d)-$stage.json" || status=1
+      ;;
+    train)
+      python3 -m benchmarks.train_compare --out "$OUT" || status=1
       ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

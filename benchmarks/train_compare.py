@@ -109,3 +109,23 @@ def compare(out_dir: Path) -> dict:
         f"{torch_bytes['per_param']:.2f}"
     )
     return record
+
+
+def main() -> None:
+    import argparse
+    import json
+    import time
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path, required=True, help="folder for the JSON, PNGs, samples")
+    out = p.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
+    record = compare(out)
+    dev = record["env"].get("device", "cpu").replace(" ", "_")
+    path = out / f"{time.strftime('%Y%m%d')}-train-small-{dev}.json"
+    path.write_text(json.dumps(record, indent=1, default=str))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

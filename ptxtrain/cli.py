@@ -230,6 +230,68 @@ def _run_train(ns: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if summary.get("interrupted") else EXIT_OK
 
 
+# --------------------------------------------------------------------------------------------
+# ptxtrain bench
+# --------------------------------------------------------------------------------------------
+
+_BENCHES = ("quant", "gemm", "linear")
+
+
+def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "what",
+        choices=_BENCHES,
+        help="quant: quantizers in GB/s vs a BF16 copy; gemm: FP8 GEMM backends (1D2D at "
+        "M = 64/128/4096 and 1D1D wgrad) vs cuBLAS blockwise FP8 and BF16; linear: Fp8Linear "
+        "forward+backward vs BF16 nn.Linear at M = 4096",
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results record (device, versions, git sha, date, numbers) here",
+    )
+    p.add_argument(
+        "--repeats",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="timed calls per measurement; the median is reported (default: 50, linear 30)",
+    )
+
+
+def _run_bench(ns: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise _UsageError("ptxtrain bench times CUDA kernels: no CUDA device is visible")
+    from .bench import gemm, linear, quant
+
+    kw = {} if ns.repeats is None else {"repeats": ns.repeats}
+    from .gemm import backends as gemm_backends
+    from .quant import backends as quant_backends
+
+    print(f"gemm backends: {gemm_backends()}\nquant backends: {quant_backends()}")
+    if ns.what == "quant":
+        records = [(quant.bench_quant(**kw), quant.format_table)]
+    elif ns.what == "gemm":
+        records = [
+            (gemm.bench_1d2d(**kw), gemm.format_table),
+            (gemm.bench_1d1d(**kw), gemm.format_table),
+        ]
+    else:
+        records = [(linear.bench_linear(**kw), linear.format_table)]
+    for record, fmt in records:
+        print(fmt(record))
+    if ns.json:
+        data = [r for r, _ in records]
+        with open(ns.json, "w", encoding="utf-8") as f:
+            json.dump(data[0] if len(data) == 1 else data, f, indent=1, default=str)
+        print(f"wrote {ns.json}")
+    return EXIT_OK
+
+
 # name -> (help, add_arguments, run)
 _COMMANDS: dict[
     str,
@@ -239,6 +301,11 @@ _COMMANDS: dict[
         "train a DeepSeek-V3-style byte-level model (MLA + MoE + MTP) on a text corpus",
         _add_train_arguments,
         _run_train,
+    ),
+    "bench": (
+        "time FP8 kernels against cuBLAS blockwise FP8 and BF16 in one process (needs a GPU)",
+        _add_bench_arguments,
+        _run_bench,
     ),
 }
 
