@@ -73,6 +73,8 @@ def _error(argv, capsys):
         (["train", "--precision", "fp16"], "invalid choice"),
         (["train", "--bogus"], "unrecognized arguments"),
         (["frobnicate"], "invalid choice"),
+        (["bench", "matmul"], "invalid choice: 'matmul'"),
+        (["bench", "gemm", "--repeats", "0"], "--repeats: must be >= 1"),
         ([], "required"),
     ],
 )
@@ -162,3 +164,9 @@ def test_resume_inherits_data_path(tmp_path, capsys):
     (tmp_path / "other.txt").write_text("something else entirely " * 100)
     code, err = _error([*resume, "--data", str(tmp_path / "other.txt")], capsys)
     assert code == 2 and "corpus_sha256" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_bench_without_gpu_is_a_clear_error(capsys):
+    code, err = _error(["bench", "quant"], capsys)
+    assert code == 2 and "no CUDA device is visible" in err and "Traceback" not in err
