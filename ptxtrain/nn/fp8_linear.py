@@ -59,9 +59,13 @@ class Fp8LinearConfig:
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     # Name shown by Fp8Linear's repr: one of RECIPES, or "custom" for a hand-built config.
     recipe_name: str = "custom"
+    # Keep the weight's 128x128 quantization between calls and reuse it until the weight changes
+    # (its storage or in-place version counter): micro-batches of one step quantize W once.
+    # Costs one FP8 byte per weight element (+ scales) held between steps.
+    cache_weight_fp8: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("fprop", "dgrad", "wgrad", "pow2_scale"):
+        for name in ("fprop", "dgrad", "wgrad", "pow2_scale", "cache_weight_fp8"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -154,7 +158,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias_hp, config, grad_enabled):
+    def forward(ctx, input_hp, weight_hp, bias_hp, config, grad_enabled, weight_q=None):
         # needs_input_grad ignores an outer no_grad / inference_mode: honour grad_enabled too.
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
@@ -172,10 +176,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 input_fp8, input_sf = quant.per_token_cast_to_fp8(input_hp, pow2_scale=pow2)
             elif keep_xt_fp8:
                 input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_t(input_hp, pow2_scale=pow2)
-            # -- quantize W 128x128 once; dgrad reuses the forward's blocks.
+            # -- quantize W 128x128 once (or take the module's cached copy, ``weight_q``);
+            # dgrad reuses the forward's blocks.
             weight_fp8 = weight_sf = None
             if config.fprop or (need_dx and config.dgrad):
-                weight_fp8, weight_sf = quant.per_block_cast_to_fp8(weight_hp, pow2_scale=pow2)
+                if weight_q is not None:
+                    weight_fp8, weight_sf = weight_q
+                else:
+                    weight_fp8, weight_sf = quant.per_block_cast_to_fp8(weight_hp, pow2_scale=pow2)
             # -- Fprop: y [M, N] = x [M, K] · Wᵀ; bias added in fp32, one rounding to act_dtype.
             if config.fprop:
                 out_dtype = _gemm_out_dtype(act_dtype) if bias_hp is None else torch.float32
@@ -247,7 +255,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # -- dbias [N]: summed over tokens in fp32.
             if need_db:
                 db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -292,6 +300,32 @@ class Fp8Linear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = _resolve_config(config)
+        self._weight_fp8_key: tuple | None = None
+        self._weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """W's 128x128 quantization, cached while the weight is unchanged (None: don't cache).
+
+        The key is the weight's storage address, in-place version counter, shape, dtype and
+        device: an optimizer's in-place update bumps the version, assigning new data changes the
+        address or resets the version, so a stale copy is never used.
+        """
+        cfg = self.config
+        if not cfg.cache_weight_fp8 or not (cfg.fprop or cfg.dgrad):
+            return None
+        w = self.weight
+        try:
+            version = w._version
+        except RuntimeError:  # inference tensors keep no version counter: don't cache
+            return None
+        key = (w.data_ptr(), version, tuple(w.shape), w.dtype, w.device, cfg.pow2_scale)
+        if key != self._weight_fp8_key:
+            with torch.no_grad():
+                self._weight_fp8 = quant.per_block_cast_to_fp8(
+                    w.detach(), pow2_scale=cfg.pow2_scale
+                )
+            self._weight_fp8_key = key
+        return self._weight_fp8
 
     @classmethod
     def from_linear(
@@ -313,6 +347,7 @@ class Fp8Linear(nn.Linear):
             new = cls(linear.in_features, linear.out_features, bias=False, config=config)
         new.weight = linear.weight
         new.bias = linear.bias
+        new._weight_fp8_key = new._weight_fp8 = None
         new.train(linear.training)
         return new
 
@@ -332,7 +367,8 @@ class Fp8Linear(nn.Linear):
         x = input.reshape(-1, self.in_features)  # [M, K]
         # (The Function turns autocast off inside, so the reference GEMMs stay in fp32.)
         grad = torch.is_grad_enabled()
-        y = _Fp8LinearFunction.apply(x, self.weight, self.bias, self.config, grad)  # [M, N]
+        weight_q = self._quantized_weight()
+        y = _Fp8LinearFunction.apply(x, self.weight, self.bias, self.config, grad, weight_q)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

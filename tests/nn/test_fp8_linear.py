@@ -581,3 +581,38 @@ def test_bad_inputs():
         convert_to_fp8_training(nn.Linear(2, 2), module_filter_fn="lm_head")
     with pytest.raises(TypeError, match=r"linear must be a torch\.nn\.Linear"):
         Fp8Linear.from_linear(nn.Conv1d(2, 2, 1))
+
+
+def test_weight_quantization_cached_until_the_weight_changes(monkeypatch):
+    # Micro-batches of one step quantize W once; an optimizer step (in-place) invalidates it.
+    from ptxtrain import quant
+    from ptxtrain.optim import AdamW
+
+    calls = []
+    real = quant.per_block_cast_to_fp8
+    monkeypatch.setattr(
+        quant, "per_block_cast_to_fp8", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    torch.manual_seed(0)
+    lin = Fp8Linear(256, 384, bias=False, dtype=torch.bfloat16)
+    uncached = Fp8Linear.from_linear(lin, dataclasses.replace(lin.config, cache_weight_fp8=False))
+    opt = AdamW(lin.parameters(), lr=1e-2)
+    xs = [torch.randn(64, 256, dtype=torch.bfloat16) for _ in range(3)]
+    for x in xs:  # three micro-batches, one weight
+        lin(x).float().square().mean().backward()
+    assert len(calls) == 1
+    # Same bits as quantizing on every call.
+    x = xs[0].clone().requires_grad_()
+    x2 = xs[0].clone().requires_grad_()
+    y, y2 = lin(x), uncached(x2)
+    assert torch.equal(y, y2)
+    opt.step()
+    opt.zero_grad()
+    n = len(calls)
+    y3 = lin(xs[0])
+    assert len(calls) == n + 1, "the in-place optimizer update must invalidate the cache"
+    assert not torch.equal(y3, y)
+    assert torch.equal(y3, uncached(xs[0]))
+    with torch.no_grad():
+        lin.weight.mul_(2)  # any in-place change
+    assert torch.equal(lin(xs[1]), uncached(xs[1]))

@@ -1,0 +1,58 @@
+// ptxtrain/tma.cuh — Tensor Memory Accelerator bulk tensor copies (sm_90; DESIGN §3). PTX ISA
+// "Data Movement and Conversion Instructions: cp.async.bulk.tensor".
+//
+// The tensor map (CUtensorMap, 128 bytes, 64-byte aligned) is built on the host with
+// cuTensorMapEncodeTiled (ptxtrain.jit.launch.make_tma_2d_desc) and passed by value as a
+// `const __grid_constant__ TmaDescriptor` kernel parameter, so its address is a param-space
+// address the TMA unit can read.
+#pragma once
+
+#include "mbarrier.cuh"
+
+namespace ptxtrain {
+
+// Opaque host-encoded tensor map (same size and alignment as CUtensorMap).
+struct alignas(64) TmaDescriptor {
+  u64 opaque[16];
+};
+
+// "prefetch.tensormap": warms the descriptor cache line before the first copy.
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDescriptor* desc) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(desc) : "memory");
+}
+
+// 2D tiled load global -> shared completing on an mbarrier (complete_tx::bytes): the box at
+// (c0 = inner coordinate, c1 = outer coordinate) lands at `smem_dst`; the barrier's phase must
+// expect the box's bytes (mbarrier_arrive_expect_tx).
+__device__ __forceinline__ void tma_load_2d(void* smem_dst, const TmaDescriptor* desc, u64* bar,
+                                            int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_addr(smem_dst)),
+      "l"(desc), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// 2D tiled store shared -> global, tracked by bulk async-groups. Call
+// fence_proxy_async_shared_cta() between the shared-memory writes and this store.
+__device__ __forceinline__ void tma_store_2d(const TmaDescriptor* desc, const void* smem_src, int c0,
+                                             int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+          desc),
+      "r"(c0), "r"(c1), "r"(smem_addr(smem_src))
+      : "memory");
+}
+
+// "cp.async.bulk.commit_group": closes the group of bulk stores issued so far.
+__device__ __forceinline__ void tma_store_commit_group() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// "cp.async.bulk.wait_group.read": waits until at most N groups still read shared memory.
+template <int N>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+}  // namespace ptxtrain
