@@ -1,6 +1,6 @@
 // ptxtrain/ptx.cuh — thin `asm volatile` wrappers, one per PTX instruction (DESIGN §3).
 //
-// Every wrapper cites the section of the PTX ISA (version 9.0, CUDA 13.0) that defines its
+// Every wrapper cites, by title, the PTX ISA section (ISA 9.0, CUDA 13.0) that defines its
 // instruction. Header-only, no includes, so that NVRTC needs no CUDA toolkit headers.
 //
 // PTXTRAIN_AGGRESSIVE_PTX (default OFF): when defined, ld_nc_* use the read-only non-coherent
@@ -95,7 +95,7 @@ __device__ __forceinline__ void st_na_v4(int4* ptr, int4 v) {
                : "memory");
 }
 
-// ---- flags between GPUs / SMs (memory consistency model, PTX ISA §8) --------------------------
+// ---- flags between GPUs / SMs (PTX ISA "Memory Consistency Model") ------------------------
 
 // Release store at system scope: writes before it are visible to a thread (on any GPU or the
 // host) that reads the flag with ld_acquire_sys. PTX ISA "st" (.release.sys).
