@@ -1,0 +1,255 @@
+"""Point-to-point plumbing and per-stage bookkeeping shared by the pipeline schedules.
+
+- Every P2P message is self-describing: the sender first sends a one-element count, then an int64
+  header ``[n, 2 + MAX_NDIM]`` (dtype code, ndim, shape padded with -1), then the n payloads. Shapes
+  and dtypes are therefore inferred per message; there is no ``set_p2p_tensor_shapes`` and no
+  module-level mutable state. FP8 payloads travel as ``uint8`` views (gloo cannot carry FP8).
+- Sends are asynchronous (``isend``; the handles are kept until :meth:`P2P.wait_all`), receives
+  block. A schedule is then deadlock-free exactly when its dependency graph is acyclic, and the
+  order of messages on one channel (src, dst, tag) is the program order on both sides.
+- ``_StageRunner`` runs one stage for one direction of micro-batches: ``forward_chunk`` /
+  ``backward_chunk`` in micro-batch order, optionally deferring the weight-grad part (W) to a
+  :class:`WeightGradStore`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MAX_NDIM = 8
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Message kinds; the tag of a message is 2 * direction + kind, so every (src, dst, tag) channel
+# carries one stream of messages in micro-batch order.
+FWD, BWD = 0, 1
+
+
+def as_tuple(x: object) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+class P2P:
+    """Self-describing tensor-list send/recv between ranks of one process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+        self.group = group
+        self.device = device
+        self._pending: list = []  # (work, tensors kept alive until the send completes)
+
+    def _global(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> None:
+        dst = self._global(dst)
+        header = torch.full((len(tensors), 2 + MAX_NDIM), -1, dtype=torch.int64)
+        payloads = []
+        for i, t in enumerate(tensors):
+            if t.dtype not in _CODE:
+                raise TypeError(f"pipeline P2P cannot send dtype {t.dtype}")
+            if t.dim() > MAX_NDIM:
+                raise ValueError(
+                    f"pipeline P2P sends at most {MAX_NDIM}-D tensors, got {t.dim()}-D"
+                )
+            header[i, 0] = _CODE[t.dtype]
+            header[i, 1] = t.dim()
+            header[i, 2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            t = t.detach().contiguous()
+            payloads.append(t.view(torch.uint8) if t.dtype in _FP8 else t)
+        count = torch.tensor([len(tensors)], dtype=torch.int64, device=self.device)
+        msgs = [count, header.to(self.device), *payloads]
+        for m in msgs:
+            self._pending.append((dist.isend(m, dst, group=self.group, tag=tag), m))
+
+    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
+        src = self._global(src)
+        count = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(count, src, group=self.group, tag=tag)
+        n = int(count.item())
+        header = torch.empty((n, 2 + MAX_NDIM), dtype=torch.int64, device=self.device)
+        dist.recv(header, src, group=self.group, tag=tag)
+        out = []
+        for code, ndim, *shape in header.tolist():
+            dtype = _DTYPES[code]
+            shape = shape[:ndim]
+            if dtype in _FP8:
+                buf = torch.empty(shape, dtype=torch.uint8, device=self.device)
+                dist.recv(buf, src, group=self.group, tag=tag)
+                out.append(buf.view(dtype))
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(buf, src, group=self.group, tag=tag)
+                out.append(buf)
+        return out
+
+    def wait_all(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+class WeightGradStore:
+    """FIFO of deferred weight-gradient (W) closures, one entry per zero-bubble backward chunk.
+
+    ``put`` queues the W work of one chunk, ``pop`` runs the oldest, ``flush`` runs them all.
+    Instances live for one ``step()`` only (no class-level state).
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[Callable[[], None]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, fn: Callable[[], None]) -> None:
+        self._queue.append(fn)
+
+    def pop(self) -> None:
+        if self._queue:
+            self._queue.popleft()()
+
+    def flush(self) -> None:
+        while self._queue:
+            self.pop()
+
+
+def split_chunks(name: str, tensors: Sequence[object], n: int) -> list[tuple[torch.Tensor, ...]]:
+    """Split every tensor along dim 0 into ``n`` equal micro-batches; ``[n]`` tuples of tensors."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() == 0 or t.shape[0] % n:
+            raise ValueError(
+                f"{name}[{i}] must have a dim 0 divisible by the {n} micro-batches it is split "
+                f"into, got shape {tuple(t.shape)}"
+            )
+    if not tensors:
+        return [() for _ in range(n)]
+    return list(zip(*(t.chunk(n, dim=0) for t in tensors), strict=True))
+
+
+def agree_on_errors(errors: list[str], group, rank: int, world: int) -> None:
+    """Share every rank's failed local checks, then raise ``ValueError`` on every rank if any.
+
+    One small ``all_gather_object``, so a bad argument seen by one rank raises on every rank (with
+    every rank's message) instead of leaving the others waiting in a receive.
+    """
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, list(errors), group=group)
+    msgs = [f"rank {r}: {m}" for r, errs in enumerate(gathered) for m in errs]
+    if msgs:
+        raise ValueError("invalid pipeline step() arguments: " + "; ".join(msgs))
+
+
+def module_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class _StageRunner:
+    """One pipeline stage for one direction of micro-batches.
+
+    ``prev`` / ``next`` are the group ranks holding the previous / next stage (None at the ends).
+    The first stage takes ``input_chunks``; the last one applies ``criterion(*outputs, *labels)``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        p2p: P2P,
+        direction: int,
+        prev: int | None,
+        next_: int | None,
+        input_chunks: list[tuple] | None,
+        criterion: Callable | None,
+        label_chunks: list[tuple] | None,
+        keep_outputs: bool,
+    ):
+        self.module, self.p2p = module, p2p
+        self.prev, self.next = prev, next_
+        self.tag_fwd, self.tag_bwd = 2 * direction + FWD, 2 * direction + BWD
+        self.input_chunks, self.criterion, self.label_chunks = input_chunks, criterion, label_chunks
+        self.keep_outputs = keep_outputs
+        self.n_fwd = self.n_bwd = 0
+        self.states: dict[int, tuple] = {}  # chunk -> (stage inputs, tensors to backward from)
+        self.losses: list[torch.Tensor] = []
+        self.outputs: list[tuple] = []
+
+    def forward_chunk(self) -> None:
+        i = self.n_fwd
+        self.n_fwd += 1
+        if self.prev is None:
+            inputs = tuple(self.input_chunks[i])
+        else:
+            inputs = tuple(
+                t.requires_grad_() if t.is_floating_point() else t
+                for t in self.p2p.recv(self.prev, self.tag_fwd)
+            )
+        outputs = as_tuple(self.module(*inputs))
+        if self.next is None:
+            loss = self.criterion(*outputs, *self.label_chunks[i])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"criterion must return a one-element loss tensor, got {loss!r}")
+            self.losses.append(loss.detach())
+            if self.keep_outputs:
+                self.outputs.append(tuple(o.detach() for o in outputs))
+            self.states[i] = (inputs, (loss,))
+        else:
+            self.p2p.send(outputs, self.next, self.tag_fwd)
+            self.states[i] = (inputs, outputs)
+
+    def backward_chunk(self, wgrad_store: WeightGradStore | None = None) -> None:
+        """Backward of the oldest pending chunk; with ``wgrad_store`` only B now, W queued."""
+        i = self.n_bwd
+        self.n_bwd += 1
+        inputs, outs = self.states.pop(i)
+        grads = [None] if self.next is None else self.p2p.recv(self.next, self.tag_bwd)
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+        outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        in_req = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if outs and wgrad_store is not None:
+            # B: input grads only (keeping the graph); W: the parameter grads, later. Generic
+            # modules do W by a second pass over the graph restricted to the parameters; a real
+            # model splits W inside its linear layers instead (see the module docstrings).
+            if in_req:
+                torch.autograd.backward(outs, grads, inputs=in_req, retain_graph=bool(params))
+            if params:
+                wgrad_store.put(lambda: torch.autograd.backward(outs, grads, inputs=params))
+        elif outs:
+            torch.autograd.backward(outs, grads)
+        if self.prev is not None:
+            self.p2p.send(
+                [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs],
+                self.prev,
+                self.tag_bwd,
+            )
+
+    def total_loss(self) -> torch.Tensor:
+        return torch.stack([lo.reshape(()) for lo in self.losses]).sum()
+
+    def gathered_outputs(self):
+        cat = tuple(torch.cat(parts, dim=0) for parts in zip(*self.outputs, strict=True))
+        return cat[0] if len(cat) == 1 else cat

@@ -1,0 +1,242 @@
+"""DualPipe: bidirectional pipeline schedule (DeepSeek-V3 report §3.2.1; DESIGN §5, ANCHORS §3).
+
+Design notes:
+
+- PP ranks (PP even) and PP stages. Micro-batches enter from both ends: direction 0 goes from rank
+  0 to rank PP-1 through stages 0..PP-1, direction 1 from rank PP-1 to rank 0, also through stages
+  0..PP-1. Rank r therefore holds two modules: ``modules[0]`` = stage r (its place in direction 0)
+  and ``modules[1]`` = stage PP-1-r (its place in direction 1): 2x parameters per device.
+- Backward is split into B (input grads, on the critical path) and W (weight grads), and W is
+  deferred through a :class:`WeightGradStore` to fill the bubbles of the schedule's tail.
+- Bubble ``(PP/2-1)(F&B + B - 3W)`` against 1F1B's ``(PP-1)(F+B)``; activations for PP+1
+  micro-batches per device. Needs PP even and N = num_chunks even and >= 2·PP.
+- The schedule is written as the paper's figure reads, per rank, with ``k = min(r, PP-1-r)`` and
+  the rank's "near" direction (the one in which it comes early: 0 for r < PP/2, else 1):
+  (1) warmup forwards of the near direction, (2) alternate near/far forwards,
+  (3) B+W of the far direction then its forward, (4) main phase of F&B pairs,
+  (5) far B then an F&B pair, (6) pairs of backwards, (7) W then near B, (8) remaining W.
+  Here each F&B "pair" runs one after the other: correctness first, the overlap of one chunk's
+  communication with the other's compute (``overlapped_forward_backward``) is left for later.
+- Gradients: a rank's two modules are different stages, so nothing is reduced between them. But
+  stage s has two copies, on ranks s and PP-1-s, each receiving the gradient of one direction's
+  micro-batches only; the model's gradient is their sum. Call :meth:`DualPipe.reduce_mirrored_grads`
+  after ``step`` (or fold it into the data-parallel reduction) before the optimizer step, which
+  then keeps the two copies identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ptxtrain.parallel._p2p import (
+    P2P,
+    WeightGradStore,
+    _StageRunner,
+    agree_on_errors,
+    module_device,
+    split_chunks,
+)
+
+
+class DualPipe(nn.Module):
+    """Run two pipeline stages of one rank under the DualPipe schedule.
+
+    Args:
+        modules: ``(stage_r, stage_{PP-1-r})`` for group rank r: a sequence of exactly two
+            ``nn.Module``; each takes the previous stage's outputs (tensor or tuple of tensors) as
+            positional arguments and returns a tensor or a tuple of tensors.
+        process_group: the pipeline's process group (default: the world).
+
+    Raises:
+        ValueError: ``modules`` does not hold exactly two modules.
+        TypeError: an entry of ``modules`` is not an ``nn.Module``.
+    """
+
+    def __init__(
+        self, modules: Sequence[nn.Module], process_group: dist.ProcessGroup | None = None
+    ):
+        super().__init__()
+        if not isinstance(modules, (tuple, list)) or len(modules) != 2:
+            got = len(modules) if isinstance(modules, (tuple, list)) else type(modules).__name__
+            raise ValueError(
+                f"modules must be (stage_r, stage_PP-1-r): exactly two modules, got {got}"
+            )
+        for i, m in enumerate(modules):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"modules[{i}] must be an nn.Module, got {type(m).__name__}")
+        self.module = nn.ModuleList(modules)
+        self.group = process_group
+
+    def step(
+        self,
+        *inputs: torch.Tensor,
+        num_chunks: int,
+        criterion: Callable | None = None,
+        labels: Sequence[torch.Tensor] = (),
+        return_outputs: bool = False,
+    ) -> tuple[torch.Tensor | None, object]:
+        """One training step over ``num_chunks`` micro-batches, half entering at each end.
+
+        Args:
+            inputs: on rank 0 the batch of direction 0, on rank PP-1 the batch of direction 1;
+                empty on the other ranks. Each tensor is split along dim 0 into ``num_chunks / 2``
+                equal micro-batches.
+            num_chunks: total micro-batches (same int on every rank), even and >= 2·PP.
+            criterion: on ranks 0 and PP-1, ``criterion(*outputs, *labels) -> loss`` for one
+                micro-batch (one-element tensor).
+            labels: on rank PP-1 the labels of direction 0 (rank 0's inputs), on rank 0 those of
+                direction 1 (rank PP-1's inputs); split like the inputs.
+            return_outputs: on ranks 0 and PP-1, also return the last stage's outputs of the
+                direction ending there, concatenated along dim 0 (detached).
+
+        Returns:
+            ``(loss, outputs)``: on rank PP-1 the SUM of direction 0's micro-batch losses, on rank
+            0 that of direction 1 (0-d, detached; each rank's loss belongs to the OTHER end's
+            inputs). Other ranks get ``(None, None)``. Gradients of those sums accumulate into
+            the parameters; see :meth:`reduce_mirrored_grads`.
+
+        Raises:
+            ValueError: odd PP; ``num_chunks`` odd or < 2·PP; inputs missing on rank 0 / PP-1 or
+                given on another rank; criterion missing on rank 0 / PP-1; dim 0 of a tensor not
+                divisible by ``num_chunks / 2``. Every rank raises: global checks depend only on
+                the world size and ``num_chunks``, local ones are shared by one all-reduce.
+            TypeError: ``num_chunks`` not an int, an input or label not a tensor.
+        """
+        # 0. Validation.
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int):
+            raise TypeError(f"num_chunks must be an int, got {type(num_chunks).__name__}")
+        rank = dist.get_rank(self.group)
+        world = dist.get_world_size(self.group)
+        if world % 2:
+            raise ValueError(f"DualPipe needs an even number of pipeline ranks, got PP={world}")
+        if num_chunks % 2 or num_chunks < 2 * world:
+            raise ValueError(
+                f"num_chunks must be even and >= 2*PP = {2 * world} (PP={world}), got {num_chunks}"
+            )
+        n = num_chunks // 2  # micro-batches per direction
+        is_end = rank in (0, world - 1)
+        device = module_device(self.module)
+        errors: list[str] = []
+        input_chunks = label_chunks = None
+        try:
+            if is_end != bool(inputs):
+                where = f"are missing on rank {rank}" if is_end else f"were given on rank {rank}"
+                errors.append(f"inputs {where}; DualPipe takes inputs on ranks 0 and {world - 1}")
+            if is_end and criterion is None:
+                errors.append(f"criterion is missing on rank {rank} (an end of the pipeline)")
+            if is_end:
+                input_chunks = split_chunks("inputs", inputs, n)
+                label_chunks = split_chunks("labels", tuple(labels), n)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+        agree_on_errors(errors, self.group, rank, world)
+
+        p2p = P2P(self.group, device)
+        last = world - 1
+        stages = (
+            _StageRunner(  # direction 0: rank 0 -> rank PP-1
+                self.module[0],
+                p2p,
+                0,
+                prev=rank - 1 if rank > 0 else None,
+                next_=rank + 1 if rank < last else None,
+                input_chunks=input_chunks if rank == 0 else None,
+                criterion=criterion,
+                label_chunks=label_chunks if rank == last else None,
+                keep_outputs=return_outputs,
+            ),
+            _StageRunner(  # direction 1: rank PP-1 -> rank 0
+                self.module[1],
+                p2p,
+                1,
+                prev=rank + 1 if rank < last else None,
+                next_=rank - 1 if rank > 0 else None,
+                input_chunks=input_chunks if rank == last else None,
+                criterion=criterion,
+                label_chunks=label_chunks if rank == 0 else None,
+                keep_outputs=return_outputs,
+            ),
+        )
+        self._run_schedule(stages, rank, world, n)
+        p2p.wait_all()
+
+        ending = {0: stages[1], last: stages[0]}.get(rank)
+        if ending is None:
+            return None, None
+        return ending.total_loss(), (ending.gathered_outputs() if return_outputs else None)
+
+    @staticmethod
+    def _run_schedule(stages, rank: int, world: int, n: int) -> None:
+        half = world // 2
+        k = min(rank, world - 1 - rank)
+        near = stages[0] if rank < half else stages[1]  # the direction this rank is early in
+        far = stages[1] if rank < half else stages[0]
+        wgrad = WeightGradStore()
+
+        def _forward_backward(f: _StageRunner, b: _StageRunner) -> None:
+            # An F&B cell; sequential here (the overlap hook is future work).
+            f.forward_chunk()
+            b.backward_chunk()
+
+        # 1. Warmup: forwards of the near direction only.
+        for _ in range(2 * (half - k - 1)):
+            near.forward_chunk()
+        # 2. Forwards of both directions, alternating.
+        for _ in range(k + 1):
+            near.forward_chunk()
+            far.forward_chunk()
+        # 3. Far backward split into B then W, then a far forward.
+        for _ in range(half - k - 1):
+            far.backward_chunk(wgrad)
+            wgrad.pop()
+            far.forward_chunk()
+        # 4. Main phase: F&B pairs in both directions.
+        for _ in range(n - world + k + 1):
+            _forward_backward(near, far)
+            _forward_backward(far, near)
+        # 5. Far backward, then the last far forwards paired with near backwards.
+        for _ in range(half - k - 1):
+            far.backward_chunk()
+            _forward_backward(far, near)
+        # 6. Backwards of both directions; the near ones defer W to fill the tail.
+        for _ in range(k + 1):
+            far.backward_chunk()
+            near.backward_chunk(wgrad)
+        # 7. W of an earlier chunk, then a near backward with its W deferred.
+        for _ in range(half - k - 1):
+            wgrad.pop()
+            near.backward_chunk(wgrad)
+        # 8. Cooldown: the remaining W.
+        wgrad.flush()
+        assert all(s.n_fwd == n and s.n_bwd == n and not s.states for s in stages)
+
+    def reduce_mirrored_grads(self) -> None:
+        """Sum the gradients of the two copies of each stage (ranks r and PP-1-r hold stage r).
+
+        After it, ``modules[0]`` of rank r and ``modules[1]`` of rank PP-1-r carry the same
+        gradient: that of the whole model. Parameters without a gradient take part as zeros.
+        """
+        rank = dist.get_rank(self.group)
+        world = dist.get_world_size(self.group)
+        mirror = world - 1 - rank
+        device = module_device(self.module)
+        p2p = P2P(self.group, device)
+        mine = [
+            [p.grad if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
+            for m in self.module
+        ]
+        # Rank r's modules[0] is the mirror's modules[1] and vice versa.
+        p2p.send(mine[0] + mine[1], mirror, tag=4)
+        theirs = p2p.recv(mirror, tag=4)
+        n0 = len(mine[0])
+        got = (theirs[len(theirs) - n0 :], theirs[: len(theirs) - n0])
+        for m, own, other in zip(self.module, mine, got, strict=True):
+            if len(own) != len(other):
+                raise ValueError("the two copies of a stage must have the same parameters")
+            for p, g_own, g_other in zip(m.parameters(), own, other, strict=True):
+                p.grad = g_own + g_other
+        p2p.wait_all()

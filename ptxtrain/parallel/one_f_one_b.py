@@ -1,0 +1,131 @@
+"""1F1B pipeline schedule (one forward, one backward), the baseline DualPipe is measured against.
+
+Design notes (DESIGN §5, ANCHORS §3):
+
+- PP ranks, rank s holds stage s; micro-batches enter at rank 0 and the loss is computed at rank
+  PP-1. Each rank runs (1) warmup: ``min(PP-1-s, N)`` forwards, (2) steady state: one forward then
+  one backward until every forward is issued, (3) cooldown: the remaining backwards. At most
+  ``PP - s`` micro-batches' activations are alive on rank s (PP on rank 0).
+- Bubble per rank: ``(PP-1)(F+B)`` (F, B: one chunk's forward / full backward time).
+- Communication is plain async send + blocking receive (``_p2p``); compute/communication overlap is
+  not attempted here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ptxtrain.parallel._p2p import P2P, _StageRunner, agree_on_errors, module_device, split_chunks
+
+
+class OneFOneB(nn.Module):
+    """Run one pipeline stage under the 1F1B schedule.
+
+    Args:
+        module: this rank's stage. It takes the previous stage's outputs (a tensor or a tuple of
+            tensors) as positional arguments and returns a tensor or a tuple of tensors.
+        process_group: the pipeline's process group (default: the world); group rank s holds
+            stage s.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+    """
+
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.group = process_group
+
+    def step(
+        self,
+        *inputs: torch.Tensor,
+        num_chunks: int,
+        criterion: Callable | None = None,
+        labels: Sequence[torch.Tensor] = (),
+        return_outputs: bool = False,
+    ) -> tuple[torch.Tensor | None, object]:
+        """One training step (forward + backward) over ``num_chunks`` micro-batches.
+
+        Args:
+            inputs: the batch, given on rank 0 only (empty elsewhere); every tensor is split along
+                dim 0 into ``num_chunks`` equal micro-batches.
+            num_chunks: number of micro-batches N (same int on every rank), N >= 1.
+            criterion: on the last rank, ``criterion(*outputs, *labels) -> loss`` for one
+                micro-batch (one-element tensor); ignored elsewhere.
+            labels: on the last rank, tensors split along dim 0 like the inputs.
+            return_outputs: on the last rank, also return the stage outputs, concatenated over
+                the micro-batches along dim 0 (detached).
+
+        Returns:
+            ``(loss, outputs)``: on the last rank ``loss`` is the SUM of the N micro-batch losses
+            (0-d, detached) and the gradients accumulated into every stage's parameters are those
+            of that sum, as if one backward ran on it (scale the criterion by 1/N for a mean).
+            Elsewhere ``(None, None)``; ``outputs`` is None unless ``return_outputs``.
+
+        Raises:
+            ValueError: ``num_chunks`` < 1; inputs missing on rank 0 or given on another rank;
+                criterion missing on the last rank; a tensor whose dim 0 is not divisible by
+                ``num_chunks``. Checks on arguments only one rank sees are shared through one
+                all-reduce, so every rank raises (no rank is left waiting).
+            TypeError: ``num_chunks`` not an int, an input or label not a tensor.
+        """
+        # 0. Validation: global checks first (same result on every rank), then the local ones.
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int):
+            raise TypeError(f"num_chunks must be an int, got {type(num_chunks).__name__}")
+        if num_chunks < 1:
+            raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+        rank = dist.get_rank(self.group)
+        world = dist.get_world_size(self.group)
+        first, last = rank == 0, rank == world - 1
+        device = module_device(self.module)
+        errors: list[str] = []
+        input_chunks = label_chunks = None
+        try:
+            if first != bool(inputs):
+                where = "is missing on rank 0" if first else f"was given on rank {rank}"
+                errors.append(f"inputs {where}; 1F1B takes inputs on rank 0 only")
+            if last and criterion is None:
+                errors.append(f"criterion is missing on the last rank ({rank})")
+            if first:
+                input_chunks = split_chunks("inputs", inputs, num_chunks)
+            if last:
+                label_chunks = split_chunks("labels", tuple(labels), num_chunks)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+        agree_on_errors(errors, self.group, rank, world)
+
+        p2p = P2P(self.group, device)
+        stage = _StageRunner(
+            self.module,
+            p2p,
+            direction=0,
+            prev=None if first else rank - 1,
+            next_=None if last else rank + 1,
+            input_chunks=input_chunks,
+            criterion=criterion,
+            label_chunks=label_chunks,
+            keep_outputs=return_outputs,
+        )
+        n_warmup = min(world - 1 - rank, num_chunks)
+
+        # 1. Warmup: forwards only, filling the pipeline.
+        for _ in range(n_warmup):
+            stage.forward_chunk()
+        # 2. Steady state: one forward, one backward.
+        for _ in range(num_chunks - n_warmup):
+            stage.forward_chunk()
+            stage.backward_chunk()
+        # 3. Cooldown: drain the remaining backwards.
+        for _ in range(n_warmup):
+            stage.backward_chunk()
+        p2p.wait_all()
+
+        if not last:
+            return None, None
+        return stage.total_loss(), (stage.gathered_outputs() if return_outputs else None)

@@ -1,0 +1,44 @@
+"""Spawn a CPU gloo process group for a test and fail (not hang) if it does not finish in time."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn, world: int, *args, timeout_s: float = 60.0) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; re-raise a rank's error.
+
+    Raises ``TimeoutError`` (after killing the ranks) when they have not all finished within
+    ``timeout_s``, which is how a hang in a schedule fails a test.
+    """
+    ctx = mp.start_processes(
+        _entry, args=(world, _free_port(), fn, args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=0.2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"gloo group of {world} ranks did not finish in {timeout_s} s")
