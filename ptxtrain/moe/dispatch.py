@@ -1,0 +1,425 @@
+"""Expert-parallel dispatch / combine in DeepEP's shape, on ``torch.distributed.all_to_all_single``.
+
+Design note (DeepSeek-V3 report §3.2.2; DESIGN §4; the API follows DeepEP's V1 ``Buffer``,
+ANCHORS §2).
+
+Experts are split contiguously over the ``R`` ranks of the group: rank ``r`` holds the
+``E_local = E / R`` experts ``[r·E_local, (r+1)·E_local)``. A token goes **once** to every rank
+that holds at least one of its top-k experts (not once per expert); an id of ``-1`` in ``topk_idx``
+means "no expert" and is skipped.
+
+Layouts.
+
+- Send side: the rows sent to rank ``r`` are the tokens ``t`` with ``is_token_in_rank[t, r]``, in
+  ascending ``t``; the send buffer is these groups concatenated in rank order
+  (``handle.send_src_idx`` maps a send row to its token).
+- Receive side: ``recv_x [N, H]`` holds the tokens **ordered by source rank, then by source token
+  index** (``handle.recv_src_rank`` / ``handle.recv_src_idx`` give both for every row).
+  ``recv_topk_idx [N, k]`` holds *local* expert ids (``global - rank·E_local``) and ``-1`` for
+  slots whose expert lives on another rank (or was ``-1``); ``recv_topk_weights`` is 0 in those
+  slots. Rows are not grouped by expert: the receiver permutes (e.g. with
+  :func:`ptxtrain.moe.ref.permute_ref`) using ``num_recv_tokens_per_expert``.
+- FP8 dispatch: ``(x_fp8 [T, H] e4m3, sf [T, ⌈H/128⌉] fp32)`` travels as one ``uint8`` message
+  per row (the FP8 bytes followed by the scale bytes): bit-exact, and gloo carries no FP8 dtype.
+
+Messages per dispatch: one ``all_to_all_single`` of the per-rank token counts (so every rank
+knows its receive sizes), one of ``[source token index, topk_idx]`` (int64), one of the weights
+and one of the activations. ``combine`` is one ``all_to_all_single`` with the splits swapped,
+then an ``index_add`` per source token accumulated in fp32 (fp64 for fp64 inputs).
+
+The :class:`DispatchHandle` keeps the layout (counts per peer, the token index of every sent and
+received row, ``is_token_in_rank``) so that ``combine`` and the backward passes replay it with no
+further count exchange. Autograd: the backward of dispatch is a combine of the gradient, the
+backward of combine is a dispatch of the gradient with the handle.
+
+What the NVLink kernel backend will replace: the ``all_to_all_single`` calls and the gathers /
+``index_add`` around them become DeepEP-style kernels writing straight into peers' buffers
+(PyTorch symmetric memory) on a configurable number of SMs, with async events for
+communication/computation overlap; the API, the handle's meaning and the receive order stay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ptxtrain._checks import ceil_div, check_positive_int, check_shape, check_tensor
+from ptxtrain.quant.ref import BLOCK, FP8_DTYPE
+
+__all__ = ["Buffer", "DispatchHandle", "get_dispatch_layout"]
+
+_X_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
+_W_DTYPES = (torch.float32, torch.float64)
+_BACKENDS = ("all_to_all",)
+
+
+def _check_topk_idx(topk_idx: object, num_experts: int) -> torch.Tensor:
+    check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
+    if topk_idx.numel() > 0:
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(
+                f"topk_idx must hold expert ids in [0, num_experts={num_experts}) or -1, "
+                f"got values in [{lo}, {hi}]"
+            )
+    return topk_idx
+
+
+def _check_experts(num_experts: object, num_ranks: int) -> int:
+    check_positive_int("num_experts", num_experts)
+    if num_experts % num_ranks != 0:
+        raise ValueError(
+            f"num_experts must be a multiple of the number of ranks {num_ranks}, got {num_experts}"
+        )
+    return num_experts
+
+
+def get_dispatch_layout(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which ranks each token goes to, and the token counts per rank and per expert.
+
+    Pure function (no communication); experts are split contiguously over ranks
+    (rank ``r`` holds experts ``[r·E/R, (r+1)·E/R)``).
+
+    Args:
+        topk_idx: ``[T, k]`` int64 expert ids in ``[0, num_experts)``, or ``-1`` for "no expert"
+            (skipped). Ids within a row are expected distinct (as top-k gives them).
+        num_experts: ``E``, a multiple of ``num_ranks``.
+        num_ranks: ``R``, the expert-parallel world size.
+
+    Returns:
+        ``num_tokens_per_rank [R]`` int64 (tokens sent to each rank, each token counted once per
+        rank however many of its experts live there), ``num_tokens_per_expert [E]`` int64
+        (tokens routed to each expert) and ``is_token_in_rank [T, R]`` bool.
+
+    Raises:
+        TypeError: ``topk_idx`` is not an int64 tensor; ``num_experts``/``num_ranks`` not ints.
+        ValueError: ``topk_idx`` is not 2-D or holds ids outside ``[-1, E)``; ``num_experts``
+            is not a positive multiple of ``num_ranks``.
+
+    Source: DeepEP ``Buffer.get_dispatch_layout`` (ANCHORS §2), without the RDMA-rank count.
+    """
+    check_positive_int("num_ranks", num_ranks)
+    _check_experts(num_experts, num_ranks)
+    _check_topk_idx(topk_idx, num_experts)
+    n_tokens = topk_idx.shape[0]
+    experts_per_rank = num_experts // num_ranks
+    valid = topk_idx >= 0  # [T, k]
+    # Invalid slots point at a spill column R that is dropped afterwards.
+    dest = torch.where(valid, topk_idx // experts_per_rank, num_ranks)  # [T, k]
+    is_token_in_rank = torch.zeros(
+        n_tokens, num_ranks + 1, dtype=torch.bool, device=topk_idx.device
+    ).scatter_(1, dest, True)[:, :num_ranks]  # [T, R]
+    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int64)  # [R]
+    num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts)  # [E]
+    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank.contiguous()
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchHandle:
+    """The communication layout of one :meth:`Buffer.dispatch`, replayed by ``combine``.
+
+    Attributes:
+        rank / num_ranks: this rank and the group size.
+        num_experts: ``E`` (global).
+        num_tokens: ``T``, tokens this rank dispatched.
+        send_counts: rows sent to each rank (``R`` ints; = ``num_tokens_per_rank``).
+        recv_counts: rows received from each rank (``R`` ints).
+        send_src_idx: ``[S]`` int64, the token index of every sent row (grouped by destination,
+            ascending within a group).
+        recv_src_rank / recv_src_idx: ``[N]`` int64, source rank and source token index of every
+            received row (the receive order: by source rank, then source token index).
+        is_token_in_rank: ``[T, R]`` bool.
+        group: the process group (``None`` = the default group).
+    """
+
+    rank: int
+    num_ranks: int
+    num_experts: int
+    num_tokens: int
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    send_src_idx: torch.Tensor
+    recv_src_rank: torch.Tensor
+    recv_src_idx: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    group: dist.ProcessGroup | None
+
+    @property
+    def num_recv_tokens(self) -> int:
+        """``N``, rows received by this rank."""
+        return sum(self.recv_counts)
+
+
+def _exchange(
+    t: torch.Tensor, in_splits: tuple[int, ...], out_splits: tuple[int, ...], group
+) -> torch.Tensor:
+    """``all_to_all_single`` of the rows of ``t`` (dim 0), any trailing shape."""
+    t = t.contiguous()
+    out = t.new_empty((sum(out_splits), *t.shape[1:]))
+    dist.all_to_all_single(
+        out, t, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=group
+    )
+    return out
+
+
+def _dispatch_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Token rows ``[T, ...]`` -> received rows ``[N, ...]`` (no gradient tracking)."""
+    send = t.index_select(0, handle.send_src_idx)  # [S, ...]
+    return _exchange(send, handle.send_counts, handle.recv_counts, handle.group)
+
+
+def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Received rows ``[N, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation)."""
+    back = _exchange(t, handle.recv_counts, handle.send_counts, handle.group)  # [S, ...]
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    out = torch.zeros((handle.num_tokens, *t.shape[1:]), dtype=acc, device=t.device)
+    out.index_add_(0, handle.send_src_idx, back.to(acc))  # [T, ...]
+    return out.to(t.dtype)
+
+
+class _DispatchFn(torch.autograd.Function):
+    """Differentiable dispatch of token rows; backward = combine of the gradient."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        ctx.handle = handle
+        return _dispatch_rows(t, handle)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _combine_rows(grad, ctx.handle), None
+
+
+class _CombineFn(torch.autograd.Function):
+    """Differentiable combine of received rows; backward = dispatch of the gradient."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        ctx.handle = handle
+        return _combine_rows(t, handle)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _dispatch_rows(grad, ctx.handle), None
+
+
+class Buffer:
+    """Expert-parallel communication buffer for one process group (DeepEP's ``Buffer`` shape).
+
+    Args:
+        group: the expert-parallel process group; ``None`` uses the default group, which must be
+            initialized (``torch.distributed.init_process_group``).
+        backend: ``"all_to_all"`` — ``torch.distributed.all_to_all_single`` (NCCL on GPUs, gloo
+            on CPU; any world size). The NVLink kernel backend is not implemented yet.
+
+    Every rank of the group must call ``dispatch`` / ``combine`` (and their backward passes) in
+    the same order, as with any collective.
+
+    Raises:
+        ValueError: unknown ``backend``, or the default group is not initialized.
+
+    Source: DeepEP V1 ``Buffer`` (ANCHORS §2); DESIGN §4.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, backend: str = "all_to_all"):
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "Buffer needs an initialized torch.distributed process group "
+                "(call torch.distributed.init_process_group first)"
+            )
+        self.group = group
+        self.backend = backend
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+
+    # ------------------------------------------------------------------ validation
+    def _check_dispatch_args(self, x, topk_idx, topk_weights, num_experts):
+        _check_experts(num_experts, self.num_ranks)
+        if isinstance(x, (tuple, list)):
+            if len(x) != 2:
+                raise ValueError(f"x as a tuple must be (x_fp8, sf), got {len(x)} items")
+            x_fp8, sf = x
+            check_tensor("x[0] (x_fp8)", x_fp8, dtypes=(FP8_DTYPE,), ndim=2)
+            check_tensor("x[1] (sf)", sf, dtypes=(torch.float32,), ndim=2)
+            n_tokens, hidden = x_fp8.shape
+            check_shape("x[1] (sf)", sf, (n_tokens, ceil_div(hidden, BLOCK)), "[T, ⌈H/128⌉]")
+            device = x_fp8.device
+            if sf.device != device:
+                raise ValueError(f"sf must be on x_fp8's device {device}, got {sf.device}")
+        else:
+            check_tensor("x", x, dtypes=_X_DTYPES, ndim=2)
+            n_tokens, device = x.shape[0], x.device
+        _check_topk_idx(topk_idx, num_experts)
+        if topk_idx.shape[0] != n_tokens:
+            raise ValueError(
+                f"topk_idx must be [T={n_tokens}, k] like x, got {tuple(topk_idx.shape)}"
+            )
+        check_tensor("topk_weights", topk_weights, dtypes=_W_DTYPES, ndim=2)
+        check_shape("topk_weights", topk_weights, tuple(topk_idx.shape), "like topk_idx")
+        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if t.device != device:
+                raise ValueError(f"{name} must be on x's device {device}, got {t.device}")
+
+    # ------------------------------------------------------------------ public API
+    def get_dispatch_layout(
+        self, topk_idx: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`get_dispatch_layout` over this buffer's group size."""
+        return get_dispatch_layout(topk_idx, num_experts, self.num_ranks)
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        num_experts: int,
+    ) -> tuple[
+        torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        torch.Tensor,
+        torch.Tensor,
+        list[int],
+        DispatchHandle,
+    ]:
+        """Send every token once to each rank holding at least one of its experts.
+
+        Args:
+            x: ``[T, H]`` bfloat16 / float32 / float16 / float64 tokens, or the FP8 pair
+                ``(x_fp8 [T, H] float8_e4m3fn, sf [T, ⌈H/128⌉] float32)`` from
+                :func:`ptxtrain.quant.ref.per_token_cast_to_fp8` (sent bit-exact). ``T`` may be 0.
+            topk_idx: ``[T, k]`` int64 global expert ids in ``[0, E)``, or ``-1`` (no expert).
+            topk_weights: ``[T, k]`` float32 / float64 gate weights.
+            num_experts: ``E`` (global), a multiple of the group size.
+
+        Returns:
+            ``recv_x``: ``[N, H]`` in ``x``'s dtype (or the pair ``(recv_x_fp8 [N, H],
+            recv_sf [N, ⌈H/128⌉])``), ordered by source rank, then source token index;
+            ``recv_topk_idx [N, k]`` int64 local expert ids (``global - rank·E/R``), ``-1`` where
+            the expert is on another rank or was ``-1``; ``recv_topk_weights [N, k]`` in
+            ``topk_weights``' dtype, 0 where ``recv_topk_idx`` is ``-1``;
+            ``num_recv_tokens_per_expert``: ``E/R`` ints, the rows each local expert gets;
+            ``handle``: the :class:`DispatchHandle` for :meth:`combine`.
+
+            Differentiable with respect to ``x`` (high-precision path) and ``topk_weights``:
+            the backward combines the gradients back to the source tokens (collective: every
+            rank must run its backward).
+
+        Raises:
+            TypeError: a wrong dtype or a non-tensor argument (the message names it).
+            ValueError: wrong shapes, ids outside ``[-1, E)``, ``E`` not a multiple of the
+                group size, tensors on different devices. Raised before any communication.
+
+        Source: DeepEP ``Buffer.dispatch`` (ANCHORS §2); DESIGN §4.
+        """
+        self._check_dispatch_args(x, topk_idx, topk_weights, num_experts)
+        handle, recv_topk_idx = self._make_handle(topk_idx, num_experts)
+        local = recv_topk_idx >= 0  # [N, k]
+
+        if isinstance(x, (tuple, list)):
+            x_fp8, sf = x
+            hidden = x_fp8.shape[1]
+            packed = torch.cat(
+                [x_fp8.contiguous().view(torch.uint8), sf.contiguous().view(torch.uint8)], dim=1
+            )  # [T, H + 4·⌈H/128⌉] bytes
+            recv = _dispatch_rows(packed, handle)  # [N, H + 4·⌈H/128⌉]
+            recv_x = (
+                recv[:, :hidden].contiguous().view(FP8_DTYPE),
+                recv[:, hidden:].contiguous().view(torch.float32),
+            )
+        else:
+            recv_x = _DispatchFn.apply(x, handle)  # [N, H]
+
+        recv_w = _DispatchFn.apply(topk_weights, handle)  # [N, k]
+        recv_topk_weights = torch.where(local, recv_w, torch.zeros_like(recv_w))
+        experts_per_rank = num_experts // self.num_ranks
+        num_recv_tokens_per_expert = torch.bincount(
+            recv_topk_idx[local], minlength=experts_per_rank
+        ).tolist()
+        return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Send every received row back to its source token and sum the contributions.
+
+        A plain sum (the caller applies the gate weights, as in DeepEP): ``combined_x[t] =
+        Σ_{rows n of token t} x[n]`` over the ranks token ``t`` was dispatched to; a token sent
+        nowhere gets zeros. Accumulated in fp32 (fp64 for fp64 input), returned in ``x``'s dtype.
+
+        Args:
+            x: ``[N, H]`` bfloat16 / float32 / float16 / float64, rows in the receive order of
+                ``handle`` (``N = handle.num_recv_tokens``).
+            handle: the :class:`DispatchHandle` returned by this buffer's :meth:`dispatch`.
+
+        Returns:
+            ``combined_x [T, H]`` in ``x``'s dtype. Differentiable: the backward dispatches the
+            gradient with the handle (collective).
+
+        Raises:
+            TypeError: ``x`` has a wrong dtype or ``handle`` is not a :class:`DispatchHandle`.
+            ValueError: ``x`` is not ``[N, H]``, or the handle belongs to another group size.
+
+        Source: DeepEP ``Buffer.combine`` (ANCHORS §2); DESIGN §4.
+        """
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
+        if handle.num_ranks != self.num_ranks or handle.rank != self.rank:
+            raise ValueError(
+                f"handle was made on rank {handle.rank} of {handle.num_ranks}, this buffer is "
+                f"rank {self.rank} of {self.num_ranks}"
+            )
+        check_tensor("x", x, dtypes=_X_DTYPES, ndim=2)
+        if x.shape[0] != handle.num_recv_tokens:
+            raise ValueError(
+                f"x must have handle.num_recv_tokens={handle.num_recv_tokens} rows, "
+                f"got shape {tuple(x.shape)}"
+            )
+        return _CombineFn.apply(x, handle)
+
+    # ------------------------------------------------------------------ internals
+    def _make_handle(
+        self, topk_idx: torch.Tensor, num_experts: int
+    ) -> tuple[DispatchHandle, torch.Tensor]:
+        """Layout + count exchange + exchange of (source index, topk_idx); local recv ids."""
+        n_ranks, group = self.num_ranks, self.group
+        num_tokens_per_rank, _, is_token_in_rank = get_dispatch_layout(
+            topk_idx, num_experts, n_ranks
+        )
+        # (rank, token) pairs in rank-major, token-ascending order: the send order.
+        send_src_idx = is_token_in_rank.t().nonzero()[:, 1].contiguous()  # [S]
+        recv_counts_t = torch.empty_like(num_tokens_per_rank)
+        dist.all_to_all_single(recv_counts_t, num_tokens_per_rank.contiguous(), group=group)
+        send_counts = tuple(num_tokens_per_rank.tolist())
+        recv_counts = tuple(recv_counts_t.tolist())
+
+        tokens = torch.arange(topk_idx.shape[0], dtype=torch.int64, device=topk_idx.device)
+        meta = torch.cat([tokens.unsqueeze(1), topk_idx], dim=1)  # [T, 1 + k]
+        recv_meta = _exchange(meta.index_select(0, send_src_idx), send_counts, recv_counts, group)
+        recv_src_idx = recv_meta[:, 0].contiguous()  # [N]
+        recv_global = recv_meta[:, 1:]  # [N, k]
+        recv_src_rank = torch.repeat_interleave(
+            torch.arange(n_ranks, device=topk_idx.device), recv_counts_t.to(topk_idx.device)
+        )  # [N]
+
+        experts_per_rank = num_experts // n_ranks
+        first = self.rank * experts_per_rank
+        is_local = (recv_global >= first) & (recv_global < first + experts_per_rank)
+        recv_topk_idx = torch.where(is_local, recv_global - first, -1)  # [N, k]
+
+        handle = DispatchHandle(
+            rank=self.rank,
+            num_ranks=n_ranks,
+            num_experts=num_experts,
+            num_tokens=topk_idx.shape[0],
+            send_counts=send_counts,
+            recv_counts=recv_counts,
+            send_src_idx=send_src_idx,
+            recv_src_rank=recv_src_rank,
+            recv_src_idx=recv_src_idx,
+            is_token_in_rank=is_token_in_rank,
+            group=group,
+        )
+        return handle, recv_topk_idx

@@ -1,0 +1,272 @@
+"""Expert-parallel dispatch / combine on gloo, against single-process recomputations.
+
+Following DeepEP's test method (ANCHORS §2): every rank builds *all* ranks' inputs from one seed,
+so it can recompute, in plain Python, what it must receive. Rows are rank-encoded (column 0 = the
+source rank, column 1 = the source token index), so the order of received rows is checked both
+against the recomputation and by decoding the rows themselves. Each world size spawns its
+processes once and runs every check inside.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ptxtrain.moe.dispatch import Buffer, DispatchHandle, get_dispatch_layout
+from ptxtrain.moe.ref import permute_ref, unpermute_ref
+from ptxtrain.quant.ref import per_token_cast_to_fp8
+from tests.moe._dist import run_gloo
+
+# --------------------------------------------------------------------------- input builders
+
+
+def _routing(g, n_tokens, k, num_experts, allowed, p_none):
+    """[T, k] distinct experts drawn from ``allowed`` (skewed: uneven loads), some slots -1."""
+    probs = torch.zeros(num_experts, dtype=torch.float64)
+    probs[allowed] = (torch.arange(len(allowed), dtype=torch.float64) + 1) ** 2  # skewed loads
+    if n_tokens == 0:
+        return torch.empty(0, k, dtype=torch.int64)
+    idx = torch.multinomial(probs.expand(n_tokens, -1), k, replacement=False, generator=g)
+    none = torch.rand(n_tokens, k, generator=g) < p_none
+    return torch.where(none, -1, idx)
+
+
+def _scenario(world, seed, tokens, hidden, k, num_experts, *, deaf_rank=None, mute_rank=None):
+    """All ranks' (x fp32 rank-encoded, topk_idx, topk_weights fp32).
+
+    ``deaf_rank``: no token routes to its experts (it receives nothing); ``mute_rank``: all its
+    slots are -1 (it has tokens but sends nothing).
+    """
+    g = torch.Generator().manual_seed(seed)
+    per_rank = num_experts // world
+    allowed = [e for e in range(num_experts) if deaf_rank is None or e // per_rank != deaf_rank]
+    xs, idxs, ws = [], [], []
+    for r in range(world):
+        n = tokens[r]
+        x = torch.randn(n, hidden, generator=g)
+        x[:, 0] = r
+        x[:, 1] = torch.arange(n)
+        idx = _routing(g, n, k, num_experts, allowed, p_none=0.15)
+        if r == mute_rank:
+            idx.fill_(-1)
+        elif n > 0 and k <= per_rank:
+            # token 0: all k experts on one rank (other than deaf_rank) -> must be sent once.
+            dst = next(q % world for q in range(r + 1, r + 1 + world) if q % world != deaf_rank)
+            idx[0] = dst * per_rank + torch.randperm(per_rank, generator=g)[:k]
+        xs.append(x)
+        idxs.append(idx)
+        ws.append(torch.rand(n, k, generator=g) + 0.1)
+    return xs, idxs, ws
+
+
+def _expected(me, world, num_experts, xs, idxs, ws):
+    """What rank ``me`` must receive, by a plain Python loop (independent of the module)."""
+    per_rank = num_experts // world
+    rows, loc_idx, loc_w, src = [], [], [], []
+    for s in range(world):
+        for t in range(idxs[s].shape[0]):
+            ids = idxs[s][t].tolist()
+            loc = [e - me * per_rank if e >= 0 and e // per_rank == me else -1 for e in ids]
+            if all(v < 0 for v in loc):
+                continue
+            rows.append(xs[s][t])
+            loc_idx.append(loc)
+            loc_w.append([float(ws[s][t, j]) if loc[j] >= 0 else 0.0 for j in range(len(loc))])
+            src.append((s, t))
+    hidden, k = xs[0].shape[1], idxs[0].shape[1]
+    recv_x = torch.stack(rows) if rows else xs[0].new_empty(0, hidden)
+    recv_idx = torch.tensor(loc_idx, dtype=torch.int64).reshape(-1, k)
+    recv_w = torch.tensor(loc_w, dtype=ws[0].dtype).reshape(-1, k)
+    counts = [sum(row.count(e) for row in loc_idx) for e in range(per_rank)]
+    return recv_x, recv_idx, recv_w, counts, src
+
+
+def _check_exact(name, got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{name}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    )
+    # Dispatch only moves data: exact equality (bytes for FP8, which lacks ==).
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    assert torch.equal(got, want), f"{name} differs: {(got != want).nonzero()[:5].tolist()}"
+
+
+# --------------------------------------------------------------------------- checks per rank
+
+
+def _check_validation(buf, rank):
+    x = torch.randn(4, 8)
+    idx = torch.tensor([[0, 1], [2, -1], [1, 0], [-1, -1]])
+    w = torch.rand(4, 2)
+    n_exp = 2 * buf.num_ranks
+    bad = [
+        (TypeError, "x", dict(x=x.long())),
+        (ValueError, "x", dict(x=x[0])),
+        (TypeError, "topk_idx", dict(topk_idx=idx.int())),
+        (ValueError, "topk_idx", dict(topk_idx=idx[:3])),
+        (ValueError, "topk_idx", dict(topk_idx=idx.clamp(max=0) - 2)),
+        (ValueError, "topk_idx", dict(topk_idx=idx + n_exp)),
+        (TypeError, "topk_weights", dict(topk_weights=w.bfloat16())),
+        (ValueError, "topk_weights", dict(topk_weights=w[:, :1])),
+        (ValueError, "num_experts", dict(num_experts=n_exp + 1)),
+        (TypeError, "num_experts", dict(num_experts=2.0)),
+        (TypeError, "x_fp8", dict(x=(x, torch.ones(4, 1)))),
+        (ValueError, "sf", dict(x=(x.to(torch.float8_e4m3fn), torch.ones(4, 2)))),
+    ]
+    for exc, word, override in bad:
+        args = dict(x=x, topk_idx=idx, topk_weights=w, num_experts=n_exp) | override
+        with pytest.raises(exc, match=word):
+            buf.dispatch(**args)
+    with pytest.raises(ValueError, match="backend"):
+        Buffer(backend="nvlink")
+    with pytest.raises(TypeError, match="handle"):
+        buf.combine(x, handle=None)
+
+
+def _check_layout_and_dispatch(buf, rank, world, seed, tokens, k, num_experts, **kw):
+    xs, idxs, ws = _scenario(world, seed, tokens, 16, k, num_experts, **kw)
+    # The pure layout against a Python loop.
+    per_rank = num_experts // world
+    n_rank, n_exp, in_rank = get_dispatch_layout(idxs[rank], num_experts, world)
+    want_in = torch.tensor(
+        [
+            [any(e >= 0 and e // per_rank == r for e in row) for r in range(world)]
+            for row in idxs[rank].tolist()
+        ],
+        dtype=torch.bool,
+    ).reshape(-1, world)
+    _check_exact("is_token_in_rank", in_rank, want_in)
+    _check_exact("num_tokens_per_rank", n_rank, want_in.sum(0))
+    want_exp = torch.tensor([(idxs[rank] == e).sum() for e in range(num_experts)])
+    _check_exact("num_tokens_per_expert", n_exp, want_exp)
+
+    recv_x, recv_idx, recv_w, counts, handle = buf.dispatch(
+        xs[rank], idxs[rank], ws[rank], num_experts
+    )
+    want_x, want_idx, want_w, want_counts, src = _expected(rank, world, num_experts, xs, idxs, ws)
+    _check_exact("recv_x", recv_x, want_x)
+    _check_exact("recv_topk_idx", recv_idx, want_idx)
+    _check_exact("recv_topk_weights", recv_w, want_w)
+    assert counts == want_counts, f"num_recv_tokens_per_expert {counts} != {want_counts}"
+    # Order: by source rank, then source token, decoded from the rows themselves and the handle.
+    decoded = [(int(a), int(b)) for a, b in recv_x[:, :2].tolist()]
+    assert decoded == src == sorted(src), f"receive order {decoded[:8]} != {src[:8]}"
+    from_handle = list(zip(handle.recv_src_rank.tolist(), handle.recv_src_idx.tolist()))
+    assert from_handle == src
+    assert isinstance(handle, DispatchHandle) and handle.num_recv_tokens == len(src)
+    return xs, idxs, ws
+
+
+def _check_fp8(buf, rank, world, num_experts):
+    xs, idxs, ws = _scenario(world, 11, [6, 3, 8, 5][:world], 200, 2, num_experts)
+    q = [per_token_cast_to_fp8(x * 10) for x in xs]  # H=200: a tail block, sf [T, 2]
+    (rx, rsf), recv_idx, _, _, _ = buf.dispatch(q[rank], idxs[rank], ws[rank], num_experts)
+    want_q, want_idx, *_ = _expected(rank, world, num_experts, [a for a, _ in q], idxs, ws)
+    want_sf, *_ = _expected(rank, world, num_experts, [b for _, b in q], idxs, ws)
+    _check_exact("recv_x_fp8", rx, want_q)
+    _check_exact("recv_sf", rsf, want_sf)
+    _check_exact("recv_topk_idx (fp8)", recv_idx, want_idx)
+
+
+def _check_combine_bf16(buf, rank, world, num_experts):
+    xs, idxs, ws = _scenario(world, 12, [7, 4, 9, 6][:world], 24, 3, num_experts)
+    x = xs[rank].bfloat16().requires_grad_()
+    recv_x, _, _, _, handle = buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+    assert recv_x.dtype == torch.bfloat16
+    out = buf.combine(recv_x, handle)
+    n_ranks = handle.is_token_in_rank.sum(1, keepdim=True).float()  # distinct ranks per token
+    # ≤4 bf16 copies sum exactly in fp32, then one rounding, as in the reference: exact.
+    _check_exact("combine(dispatch(x))", out, (x.detach().float() * n_ranks).bfloat16())
+    # Backward through combine (a dispatch) and dispatch (a combine): d(sum out)/dx = n_ranks,
+    # small integers, exact in bf16.
+    out.sum().backward()
+    _check_exact("bf16 dx", x.grad, n_ranks.expand_as(x).bfloat16())
+
+
+def _moe_reference(x, idx, w, experts):
+    """Single-process top-k MoE with ``f_e(x) = tanh(x W_e)``; -1 slots contribute nothing."""
+    clean_idx = idx.clamp(min=0)
+    clean_w = torch.where(idx >= 0, w, torch.zeros_like(w))
+    xp, slots, per_expert = permute_ref(x, clean_idx, experts.shape[0])
+    chunks = xp.split(per_expert.tolist())
+    yp = torch.cat([torch.tanh(c @ experts[e]) for e, c in enumerate(chunks)])
+    return unpermute_ref(yp, slots, clean_w)
+
+
+def _check_moe_end_to_end(buf, rank, world, num_experts):
+    g = torch.Generator().manual_seed(13)
+    hidden = 12
+    xs, idxs, ws = _scenario(world, 13, [8, 5, 0, 7][:world], hidden, 3, num_experts)
+    experts = torch.randn(num_experts, hidden, hidden, generator=g, dtype=torch.float64) * 0.3
+    grads_out = [torch.randn(x.shape[0], hidden, generator=g, dtype=torch.float64) for x in xs]
+    xs = [x.double().requires_grad_() for x in xs]
+    ws = [w.double().requires_grad_() for w in ws]
+
+    # Distributed: dispatch -> local experts on the receiving side -> weighted sum -> combine.
+    recv_x, recv_idx, recv_w, _, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+    per_rank = num_experts // world
+    y_recv = torch.zeros_like(recv_x)
+    for j in range(recv_idx.shape[1]):
+        for e in range(per_rank):
+            hit = (recv_idx[:, j] == e).unsqueeze(1)
+            y_e = recv_w[:, j : j + 1] * torch.tanh(recv_x @ experts[rank * per_rank + e])
+            y_recv = y_recv + torch.where(hit, y_e, torch.zeros_like(y_e))
+    y = buf.combine(y_recv, handle)
+    (y * grads_out[rank]).sum().backward()
+
+    # Single process, all ranks' tokens at once.
+    ref_x = [x.detach().clone().requires_grad_() for x in xs]
+    ref_w = [w.detach().clone().requires_grad_() for w in ws]
+    ys = [_moe_reference(a, i, b, experts) for a, i, b in zip(ref_x, idxs, ref_w)]
+    sum((yy * go).sum() for yy, go in zip(ys, grads_out)).backward()
+
+    # fp64 throughout; only the summation order differs (rounding ~1e-16 x a few dozen terms):
+    # 1e-12 leaves a wide margin while any misrouted row gives O(0.1) errors.
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, ys[rank].detach(), **tol, msg=lambda m: f"MoE output: {m}")
+    torch.testing.assert_close(xs[rank].grad, ref_x[rank].grad, **tol, msg=lambda m: f"dx: {m}")
+    torch.testing.assert_close(ws[rank].grad, ref_w[rank].grad, **tol, msg=lambda m: f"dw: {m}")
+
+
+def _worker(rank: int, world: int) -> None:
+    buf = Buffer()
+    assert (buf.rank, buf.num_ranks) == (rank, world)
+    _check_validation(buf, rank)
+    e = 3 * world
+    # Uneven, skewed loads; rank 1 has no tokens; the last rank receives nothing.
+    tokens = [9, 0, 13, 5][:world]
+    _check_layout_and_dispatch(buf, rank, world, 1, tokens, 3, e, deaf_rank=world - 1)
+    # Rank 0 has tokens but sends nothing; several experts of a token on one rank (top-3 of 3
+    # local experts for token 0 of every rank).
+    _check_layout_and_dispatch(buf, rank, world, 2, [6] * world, 3, e, mute_rank=0)
+    # Top-4 with 3 local experts per rank: a token always has ≥2 experts on some rank.
+    _check_layout_and_dispatch(buf, rank, world, 3, [10, 7, 4, 12][:world], 4, e)
+    _check_fp8(buf, rank, world, e)
+    _check_combine_bf16(buf, rank, world, e)
+    _check_moe_end_to_end(buf, rank, world, e)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_combine_gloo(world):
+    run_gloo(_worker, world, timeout=60.0)
+
+
+def test_get_dispatch_layout_single_process():
+    g = torch.Generator().manual_seed(0)
+    idx = _routing(g, 50, 4, 16, list(range(16)), p_none=0.2)
+    n_rank, n_exp, in_rank = get_dispatch_layout(idx, 16, 4)
+    want_in = torch.zeros(50, 4, dtype=torch.bool)
+    for t, row in enumerate(idx.tolist()):
+        for e in row:
+            if e >= 0:
+                want_in[t, e // 4] = True
+    _check_exact("is_token_in_rank", in_rank, want_in)
+    _check_exact("num_tokens_per_rank", n_rank, want_in.sum(0))
+    _check_exact("num_tokens_per_expert", n_exp, torch.bincount(idx[idx >= 0], minlength=16))
+    assert int(n_rank.sum()) <= int(n_exp.sum())  # sent once per rank, not once per expert
+    with pytest.raises(ValueError, match="num_experts"):
+        get_dispatch_layout(idx, 15, 4)
+    with pytest.raises(ValueError, match="topk_idx"):
+        get_dispatch_layout(idx - 2, 16, 4)
