@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -82,10 +82,7 @@ def fp8_gemm_nt(
     d = torch._scaled_mm(
         a_fp8, b_fp8.t(), _mn_major(sf_a), sf_b.contiguous().t(), out_dtype=dtype
     )  # [M, N]
-    if out is None:
-        return d
-    out.copy_(d)
-    return out
+    return ref.write_out(d, out)
 
 
 # Candidate (scale_a, scale_b) layouts for 1x128 x 1x128, tried in order; the first that runs and
@@ -147,10 +144,4 @@ def fp8_gemm_nt_1d1d(
         )
     s_a, s_b = _1D1D_LAYOUTS[layout](sf_a, sf_b)
     d = torch._scaled_mm(a_fp8, b_fp8.t(), s_a, s_b, out_dtype=torch.float32)  # [M, N]
-    if out is None:
-        return d
-    if accumulate:
-        out.add_(d)
-    else:
-        out.copy_(d)
-    return out
+    return ref.write_out(d, out, accumulate)

@@ -102,6 +102,21 @@ def validate_1d1d(
     return m, n, k
 
 
+def write_out(d: torch.Tensor, out: torch.Tensor | None, accumulate: bool = False) -> torch.Tensor:
+    """Epilogue of backends that compute D into a fresh tensor.
+
+    Returns ``d`` when no ``out`` was given; else copies (with ``accumulate``, adds) ``d`` into
+    ``out`` and returns ``out``.
+    """
+    if out is None:
+        return d
+    if accumulate:
+        out.add_(d)
+    else:
+        out.copy_(d)
+    return out
+
+
 def fp8_gemm_nt(
     a: Operand,
     b: Operand,
@@ -134,10 +149,7 @@ def fp8_gemm_nt(
     a_hp = per_token_cast_back(a_fp8, sf_a)  # [M, K] fp32
     b_hp = per_block_cast_back(b_fp8, sf_b)  # [N, K] fp32
     d = (a_hp @ b_hp.t()).to(out_dtype)  # [M, N]
-    if out is None:
-        return d
-    out.copy_(d)
-    return out
+    return write_out(d, out)
 
 
 def fp8_gemm_nt_1d1d(
@@ -172,10 +184,4 @@ def fp8_gemm_nt_1d1d(
     a_hp = per_token_cast_back(a_fp8, sf_a)  # [M, K] fp32
     b_hp = per_token_cast_back(b_fp8, sf_b)  # [N, K] fp32
     d = a_hp @ b_hp.t()  # [M, N] fp32
-    if out is None:
-        return d
-    if accumulate:
-        out.add_(d)
-    else:
-        out.copy_(d)
-    return out
+    return write_out(d, out, accumulate)
