@@ -55,6 +55,8 @@ def test_auto_on_hopper_uses_fast_backends(monkeypatch):
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability() == (9, 0):
         assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "cublas"
+        assert gemm.select_backend("1d1d", 7168, 2048, 4096, dev) == "cublas"
+        assert gemm.select_backend("1d2d", 128, 7168, 2048, dev) == "triton"  # decode: Triton won
     assert gemm.select_backend("1d2d", 13, 200, 300, dev) == "triton"  # N, K not % 16: no cuBLAS
     assert gemm.select_backend("1d2d", 13, 256, 512, dev) == "triton"  # M % 4 != 0: no cuBLAS
     assert quant.select_backend(torch.ones(1, device=dev)) == "triton"

@@ -45,6 +45,7 @@ def _time_backends(row: dict, backends: dict, qa, qb, want: torch.Tensor, timer)
             d = fn(qa, qb)
             row["calc_diff"][name] = calc_diff(d, want)
             row["us"][name] = timer(lambda fn=fn: fn(qa, qb))
+            row.setdefault("host_us", {})[name] = timer.last_host_us
         except (ValueError, RuntimeError, NotImplementedError) as e:
             row["us"][name] = None
             row.setdefault("errors", {})[name] = str(e).splitlines()[0][:200]
@@ -177,4 +178,11 @@ def format_table(result: dict) -> str:
         )
     for key, val in result.get("summary", {}).items():
         lines.append(f"{key}: {val:.3f}")
+    hosts = {
+        n: sorted(r["host_us"][n] for r in rows if r.get("host_us", {}).get(n) is not None)
+        for n in names
+    }
+    cells = [f"{n} {v[len(v) // 2]:.1f}" for n, v in hosts.items() if v]
+    if cells:
+        lines.append("host µs per call (median over shapes): " + ", ".join(cells))
     return "\n".join(lines)

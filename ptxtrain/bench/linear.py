@@ -64,7 +64,10 @@ def bench_linear(
                 "dw": sqnr_db(ref.weight.grad, bf16.weight.grad),
             },
         }
-        row["us"] = {"bf16": timer(_fwd_bwd(bf16, x, dy)), "fp8": timer(_fwd_bwd(fp8, x, dy))}
+        row["us"], row["host_us"] = {}, {}
+        for name, layer in (("bf16", bf16), ("fp8", fp8)):
+            row["us"][name] = timer(_fwd_bwd(layer, x, dy))
+            row["host_us"][name] = timer.last_host_us
         row["speedup_fp8_over_bf16"] = row["us"]["bf16"] / row["us"]["fp8"]
         rows.append(row)
         del ref, bf16, fp8, x32, dy32, x, dy, y
@@ -75,7 +78,8 @@ def bench_linear(
         "env": environment(),
         "rows": rows,
         "summary": {"geomean_speedup_fp8_over_bf16": geo},
-        "method": "CUDA events around forward+backward, L2 flushed, launch hidden, median",
+        "method": "CUDA events around forward+backward, L2 flushed, launch hidden (device sleep "
+        "of at least twice the host time), median; host_us = CPU time to enqueue one fwd+bwd",
     }
 
 
@@ -83,13 +87,14 @@ def format_table(result: dict) -> str:
     """Render a linear results record."""
     lines = [
         f"{'M':>6} {'N':>6} {'K':>6} {'bf16 µs':>9} {'fp8 µs':>9} {'speedup':>8} "
-        f"{'SQNR y':>7} {'dx':>5} {'dw':>5}  backends"
+        f"{'host bf16':>9} {'host fp8':>9} {'SQNR y':>7} {'dx':>5} {'dw':>5}  backends"
     ]
     for r in result["rows"]:
         s = r["sqnr_db"]
         lines.append(
             f"{r['m']:>6} {r['n']:>6} {r['k']:>6} {r['us']['bf16']:9.1f} {r['us']['fp8']:9.1f} "
-            f"{r['speedup_fp8_over_bf16']:8.2f} {s['y']:7.1f} {s['dx']:5.1f} {s['dw']:5.1f}  "
+            f"{r['speedup_fp8_over_bf16']:8.2f} {r['host_us']['bf16']:9.1f} "
+            f"{r['host_us']['fp8']:9.1f} {s['y']:7.1f} {s['dx']:5.1f} {s['dw']:5.1f}  "
             f"{r['backends']}"
         )
     for key, val in result["summary"].items():

@@ -29,6 +29,7 @@ _OPS = {
     "per_token_t": ("per_token_cast_to_fp8_t", 1),
     "per_block": ("per_block_cast_to_fp8", 1),
     "both": ("per_token_cast_to_fp8_both", 2),
+    "per_block_both": ("per_block_cast_to_fp8_both", 2),
 }
 
 
@@ -41,6 +42,8 @@ def _bytes(op: str, m: int, k: int) -> int:
         sf = 4 * k * ceil_div(m, 128)
     elif op == "per_block":
         sf = 4 * ceil_div(m, 128) * ceil_div(k, 128)
+    elif op == "per_block_both":
+        sf = 8 * ceil_div(m, 128) * ceil_div(k, 128)
     else:
         sf = 4 * (m * ceil_div(k, 128) + k * ceil_div(m, 128))
     return read + fp8 + sf

@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,9 +19,12 @@ _L2_FLUSH_BYTES = 256 << 20  # well above the H100's 50 MB / H200's 60 MB L2
 class GpuTimer:
     """Times a callable on the current CUDA stream, one call per measurement.
 
-    Each measurement: memset a 256 MB buffer (evicts L2), queue a ~``sleep_us`` device sleep so
-    the host can enqueue the call before the device reaches it (launch overhead hidden), record
-    the start event, call, record the end event. Returns the median in microseconds.
+    Each measurement: memset a 256 MB buffer (evicts L2), queue a device sleep so the host can
+    enqueue the call before the device reaches it (launch overhead hidden), record the start
+    event, call, record the end event. Returns the median in microseconds. The sleep is
+    ``sleep_us`` or twice the host time of one call measured during warm-up, whichever is longer,
+    so a callable that launches many kernels is still timed on the device alone; the host time
+    itself is kept in :attr:`last_host_us` (report it beside the device time).
     """
 
     def __init__(
@@ -30,18 +34,36 @@ class GpuTimer:
             raise RuntimeError("GpuTimer needs a CUDA device")
         self.warmup, self.repeats, self.flush_l2 = warmup, repeats, flush_l2
         self._flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-        clock_khz = torch.cuda.get_device_properties(0).clock_rate or 1_800_000
-        self._sleep_cycles = int(sleep_us * clock_khz / 1e3)
+        self._clock_khz = torch.cuda.get_device_properties(0).clock_rate or 1_800_000
+        self._sleep_us = sleep_us
+        self.last_host_us = float("nan")
+
+    def host_us(self, fn: Callable[[], object], calls: int = 10) -> float:
+        """Median host (CPU) time of one call of ``fn`` in µs: what it costs to enqueue its work.
+
+        Each call starts after the device is idle, so the host never waits on a full queue.
+        """
+        times = []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+        return statistics.median(times)
 
     def __call__(self, fn: Callable[[], object]) -> float:
         for _ in range(self.warmup):
             fn()
+        self.last_host_us = self.host_us(fn, calls=max(3, self.warmup))
+        sleep_us = max(self._sleep_us, 2.0 * self.last_host_us)
+        sleep_cycles = int(sleep_us * self._clock_khz / 1e3)
         torch.cuda.synchronize()
         times = []
         for _ in range(self.repeats):
             if self.flush_l2:
                 self._flush.zero_()
-            torch.cuda._sleep(self._sleep_cycles)
+            torch.cuda._sleep(sleep_cycles)
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()

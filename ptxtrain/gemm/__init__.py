@@ -6,8 +6,10 @@ Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`):
 - ``cublas``: cuBLAS blockwise FP8 through ``torch._scaled_mm`` (sm_90, N and K multiples of 16).
 - ``triton``: Triton block-scaled kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
-``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA, ``cublas`` for 1D2D
-shapes it supports, otherwise ``triton``, otherwise ``ref``. ``PTXTRAIN_GEMM_BACKEND`` forces one.
+``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA, ``cublas`` for the
+shapes it runs correctly (:func:`ptxtrain.gemm.cublas.supports`) except decode-sized 1D2D
+(M <= 128, where the Triton kernel measured 1.15-1.24x faster), otherwise ``triton``, otherwise
+``ref``. ``PTXTRAIN_GEMM_BACKEND`` forces one.
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
         return forced
     if device.type != "cuda":
         return "ref"
-    if kind == "1d2d":
-        from ptxtrain.gemm import cublas
+    from ptxtrain.gemm import cublas
 
-        if cublas.supports(m, n, k, device=device):
-            return "cublas"
+    # cuBLAS wins at M = 4096 for both kinds (benchmarks/results/2026-11-22-issue3-*); Triton
+    # wins for decode-sized 1D2D (M <= 128) and takes every shape cuBLAS cannot run correctly.
+    if cublas.supports(m, n, k, device=device) and (kind == "1d1d" or m > 128):
+        return "cublas"
     return "triton" if _backend.triton_usable(device) else "ref"
 
 
@@ -68,13 +71,15 @@ def fp8_gemm_nt_1d1d(
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``D (+)= A · Bᵀ``, both operands scaled per 1x128 tile (1D1D, wgrad), fp32 out, on the
-    selected backend. Contract, shapes and errors: :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`."""
-    m, n, k = ref.validate_1d1d(a, b, out, accumulate)
+    """``D (+)= A · Bᵀ``, both operands scaled per 1x128 tile (1D1D, wgrad), fp32 (or bf16) out,
+    on the selected backend. Contract, shapes and errors:
+    :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`."""
+    m, n, k = ref.validate_1d1d(a, b, out, accumulate, out_dtype)
     name = select_backend("1d1d", m, n, k, a[0].device)
     impl = _backend.load(__name__, name).fp8_gemm_nt_1d1d
-    return impl(a, b, out=out, accumulate=accumulate)
+    return impl(a, b, out=out, accumulate=accumulate, out_dtype=out_dtype)
 
 
 __all__ = ["BACKENDS", "backends", "fp8_gemm_nt", "fp8_gemm_nt_1d1d", "select_backend"]

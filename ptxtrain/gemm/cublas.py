@@ -120,6 +120,7 @@ def fp8_gemm_nt_1d1d(
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """cuBLAS 1D1D (wgrad) GEMM with the contract of :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`.
 
@@ -127,12 +128,13 @@ def fp8_gemm_nt_1d1d(
         TypeError / ValueError: as the reference, plus non-CUDA tensors or N, K not multiples of 16.
         NotImplementedError: this torch/cuBLAS accepts no 1x128 x 1x128 scale layout.
     """
-    ref.validate_1d1d(a, b, out, accumulate)
+    ref.validate_1d1d(a, b, out, accumulate, out_dtype)
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
+    dtype = torch.float32 if accumulate else (out.dtype if out is not None else out_dtype)
     if m == 0:
-        return torch.empty(0, n, device=a_fp8.device) if out is None else out
+        return torch.empty(0, n, dtype=dtype, device=a_fp8.device) if out is None else out
     _check_cuda_shape(a_fp8, n, k)
     dev = a_fp8.device.index if a_fp8.device.index is not None else torch.cuda.current_device()
     if dev not in _1d1d_layout_by_device:
@@ -143,5 +145,5 @@ def fp8_gemm_nt_1d1d(
             f"torch {torch.__version__}'s _scaled_mm accepts no 1x128 x 1x128 scale layout here"
         )
     s_a, s_b = _1D1D_LAYOUTS[layout](sf_a, sf_b)
-    d = torch._scaled_mm(a_fp8, b_fp8.t(), s_a, s_b, out_dtype=torch.float32)  # [M, N]
+    d = torch._scaled_mm(a_fp8, b_fp8.t(), s_a, s_b, out_dtype=dtype)  # [M, N]
     return ref.write_out(d, out, accumulate)

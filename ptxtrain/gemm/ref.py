@@ -6,7 +6,8 @@ operands K-major: A [M, K], B [N, K]. An operand is passed as a pair ``(x_fp8, s
 - ``fp8_gemm_nt`` ("1D2D", Fprop and Dgrad): A scaled per 1x128 tile (sf_a [M, ⌈K/128⌉]), B per
   128x128 block (sf_b [⌈N/128⌉, ⌈K/128⌉]); output bf16 or fp32.
 - ``fp8_gemm_nt_1d1d`` (Wgrad): both operands scaled per 1x128 tile along K (sf_a [M, ⌈K/128⌉],
-  sf_b [N, ⌈K/128⌉]); output fp32, optionally accumulated into an existing fp32 tensor.
+  sf_b [N, ⌈K/128⌉]); output fp32 (optionally accumulated into an existing fp32 tensor) or bf16
+  (a weight gradient written straight in the weight's dtype).
 
 The reference dequantizes both operands to fp32 and multiplies in fp32. That equals the exact
 block-scaled sum up to fp32 rounding, which is what a kernel with per-128-K FP32 promotion
@@ -82,7 +83,11 @@ def validate_1d2d(
 
 
 def validate_1d1d(
-    a: object, b: object, out: torch.Tensor | None, accumulate: bool
+    a: object,
+    b: object,
+    out: torch.Tensor | None,
+    accumulate: bool,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[int, int, int]:
     """Check the arguments of any ``fp8_gemm_nt_1d1d`` backend; return (M, N, K).
 
@@ -98,7 +103,14 @@ def validate_1d1d(
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out (the fp32 tensor to add into)")
     if out is not None:
-        _check_out(out, (m, n), (torch.float32,), a_fp8.device)
+        _check_out(out, (m, n), (torch.float32, torch.bfloat16), a_fp8.device)
+        if accumulate and out.dtype != torch.float32:
+            raise TypeError(
+                f"accumulate=True needs a float32 out (sums of many steps stay in fp32), "
+                f"got {out.dtype}"
+            )
+    elif out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     return m, n, k
 
 
@@ -158,6 +170,7 @@ def fp8_gemm_nt_1d1d(
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``D (+)= A · Bᵀ`` with both operands scaled per 1x128 tile along K ("1D1D", wgrad).
 
@@ -168,20 +181,29 @@ def fp8_gemm_nt_1d1d(
     Args:
         a: ``(a_fp8, sf_a)``: a_fp8 [M, K] float8_e4m3fn; sf_a [M, ⌈K/128⌉] float32.
         b: ``(b_fp8, sf_b)``: b_fp8 [N, K] float8_e4m3fn; sf_b [N, ⌈K/128⌉] float32.
-        out: optional [M, N] float32 output.
-        accumulate: add into ``out`` (which must then be given) instead of overwriting it.
+        out: optional [M, N] float32 or bfloat16 output (its dtype wins over ``out_dtype``).
+        accumulate: add into ``out`` (which must then be given, float32) instead of
+            overwriting it.
+        out_dtype: torch.float32 (default, DeepGEMM's wgrad) or torch.bfloat16 (one rounding of
+            the fp32 sum) when ``out`` is None.
 
     Returns:
-        D [M, N] float32 (``out`` itself when given).
+        D [M, N] in ``out_dtype`` (``out`` itself when given).
 
     Raises:
-        TypeError / ValueError: as :func:`fp8_gemm_nt`; ``accumulate=True`` without ``out``.
+        TypeError: as :func:`fp8_gemm_nt`; ``out_dtype`` / ``out`` not float32 or bfloat16;
+            ``accumulate=True`` with a bfloat16 ``out``.
+        ValueError: as :func:`fp8_gemm_nt`; ``accumulate=True`` without ``out``.
 
     Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; DESIGN §2.
     """
-    validate_1d1d(a, b, out, accumulate)
+    validate_1d1d(a, b, out, accumulate, out_dtype)
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
+    if out is not None:
+        out_dtype = out.dtype
     a_hp = per_token_cast_back(a_fp8, sf_a)  # [M, K] fp32
     b_hp = per_token_cast_back(b_fp8, sf_b)  # [N, K] fp32
     d = a_hp @ b_hp.t()  # [M, N] fp32
+    if not accumulate:
+        d = d.to(out_dtype)
     return write_out(d, out, accumulate)

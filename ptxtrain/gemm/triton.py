@@ -403,7 +403,7 @@ def _gemm(
     if kind == "1d2d":
         m, n, k = validate_1d2d(a, b, out, out_dtype)
     else:
-        m, n, k = validate_1d1d(a, b, out, accumulate)
+        m, n, k = validate_1d1d(a, b, out, accumulate, out_dtype)
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     if out is not None and any(st == 0 and sz > 1 for st, sz in zip(out.stride(), out.shape)):
         raise ValueError(
@@ -481,6 +481,7 @@ def fp8_gemm_nt_1d1d(
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    out_dtype: torch.dtype = torch.float32,
     config: GemmConfig | str | None = None,
 ) -> torch.Tensor:
     """``D (+)= A · Bᵀ`` with both operands scaled per 1x128 tile along K ("1D1D", wgrad).
@@ -488,19 +489,22 @@ def fp8_gemm_nt_1d1d(
     Args:
         a: ``(a_fp8, sf_a)``: a_fp8 [M, K] float8_e4m3fn; sf_a [M, ⌈K/128⌉] float32, any strides.
         b: ``(b_fp8, sf_b)``: b_fp8 [N, K] float8_e4m3fn; sf_b [N, ⌈K/128⌉] float32, any strides.
-        out: optional [M, N] float32 output, any strides.
-        accumulate: add into ``out`` (which must then be given) instead of overwriting it.
+        out: optional [M, N] float32 or bfloat16 output, any strides (its dtype wins).
+        accumulate: add into ``out`` (which must then be given, float32) instead of
+            overwriting it.
+        out_dtype: torch.float32 (default) or torch.bfloat16 when ``out`` is None.
         config: as in :func:`fp8_gemm_nt`.
 
     Returns:
-        D [M, N] float32 (``out`` itself when given).
+        D [M, N] in ``out_dtype`` (``out`` itself when given).
 
     Raises:
-        TypeError / ValueError: as :func:`fp8_gemm_nt`; ``accumulate=True`` without ``out``.
+        TypeError / ValueError: as :func:`fp8_gemm_nt`; ``accumulate=True`` without ``out`` or
+        with a bfloat16 ``out``.
 
     Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; DESIGN §2.
     """
-    return _gemm("1d1d", a, b, out, torch.float32, accumulate, config)
+    return _gemm("1d1d", a, b, out, out_dtype, accumulate, config)
 
 
 def _compile_for_sm90(

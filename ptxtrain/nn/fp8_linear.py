@@ -61,7 +61,8 @@ class Fp8LinearConfig:
     recipe_name: str = "custom"
     # Keep the weight's 128x128 quantization between calls and reuse it until the weight changes
     # (its storage or in-place version counter): micro-batches of one step quantize W once.
-    # Costs one FP8 byte per weight element (+ scales) held between steps.
+    # Costs one FP8 byte per weight element (+ scales) held between steps, two with dgrad on
+    # (Wᵀ's quantization is cached beside W's, so backward does no transpose).
     cache_weight_fp8: bool = True
 
     def __post_init__(self) -> None:
@@ -176,14 +177,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 input_fp8, input_sf = quant.per_token_cast_to_fp8(input_hp, pow2_scale=pow2)
             elif keep_xt_fp8:
                 input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_t(input_hp, pow2_scale=pow2)
-            # -- quantize W 128x128 once (or take the module's cached copy, ``weight_q``);
-            # dgrad reuses the forward's blocks.
-            weight_fp8 = weight_sf = None
-            if config.fprop or (need_dx and config.dgrad):
-                if weight_q is not None:
-                    weight_fp8, weight_sf = weight_q
-                else:
-                    weight_fp8, weight_sf = quant.per_block_cast_to_fp8(weight_hp, pow2_scale=pow2)
+            # -- quantize W 128x128 once (or take the module's cached copy, ``weight_q``), with
+            # Wᵀ's blocks (W's, transposed) written by the same pass when dgrad will need them.
+            need_wt = need_dx and config.dgrad
+            weight_fp8 = weight_sf = weight_t_fp8 = weight_t_sf = None
+            if weight_q is not None:
+                weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = weight_q
+            elif need_wt:
+                weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = quant.per_block_cast_to_fp8_both(
+                    weight_hp, pow2_scale=pow2
+                )
+            elif config.fprop:
+                weight_fp8, weight_sf = quant.per_block_cast_to_fp8(weight_hp, pow2_scale=pow2)
             # -- Fprop: y [M, N] = x [M, K] · Wᵀ; bias added in fp32, one rounding to act_dtype.
             if config.fprop:
                 out_dtype = _gemm_out_dtype(act_dtype) if bias_hp is None else torch.float32
@@ -200,8 +205,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # -- Save for backward: FP8 data wherever the GEMM is FP8; high precision only where a
         # GEMM was configured off (the weight is a Parameter anyway, so saving it costs nothing).
         saved: dict[str, torch.Tensor] = {}
-        if need_dx and config.dgrad:
-            saved.update(weight_fp8=weight_fp8, weight_sf=weight_sf)
+        if need_wt:
+            saved.update(weight_t_fp8=weight_t_fp8, weight_t_sf=weight_t_sf)
         elif need_dx:
             saved["weight_hp"] = weight_hp
         if keep_xt_fp8:
@@ -237,10 +242,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_t(dy, pow2_scale=pow2)
             # -- Dgrad: dx [M, K] = dy [M, N] · W [N, K]; B = Wᵀ [K, N] from W's blocks transposed.
             if fp8_dgrad:
-                weight_t = (
-                    saved["weight_fp8"].t().contiguous(),
-                    saved["weight_sf"].t().contiguous(),
-                )
+                weight_t = (saved["weight_t_fp8"], saved["weight_t_sf"])
                 dx = gemm.fp8_gemm_nt(
                     (dy_fp8, dy_sf), weight_t, out_dtype=_gemm_out_dtype(ctx.act_dtype)
                 ).to(ctx.act_dtype)
@@ -249,7 +251,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # -- Wgrad: dW [N, K] = dyᵀ [N, M] · x [M, K]; both operands 1x128 along M (1D1D).
             if fp8_wgrad:
                 input_t = (saved["input_t_fp8"], saved["input_t_sf"])
-                dw = gemm.fp8_gemm_nt_1d1d((dy_t_fp8, dy_t_sf), input_t).to(ctx.weight_dtype)
+                # Written in the weight's dtype when the GEMM can (bf16 / fp32): no extra pass.
+                dw_dtype = _gemm_out_dtype(ctx.weight_dtype)
+                dw = gemm.fp8_gemm_nt_1d1d((dy_t_fp8, dy_t_sf), input_t, out_dtype=dw_dtype)
+                dw = dw.to(ctx.weight_dtype)
             elif need_dw:
                 dw = (dy.t() @ saved["input_hp"].to(dy.dtype)).to(ctx.weight_dtype)
             # -- dbias [N]: summed over tokens in fp32.
@@ -301,10 +306,11 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = _resolve_config(config)
         self._weight_fp8_key: tuple | None = None
-        self._weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._weight_fp8: tuple | None = None
 
-    def _quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """W's 128x128 quantization, cached while the weight is unchanged (None: don't cache).
+    def _quantized_weight(self) -> tuple | None:
+        """``(w_fp8, sf, wt_fp8, sf_t)``: W's 128x128 quantization and Wᵀ's (None, None without
+        dgrad), cached while the weight is unchanged (None: don't cache).
 
         The key is the weight's storage address, in-place version counter, shape, dtype and
         device: an optimizer's in-place update bumps the version, assigning new data changes the
@@ -321,9 +327,13 @@ class Fp8Linear(nn.Linear):
         key = (w.data_ptr(), version, tuple(w.shape), w.dtype, w.device, cfg.pow2_scale)
         if key != self._weight_fp8_key:
             with torch.no_grad():
-                self._weight_fp8 = quant.per_block_cast_to_fp8(
-                    w.detach(), pow2_scale=cfg.pow2_scale
-                )
+                if cfg.dgrad:
+                    self._weight_fp8 = quant.per_block_cast_to_fp8_both(
+                        w.detach(), pow2_scale=cfg.pow2_scale
+                    )
+                else:
+                    q, sf = quant.per_block_cast_to_fp8(w.detach(), pow2_scale=cfg.pow2_scale)
+                    self._weight_fp8 = (q, sf, None, None)
             self._weight_fp8_key = key
         return self._weight_fp8
 

@@ -95,6 +95,19 @@ def per_block_cast_to_fp8(
     return _impl("per_block_cast_to_fp8", w)(w, block, pow2_scale=pow2_scale)
 
 
+def per_block_cast_to_fp8_both(
+    w: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """128x128 quantizations of ``w`` and ``wᵀ`` (one read in the Triton kernel), on the
+    selected backend.
+
+    Contract and errors: :func:`ptxtrain.quant.ref.per_block_cast_to_fp8_both`.
+    """
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    return _impl("per_block_cast_to_fp8_both", w)(w, block, pow2_scale=pow2_scale)
+
+
 __all__ = [
     "AMAX_EPS",
     "BACKENDS",
@@ -104,6 +117,7 @@ __all__ = [
     "backends",
     "per_block_cast_back",
     "per_block_cast_to_fp8",
+    "per_block_cast_to_fp8_both",
     "per_token_cast_back",
     "per_token_cast_to_fp8",
     "per_token_cast_to_fp8_both",

@@ -167,6 +167,28 @@ def per_block_cast_to_fp8(
     return w_fp8[:n, :k].contiguous(), sf.contiguous()
 
 
+def per_block_cast_to_fp8_both(
+    w: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """128x128 quantizations of ``w`` [N, K] and of ``wᵀ`` [K, N]: what Fprop and Dgrad read.
+
+    A block of ``wᵀ`` is a block of ``w`` transposed (same elements, same amax), so the second
+    pair is the first transposed, bit for bit: ``(w_fp8.t(), sf.t())`` made contiguous, K-major
+    for the Dgrad NT GEMM (B = Wᵀ).
+
+    Returns:
+        ``(w_fp8 [N, K], sf [⌈N/block⌉, ⌈K/block⌉], wt_fp8 [K, N], sf_t [⌈K/block⌉, ⌈N/block⌉])``,
+        all row-major.
+
+    Raises:
+        TypeError / ValueError: as :func:`per_block_cast_to_fp8`.
+
+    Source: DeepSeek-V3 report §3.3 (W is used in Fprop and, transposed, in Dgrad); DESIGN §1.
+    """
+    w_fp8, sf = per_block_cast_to_fp8(w, block, pow2_scale=pow2_scale)
+    return w_fp8, sf, w_fp8.t().contiguous(), sf.t().contiguous()
+
+
 def _check_fp8_pair(name: str, x_fp8: torch.Tensor, sf: torch.Tensor) -> None:
     check_tensor(f"{name}_fp8", x_fp8, dtypes=(FP8_DTYPE,), ndim=2)
     check_tensor(f"{name}_sf", sf, dtypes=(torch.float32,), ndim=2)

@@ -59,6 +59,7 @@ from ptxtrain.quant.ref import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, _check_block
 __all__ = [
     "SF_LAYOUTS",
     "per_block_cast_to_fp8",
+    "per_block_cast_to_fp8_both",
     "per_token_cast_to_fp8",
     "per_token_cast_to_fp8_both",
     "per_token_cast_to_fp8_t",
@@ -211,13 +212,16 @@ def _quant_block_kernel(
     w_ptr,
     q_ptr,
     sf_ptr,
+    qt_ptr,
     N,
     K,
     stride_wn,
     stride_qn,
     stride_sf_n,
+    stride_qt_k,
     BLOCK: tl.constexpr,
     POW2: tl.constexpr,
+    TRANS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -230,6 +234,8 @@ def _quant_block_kernel(
     sf = _scale_from_amax_bits(amax_bits, POW2)
     q = _cast_e4m3(w, sf, _reciprocal(sf), _is_finite(sf))
     tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q, mask=mask)
+    if TRANS:  # the block of wᵀ is this block transposed: same bits
+        tl.store(qt_ptr + cols[:, None] * stride_qt_k + rows[None, :], tl.trans(q), tl.trans(mask))
     tl.store(sf_ptr + pid_n.to(tl.int64) * stride_sf_n + pid_k, sf)
 
 
@@ -317,8 +323,11 @@ def _empty_sf(rows: int, cols: int, layout: str, device: torch.device) -> torch.
     return torch.empty_strided((rows, cols), (1, rows_pad), dtype=torch.float32, device=device)
 
 
-def _quant_1x(x, block, pow2_scale, sf_layout, *, row: bool, col: bool):
-    """Shared launcher: returns (x_fp8, sf) if row, (xt_fp8, sf_t) if col (in that order)."""
+def _quant_1x(x, block, pow2_scale, sf_layout, *, row: bool, col: bool, config=None):
+    """Shared launcher: returns (x_fp8, sf) if row, (xt_fp8, sf_t) if col (in that order).
+
+    ``config`` (a ``_Config``) overrides :func:`_config_1x`'s tile (benchmarks/sweep_quant.py).
+    """
     m, k = x.shape
     dev = x.device
     q = sf = qt = sft = None
@@ -329,7 +338,7 @@ def _quant_1x(x, block, pow2_scale, sf_layout, *, row: bool, col: bool):
         qt = torch.empty((k, m), dtype=FP8_DTYPE, device=dev)
         sft = _empty_sf(k, ceil_div(m, block), sf_layout, dev)
     if m > 0 and k > 0:
-        cfg = _config_1x(m, block, row=row, col=col, interpreted=_kernels_interpreted())
+        cfg = config or _config_1x(m, block, row=row, col=col, interpreted=_kernels_interpreted())
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(k, cfg.block_k))
         _quant_1x_kernel[grid](
             x,
@@ -459,8 +468,13 @@ def per_block_cast_to_fp8(
     Source: DeepSeek-V3 report §3.3; DESIGN §1.
     """
     w, block = _check_input("w", w, block)
+    return _quant_block(w, block, pow2_scale, transposed=False)
+
+
+def _quant_block(w, block, pow2_scale, *, transposed: bool, num_warps: int = 8):
     n, k = w.shape
     q = torch.empty((n, k), dtype=FP8_DTYPE, device=w.device)
+    qt = torch.empty((k, n), dtype=FP8_DTYPE, device=w.device) if transposed else None
     sf = torch.empty((ceil_div(n, block), ceil_div(k, block)), dtype=torch.float32, device=w.device)
     if n > 0 and k > 0:
         grid = (ceil_div(n, block), ceil_div(k, block))
@@ -468,13 +482,40 @@ def per_block_cast_to_fp8(
             w,
             q,
             sf,
+            qt if transposed else q,  # unused pointer when not transposed: never dereferenced
             n,
             k,
             w.stride(0),
             q.stride(0),
             sf.stride(0),
+            qt.stride(0) if transposed else 0,
             BLOCK=block,
             POW2=bool(pow2_scale),
-            num_warps=8,
+            TRANS=transposed,
+            num_warps=num_warps,
         )
+    if transposed:
+        return q, sf, qt, sf.t().contiguous()
     return q, sf
+
+
+def per_block_cast_to_fp8_both(
+    w: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`ptxtrain.quant.ref.per_block_cast_to_fp8_both`: one read of ``w``
+    writes the 128x128 quantization of ``w`` and, transposed in registers, that of ``wᵀ``.
+
+    Args:
+        w, block, pow2_scale: as :func:`per_block_cast_to_fp8`.
+
+    Returns:
+        ``(w_fp8 [N, K], sf [⌈N/block⌉, ⌈K/block⌉], wt_fp8 [K, N], sf_t [⌈K/block⌉, ⌈N/block⌉])``,
+        row-major, bit-identical to the reference.
+
+    Raises:
+        TypeError / ValueError: as :func:`per_block_cast_to_fp8`.
+
+    Source: DeepSeek-V3 report §3.3 (Fprop reads W, Dgrad reads Wᵀ); DESIGN §1.
+    """
+    w, block = _check_input("w", w, block)
+    return _quant_block(w, block, pow2_scale, transposed=True)

@@ -52,6 +52,10 @@ def test_fp8_gemm_nt_1d1d_accuracy_and_accumulate(m, n, k):
     assert res is out
     # Accumulation adds the same fp32 product: exact up to one fp32 rounding of the sum.
     torch.testing.assert_close(out, c + d, rtol=1e-6, atol=1e-6)
+    # bf16 out is the fp32 result rounded once (same product, so bit for bit).
+    d16 = fp8_gemm_nt_1d1d(qa, qb, out_dtype=torch.bfloat16)
+    assert d16.dtype == torch.bfloat16
+    assert torch.equal(d16, d.to(torch.bfloat16))
 
 
 def test_block_scaled_sum_matches_dequantized_reference():
@@ -101,7 +105,12 @@ def test_bad_input():
     with pytest.raises(ValueError, match="accumulate=True needs out"):
         fp8_gemm_nt_1d1d(qa, per_token_cast_to_fp8(w), accumulate=True)
     with pytest.raises(TypeError, match="out must have dtype float32"):
-        fp8_gemm_nt_1d1d(qa, per_token_cast_to_fp8(w), out=torch.empty(4, 6, dtype=torch.bfloat16))
+        fp8_gemm_nt_1d1d(qa, per_token_cast_to_fp8(w), out=torch.empty(4, 6, dtype=torch.float16))
+    with pytest.raises(TypeError, match="accumulate=True needs a float32 out"):
+        bf16_out = torch.empty(4, 6, dtype=torch.bfloat16)
+        fp8_gemm_nt_1d1d(qa, per_token_cast_to_fp8(w), out=bf16_out, accumulate=True)
+    with pytest.raises(TypeError, match=r"out_dtype must be torch\.float32 or torch\.bfloat16"):
+        fp8_gemm_nt_1d1d(qa, per_token_cast_to_fp8(w), out_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"b sf must have shape \(6, 2\)"):
         fp8_gemm_nt_1d1d(qa, qb)
     assert qa[0].dtype == FP8_DTYPE

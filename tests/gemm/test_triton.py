@@ -178,6 +178,11 @@ def test_fp8_gemm_nt_1d1d_and_accumulate(m, n, k):
     out2 = torch.full_like(c, float("nan"))
     tg.fp8_gemm_nt_1d1d(qa, qb, out=out2)  # accumulate=False overwrites, NaNs included
     assert_bitwise_equal(out2, got, "1d1d with out")
+    got16 = tg.fp8_gemm_nt_1d1d(qa, qb, out_dtype=torch.bfloat16)
+    assert got16.dtype == torch.bfloat16
+    # One rounding of the same fp32 sum to bf16 (8 significant bits; the interpreter truncates,
+    # the GPU rounds to nearest): within 2^-7 relative of the fp32 result, never further.
+    torch.testing.assert_close(got16.float(), got, rtol=2**-7, atol=1e-30)
 
 
 @runnable
@@ -285,7 +290,9 @@ def _bad_cases():
         ("nt", (qa, qb), {"out": torch.empty(6, 4)}),
         ("nt", (qa, qb), {"out": torch.empty(4, 6, dtype=torch.float16)}),
         ("1d1d", (qa, qb1), {"accumulate": True}),
-        ("1d1d", (qa, qb1), {"out": torch.empty(4, 6, dtype=torch.bfloat16)}),
+        ("1d1d", (qa, qb1), {"out": torch.empty(4, 6, dtype=torch.float16)}),
+        ("1d1d", (qa, qb1), {"out": torch.empty(4, 6, dtype=torch.bfloat16), "accumulate": True}),
+        ("1d1d", (qa, qb1), {"out_dtype": torch.float16}),
         ("1d1d", (qa, qb), {}),  # 128x128 scales where 1x128 are needed
         ("1d1d", ((qa[0][:, :128], qa[1][:, :1]), qb1), {}),  # K mismatch
     ]

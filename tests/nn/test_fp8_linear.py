@@ -160,13 +160,13 @@ def test_negative_control_wrong_scales_collapse_sqnr(monkeypatch, broken):
     # a transposed weight-scale grid gives y and dx at about -3 dB; token scales flipped give y at
     # -3 dB. The bar must catch these, so they must land far below it.
     if broken == "weight_sf_transposed":
-        real = ptxtrain.quant.per_block_cast_to_fp8
+        real = ptxtrain.quant.per_block_cast_to_fp8_both
 
         def fake(w, *args, **kwargs):
-            w_fp8, sf = real(w, *args, **kwargs)
-            return w_fp8, sf.t().contiguous()
+            w_fp8, sf, wt_fp8, sf_t = real(w, *args, **kwargs)
+            return w_fp8, sf.t().contiguous(), wt_fp8, sf_t.t().contiguous()
 
-        monkeypatch.setattr(ptxtrain.quant, "per_block_cast_to_fp8", fake)
+        monkeypatch.setattr(ptxtrain.quant, "per_block_cast_to_fp8_both", fake)
     else:
         real = ptxtrain.quant.per_token_cast_to_fp8_both
 
@@ -352,7 +352,7 @@ def test_needs_input_grad_skips_work(monkeypatch):
     y.sum().backward()
     assert spy.calls == {"fp8_gemm_nt": 3, "fp8_gemm_nt_1d1d": 1}
     assert xg.grad is not None
-    assert sorted(tuple(t.shape) for t in saved) == [(2, 3), (200, 300)]  # W's fp8 + its scales
+    assert sorted(tuple(t.shape) for t in saved) == [(3, 2), (300, 200)]  # Wᵀ fp8 + its scales
     # Under no_grad (evaluation) only the fprop runs: x is quantized once, 1x128, nothing saved.
     lin.weight.requires_grad_(True)
     quant_calls = []
@@ -384,11 +384,11 @@ def test_saved_tensors_are_fp8(recipe):
     fp8, f32 = torch.float8_e4m3fn, torch.float32
     if recipe == "deepseek":
         # xᵀ's 128x1 quantization [K, M] + scales [K, ⌈M/128⌉];
-        # W's 128x128 quantization [N, K] + scales [⌈N/128⌉, ⌈K/128⌉].
-        want = [((2, 3), f32), ((n, k), fp8), ((k, 3), f32), ((k, m), fp8)]
+        # Wᵀ's 128x128 quantization [K, N] + scales [⌈K/128⌉, ⌈N/128⌉] (dgrad's B operand).
+        want = [((3, 2), f32), ((k, n), fp8), ((k, 3), f32), ((k, m), fp8)]
     else:
         # wgrad in high precision needs x itself, in its own dtype.
-        want = [((2, 3), f32), ((n, k), fp8), ((m, k), torch.bfloat16)]
+        want = [((3, 2), f32), ((k, n), fp8), ((m, k), torch.bfloat16)]
     assert got == sorted(want)
     y.float().sum().backward()
     assert x.grad.shape == (m, k)
@@ -589,9 +589,9 @@ def test_weight_quantization_cached_until_the_weight_changes(monkeypatch):
     from ptxtrain.optim import AdamW
 
     calls = []
-    real = quant.per_block_cast_to_fp8
+    real = quant.per_block_cast_to_fp8_both  # W and Wᵀ in one pass (dgrad is on)
     monkeypatch.setattr(
-        quant, "per_block_cast_to_fp8", lambda *a, **k: calls.append(1) or real(*a, **k)
+        quant, "per_block_cast_to_fp8_both", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     torch.manual_seed(0)
     lin = Fp8Linear(256, 384, bias=False, dtype=torch.bfloat16)

@@ -13,6 +13,7 @@ from ptxtrain.quant.ref import (
     FP8_MAX,
     per_block_cast_back,
     per_block_cast_to_fp8,
+    per_block_cast_to_fp8_both,
     per_token_cast_back,
     per_token_cast_to_fp8,
     per_token_cast_to_fp8_both,
@@ -117,6 +118,11 @@ def test_block_quantization_transposes_exactly():
     qt, sft = per_block_cast_to_fp8(w.t().contiguous())
     assert_bitwise_equal(qt, q.t().contiguous(), "w_fp8ᵀ")
     assert_bitwise_equal(sft, sf.t().contiguous(), "sfᵀ")
+    # ... which is what per_block_cast_to_fp8_both hands back, beside W's own.
+    q2, sf2, qt2, sft2 = per_block_cast_to_fp8_both(w)
+    pairs = ((q2, q, "w_fp8"), (sf2, sf, "sf"), (qt2, qt, "wt_fp8"), (sft2, sft, "sf_t"))
+    for got, want, tag in pairs:
+        assert_bitwise_equal(got, want, f"both: {tag}")
 
 
 def test_non_contiguous_input_equals_contiguous():

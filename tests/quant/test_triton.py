@@ -42,12 +42,13 @@ interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="kernels are compi
 
 # name → (outputs of the Triton function, outputs of the reference), all positional.
 FUNCS = ("per_token_cast_to_fp8", "per_token_cast_to_fp8_t", "per_token_cast_to_fp8_both")
-ALL_FUNCS = (*FUNCS, "per_block_cast_to_fp8")
+ALL_FUNCS = (*FUNCS, "per_block_cast_to_fp8", "per_block_cast_to_fp8_both")
 OUT_NAMES = {
     "per_token_cast_to_fp8": ("x_fp8", "sf"),
     "per_token_cast_to_fp8_t": ("xt_fp8", "sf_t"),
     "per_token_cast_to_fp8_both": ("x_fp8", "sf", "xt_fp8", "sf_t"),
     "per_block_cast_to_fp8": ("w_fp8", "sf"),
+    "per_block_cast_to_fp8_both": ("w_fp8", "sf", "wt_fp8", "sf_t"),
 }
 
 
@@ -336,7 +337,7 @@ def test_errors_of_the_triton_backend(name, monkeypatch):
     for block in (100, 8, 256):
         with pytest.raises(ValueError, match=f"power of two between 16 and 128.*got {block}"):
             getattr(tq, name)(x, block)
-    if name != "per_block_cast_to_fp8":
+    if not name.startswith("per_block"):
         with pytest.raises(ValueError, match="sf_layout must be one of"):
             getattr(tq, name)(x, sf_layout="col_major")
     monkeypatch.setattr(tq, "_kernels_interpreted", lambda: False)

@@ -1,0 +1,65 @@
+"""The cuBLAS blockwise backend (``torch._scaled_mm``): its guards here, its numbers on a GPU."""
+
+import pytest
+import torch
+
+from ptxtrain.gemm import cublas
+from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from ptxtrain.testing import calc_diff
+from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_WGRAD_MN
+
+# DESIGN §2: every GEMM backend must match the unquantized matmul to calc_diff < 1e-3 (the FP8
+# quantization error of both operands; measured ~7e-4 on Gaussian inputs).
+CALC_DIFF_MAX = 1e-3
+
+
+def test_supports_nothing_without_cuda_hopper():
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("this machine has a Hopper GPU")
+    assert not cublas.supports(4096, 7168, 2048)
+
+
+def test_cpu_tensors_are_refused_with_a_clear_error():
+    x, w = torch.randn(8, 512), torch.randn(256, 512)
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    with pytest.raises(ValueError, match="the cublas backend needs CUDA tensors"):
+        cublas.fp8_gemm_nt(qa, qb)
+    with pytest.raises(ValueError, match="the cublas backend needs CUDA tensors"):
+        cublas.fp8_gemm_nt_1d1d(qa, per_token_cast_to_fp8(w))
+
+
+def _gpu_inputs(m, n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (
+        torch.randn(m, k, device="cuda", generator=g),
+        torch.randn(n, k, device="cuda", generator=g),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", DSV3_DENSE_NK)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_1d2d_dsv3(n, k, out_dtype):
+    x, w = _gpu_inputs(256, n, k, seed=n + k)
+    d = cublas.fp8_gemm_nt(per_token_cast_to_fp8(x), per_block_cast_to_fp8(w), out_dtype=out_dtype)
+    assert d.dtype == out_dtype
+    assert calc_diff(d, x.double() @ w.double().t()) < CALC_DIFF_MAX
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n", DSV3_WGRAD_MN)
+def test_gpu_1d1d_wgrad_fp32_bf16_and_accumulate(m, n):
+    a, b = _gpu_inputs(m, n, 4096, seed=m + n)
+    qa, qb = per_token_cast_to_fp8(a), per_token_cast_to_fp8(b)
+    want = a.double() @ b.double().t()
+    d = cublas.fp8_gemm_nt_1d1d(qa, qb)
+    assert d.dtype == torch.float32 and calc_diff(d, want) < CALC_DIFF_MAX
+    d16 = cublas.fp8_gemm_nt_1d1d(qa, qb, out_dtype=torch.bfloat16)
+    assert d16.dtype == torch.bfloat16 and calc_diff(d16, want) < CALC_DIFF_MAX
+    # One bf16 rounding of (nearly) the same fp32 sum: within 2^-7 relative (bf16's 8 bits),
+    # plus a small absolute slack for cuBLAS choosing a different kernel per output dtype.
+    torch.testing.assert_close(d16.float(), d, rtol=2**-7, atol=1e-2)
+    out = torch.randn(m, n, device="cuda")
+    c = out.clone()
+    cublas.fp8_gemm_nt_1d1d(qa, qb, out=out, accumulate=True)
+    torch.testing.assert_close(out, c + d, rtol=1e-5, atol=1e-4)  # one fp32 add of the product
