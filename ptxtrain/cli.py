@@ -292,6 +292,43 @@ def _run_bench(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------------------------
+# ptxtrain plot
+# --------------------------------------------------------------------------------------------
+
+
+def _add_plot_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="what", metavar="WHAT", required=True)
+    t = sub.add_parser(
+        "timeline",
+        help="draw a pipeline schedule's recorded timeline (ranks as rows, F/B/W cells) to PNG "
+        "and print the measured bubble fraction beside the formula's",
+        description="Draw RUN_DIR/timeline_rank*.jsonl (written by ptxtrain.parallel.Timeline) "
+        "to a PNG and print the measured bubble fraction beside the formula's prediction.",
+    )
+    t.add_argument("run_dir", metavar="RUN_DIR", help="folder holding timeline_rank*.jsonl")
+    t.add_argument("--out", metavar="PNG", help="image to write (default: RUN_DIR/timeline.png)")
+    t.add_argument(
+        "--step",
+        type=int,
+        default=-1,
+        metavar="K",
+        help="which recorded step to draw, an index into each rank's steps (default: -1 = last)",
+    )
+
+
+def _run_plot(ns: argparse.Namespace) -> int:
+    from .parallel.plot import format_bubble, plot_timeline
+
+    try:
+        path, stats = plot_timeline(ns.run_dir, ns.out, ns.step)
+    except (FileNotFoundError, ValueError) as e:
+        raise _UsageError(str(e)) from None
+    print(format_bubble(stats))
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
 # name -> (help, add_arguments, run)
 _COMMANDS: dict[
     str,
@@ -306,6 +343,11 @@ _COMMANDS: dict[
         "time FP8 kernels against cuBLAS blockwise FP8 and BF16 in one process (needs a GPU)",
         _add_bench_arguments,
         _run_bench,
+    ),
+    "plot": (
+        "draw recorded data (plot timeline RUN_DIR: a pipeline schedule's timeline)",
+        _add_plot_arguments,
+        _run_plot,
     ),
 }
 

@@ -170,3 +170,41 @@ def test_resume_inherits_data_path(tmp_path, capsys):
 def test_bench_without_gpu_is_a_clear_error(capsys):
     code, err = _error(["bench", "quant"], capsys)
     assert code == 2 and "no CUDA device is visible" in err and "Traceback" not in err
+
+
+def _write_timeline(run_dir: Path, world: int, rng: torch.Generator) -> None:
+    """A hand-made 1F1B timeline: per rank one F then one BW cell of random lengths (ns)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        f, b = (int(v) for v in torch.randint(10, 1000, (2,), generator=rng))
+        head = {"type": "step", "step": 0, "schedule": "1f1b", "rank": rank, "world": world,
+                "num_chunks": 1, "clock": "perf_counter_ns", "start_ns": 0,
+                "end_ns": 2000 * world}  # fmt: skip
+        cells = [("F", rank * 1000, f), ("BW", rank * 1000 + f, b)]
+        lines = [head] + [
+            {"type": "cell", "step": 0, "kind": k, "chunk": 0, "dir": 0, "start_ns": s,
+             "end_ns": s + n} for k, s, n in cells
+        ]  # fmt: skip
+        (run_dir / f"timeline_rank{rank}.jsonl").write_text(
+            "".join(json.dumps(rec) + "\n" for rec in lines)
+        )
+
+
+def test_plot_timeline(tmp_path, capsys):
+    _write_timeline(tmp_path / "run", 3, torch.Generator().manual_seed(0))
+    assert main(["plot", "timeline", str(tmp_path / "run"), "--out", str(tmp_path / "t.png")]) == 0
+    out = capsys.readouterr().out
+    assert "bubble fraction: measured" in out and "formula (PP-1)(F+B)" in out, out
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_timeline_user_errors(tmp_path, capsys):
+    code, err = _error(["plot", "timeline", str(tmp_path / "missing")], capsys)
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
+    code, err = _error(["plot", "timeline", str(tmp_path)], capsys)
+    assert code == 2 and "no timeline_rank" in err
+    _write_timeline(tmp_path / "run", 2, torch.Generator().manual_seed(1))
+    code, err = _error(["plot", "timeline", str(tmp_path / "run"), "--step", "1"], capsys)
+    assert code == 2 and "out of range" in err
+    code, err = _error(["plot"], capsys)
+    assert code == 2

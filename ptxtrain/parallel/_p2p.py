@@ -9,11 +9,14 @@
   order of messages on one channel (src, dst, tag) is the program order on both sides.
 - ``_StageRunner`` runs one stage for one direction of micro-batches: ``forward_chunk`` /
   ``backward_chunk`` in micro-batch order, optionally deferring the weight-grad part (W) to a
-  :class:`WeightGradStore`.
+  :class:`WeightGradStore`. Its neighbours are group ranks, or a :class:`_Loopback` when the
+  neighbouring stage lives on the same rank (DualPipeV's turn at the last rank). With a
+  :class:`~ptxtrain.parallel.timeline.Timeline` it records F / B / W / BW / send / recv cells.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -168,11 +171,34 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+class _Loopback:
+    """In-process hand-off between two stages of one rank (no communication).
+
+    ``push(tensors, kind)`` / ``pop(kind)`` with kind ``FWD`` (activations, from the earlier stage
+    to the later) or ``BWD`` (input grads, from the later stage to the earlier), FIFO per kind.
+    Activations are detached, so the later stage starts its own graph as after a P2P receive.
+    """
+
+    def __init__(self) -> None:
+        self._queues: tuple[deque, deque] = (deque(), deque())
+
+    def push(self, tensors: Sequence[torch.Tensor], kind: int) -> None:
+        self._queues[kind].append([t.detach() for t in tensors])
+
+    def pop(self, kind: int) -> list[torch.Tensor]:
+        return self._queues[kind].popleft()
+
+
+_NO_CELL = contextlib.nullcontext()
+
+
 class _StageRunner:
     """One pipeline stage for one direction of micro-batches.
 
-    ``prev`` / ``next`` are the group ranks holding the previous / next stage (None at the ends).
-    The first stage takes ``input_chunks``; the last one applies ``criterion(*outputs, *labels)``.
+    ``prev`` / ``next`` are the group ranks holding the previous / next stage (None at the ends,
+    a :class:`_Loopback` when that stage is on this rank). The first stage takes
+    ``input_chunks``; the last one applies ``criterion(*outputs, *labels)``. ``timeline``: an
+    optional :class:`~ptxtrain.parallel.timeline.Timeline` whose current step gets the cells.
     """
 
     def __init__(
@@ -186,8 +212,10 @@ class _StageRunner:
         criterion: Callable | None,
         label_chunks: list[tuple] | None,
         keep_outputs: bool,
+        timeline=None,
     ):
         self.module, self.p2p = module, p2p
+        self.direction, self.timeline = direction, timeline
         self.prev, self.next = prev, next_
         self.tag_fwd, self.tag_bwd = 2 * direction + FWD, 2 * direction + BWD
         self.input_chunks, self.criterion, self.label_chunks = input_chunks, criterion, label_chunks
@@ -197,6 +225,24 @@ class _StageRunner:
         self.losses: list[torch.Tensor] = []
         self.outputs: list[tuple] = []
 
+    def _cell(self, kind: str, chunk: int):
+        if self.timeline is None:
+            return _NO_CELL
+        return self.timeline.cell(kind, chunk, self.direction)
+
+    def _recv(self, peer, kind: int, chunk: int) -> list[torch.Tensor]:
+        if isinstance(peer, _Loopback):
+            return peer.pop(kind)
+        with self._cell("recv", chunk):
+            return self.p2p.recv(peer, self.tag_fwd if kind == FWD else self.tag_bwd)
+
+    def _send(self, tensors: Sequence[torch.Tensor], peer, kind: int, chunk: int) -> None:
+        if isinstance(peer, _Loopback):
+            peer.push(tensors, kind)
+            return
+        with self._cell("send", chunk):
+            self.p2p.send(tensors, peer, self.tag_fwd if kind == FWD else self.tag_bwd)
+
     def forward_chunk(self) -> None:
         i = self.n_fwd
         self.n_fwd += 1
@@ -205,11 +251,13 @@ class _StageRunner:
         else:
             inputs = tuple(
                 t.requires_grad_() if t.is_floating_point() else t
-                for t in self.p2p.recv(self.prev, self.tag_fwd)
+                for t in self._recv(self.prev, FWD, i)
             )
-        outputs = as_tuple(self.module(*inputs))
+        with self._cell("F", i):  # on the last stage the loss is part of the forward cell
+            outputs = as_tuple(self.module(*inputs))
+            if self.next is None:
+                loss = self.criterion(*outputs, *self.label_chunks[i])
         if self.next is None:
-            loss = self.criterion(*outputs, *self.label_chunks[i])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"criterion must return a one-element loss tensor, got {loss!r}")
             self.losses.append(loss.detach())
@@ -217,7 +265,7 @@ class _StageRunner:
                 self.outputs.append(tuple(o.detach() for o in outputs))
             self.states[i] = (inputs, (loss,))
         else:
-            self.p2p.send(outputs, self.next, self.tag_fwd)
+            self._send(outputs, self.next, FWD, i)
             self.states[i] = (inputs, outputs)
 
     def backward_chunk(self, wgrad_store: WeightGradStore | None = None) -> None:
@@ -225,7 +273,7 @@ class _StageRunner:
         i = self.n_bwd
         self.n_bwd += 1
         inputs, outs = self.states.pop(i)
-        grads = [None] if self.next is None else self.p2p.recv(self.next, self.tag_bwd)
+        grads = [None] if self.next is None else self._recv(self.next, BWD, i)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
         outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
         in_req = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -234,17 +282,25 @@ class _StageRunner:
             # B: input grads only (keeping the graph); W: the parameter grads, later. Generic
             # modules do W by a second pass over the graph restricted to the parameters; a real
             # model splits W inside its linear layers instead (see the module docstrings).
-            if in_req:
-                torch.autograd.backward(outs, grads, inputs=in_req, retain_graph=bool(params))
+            with self._cell("B", i):
+                if in_req:
+                    torch.autograd.backward(outs, grads, inputs=in_req, retain_graph=bool(params))
             if params:
-                wgrad_store.put(lambda: torch.autograd.backward(outs, grads, inputs=params))
+
+                def weight_chunk() -> None:
+                    with self._cell("W", i):
+                        torch.autograd.backward(outs, grads, inputs=params)
+
+                wgrad_store.put(weight_chunk)
         elif outs:
-            torch.autograd.backward(outs, grads)
+            with self._cell("BW", i):
+                torch.autograd.backward(outs, grads)
         if self.prev is not None:
-            self.p2p.send(
+            self._send(
                 [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs],
                 self.prev,
-                self.tag_bwd,
+                BWD,
+                i,
             )
 
     def total_loss(self) -> torch.Tensor:

@@ -40,6 +40,7 @@ from ptxtrain.parallel._p2p import (
     module_device,
     split_chunks,
 )
+from ptxtrain.parallel.timeline import Timeline, check_timeline
 
 
 class DualPipe(nn.Module):
@@ -78,6 +79,7 @@ class DualPipe(nn.Module):
         criterion: Callable | None = None,
         labels: Sequence[torch.Tensor] = (),
         return_outputs: bool = False,
+        timeline: Timeline | None = None,
     ) -> tuple[torch.Tensor | None, object]:
         """One training step over ``num_chunks`` micro-batches, half entering at each end.
 
@@ -92,6 +94,8 @@ class DualPipe(nn.Module):
                 direction 1 (rank PP-1's inputs); split like the inputs.
             return_outputs: on ranks 0 and PP-1, also return the last stage's outputs of the
                 direction ending there, concatenated along dim 0 (detached).
+            timeline: an optional :class:`~ptxtrain.parallel.timeline.Timeline` (per rank) that
+                records this step's F / B / W / BW / send / recv cells.
 
         Returns:
             ``(loss, outputs)``: on rank PP-1 the SUM of direction 0's micro-batch losses, on rank
@@ -102,8 +106,9 @@ class DualPipe(nn.Module):
         Raises:
             ValueError: odd PP; ``num_chunks`` odd or < 2·PP; inputs missing on rank 0 / PP-1 or
                 given on another rank; criterion missing on rank 0 / PP-1; dim 0 of a tensor not
-                divisible by ``num_chunks / 2``. Every rank raises: global checks depend only on
-                the world size and ``num_chunks``, local ones are shared by one all-reduce.
+                divisible by ``num_chunks / 2``; ``timeline`` not a Timeline. Every rank raises:
+                global checks depend only on the world size and ``num_chunks``, local ones are
+                shared by one all-gather.
             TypeError: ``num_chunks`` not an int, an input or label not a tensor.
         """
         # 0. Validation.
@@ -133,7 +138,10 @@ class DualPipe(nn.Module):
                 label_chunks = split_chunks("labels", tuple(labels), n)
         except (TypeError, ValueError) as e:
             errors.append(str(e))
+        errors += check_timeline(timeline)
         agree_on_errors(errors, self.group, rank, world)
+        if timeline is not None:
+            timeline._begin("dualpipe", rank, world, num_chunks, device)
 
         p2p = P2P(self.group, device)
         last = world - 1
@@ -148,6 +156,7 @@ class DualPipe(nn.Module):
                 criterion=criterion,
                 label_chunks=label_chunks if rank == last else None,
                 keep_outputs=return_outputs,
+                timeline=timeline,
             ),
             _StageRunner(  # direction 1: rank PP-1 -> rank 0
                 self.module[1],
@@ -159,10 +168,13 @@ class DualPipe(nn.Module):
                 criterion=criterion,
                 label_chunks=label_chunks if rank == 0 else None,
                 keep_outputs=return_outputs,
+                timeline=timeline,
             ),
         )
         self._run_schedule(stages, rank, world, n)
         p2p.wait_all()
+        if timeline is not None:
+            timeline._end()
 
         ending = {0: stages[1], last: stages[0]}.get(rank)
         if ending is None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ptxtrain.parallel._p2p import P2P, _StageRunner, agree_on_errors, module_device, split_chunks
+from ptxtrain.parallel.timeline import Timeline, check_timeline
 
 
 class OneFOneB(nn.Module):
@@ -49,6 +50,7 @@ class OneFOneB(nn.Module):
         criterion: Callable | None = None,
         labels: Sequence[torch.Tensor] = (),
         return_outputs: bool = False,
+        timeline: Timeline | None = None,
     ) -> tuple[torch.Tensor | None, object]:
         """One training step (forward + backward) over ``num_chunks`` micro-batches.
 
@@ -61,6 +63,8 @@ class OneFOneB(nn.Module):
             labels: on the last rank, tensors split along dim 0 like the inputs.
             return_outputs: on the last rank, also return the stage outputs, concatenated over
                 the micro-batches along dim 0 (detached).
+            timeline: an optional :class:`~ptxtrain.parallel.timeline.Timeline` (per rank) that
+                records this step's F / B / W / BW / send / recv cells.
 
         Returns:
             ``(loss, outputs)``: on the last rank ``loss`` is the SUM of the N micro-batch losses
@@ -71,8 +75,9 @@ class OneFOneB(nn.Module):
         Raises:
             ValueError: ``num_chunks`` < 1; inputs missing on rank 0 or given on another rank;
                 criterion missing on the last rank; a tensor whose dim 0 is not divisible by
-                ``num_chunks``. Checks on arguments only one rank sees are shared through one
-                all-reduce, so every rank raises (no rank is left waiting).
+                ``num_chunks``; ``timeline`` not a Timeline. Checks on arguments only one rank
+                sees are shared through one all-gather, so every rank raises (none is left
+                waiting).
             TypeError: ``num_chunks`` not an int, an input or label not a tensor.
         """
         # 0. Validation: global checks first (same result on every rank), then the local ones.
@@ -98,7 +103,10 @@ class OneFOneB(nn.Module):
                 label_chunks = split_chunks("labels", tuple(labels), num_chunks)
         except (TypeError, ValueError) as e:
             errors.append(str(e))
+        errors += check_timeline(timeline)
         agree_on_errors(errors, self.group, rank, world)
+        if timeline is not None:
+            timeline._begin("1f1b", rank, world, num_chunks, device)
 
         p2p = P2P(self.group, device)
         stage = _StageRunner(
@@ -111,6 +119,7 @@ class OneFOneB(nn.Module):
             criterion=criterion,
             label_chunks=label_chunks,
             keep_outputs=return_outputs,
+            timeline=timeline,
         )
         n_warmup = min(world - 1 - rank, num_chunks)
 
@@ -125,6 +134,8 @@ class OneFOneB(nn.Module):
         for _ in range(n_warmup):
             stage.backward_chunk()
         p2p.wait_all()
+        if timeline is not None:
+            timeline._end()
 
         if not last:
             return None, None
