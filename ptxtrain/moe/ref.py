@@ -10,13 +10,32 @@ are numbered ``slot = t·k + j`` (row-major over ``topk_idx [T, k]``). ``permute
 by expert with a *stable* sort, so rows of one expert are contiguous and in ascending token
 order; ``sorted_slots [T·k]`` maps permuted row -> slot, and ``sorted_slots // k`` is the source
 token. ``tokens_per_expert [E]`` gives the slice lengths (what a grouped GEMM needs).
+
+``permute_quant_ref`` adds what an FP8 grouped GEMM wants: the permuted rows quantized 1x128
+(:func:`ptxtrain.quant.ref.per_token_cast_to_fp8`) and, optionally, each expert's slice padded to
+an M alignment, with ``m_indices`` (expert of each row, -1 for padding rows) as DeepGEMM's
+m-grouped contiguous GEMM reads it (:func:`grouped_layout_ref`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["permute_ref", "route_ref", "seq_balance_loss_ref", "unpermute_ref"]
+from ptxtrain.quant.ref import per_token_cast_to_fp8
+
+__all__ = [
+    "PermuteQuantResult",
+    "check_routing",
+    "grouped_layout_ref",
+    "permute_quant_ref",
+    "permute_ref",
+    "route_from_logits_ref",
+    "route_ref",
+    "seq_balance_loss_ref",
+    "unpermute_ref",
+]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,7 +59,9 @@ def route_ref(
     each group of ``E / n_groups`` consecutive experts is scored by the sum of its two largest
     ``s + bias`` (its single largest when a group has one expert), the ``n_limited_groups`` best
     groups are kept, and the top-``k`` experts among them are chosen. Gate weights are the chosen
-    ``s`` (bias not included) normalized to sum 1, times ``route_scale``.
+    ``s`` (bias not included) normalized to sum 1, times ``route_scale``. Equal selection scores
+    go to the lower expert (group) index; the exact order of operations is that of
+    :func:`route_from_logits_ref`, which this calls with ``logits = x · weightᵀ``.
 
     Args:
         x: ``[T, D]`` token activations, any float dtype (upcast to fp32).
@@ -68,6 +89,22 @@ def route_ref(
             f"route_ref: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
             f"{tuple(bias.shape)} disagree on D or E"
         )
+    check_routing(n_experts, top_k, n_groups, n_limited_groups)
+    acc = _acc_dtype(x.dtype)
+    logits = torch.nn.functional.linear(x.to(acc), weight.to(acc))  # [T, E]
+    return route_from_logits_ref(
+        logits, bias, top_k=top_k, n_groups=n_groups, n_limited_groups=n_limited_groups,
+        route_scale=route_scale,
+    )  # fmt: skip
+
+
+def check_routing(n_experts: int, top_k: int, n_groups: int, n_limited_groups: int) -> int:
+    """Validate the routing hyper-parameters against ``E``; return experts per group.
+
+    Raises:
+        ValueError: ``n_groups`` does not divide ``E``, ``n_limited_groups`` is not in
+            ``[1, n_groups]``, or ``top_k`` is not in ``[1, n_limited_groups · E / n_groups]``.
+    """
     if n_groups <= 0 or n_experts % n_groups != 0:
         raise ValueError(f"n_groups must divide E={n_experts}, got n_groups={n_groups}")
     per_group = n_experts // n_groups
@@ -78,20 +115,71 @@ def route_ref(
             f"top_k must be in [1, n_limited_groups x experts per group = "
             f"{n_limited_groups * per_group}], got {top_k}"
         )
+    return per_group
 
-    acc = _acc_dtype(x.dtype)
-    logits = torch.nn.functional.linear(x.to(acc), weight.to(acc))  # [T, E]
-    scores = logits.sigmoid()  # [T, E] affinities s
+
+def _top_indices(values: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the ``n`` largest entries of each row, largest first, ties to the lower index.
+
+    A stable descending sort, so the order is defined on every device (``torch.topk`` leaves the
+    order of equal values to the implementation, and CPU and CUDA differ).
+    """
+    return values.sort(dim=-1, descending=True, stable=True).indices[:, :n]
+
+
+def route_from_logits_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    top_k: int,
+    n_groups: int,
+    n_limited_groups: int,
+    route_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`route_ref` from the router logits ``u = x · weightᵀ`` (the GEMM done by the caller).
+
+    ``s = sigmoid(logits)`` in fp32 (fp64 for fp64 logits); selection, group limit and gates as
+    in :func:`route_ref`. The order of operations is part of the contract, so that kernels can
+    match it bit for bit: the group score is ``top1 + top2`` of ``s + bias``; equal selection
+    scores (groups or experts) go to the **lower index** first; the gate denominator is the
+    left-to-right sum ``((g_0 + g_1) + g_2) + ...`` of the chosen ``s`` in selection order, and
+    ``topk_weights = g / (denominator + 1e-20) * route_scale`` (IEEE division, then a multiply).
+    NaN logits give unspecified choices.
+
+    Args:
+        logits: ``[T, E]`` router logits, any float dtype (upcast to fp32).
+        bias: ``[E]`` selection bias (upcast like ``logits``).
+        top_k, n_groups, n_limited_groups, route_scale: as in :func:`route_ref`.
+
+    Returns:
+        ``(topk_idx [T, k] int64, topk_weights [T, k], scores [T, E])`` as :func:`route_ref`.
+
+    Raises:
+        ValueError: ``logits`` is not 2-D, ``bias`` is not ``[E]``, or the routing
+            hyper-parameters do not fit ``E`` (see :func:`check_routing`).
+    """
+    if logits.dim() != 2 or bias.dim() != 1 or bias.shape[0] != logits.shape[1]:
+        raise ValueError(
+            f"route_from_logits_ref needs logits [T, E] and bias [E]; got "
+            f"{tuple(logits.shape)} and {tuple(bias.shape)}"
+        )
+    n_tokens, n_experts = logits.shape
+    per_group = check_routing(n_experts, top_k, n_groups, n_limited_groups)
+    acc = _acc_dtype(logits.dtype)
+    scores = logits.to(acc).sigmoid()  # [T, E] affinities s
     choice = scores.detach() + bias.to(acc)  # [T, E] selection scores s + b (no gradient)
     if n_limited_groups < n_groups:
-        grouped = choice.view(x.shape[0], n_groups, per_group)  # [T, G, E/G]
+        grouped = choice.view(n_tokens, n_groups, per_group)  # [T, G, E/G]
         group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [T, G]
-        keep = group_scores.topk(n_limited_groups, dim=-1).indices  # [T, M]
+        keep = _top_indices(group_scores, n_limited_groups)  # [T, M]
         group_mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
         choice = grouped.masked_fill(group_mask.unsqueeze(-1), float("-inf")).flatten(1)
-    topk_idx = choice.topk(top_k, dim=-1).indices  # [T, k]
+    topk_idx = _top_indices(choice, top_k)  # [T, k]
     gates = scores.gather(1, topk_idx)  # [T, k] selected s, differentiable
-    topk_weights = gates / (gates.sum(-1, keepdim=True) + 1e-20) * route_scale
+    denom = gates[:, :1]  # [T, 1], summed left to right (a fixed order on every device)
+    for j in range(1, top_k):
+        denom = denom + gates[:, j : j + 1]
+    topk_weights = gates / (denom + 1e-20) * route_scale
     return topk_idx, topk_weights, scores
 
 
@@ -200,3 +288,88 @@ def unpermute_ref(
     y = torch.zeros(n_tokens, y_permuted.shape[1], dtype=acc, device=y_permuted.device)
     y = y.index_add(0, sorted_slots // k, contrib)  # [T, D] fp32
     return y.to(y_permuted.dtype)
+
+
+class PermuteQuantResult(NamedTuple):
+    """Outputs of :func:`permute_quant_ref` and :func:`ptxtrain.moe.triton.permute_quant`.
+
+    ``R`` is the row count of the permuted tensor: ``T·k`` without alignment, else
+    ``Σ_e ⌈n_e / align⌉ · align``.
+    """
+
+    x_fp8: torch.Tensor  # [R, D] float8_e4m3fn, expert-contiguous rows
+    sf: torch.Tensor  # [R, ⌈D/128⌉] fp32 dequantization factors (1x128 tiles)
+    sorted_slots: torch.Tensor  # [T·k] int64, permuted position -> slot t·k + j
+    tokens_per_expert: torch.Tensor  # [E] int64
+    padded_rows: torch.Tensor | None  # [T·k] int64, permuted position -> row of x_fp8 (align)
+    m_indices: torch.Tensor | None  # [R] int32, expert of each row, -1 for padding (align)
+
+
+def grouped_layout_ref(
+    tokens_per_expert: torch.Tensor, align: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad each expert's slice to a multiple of ``align`` rows (the M-grouped contiguous layout).
+
+    Expert ``e`` gets rows ``[P_e, P_e + ⌈n_e/align⌉·align)`` with ``P_e`` the exclusive prefix sum
+    of the padded counts (an expert with no tokens gets no rows); its ``n_e`` tokens fill the
+    first rows in permuted order, the rest are padding.
+
+    Args:
+        tokens_per_expert: ``[E]`` int64 counts ``n_e`` (from :func:`permute_ref`).
+        align: rows per alignment unit (DeepGEMM: 128).
+
+    Returns:
+        ``padded_rows [Σn_e]`` int64 (permuted position -> padded row) and
+        ``m_indices [R]`` int32 (expert of each padded row, -1 for padding rows).
+
+    Raises:
+        ValueError: ``align`` is not a positive int, or ``tokens_per_expert`` is not 1-D.
+    """
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0:
+        raise ValueError(f"align must be a positive int, got {align!r}")
+    if tokens_per_expert.dim() != 1:
+        raise ValueError(f"tokens_per_expert must be [E], got {tuple(tokens_per_expert.shape)}")
+    dev = tokens_per_expert.device
+    counts = tokens_per_expert.to(torch.int64)  # [E]
+    padded = (counts + align - 1) // align * align  # [E]
+    start = torch.cumsum(counts, 0) - counts  # [E] first permuted position of each expert
+    padded_start = torch.cumsum(padded, 0) - padded  # [E] first padded row of each expert
+    experts = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)  # [Σn]
+    positions = torch.arange(experts.numel(), device=dev)
+    padded_rows = positions - start[experts] + padded_start[experts]  # [Σn]
+    m_indices = torch.full((int(padded.sum()),), -1, dtype=torch.int32, device=dev)
+    m_indices[padded_rows] = experts.to(torch.int32)
+    return padded_rows, m_indices
+
+
+def permute_quant_ref(
+    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, align: int | None = None
+) -> PermuteQuantResult:
+    """:func:`permute_ref` followed by 1x128 FP8 quantization, optionally padded per expert.
+
+    Padding rows (``m_indices == -1``) hold the quantization of a zero row: ``x_fp8 = 0`` and
+    ``sf = 1e-4 / 448`` (the clamped amax of :func:`ptxtrain.quant.ref.per_token_cast_to_fp8`).
+
+    Args:
+        x: ``[T, D]`` float32 / bfloat16 / float16 tokens.
+        topk_idx: ``[T, k]`` int64 expert ids in ``[0, num_experts)``.
+        num_experts: ``E``.
+        align: ``None`` (rows packed, ``R = T·k``) or the M alignment of each expert's slice.
+
+    Returns:
+        :class:`PermuteQuantResult`; ``padded_rows`` and ``m_indices`` are ``None`` without
+        ``align``.
+
+    Raises:
+        TypeError / ValueError: as :func:`permute_ref`, :func:`per_token_cast_to_fp8` and
+            :func:`grouped_layout_ref`.
+    """
+    x_perm, sorted_slots, tokens_per_expert = permute_ref(x, topk_idx, num_experts)
+    if align is None:
+        x_fp8, sf = per_token_cast_to_fp8(x_perm)
+        return PermuteQuantResult(x_fp8, sf, sorted_slots, tokens_per_expert, None, None)
+    padded_rows, m_indices = grouped_layout_ref(tokens_per_expert, align)
+    x_pad = x_perm.new_zeros(m_indices.numel(), x.shape[1])  # [R, D], zero padding rows
+    x_pad[padded_rows] = x_perm
+    x_fp8, sf = per_token_cast_to_fp8(x_pad)
+    return PermuteQuantResult(x_fp8, sf, sorted_slots, tokens_per_expert, padded_rows, m_indices)
