@@ -8,6 +8,7 @@ backend name), read at each call so tests and benchmarks can switch it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -31,11 +32,16 @@ def requested(env_var: str, names: tuple[str, ...]) -> str:
 def triton_usable(device: torch.device) -> bool:
     """Triton kernels can run on ``device``: a CUDA tensor with triton installed, or the Triton
     interpreter (``TRITON_INTERPRET=1``) for CPU tensors."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return False
     if device.type == "cuda":
         return True
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def load(package: str, name: str) -> ModuleType:

@@ -60,9 +60,11 @@ def fp8_gemm_nt(
     """``D = A · Bᵀ``, A scaled per 1x128 tile, B per 128x128 block (1D2D), on the selected
     backend. Contract, shapes and errors: :func:`ptxtrain.gemm.ref.fp8_gemm_nt`."""
     m, n, k = ref.validate_1d2d(a, b, out, out_dtype)
-    name = select_backend("1d2d", m, n, k, a[0].device)
-    impl = _backend.load(__name__, name).fp8_gemm_nt
-    return impl(a, b, out=out, out_dtype=out_dtype)
+    mod = _backend.load(__name__, select_backend("1d2d", m, n, k, a[0].device))
+    fast = getattr(mod, "_fp8_gemm_nt", None)  # the backend's path without re-validation
+    if fast is not None:
+        return fast(a, b, out, out_dtype)
+    return mod.fp8_gemm_nt(a, b, out=out, out_dtype=out_dtype)
 
 
 def fp8_gemm_nt_1d1d(
@@ -77,9 +79,11 @@ def fp8_gemm_nt_1d1d(
     on the selected backend. Contract, shapes and errors:
     :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`."""
     m, n, k = ref.validate_1d1d(a, b, out, accumulate, out_dtype)
-    name = select_backend("1d1d", m, n, k, a[0].device)
-    impl = _backend.load(__name__, name).fp8_gemm_nt_1d1d
-    return impl(a, b, out=out, accumulate=accumulate, out_dtype=out_dtype)
+    mod = _backend.load(__name__, select_backend("1d1d", m, n, k, a[0].device))
+    fast = getattr(mod, "_fp8_gemm_nt_1d1d", None)
+    if fast is not None:
+        return fast(a, b, out, accumulate, out_dtype)
+    return mod.fp8_gemm_nt_1d1d(a, b, out=out, accumulate=accumulate, out_dtype=out_dtype)
 
 
 __all__ = ["BACKENDS", "backends", "fp8_gemm_nt", "fp8_gemm_nt_1d1d", "select_backend"]

@@ -18,6 +18,8 @@ before any launch, and :func:`supports` says so up front.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ptxtrain.gemm import ref
@@ -31,7 +33,9 @@ def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> b
     if not torch.cuda.is_available():
         return False
     dev = torch.device("cuda") if device is None else device
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+    if dev.type != "cuda":
+        return False
+    if _capability(dev.index if dev.index is not None else torch.cuda.current_device()) != (9, 0):
         return False
     # Measured on an H200 with torch 2.11 + CUDA 13 (benchmarks/diag_cublas.py):
     # - M % 4 != 0 fails (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic query);
@@ -40,6 +44,11 @@ def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> b
     #   (ANCHORS §7: "K-blocks padded to a multiple of 4").
     # So cuBLAS is used only where it was verified: K % 512 == 0 (every DeepSeek-V3 K).
     return m > 0 and m % 4 == 0 and n % _ALIGN == 0 and k % _K_ALIGN == 0
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _check_cuda_shape(a: torch.Tensor, n: int, k: int) -> None:
@@ -71,6 +80,11 @@ def fp8_gemm_nt(
         TypeError / ValueError: as the reference, plus non-CUDA tensors or N, K not multiples of 16.
     """
     ref.validate_1d2d(a, b, out, out_dtype)
+    return _fp8_gemm_nt(a, b, out, out_dtype)
+
+
+def _fp8_gemm_nt(a, b, out, out_dtype):
+    """:func:`fp8_gemm_nt` after validation (the dispatcher validates once, then calls this)."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
@@ -129,6 +143,11 @@ def fp8_gemm_nt_1d1d(
         NotImplementedError: this torch/cuBLAS accepts no 1x128 x 1x128 scale layout.
     """
     ref.validate_1d1d(a, b, out, accumulate, out_dtype)
+    return _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
+
+
+def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
+    """:func:`fp8_gemm_nt_1d1d` after validation."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     m, k = a_fp8.shape
     n = b_fp8.shape[0]

@@ -404,6 +404,11 @@ def _gemm(
         m, n, k = validate_1d2d(a, b, out, out_dtype)
     else:
         m, n, k = validate_1d1d(a, b, out, accumulate, out_dtype)
+    return _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_sms)
+
+
+def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_sms=None):
+    """:func:`_gemm` after the contract's validation (the dispatcher validates once)."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     if out is not None and any(st == 0 and sz > 1 for st, sz in zip(out.stride(), out.shape)):
         raise ValueError(
@@ -505,6 +510,18 @@ def fp8_gemm_nt_1d1d(
     Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; DESIGN §2.
     """
     return _gemm("1d1d", a, b, out, out_dtype, accumulate, config)
+
+
+def _fp8_gemm_nt(a, b, out, out_dtype):
+    """:func:`fp8_gemm_nt` after validation (called by :mod:`ptxtrain.gemm`'s dispatcher)."""
+    m, k = a[0].shape
+    return _gemm_checked("1d2d", a, b, out, out_dtype, False, None, m, b[0].shape[0], k)
+
+
+def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
+    """:func:`fp8_gemm_nt_1d1d` after validation."""
+    m, k = a[0].shape
+    return _gemm_checked("1d1d", a, b, out, out_dtype, accumulate, None, m, b[0].shape[0], k)
 
 
 def _compile_for_sm90(

@@ -8,11 +8,13 @@ Design note.
   and, as its ``ROW`` / ``COL`` flags ask, it is quantized row-wise (1 x ``block`` tiles; needs
   ``BLOCK_K == block``) and column-wise (``block`` x 1 tiles, whose amax ``axis=0`` is
   complete in every chunk since ``BLOCK_M == block``), the latter stored transposed through
-  ``tl.trans``. The fused ``per_token_cast_to_fp8_both`` sets both flags: a 128x128 tile per
-  program, walked in 64-column chunks (fewer live registers than a whole tile). Its row amaxes
-  need the whole 128 columns first, so it makes a first pass over the chunks for them; the
-  second pass re-reads the tile from L1/L2, so HBM still sees 2 bytes/element in and 2 out
-  (bf16). ``per_token_cast_to_fp8_t`` uses narrow 128x64 tiles (one chunk). The grid is
+  ``tl.trans``. With both flags (the fused kernel) a program owns a 128x128 tile walked in
+  64-column chunks; its row amaxes need the whole 128 columns first, so it makes a first pass
+  over the chunks for them and re-reads the tile from L1/L2 in the second. On the GPU that
+  fused kernel measured slower (0.40 of copy bandwidth) than the two single-flag kernels run
+  one after the other (0.50), so ``per_token_cast_to_fp8_both`` runs those there (see
+  ``_config_1x``); the fused one serves the interpreter and explicit configs.
+  ``per_token_cast_to_fp8_t`` uses narrow 128x64 tiles (one chunk). The grid is
   ``(⌈M/BLOCK_M⌉, ⌈K/BLOCK_K⌉)``, M on axis 0 (CUDA allows 2^31-1 programs there, 65535 on
   axis 1). ``_quant_block_kernel`` does 128x128 weight blocks, one block per program.
 - amax from integer bits: ``|x|`` is ``bits(x) & 0x7FFFFFFF``, and for non-negative floats the
@@ -262,14 +264,20 @@ def _config_1x(m: int, block: int, *, row: bool, col: bool, interpreted: bool = 
     """
     if interpreted and col:
         return _Config(block_m=block, block_k=block, sub_k=block, num_warps=4)
-    # Measured on an H200 at 4096..16384 x 7168 bf16 (fraction of copy bandwidth): both at
-    # sub_k 64 ≈ 0.40 (16: 0.27, 32: 0.34, 128: 0.35); 128x1 alone at block_k 64 ≈ 0.65
-    # (128: 0.45); 1x128 alone at block_m 64 ≈ 0.80.
+    # Measured on an H200 at 4096 / 8192 x 7168 and 4096 x 2112 bf16, fraction of copy bandwidth
+    # (benchmarks/sweep_quant.py; results in benchmarks/results/2026-11-22-quant-sweep-h200):
+    # 1x128 at block_m 32: 0.76-0.86 (16: same, 64: 0.71-0.84, 128 with 8 warps: 0.69-0.81);
+    # 128x1 at block_k 64: 0.62-0.67 (32: 0.58-0.60, 128: 0.43-0.45, 8 warps slower); fused
+    # both at sub_k 64: 0.40 (32: 0.27-0.35, 128: 0.34). Transposing the 16-bit input instead of
+    # the fp8 output changed nothing; TMA loads/stores through tensor descriptors were slower
+    # (0.25-0.57). So per_token_cast_to_fp8_both runs the 1x128 and the 128x1 kernels one after
+    # the other on the GPU (0.50-0.53: reading x twice costs less than the fused kernel's
+    # transposed stores); the fused kernel stays for the interpreter and explicit configs.
     if row and col:
         return _Config(block_m=block, block_k=block, sub_k=min(64, block), num_warps=4)
     if col:
         return _Config(block_m=block, block_k=min(64, block), sub_k=min(64, block), num_warps=4)
-    block_m = min(64, max(16, triton.next_power_of_2(max(m, 1))))
+    block_m = min(32, max(16, triton.next_power_of_2(max(m, 1))))
     return _Config(block_m=block_m, block_k=block, sub_k=block, num_warps=4)
 
 
@@ -330,6 +338,12 @@ def _quant_1x(x, block, pow2_scale, sf_layout, *, row: bool, col: bool, config=N
     """
     m, k = x.shape
     dev = x.device
+    interpreted = _kernels_interpreted()
+    if row and col and config is None and not interpreted and m > 0 and k > 0:
+        # Two kernels beat the fused one on the GPU (see _config_1x).
+        x_fp8, sf_x = _quant_1x(x, block, pow2_scale, sf_layout, row=True, col=False)
+        xt_fp8, sf_t = _quant_1x(x, block, pow2_scale, sf_layout, row=False, col=True)
+        return x_fp8, sf_x, xt_fp8, sf_t
     q = sf = qt = sft = None
     if row:
         q = torch.empty((m, k), dtype=FP8_DTYPE, device=dev)
@@ -338,7 +352,7 @@ def _quant_1x(x, block, pow2_scale, sf_layout, *, row: bool, col: bool, config=N
         qt = torch.empty((k, m), dtype=FP8_DTYPE, device=dev)
         sft = _empty_sf(k, ceil_div(m, block), sf_layout, dev)
     if m > 0 and k > 0:
-        cfg = config or _config_1x(m, block, row=row, col=col, interpreted=_kernels_interpreted())
+        cfg = config or _config_1x(m, block, row=row, col=col, interpreted=interpreted)
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(k, cfg.block_k))
         _quant_1x_kernel[grid](
             x,
@@ -423,10 +437,11 @@ def per_token_cast_to_fp8_t(
 def per_token_cast_to_fp8_both(
     x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False, sf_layout: str = "row"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused :func:`per_token_cast_to_fp8` + :func:`per_token_cast_to_fp8_t`, reading x once.
+    """:func:`per_token_cast_to_fp8` and :func:`per_token_cast_to_fp8_t` of one tensor.
 
-    Each program owns one ``block`` x ``block`` tile and writes both quantizations of it; x is
-    read from HBM once (the second pass over the tile hits L1/L2).
+    On the GPU the two kernels run one after the other (x is read twice): measured faster than
+    the fused one-read kernel, whose transposed stores run at 0.40 of copy bandwidth (module
+    note). Under the interpreter the fused kernel runs.
 
     Args:
         x, block, pow2_scale: as :func:`per_token_cast_to_fp8`.
