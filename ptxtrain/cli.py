@@ -67,6 +67,7 @@ def _float_at_least(low: float, *, strict: bool = False) -> Callable[[str], floa
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     from .model import PRESETS
+    from .parallel.stages import SCHEDULES
     from .train.loop import DEVICES, PRECISIONS, TrainArgs
 
     d = TrainArgs()  # the defaults, shown in the help; flags default to None ("not given")
@@ -84,6 +85,15 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bf16, or fp8 = DeepSeek-V3 fine-grained FP8 Linear layers (1x128 activation tiles, "
         f"128x128 weight blocks, E4M3) (default: {d.precision})",
+    )
+
+    g.add_argument(
+        "--no-mtp",
+        dest="mtp",
+        action="store_const",
+        const=False,
+        default=None,
+        help="drop the multi-token-prediction module (mtp_depth=0); required with --pp > 1",
     )
 
     g = p.add_argument_group("schedule (1 step = 1 optimizer update)")
@@ -192,6 +202,40 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         f"(default: {d.sample_tokens})",
     )
 
+    g = p.add_argument_group(
+        "pipeline parallelism (torchrun --nproc-per-node PP -m ptxtrain train --pp PP ...)"
+    )
+    g.add_argument(
+        "--pp",
+        type=_int_at_least(1),
+        metavar="PP",
+        help="pipeline ranks, = the number of processes (WORLD_SIZE); the model's layers are "
+        "split into PP stages (2*PP for dualpipev). Not supported with --pp > 1: MTP (pass "
+        "--no-mtp), tied embeddings, checkpoints and --resume; the MoE balance losses are "
+        f"supported (default: {d.pp} = one process)",
+    )
+    g.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="dualpipe: PP even, each rank holds 2 mirrored stages; dualpipev: 2*PP stages in a "
+        f"V; 1f1b: the baseline (default: {d.schedule})",
+    )
+    g.add_argument(
+        "--num-chunks",
+        type=_int_at_least(1),
+        metavar="N",
+        help="micro-batches per step, dividing --batch-size; >= 2*PP and (dualpipe) even for "
+        "dualpipe/dualpipev (default: 2*PP)",
+    )
+    g.add_argument(
+        "--timeline",
+        action="store_true",
+        default=None,
+        help="write each rank's schedule timeline to RUN_DIR/timeline_rank*.jsonl (draw it with "
+        "`ptxtrain plot timeline RUN_DIR`)",
+    )
+
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -202,7 +246,20 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # TrainArgs fields a flag can set besides the trajectory ones (loop.TRAJECTORY_FIELDS).
-_RUN_FIELDS = ("device", "out", "eval_every", "eval_batches", "ckpt_every", "sample_tokens", "data")
+_RUN_FIELDS = (
+    "device",
+    "out",
+    "eval_every",
+    "eval_batches",
+    "ckpt_every",
+    "sample_tokens",
+    "data",
+    "mtp",
+    "pp",
+    "schedule",
+    "num_chunks",
+    "timeline",
+)
 
 
 def _train_args_from(ns: argparse.Namespace):
@@ -219,6 +276,8 @@ def _train_args_from(ns: argparse.Namespace):
         inherited = {k: saved[k] for k in TRAJECTORY_FIELDS if k in saved and k not in given}
         if "data" not in given and meta["extra"].get("data"):
             inherited["data"] = meta["extra"]["data"]
+        if "mtp" not in given and meta["config"].get("model", {}).get("mtp_depth") == 0:
+            inherited["mtp"] = False
         given = {**inherited, **given, "out": str(probe.run_dir())}
     return TrainArgs(**given, resume=ns.resume, overwrite=ns.overwrite, progress=not ns.no_progress)
 

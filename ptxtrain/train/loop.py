@@ -17,6 +17,12 @@ is built; the weights stay BF16 and the optimizer keeps their FP32 masters eithe
 
 The run folder gets ``config.json``, ``metrics.jsonl``, ``loss.png``, ``checkpoint/``,
 ``samples.txt`` and ``summary.json``.
+
+Pipeline parallelism (``pp > 1``, one process per rank under ``torchrun``): the forward/backward
+above becomes one schedule step over ``num_chunks`` micro-batches (1F1B, DualPipe or DualPipeV;
+see :mod:`ptxtrain.train.pipeline`), followed by the cross-rank gradient reduction and a global
+clipping norm. Rank 0 writes the run folder (no checkpoint yet); with ``timeline`` every rank
+writes ``timeline_rank{r}.jsonl``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import platform
 import shutil
 import signal
@@ -134,6 +141,12 @@ class TrainArgs:
     sample_tokens: int = 200  # bytes sampled per sample at the end; 0 = no samples
     # --- data ---
     data: str | None = None  # text file or folder; None = the embedded Shakespeare corpus
+    mtp: bool = True  # False drops the MTP module (mtp_depth=0); needed with pp > 1
+    # --- pipeline parallelism (torchrun --nproc-per-node PP -m ptxtrain train --pp PP) ---
+    pp: int = 1  # pipeline ranks (= WORLD_SIZE); 1 = one process, no pipeline
+    schedule: str = "dualpipe"  # pipeline schedule with pp > 1: "dualpipe", "dualpipev", "1f1b"
+    num_chunks: int | None = None  # micro-batches per step (pp > 1); None = 2 * pp
+    timeline: bool = False  # write each rank's schedule timeline into the run folder (pp > 1)
     # --- Python API only ---
     progress: bool = True  # show a tqdm progress bar
     stop_after: int | None = None  # stop (checkpointed) after this many steps of this call
@@ -175,6 +188,43 @@ class TrainArgs:
             raise TrainConfigError(f"stop_after must be an integer > 0, got {self.stop_after!r}")
         if self.resume and self.overwrite:
             raise TrainConfigError("--resume and --overwrite exclude each other")
+        self._validate_pipeline(bad, is_int)
+
+    def _validate_pipeline(self, bad, is_int) -> None:
+        from ..parallel.stages import SCHEDULES, check_pipeline
+
+        if not isinstance(self.mtp, bool):
+            raise bad("mtp", "must be a bool")
+        if not is_int(self.pp) or self.pp < 1:
+            raise bad("pp", "must be an integer >= 1")
+        if self.schedule not in SCHEDULES:
+            raise bad("schedule", f"must be one of {list(SCHEDULES)}")
+        if self.num_chunks is not None and (not is_int(self.num_chunks) or self.num_chunks < 1):
+            raise bad("num_chunks", "must be an integer >= 1")
+        if self.pp == 1:
+            if self.timeline:
+                raise TrainConfigError("--timeline records a pipeline schedule: it needs --pp > 1")
+            if self.num_chunks is not None:
+                raise TrainConfigError("--num-chunks splits a pipeline step: it needs --pp > 1")
+            return
+        if self.resume:
+            raise TrainConfigError(
+                "--resume is not supported with --pp > 1 (pipeline runs write no checkpoint yet)"
+            )
+        chunks = self.chunks()
+        try:
+            check_pipeline(self.schedule, self.pp, chunks)
+        except ValueError as e:
+            raise TrainConfigError(f"--pp {self.pp} --schedule {self.schedule}: {e}") from None
+        if self.batch_size % chunks:
+            raise TrainConfigError(
+                f"--batch-size {self.batch_size} must be divisible by the {chunks} micro-batches "
+                "of a pipeline step (--num-chunks)"
+            )
+
+    def chunks(self) -> int:
+        """Micro-batches per pipeline step: ``num_chunks``, or ``2 * pp`` when it is None."""
+        return self.num_chunks if self.num_chunks is not None else 2 * self.pp
 
     def run_dir(self) -> Path:
         """``out``, or ``runs/<preset>-<precision>`` when it is None."""
@@ -254,10 +304,13 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 class _Printer:
     """Writes lines to stdout, through tqdm while a bar is active so the bar stays intact."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         self.bar = None
+        self.enabled = enabled
 
     def __call__(self, msg: str = "") -> None:
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.write(msg, file=sys.stdout)
         else:
@@ -331,16 +384,128 @@ def _prepare_run_dir(run_dir: Path, args: TrainArgs) -> None:
             shutil.rmtree(run_dir / name)
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
+    for path in (*run_dir.glob("timeline_rank*.jsonl"), run_dir / "timeline.png"):
+        path.unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+class _PipeSetup:
+    """The process group and rank of a ``--pp > 1`` run; with ``pp == 1`` every method is a
+    no-op answering for a single process.
+
+    Raises (on every rank alike, since the checks depend on the arguments only):
+        TrainConfigError: the model cannot be cut into the schedule's stages, WORLD_SIZE (or an
+            existing process group) does not match ``--pp``, or no CUDA device is visible.
+    """
+
+    def __init__(self, args: TrainArgs, config, param_dtype: torch.dtype) -> None:
+        self.args, self.param_dtype = args, param_dtype
+        self.active = args.pp > 1
+        self.rank, self.device, self._created = 0, None, False
+        if not self.active:
+            return
+        import torch.distributed as dist
+
+        from ..model.stages import check_stageable
+        from ..parallel.stages import num_stages
+
+        try:
+            check_stageable(config, num_stages(args.schedule, args.pp))
+        except ValueError as e:
+            raise TrainConfigError(f"--pp {args.pp} --schedule {args.schedule}: {e}") from None
+        device = resolve_device(args.device)
+        if dist.is_initialized():
+            world = dist.get_world_size()
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != args.pp:
+            raise TrainConfigError(
+                f"--pp {args.pp} needs {args.pp} processes, one per pipeline rank, got a world "
+                f"of {world}: launch with torchrun --nproc-per-node {args.pp} -m ptxtrain train "
+                f"--pp {args.pp} ..."
+            )
+        if device.type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+            device = torch.device("cuda", local % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            self._created = True
+        self.rank, self.device = dist.get_rank(), device
+
+    def runner(self, model):
+        if not self.active:
+            return None
+        from .pipeline import PipelineRunner
+
+        return PipelineRunner(model, self.args.schedule, self.args.chunks())
+
+    def on_lead(self, fn, *fn_args) -> None:
+        """Run ``fn`` on rank 0 only; a ``TrainConfigError`` there is raised on every rank."""
+        if not self.active:
+            fn(*fn_args)
+            return
+        import torch.distributed as dist
+
+        msg = [None]
+        if self.rank == 0:
+            try:
+                fn(*fn_args)
+            except TrainConfigError as e:
+                msg = [str(e)]
+        dist.broadcast_object_list(msg, src=0)
+        if msg[0] is not None:
+            raise TrainConfigError(msg[0])
+
+    def new_timeline(self):
+        if not self.args.timeline:
+            return None
+        from ..parallel.timeline import Timeline
+
+        return Timeline()
+
+    def agree_to_stop(self, requested: bool) -> bool:
+        """Whether any rank saw a Ctrl-C (all ranks then stop after the same step)."""
+        if not self.active:
+            return requested
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(requested)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def describe(self) -> dict[str, Any] | None:
+        if not self.active:
+            return None
+        a = self.args
+        return {"pp": a.pp, "schedule": a.schedule, "num_chunks": a.chunks()}
+
+    def close(self) -> None:
+        if self._created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._created = False
+
+
+def train(
+    args: TrainArgs,
+    *,
+    model_overrides: dict[str, Any] | None = None,
+    param_dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, Any]:
     """Train (or resume) a model on the byte corpus and return the run summary.
 
     Args:
         args: the run's arguments (validated here).
         model_overrides: fields replacing those of the preset's ``DeepSeekV3Config`` (e.g. a
             smaller model for tests); they are part of the checkpointed config.
+        param_dtype: floating dtype the model is built in (bf16 for training; fp32 to compare a
+            pipeline run with the single-process one at fp32 precision).
+
+    With ``args.pp > 1`` this runs one pipeline rank: call it on every rank (``torchrun``, or
+    inside an initialized default process group of ``pp`` ranks). Rank 0 returns the summary
+    below; the other ranks return ``{"out", "rank", "step", "losses"}`` and write nothing.
 
     Returns:
         A JSON-able dict: ``out``, ``preset``, ``precision``, ``device``, ``step`` (steps done
@@ -355,7 +520,9 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
 
     Raises:
         TrainConfigError: invalid arguments or overrides, an unknown preset, an unusable device
-            or run folder.
+            or run folder; with ``pp > 1`` also a world size other than ``pp``, a model that
+            cannot be cut into the schedule's stages (MTP on, tied embeddings, layer count) or a
+            bad schedule / ``num_chunks`` combination, raised on every rank.
         CorpusError: ``--data`` missing, unreadable, empty or too short for ``seq_len``.
         CheckpointError: ``resume`` with a missing, corrupt or mismatched checkpoint.
         FloatingPointError: the train loss became NaN or infinite.
@@ -363,24 +530,37 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
     A first Ctrl-C stops the run after the step in flight and checkpoints it (the summary then
     has ``interrupted=True``); a second one raises ``KeyboardInterrupt`` at once.
     """
-    from ..model import build_model, fp8_module_filter, get_preset
-    from ..nn import Fp8LinearConfig, convert_to_fp8_training
-    from ..optim import AdamW
+    from ..model import get_preset
 
     args.validate()
-    log = _Printer()
     try:
         config = get_preset(args.preset)
         if model_overrides:
             config = type(config).from_dict({**config.to_dict(), **model_overrides})
+        if not args.mtp:
+            config = type(config).from_dict({**config.to_dict(), "mtp_depth": 0})
     except (ValueError, TypeError) as e:
         raise TrainConfigError(str(e)) from None
+    pipe = _PipeSetup(args, config, param_dtype)  # pp == 1: a no-op
+    try:
+        return _train(args, config, pipe, model_overrides)
+    finally:
+        pipe.close()
+
+
+def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[str, Any]:
+    from ..model import build_model, fp8_module_filter
+    from ..nn import Fp8LinearConfig, convert_to_fp8_training
+    from ..optim import AdamW
+
+    lead = pipe.rank == 0  # the rank that prints and writes the run folder
+    log = _Printer(enabled=lead)
     if args.seq_len > config.max_seq_len:
         raise TrainConfigError(
             f"--seq-len {args.seq_len} exceeds the {args.preset} preset's max_seq_len "
             f"{config.max_seq_len}"
         )
-    device = resolve_device(args.device)
+    device = pipe.device if pipe.active else resolve_device(args.device)
     run_dir = args.run_dir()
 
     t_load = time.perf_counter()
@@ -394,15 +574,17 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
         f"{corpus_info['val_bytes']:,} val) loaded in {time.perf_counter() - t_load:.2f} s; "
         f"byte-unigram entropy {entropy:.4f} nats/byte"
     )
-    _prepare_run_dir(run_dir, args)
+    pipe.on_lead(_prepare_run_dir, run_dir, args)
 
-    model = build_model(config, dtype=torch.bfloat16, device=device, seed=args.seed)
+    model = build_model(config, dtype=pipe.param_dtype, device=device, seed=args.seed)
     if args.precision == "fp8":
         convert_to_fp8_training(
             model, Fp8LinearConfig.from_recipe_name("deepseek"), module_filter_fn=fp8_module_filter
         )
     model.train()
-    optimizer = AdamW(_param_groups(model, args.weight_decay), lr=args.lr)
+    runner = pipe.runner(model)  # None when pp == 1
+    trained = model if runner is None else runner.module  # this rank's parameters
+    optimizer = AdamW(_param_groups(trained, args.weight_decay), lr=args.lr)
     ckpt_config = {
         "model": config.to_dict(),
         "train": args.trajectory(),
@@ -421,20 +603,22 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
         log(f"resumed from {meta['path']} at step {start}")
 
     params = model.num_params()
-    write_json_atomic(
-        run_dir / "config.json",
-        {
-            "model": config.to_dict(),
-            "preset": args.preset,
-            "model_overrides": model_overrides or {},
-            "train": {k: v for k, v in dataclasses.asdict(args).items() if k != "progress"},
-            "params": params,
-            "corpus": corpus_info,
-            "device": _device_info(device),
-            "versions": _versions(),
-            "resumed_from_step": start if args.resume else None,
-        },
-    )
+    if lead:
+        write_json_atomic(
+            run_dir / "config.json",
+            {
+                "model": config.to_dict(),
+                "preset": args.preset,
+                "model_overrides": model_overrides or {},
+                "train": {k: v for k, v in dataclasses.asdict(args).items() if k != "progress"},
+                "params": params,
+                "corpus": corpus_info,
+                "device": _device_info(device),
+                "versions": _versions(),
+                "resumed_from_step": start if args.resume else None,
+                "pipeline": pipe.describe(),
+            },
+        )
     log(
         f"model: {args.preset} ({params['total']:,} params, {params['activated']:,} activated "
         f"per token), precision {args.precision}, device {device}; run folder {run_dir}"
@@ -447,7 +631,13 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
     done = last_saved = start
     step_time = 0.0
     t0 = time.perf_counter()
-    writer = MetricsWriter(run_dir / "metrics.jsonl", keep_until=start if args.resume else None)
+    writer = (
+        MetricsWriter(run_dir / "metrics.jsonl", keep_until=start if args.resume else None)
+        if lead
+        else None
+    )
+    timeline = pipe.new_timeline()
+    run_losses: list[float] = []
     from tqdm.auto import tqdm
 
     bar = tqdm(
@@ -455,7 +645,7 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
         initial=start,
         desc="train",
         unit="step",
-        disable=not args.progress,
+        disable=not (args.progress and lead),
         dynamic_ncols=True,
         file=sys.stdout,
     )
@@ -473,16 +663,26 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
                 x, y = corpus.get_batch(
                     "train", args.batch_size, args.seq_len, batch_generator(args.seed, step)
                 )
-                out = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-                out.loss.backward()
-                # With clipping off, a max_norm no norm reaches keeps the gradients unscaled.
-                grad_norm = float(optimizer.clip_grad_norm_(args.grad_clip or _NO_CLIP))
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                if runner is None:
+                    out = model(x, y)
+                    out.loss.backward()
+                    # With clipping off, a max_norm no norm reaches keeps the gradients unscaled.
+                    grad_norm = float(optimizer.clip_grad_norm_(args.grad_clip or _NO_CLIP))
+                else:
+                    out = runner.step(x, y, timeline)
+                    runner.reduce_grads(optimizer)
+                    grad_norm = runner.clip_grad_norm_(optimizer, args.grad_clip or _NO_CLIP)
                 optimizer.step()
                 if state_bytes is None:  # the full footprint: after step, before zero_grad
                     state_bytes = optimizer.state_bytes()
                 optimizer.zero_grad(set_to_none=True)
-                moe_stats = model.update_router_biases()
+                if runner is None:
+                    moe_stats = model.update_router_biases()
+                else:
+                    moe_stats = runner.update_router_biases()
                 loss = float(out.lm_loss.detach())
+                run_losses.append(loss)
                 dt = time.perf_counter() - t_step
                 step_time += dt
                 record: dict[str, Any] = {
@@ -498,17 +698,22 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
                     if v is not None:
                         record[name] = float(v.detach())
                 if not math.isfinite(loss):
-                    writer.write(record)
+                    if writer is not None:
+                        writer.write(record)
                     raise FloatingPointError(
                         f"the train loss became {loss} at step {step}; the checkpoint in "
                         f"{run_dir} holds step {last_saved} (try a lower --lr)"
                     )
                 if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                    val_loss = evaluate(model, corpus, args, device)
-                    record["val_loss"] = val_loss
+                    if runner is not None:
+                        runner.gather_model()
+                    if lead:
+                        val_loss = evaluate(model, corpus, args, device)
+                        record["val_loss"] = val_loss
                 if moe_stats:
                     record["moe"] = moe_stats
-                writer.write(record)
+                if writer is not None:
+                    writer.write(record)
                 done = step
                 bar.update(1)
                 bar.set_postfix_str(
@@ -516,21 +721,33 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
                     + (f" val {val_loss:.3f}" if val_loss is not None else "")
                     + f" {tokens_per_step / dt:,.0f} tok/s"
                 )
-                if stop.requested:
+                if pipe.agree_to_stop(stop.requested):
                     break
+                if runner is not None:
+                    continue  # pipeline runs write no checkpoint (yet)
                 if args.ckpt_every and step % args.ckpt_every == 0 and step < end:
                     save_checkpoint(run_dir, step=step, **ckpt_kw)
                     last_saved = step
-            if done > last_saved:
+            if done > last_saved and runner is None:
                 save_checkpoint(run_dir, step=done, **ckpt_kw)
                 last_saved = done
     finally:
         bar.close()
         log.bar = None
-        writer.close()
+        if writer is not None:
+            writer.close()
+    if timeline is not None:
+        timeline.write(run_dir)
     if stop.requested:
-        log(f"interrupted: stopped after step {done}; checkpoint saved, continue with --resume")
+        if runner is None:
+            log(f"interrupted: stopped after step {done}; checkpoint saved, continue with --resume")
+        else:
+            log(f"interrupted: stopped after step {done}")
     wall = time.perf_counter() - t0
+    if runner is not None and args.sample_tokens:
+        runner.gather_model()
+    if not lead:  # the other pipeline ranks write nothing
+        return {"out": str(run_dir), "rank": pipe.rank, "step": done, "losses": run_losses}
 
     records = read_metrics(run_dir / "metrics.jsonl")
     plot_loss_curve(
@@ -539,7 +756,7 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
         entropy=entropy,
         title=f"ptxtrain {args.preset} {args.precision}: byte-level LM",
     )
-    samples = _samples(model, args, device) if args.sample_tokens else []
+    samples = _samples(model, args, device) if args.sample_tokens else []  # lead rank only
     if samples:
         text = "".join(
             f"--- sample {i + 1} (prompt {SAMPLE_PROMPT!r}, temperature {SAMPLE_TEMPERATURE}, "
@@ -576,6 +793,7 @@ def train(args: TrainArgs, *, model_overrides: dict[str, Any] | None = None) -> 
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ),
         "params": params,
+        "pipeline": pipe.describe(),
         "samples": samples,
     }
     write_json_atomic(run_dir / "summary.json", summary)

@@ -1,0 +1,289 @@
+"""One rank's share of a pipeline-parallel training step (``ptxtrain train --pp N``).
+
+Every rank builds the whole model from the seed (so initialization is the single-process one),
+cuts it into stages (:class:`~ptxtrain.model.stages.DeepSeekV3Stage`, which share the model's
+submodules) and keeps the ones :func:`~ptxtrain.parallel.stages.stages_of_rank` gives it; the
+optimizer is built over those stages' parameters only. A step (DESIGN §5)::
+
+    micro-batches = the batch split into num_chunks along dim 0
+    schedule.step(...)          1F1B / DualPipe / DualPipeV; loss per micro-batch
+                                (lm_loss + aux_loss) / num_chunks, so the gradients are those of
+                                the batch mean, as in the single-process step
+    reduce_grads()              DualPipe: sum the gradients of the two copies of every stage
+    clip_grad_norm_()           the global norm, each stage counted once (its owner's copy)
+    optimizer.step()            each rank updates its stages; mirrored copies stay identical
+    update_router_biases()      DualPipe: expert counts of the two copies summed first
+
+Not supported here: multi-token prediction and tied embeddings (see ``check_stageable``),
+expert parallelism across the pipeline group, checkpoints and ``--resume``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..model.deepseek import DeepSeekV3
+from ..model.stages import DeepSeekV3Stage
+from ..moe.router import Router
+from ..parallel.stages import (
+    build_schedule,
+    check_pipeline,
+    num_stages,
+    owner_of_stage,
+    stages_of_rank,
+)
+from ..parallel.timeline import Timeline
+
+__all__ = ["PipelineRunner", "StepLosses"]
+
+
+@dataclass
+class StepLosses:
+    """Batch-mean losses of one pipeline step (0-d float64 CPU tensors), named as in
+    :class:`~ptxtrain.model.ModelOutput`; ``aux_loss`` is None when the model has none."""
+
+    lm_loss: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+    mtp_loss: None = None
+
+
+class PipelineRunner:
+    """The stages, schedule and cross-rank reductions of one pipeline rank.
+
+    Args:
+        model: the full model, built identically on every rank (same seed); the runner uses the
+            parts of it that belong to this rank's stages and leaves the rest untouched.
+        schedule: ``"1f1b"``, ``"dualpipe"`` or ``"dualpipev"``.
+        num_chunks: micro-batches per step.
+        group: the pipeline process group (default: the world); its size is PP.
+
+    Raises:
+        ValueError: an invalid combination (:func:`~ptxtrain.parallel.stages.check_pipeline`), or
+            a model that cannot be cut into stages (MTP on, tied embeddings, layer count).
+    """
+
+    def __init__(
+        self,
+        model: DeepSeekV3,
+        schedule: str,
+        num_chunks: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.pp = dist.get_world_size(group)
+        check_pipeline(schedule, self.pp, num_chunks, model.config.n_layers)
+        self.model, self.schedule, self.num_chunks = model, schedule, num_chunks
+        self.n_stages = num_stages(schedule, self.pp)
+        ids = stages_of_rank(schedule, self.rank, self.pp)
+        self.stages = [DeepSeekV3Stage(model, s, self.n_stages) for s in ids]
+        self.module = nn.ModuleList(self.stages)  # for the optimizer: this rank's parameters
+        self.runner = build_schedule(schedule, self.stages, group)
+        self.owned = [
+            st for st in self.stages if owner_of_stage(schedule, st.index, self.pp) == self.rank
+        ]
+        self.last = next((st for st in self.stages if st.is_last), None)
+        self.device = next(model.parameters()).device
+        # DualPipe: one two-rank group per mirror pair {r, PP-1-r} (every rank creates all).
+        self.mirror_group = None
+        if schedule == "dualpipe":
+            for r in range(self.pp // 2):
+                pair = [r, self.pp - 1 - r]
+                if group is not None:
+                    pair = [dist.get_global_rank(group, q) for q in pair]
+                g = dist.new_group(pair)
+                if self.rank in (r, self.pp - 1 - r):
+                    self.mirror_group = g
+
+    # ------------------------------------------------------------------ the step
+    def _inputs_and_labels(self, x: torch.Tensor, y: torch.Tensor):
+        """This rank's part of the batch for ``step``: ``(inputs, labels)`` tuples."""
+        last = self.pp - 1
+        if self.schedule == "1f1b":
+            return ((x,) if self.rank == 0 else ()), ((y,) if self.rank == last else ())
+        if self.schedule == "dualpipev":
+            return ((x,), (y,)) if self.rank == 0 else ((), ())
+        half = x.shape[0] // 2  # dualpipe: direction 0 takes the first half, direction 1 the rest
+        inputs: tuple = ()
+        labels: tuple = ()
+        if self.rank == 0:
+            inputs, labels = (x[:half],), (y[half:],)
+        if self.rank == last:  # PP is even, so never rank 0 as well
+            inputs, labels = (x[half:],), (y[:half],)
+        return inputs, labels
+
+    def step(
+        self, x: torch.Tensor, y: torch.Tensor, timeline: Timeline | None = None
+    ) -> StepLosses:
+        """Forward and backward of one batch ``x, y [B, T]`` int64 (the same on every rank).
+
+        Gradients accumulate into this rank's parameters (through the optimizer's hooks, if
+        any). Returns the batch-mean losses, the same on every rank.
+        """
+        records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        n = self.num_chunks
+        last = self.last
+
+        def criterion(logits, aux, labels):
+            total, lm_loss = last.loss(logits, aux, labels)
+            records.append((lm_loss.detach(), aux.detach()))
+            return total / n
+
+        inputs, labels = self._inputs_and_labels(x, y)
+        self.runner.step(
+            *inputs,
+            num_chunks=n,
+            criterion=criterion if last is not None else None,
+            labels=labels,
+            timeline=timeline,
+        )
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for lm_loss, aux in records:
+            sums[0] += lm_loss.double()
+            sums[1] += aux.double()
+        dist.all_reduce(sums, group=self.group)
+        means = (sums / n).cpu()
+        cfg = self.model.config
+        has_aux = cfg.n_moe_layers > 0 and cfg.seq_aux_loss_alpha > 0
+        return StepLosses(lm_loss=means[0], aux_loss=means[1] if has_aux else None)
+
+    # ------------------------------------------------------------------ reductions
+    def _mirror_order(self) -> list[DeepSeekV3Stage]:
+        return sorted(self.stages, key=lambda st: st.index)  # same order on both mirrors
+
+    @torch.no_grad()
+    def reduce_grads(self, optimizer) -> None:
+        """DualPipe: sum the gradients of the two copies of every stage (a no-op otherwise).
+
+        Works on the gradients ``optimizer.step`` will use (``optimizer.grad_for``, the FP32
+        buffers of :class:`~ptxtrain.optim.AdamW`). A parameter without a gradient on both copies
+        keeps none (so the optimizer skips it, as in the single-process run).
+        """
+        if self.mirror_group is None:
+            return
+        params = [p for st in self._mirror_order() for p in st.parameters() if p.requires_grad]
+        grads = [optimizer.grad_for(p) for p in params]
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        flat = torch.cat(
+            [
+                (g if g is not None else p.new_zeros(p.shape)).reshape(-1).to(dtype)
+                for p, g in zip(params, grads, strict=True)
+            ]
+            + [torch.tensor([float(g is not None) for g in grads], dtype=dtype, device=self.device)]
+        )
+        dist.all_reduce(flat, group=self.mirror_group)
+        has = flat[-len(params) :].tolist()
+        offset = 0
+        for p, g, h in zip(params, grads, has, strict=True):
+            part = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            if h == 0:
+                continue
+            if g is None:
+                p.grad = torch.zeros_like(p)
+                g = optimizer.grad_for(p)
+            g.copy_(part)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, optimizer, max_norm: float) -> float:
+        """Clip every gradient of this rank by the global L2 norm over the whole model.
+
+        Each stage counts once (its owner's copy); per-tensor norms in FP32 or wider, as
+        :meth:`~ptxtrain.optim.AdamW.clip_grad_norm_`. Returns the norm before clipping.
+        """
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for st in self.owned:
+            for p in st.parameters():
+                g = optimizer.grad_for(p)
+                if g is not None:
+                    n = torch.linalg.vector_norm(
+                        g, dtype=torch.promote_types(g.dtype, torch.float32)
+                    )
+                    sq += n.double() ** 2
+        dist.all_reduce(sq, group=self.group)
+        total = float(sq.sqrt())
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for p in self.module.parameters():
+                g = optimizer.grad_for(p)
+                if g is not None:
+                    g.mul_(torch.tensor(coef, dtype=torch.float32).to(g.dtype))
+        return total
+
+    def _routers(self, stages) -> list[Router]:
+        return [m for st in stages for m in st.modules() if isinstance(m, Router)]
+
+    @torch.no_grad()
+    def update_router_biases(self) -> dict[str, float]:
+        """Auxiliary-loss-free bias update of every router of this rank (DualPipe: the expert
+        counts of the two copies summed first, so the copies stay identical).
+
+        Returns the statistics of :meth:`DeepSeekV3.update_router_biases` over the whole model
+        (all ranks' routers, each once), on every rank.
+        """
+        if self.mirror_group is not None:
+            routers = self._routers(self._mirror_order())
+            if routers:
+                counts = torch.cat([r.expert_counts.reshape(-1) for r in routers])
+                dist.all_reduce(counts, group=self.mirror_group)
+                offset = 0
+                for r in routers:
+                    k = r.expert_counts.numel()
+                    r.expert_counts.copy_(counts[offset : offset + k].view_as(r.expert_counts))
+                    offset += k
+        owned = {id(r) for r in self._routers(self.owned)}
+        mine = []
+        for r in self._routers(self.stages):
+            stats = r.update_bias()
+            if id(r) in owned:
+                mine.append({**stats, "bias_abs_max": float(r.bias.abs().max())})
+        gathered: list = [None] * self.pp
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return _aggregate([s for part in gathered for s in part])
+
+    # ------------------------------------------------------------------ whole-model view
+    @torch.no_grad()
+    def gather_model(self, dst: int = 0) -> None:
+        """Copy every stage's current weights and buffers into the model of group rank ``dst``
+        (for evaluation and sampling there); every rank must call it."""
+        mine = {st.index for st in self.stages}
+        at_dst = set(stages_of_rank(self.schedule, dst, self.pp))
+        for s in range(self.n_stages):
+            if s in at_dst:
+                continue
+            src = owner_of_stage(self.schedule, s, self.pp)
+            if self.rank not in (src, dst):
+                continue
+            tensors = list(DeepSeekV3Stage(self.model, s, self.n_stages).state_dict().values())
+            g_src, g_dst = src, dst
+            if self.group is not None:
+                g_src = dist.get_global_rank(self.group, src)
+                g_dst = dist.get_global_rank(self.group, dst)
+            for t in tensors:
+                if self.rank == src:
+                    assert s in mine
+                    dist.send(t.contiguous(), g_dst, group=self.group)
+                else:
+                    buf = torch.empty_like(t)
+                    dist.recv(buf, g_src, group=self.group)
+                    t.copy_(buf)
+
+
+def _aggregate(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Combine per-router statistics as ``DeepSeekV3.update_router_biases`` does."""
+    counted = [s for s in stats if s["tokens"] > 0]
+    nan = math.nan
+    return {
+        "n_moe_layers": float(len(stats)),
+        "tokens": float(sum(s["tokens"] for s in stats)),
+        "max_load_ratio": max((s["max_load_ratio"] for s in counted), default=nan),
+        "min_load_ratio": min((s["min_load_ratio"] for s in counted), default=nan),
+        "cv": sum(s["cv"] for s in counted) / len(counted) if counted else nan,
+        "cv_max": max((s["cv"] for s in counted), default=nan),
+        "bias_abs_max": max((s["bias_abs_max"] for s in stats), default=0.0),
+    }
