@@ -1,0 +1,96 @@
+"""Grouped FP8 GEMMs vs the dense FP8 GEMM at the same total M, on a GPU (issue 5's target).
+
+    python3 -m benchmarks.bench_grouped [--json OUT.json]
+
+DeepSeek-V3 expert shapes N x K = 4096 x 7168 and 7168 x 2048; 8 experts of 512 tokens (4096
+rows in all, already multiples of the 128-row alignment), same method as ``ptxtrain bench gemm``
+(CUDA events, L2 flushed, launch hidden, median). Every result is checked (calc_diff < 1e-3
+against the matmul of the unquantized inputs) before it is timed.
+"""
+
+# The timed lambdas close over loop variables on purpose: each is called within its iteration.
+# ruff: noqa: B023
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ptxtrain.bench.timing import GpuTimer, environment
+from ptxtrain.gemm import cublas, grouped
+from ptxtrain.gemm import triton as tg
+from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from ptxtrain.testing import calc_diff
+
+G, ROWS = 8, 512
+
+
+def _row(timer, name, fn, flops, want, rows, shape):
+    d = fn()
+    diff = calc_diff(d.float(), want)
+    assert diff < 1e-3, f"{name} {shape}: calc_diff {diff:.2e}"
+    us = timer(fn)
+    tflops = flops / (us * 1e-6) / 1e12
+    rows.append(dict(shape=shape, op=name, us=us, tflops=tflops, calc_diff=diff))
+    print(f"{shape!s:<22} {name:<28} {us:9.1f} µs {tflops:7.0f} TFLOPS  diff {diff:.1e}")
+    return tflops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    timer = GpuTimer(repeats=30)
+    rows: list = []
+    summary = {}
+    for n, k in ((4096, 7168), (7168, 2048)):
+        m = G * ROWS
+        x = torch.randn(m, k, device="cuda")
+        w = torch.randn(G, n, k, device="cuda")
+        qa = per_token_cast_to_fp8(x)
+        qws = [per_block_cast_to_fp8(w[g]) for g in range(G)]
+        qb = (torch.stack([q for q, _ in qws]), torch.stack([s for _, s in qws]))
+        m_indices = torch.arange(G, device="cuda", dtype=torch.int32).repeat_interleave(ROWS)
+        want = torch.cat([x[g * ROWS : (g + 1) * ROWS] @ w[g].t() for g in range(G)])
+        flops = 2.0 * m * n * k
+        shape = (m, n, k)
+        grp = _row(timer, "m_grouped_contiguous", lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
+            qa, qb, m_indices, check_indices=False), flops, want, rows, shape)  # fmt: skip
+        dense_want = x @ w[0].t()
+        qd = qws[0]
+        tri = _row(timer, "dense triton", lambda: tg.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
+                   shape)  # fmt: skip
+        cub = _row(timer, "dense cublas", lambda: cublas.fp8_gemm_nt(qa, qd), flops, dense_want,
+                   rows, shape)  # fmt: skip
+        xm = x.view(G, ROWS, k)
+        qam = per_token_cast_to_fp8(x)
+        qa3 = (qam[0].view(G, ROWS, k), qam[1].view(G, ROWS, -1))
+        masked_m = torch.full((G,), ROWS, device="cuda", dtype=torch.int32)
+        want3 = torch.einsum("gmk,gnk->gmn", xm, w)
+        _row(timer, "m_grouped_masked", lambda: grouped.m_grouped_fp8_gemm_nt_masked(
+            qa3, qb, masked_m, ROWS), flops, want3, rows, shape)  # fmt: skip
+        summary[f"grouped_over_dense_triton_{n}x{k}"] = grp / tri
+        summary[f"grouped_over_dense_cublas_{n}x{k}"] = grp / cub
+    # k-grouped wgrad: D[g] [M, N] = dy_gᵀ x_g over 8 experts of 512 tokens each.
+    for mm, nn in ((4096, 7168), (7168, 2048)):
+        kt = G * ROWS
+        a = torch.randn(mm, kt, device="cuda")
+        b = torch.randn(nn, kt, device="cuda")
+        qa, qb = per_token_cast_to_fp8(a), per_token_cast_to_fp8(b)
+        ks = [ROWS] * G
+        sl = [slice(g * ROWS, (g + 1) * ROWS) for g in range(G)]
+        want = torch.stack([a[:, s] @ b[:, s].t() for s in sl])
+        flops = 2.0 * mm * nn * kt
+        _row(timer, "k_grouped_contiguous", lambda: grouped.k_grouped_fp8_gemm_nt_contiguous(
+            qa, qb, ks), flops, want, rows, (mm, nn, kt))  # fmt: skip
+    for key, val in summary.items():
+        print(f"{key}: {val:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "grouped", "env": environment(), "rows": rows, "summary": summary},
+                      f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
