@@ -1,9 +1,17 @@
 """Point-to-point plumbing and per-stage bookkeeping shared by the pipeline schedules.
 
-- Every P2P message is self-describing: the sender first sends a one-element count, then an int64
-  header ``[n, 2 + MAX_NDIM]`` (dtype code, ndim, shape padded with -1), then the n payloads. Shapes
-  and dtypes are therefore inferred per message; there is no ``set_p2p_tensor_shapes`` and no
-  module-level mutable state. FP8 payloads travel as ``uint8`` views (gloo cannot carry FP8).
+- Every P2P message is self-describing: the sender first sends an int64 ``[n, tag]`` prefix, then
+  an int64 header ``[n, 2 + MAX_NDIM]`` (dtype code, ndim, shape padded with -1), then the n
+  payloads. Shapes and dtypes are therefore inferred per message; there is no
+  ``set_p2p_tensor_shapes`` and no module-level mutable state. FP8 payloads travel as ``uint8``
+  views (gloo cannot carry FP8).
+- Tags are carried in the message, not by the backend: NCCL ignores the ``tag`` of
+  ``isend``/``recv`` and matches the messages of one (src, dst) pair purely in issue order, so a
+  schedule whose receiver asks for the messages of one pair in another tag order than they were
+  sent (DualPipeV on 4 ranks does) would hand activations to a gradient receive there while
+  gloo, which honours tags, runs it correctly. Every message therefore travels on one wire tag,
+  in send order, and :meth:`P2P.recv` demultiplexes: it takes the next messages of the pair,
+  keeping those of other tags for their own ``recv``. gloo and NCCL then see the same traffic.
 - Sends are asynchronous (``isend``; the handles are kept until :meth:`P2P.wait_all`), receives
   block. A schedule is then deadlock-free exactly when its dependency graph is acyclic, and the
   order of messages on one channel (src, dst, tag) is the program order on both sides.
@@ -45,6 +53,8 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Message kinds; the tag of a message is 2 * direction + kind, so every (src, dst, tag) channel
 # carries one stream of messages in micro-batch order.
 FWD, BWD = 0, 1
+# The backend tag every message travels on (the logical tag is in the message's prefix).
+_WIRE_TAG = 0
 
 
 def as_tuple(x: object) -> tuple:
@@ -52,12 +62,18 @@ def as_tuple(x: object) -> tuple:
 
 
 class P2P:
-    """Self-describing tensor-list send/recv between ranks of one process group."""
+    """Self-describing tensor-list send/recv between ranks of one process group.
+
+    ``send(tensors, dst, tag)`` / ``recv(src, tag)``: messages of one (src, dst, tag) channel arrive
+    in send order whatever the backend (see the module docstring: the tag is demultiplexed here,
+    not by NCCL). Messages received ahead of their ``recv`` wait in a per-(src, tag) queue.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
         self.group = group
         self.device = device
         self._pending: list = []  # (work, tensors kept alive until the send completes)
+        self._early: dict[tuple[int, int], deque] = {}  # (src, tag) -> messages received early
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:
@@ -80,36 +96,51 @@ class P2P:
             header[i, 2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
             t = t.detach().contiguous()
             payloads.append(t.view(torch.uint8) if t.dtype in _FP8 else t)
-        count = torch.tensor([len(tensors)], dtype=torch.int64, device=self.device)
-        msgs = [count, header.to(self.device), *payloads]
+        prefix = torch.tensor([len(tensors), tag], dtype=torch.int64, device=self.device)
+        msgs = [prefix, header.to(self.device), *payloads]
         for m in msgs:
-            self._pending.append((dist.isend(m, dst, group=self.group, tag=tag), m))
+            self._pending.append((dist.isend(m, dst, group=self.group, tag=_WIRE_TAG), m))
 
-    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
-        src = self._global(src)
-        count = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(count, src, group=self.group, tag=tag)
-        n = int(count.item())
+    def _recv_next(self, src: int) -> tuple[int, list[torch.Tensor]]:
+        """The next message from global rank ``src`` on the wire: ``(tag, tensors)``."""
+        prefix = torch.empty(2, dtype=torch.int64, device=self.device)
+        dist.recv(prefix, src, group=self.group, tag=_WIRE_TAG)
+        n, tag = prefix.tolist()
         header = torch.empty((n, 2 + MAX_NDIM), dtype=torch.int64, device=self.device)
-        dist.recv(header, src, group=self.group, tag=tag)
+        dist.recv(header, src, group=self.group, tag=_WIRE_TAG)
         out = []
         for code, ndim, *shape in header.tolist():
             dtype = _DTYPES[code]
             shape = shape[:ndim]
-            if dtype in _FP8:
-                buf = torch.empty(shape, dtype=torch.uint8, device=self.device)
-                dist.recv(buf, src, group=self.group, tag=tag)
-                out.append(buf.view(dtype))
-            else:
-                buf = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.recv(buf, src, group=self.group, tag=tag)
-                out.append(buf)
-        return out
+            wire = torch.uint8 if dtype in _FP8 else dtype
+            buf = torch.empty(shape, dtype=wire, device=self.device)
+            dist.recv(buf, src, group=self.group, tag=_WIRE_TAG)
+            out.append(buf.view(dtype) if dtype in _FP8 else buf)
+        return tag, out
+
+    def recv(self, src: int, tag: int) -> list[torch.Tensor]:
+        src = self._global(src)
+        early = self._early.get((src, tag))
+        if early:
+            return early.popleft()
+        while True:
+            got, tensors = self._recv_next(src)
+            if got == tag:
+                return tensors
+            self._early.setdefault((src, got), deque()).append(tensors)
 
     def wait_all(self) -> None:
+        """Wait for every posted send; raise ``RuntimeError`` if a received message was never
+        asked for (a schedule whose sends and receives do not pair up)."""
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        left = {k: len(q) for k, q in self._early.items() if q}
+        self._early.clear()
+        if left:
+            raise RuntimeError(
+                f"pipeline P2P: messages received but never asked for, per (src, tag): {left}"
+            )
 
 
 class WeightGradStore:

@@ -89,9 +89,13 @@ class PipelineRunner:
         ]
         self.last = next((st for st in self.stages if st.is_last), None)
         self.device = next(model.parameters()).device
-        # DualPipe: one two-rank group per mirror pair {r, PP-1-r} (every rank creates all).
+        # DualPipe: one two-rank group per mirror pair {r, PP-1-r} (every rank creates all). With
+        # PP = 2 the only pair is the pipeline group itself: reuse it rather than open a second
+        # NCCL communicator over the same two GPUs.
         self.mirror_group = None
-        if schedule == "dualpipe":
+        if schedule == "dualpipe" and self.pp == 2:
+            self.mirror_group = group if group is not None else dist.group.WORLD
+        elif schedule == "dualpipe":
             for r in range(self.pp // 2):
                 pair = [r, self.pp - 1 - r]
                 if group is not None:
