@@ -196,6 +196,72 @@ def agree_on_errors(errors: list[str], group, rank: int, world: int) -> None:
         raise ValueError("invalid pipeline step() arguments: " + "; ".join(msgs))
 
 
+def check_two_stages(modules: object, layout: str) -> nn.ModuleList:
+    """The ``modules`` argument of a two-stages-per-rank schedule (DualPipe, DualPipeV).
+
+    Raises:
+        ValueError: not a tuple/list of exactly two entries (the message names ``layout``).
+        TypeError: an entry is not an ``nn.Module``.
+    """
+    if not isinstance(modules, (tuple, list)) or len(modules) != 2:
+        got = len(modules) if isinstance(modules, (tuple, list)) else type(modules).__name__
+        raise ValueError(f"modules must be {layout}: exactly two modules, got {got}")
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"modules[{i}] must be an nn.Module, got {type(m).__name__}")
+    return nn.ModuleList(modules)
+
+
+def check_step_args(
+    schedule: str,
+    inputs: Sequence[object],
+    labels: Sequence[object],
+    criterion: Callable | None,
+    timeline: object,
+    *,
+    group,
+    rank: int,
+    world: int,
+    input_ranks: Sequence[int],
+    loss_ranks: Sequence[int],
+    n: int,
+) -> tuple[list | None, list | None]:
+    """The checks of a schedule's ``step`` that depend on what one rank was given.
+
+    Inputs must be given exactly on ``input_ranks``, the criterion on ``loss_ranks`` (which also
+    hold the labels), every tensor must split along dim 0 into ``n`` micro-batches, and
+    ``timeline`` must be a Timeline or None. The failures of all ranks are shared by one
+    all-gather (:func:`agree_on_errors`), so every rank raises with every rank's message.
+
+    Returns:
+        ``(input_chunks, label_chunks)`` of this rank (None where it holds none).
+
+    Raises:
+        ValueError: any rank failed a check.
+    """
+    from ptxtrain.parallel.timeline import check_timeline  # timeline.py imports nothing of ours
+
+    errors: list[str] = []
+    input_chunks = label_chunks = None
+    holds_inputs, holds_loss = rank in input_ranks, rank in loss_ranks
+    try:
+        if holds_inputs != bool(inputs):
+            where = f"are missing on rank {rank}" if holds_inputs else f"were given on rank {rank}"
+            takes = " and ".join(str(r) for r in sorted(set(input_ranks)))
+            errors.append(f"inputs {where}; {schedule} takes inputs on rank {takes} only")
+        if holds_loss and criterion is None:
+            errors.append(f"criterion is missing on rank {rank}, where the loss is computed")
+        if holds_inputs:
+            input_chunks = split_chunks("inputs", inputs, n)
+        if holds_loss:
+            label_chunks = split_chunks("labels", tuple(labels), n)
+    except (TypeError, ValueError) as e:
+        errors.append(str(e))
+    errors += check_timeline(timeline)
+    agree_on_errors(errors, group, rank, world)
+    return input_chunks, label_chunks
+
+
 def module_device(module: nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device

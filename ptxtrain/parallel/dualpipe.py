@@ -36,11 +36,11 @@ from ptxtrain.parallel._p2p import (
     P2P,
     WeightGradStore,
     _StageRunner,
-    agree_on_errors,
+    check_step_args,
+    check_two_stages,
     module_device,
-    split_chunks,
 )
-from ptxtrain.parallel.timeline import Timeline, check_timeline
+from ptxtrain.parallel.timeline import Timeline
 
 
 class DualPipe(nn.Module):
@@ -61,15 +61,7 @@ class DualPipe(nn.Module):
         self, modules: Sequence[nn.Module], process_group: dist.ProcessGroup | None = None
     ):
         super().__init__()
-        if not isinstance(modules, (tuple, list)) or len(modules) != 2:
-            got = len(modules) if isinstance(modules, (tuple, list)) else type(modules).__name__
-            raise ValueError(
-                f"modules must be (stage_r, stage_PP-1-r): exactly two modules, got {got}"
-            )
-        for i, m in enumerate(modules):
-            if not isinstance(m, nn.Module):
-                raise TypeError(f"modules[{i}] must be an nn.Module, got {type(m).__name__}")
-        self.module = nn.ModuleList(modules)
+        self.module = check_two_stages(modules, "(stage_r, stage_PP-1-r)")
         self.group = process_group
 
     def step(
@@ -123,23 +115,11 @@ class DualPipe(nn.Module):
                 f"num_chunks must be even and >= 2*PP = {2 * world} (PP={world}), got {num_chunks}"
             )
         n = num_chunks // 2  # micro-batches per direction
-        is_end = rank in (0, world - 1)
         device = module_device(self.module)
-        errors: list[str] = []
-        input_chunks = label_chunks = None
-        try:
-            if is_end != bool(inputs):
-                where = f"are missing on rank {rank}" if is_end else f"were given on rank {rank}"
-                errors.append(f"inputs {where}; DualPipe takes inputs on ranks 0 and {world - 1}")
-            if is_end and criterion is None:
-                errors.append(f"criterion is missing on rank {rank} (an end of the pipeline)")
-            if is_end:
-                input_chunks = split_chunks("inputs", inputs, n)
-                label_chunks = split_chunks("labels", tuple(labels), n)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
-        errors += check_timeline(timeline)
-        agree_on_errors(errors, self.group, rank, world)
+        input_chunks, label_chunks = check_step_args(
+            "DualPipe", inputs, labels, criterion, timeline, group=self.group, rank=rank,
+            world=world, input_ranks=(0, world - 1), loss_ranks=(0, world - 1), n=n,
+        )  # fmt: skip
         if timeline is not None:
             timeline._begin("dualpipe", rank, world, num_chunks, device)
 

@@ -33,11 +33,11 @@ from ptxtrain.parallel._p2p import (
     WeightGradStore,
     _Loopback,
     _StageRunner,
-    agree_on_errors,
+    check_step_args,
+    check_two_stages,
     module_device,
-    split_chunks,
 )
-from ptxtrain.parallel.timeline import Timeline, check_timeline
+from ptxtrain.parallel.timeline import Timeline
 
 
 class DualPipeV(nn.Module):
@@ -59,15 +59,7 @@ class DualPipeV(nn.Module):
         self, modules: Sequence[nn.Module], process_group: dist.ProcessGroup | None = None
     ):
         super().__init__()
-        if not isinstance(modules, (tuple, list)) or len(modules) != 2:
-            got = len(modules) if isinstance(modules, (tuple, list)) else type(modules).__name__
-            raise ValueError(
-                f"modules must be (stage_r, stage_2R-1-r): exactly two modules, got {got}"
-            )
-        for i, m in enumerate(modules):
-            if not isinstance(m, nn.Module):
-                raise TypeError(f"modules[{i}] must be an nn.Module, got {type(m).__name__}")
-        self.module = nn.ModuleList(modules)
+        self.module = check_two_stages(modules, "(stage_r, stage_2R-1-r)")
         self.group = process_group
 
     def step(
@@ -118,21 +110,10 @@ class DualPipeV(nn.Module):
             )
         first, last = rank == 0, rank == world - 1
         device = module_device(self.module)
-        errors: list[str] = []
-        input_chunks = label_chunks = None
-        try:
-            if first != bool(inputs):
-                where = "are missing on rank 0" if first else f"were given on rank {rank}"
-                errors.append(f"inputs {where}; DualPipeV takes inputs on rank 0 only")
-            if first and criterion is None:
-                errors.append("criterion is missing on rank 0 (where DualPipeV's loss is)")
-            if first:
-                input_chunks = split_chunks("inputs", inputs, num_chunks)
-                label_chunks = split_chunks("labels", tuple(labels), num_chunks)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
-        errors += check_timeline(timeline)
-        agree_on_errors(errors, self.group, rank, world)
+        input_chunks, label_chunks = check_step_args(
+            "DualPipeV", inputs, labels, criterion, timeline, group=self.group, rank=rank,
+            world=world, input_ranks=(0,), loss_ranks=(0,), n=num_chunks,
+        )  # fmt: skip
         if timeline is not None:
             timeline._begin("dualpipev", rank, world, num_chunks, device)
 

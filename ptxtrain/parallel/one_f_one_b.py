@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptxtrain.parallel._p2p import P2P, _StageRunner, agree_on_errors, module_device, split_chunks
-from ptxtrain.parallel.timeline import Timeline, check_timeline
+from ptxtrain.parallel._p2p import P2P, _StageRunner, check_step_args, module_device
+from ptxtrain.parallel.timeline import Timeline
 
 
 class OneFOneB(nn.Module):
@@ -89,22 +89,10 @@ class OneFOneB(nn.Module):
         world = dist.get_world_size(self.group)
         first, last = rank == 0, rank == world - 1
         device = module_device(self.module)
-        errors: list[str] = []
-        input_chunks = label_chunks = None
-        try:
-            if first != bool(inputs):
-                where = "is missing on rank 0" if first else f"was given on rank {rank}"
-                errors.append(f"inputs {where}; 1F1B takes inputs on rank 0 only")
-            if last and criterion is None:
-                errors.append(f"criterion is missing on the last rank ({rank})")
-            if first:
-                input_chunks = split_chunks("inputs", inputs, num_chunks)
-            if last:
-                label_chunks = split_chunks("labels", tuple(labels), num_chunks)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
-        errors += check_timeline(timeline)
-        agree_on_errors(errors, self.group, rank, world)
+        input_chunks, label_chunks = check_step_args(
+            "1F1B", inputs, labels, criterion, timeline, group=self.group, rank=rank,
+            world=world, input_ranks=(0,), loss_ranks=(world - 1,), n=num_chunks,
+        )  # fmt: skip
         if timeline is not None:
             timeline._begin("1f1b", rank, world, num_chunks, device)
 

@@ -9,13 +9,12 @@ each stage has one copy, so its gradient must equal the reference's directly.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ptxtrain.parallel import DualPipeV, Timeline
 from tests.parallel._dist import run_gloo
 from tests.parallel.test_schedules import (
     assert_grads,
-    assert_outputs,
+    assert_step_result,
     criterion,
     make_batch,
     make_stage,
@@ -39,14 +38,7 @@ def check_dualpipev(rank: int, world: int, n_chunks: int, return_outputs: bool) 
     )
     ref_loss, ref_out, ref_grads = reference(stages, x, y, n_chunks)
     what = f"DualPipeV R={world} rank={rank} num_chunks={n_chunks}"
-    if first:
-        assert torch.equal(loss, ref_loss), f"{what}: loss {loss.item()} != {ref_loss.item()}"
-        if return_outputs:
-            assert_outputs(out, ref_out, what)
-        else:
-            assert out is None, what
-    else:
-        assert loss is None and out is None, what
+    assert_step_result(loss, out, (ref_loss, ref_out) if first else None, return_outputs, what)
     assert_grads(m0, ref_grads[rank], what + f" stage {rank}")
     assert_grads(m1, ref_grads[stages - 1 - rank], what + f" stage {stages - 1 - rank}")
     # The timeline saw each micro-batch once per leg: one F and one backward (B or BW) each, and

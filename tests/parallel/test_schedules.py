@@ -80,6 +80,19 @@ def assert_outputs(got, want, what: str) -> None:
         assert torch.equal(a, b), f"{what}: outputs differ by {(a - b).abs().max().item():.2e}"
 
 
+def assert_step_result(loss, out, want, return_outputs: bool, what: str) -> None:
+    """``step``'s ``(loss, outputs)`` on a rank: ``want`` = (reference loss, reference outputs)
+    where the rank computes the loss (bitwise equal), None elsewhere (both must be None)."""
+    if want is None:
+        assert loss is None and out is None, what
+        return
+    assert torch.equal(loss, want[0]), f"{what}: loss {loss.item()} != {want[0].item()}"
+    if return_outputs:
+        assert_outputs(out, want[1], what)
+    else:
+        assert out is None, what
+
+
 def check_1f1b(rank: int, world: int, n_chunks: int, return_outputs: bool) -> None:
     first, last = rank == 0, rank == world - 1
     stage = make_stage(rank)
@@ -93,14 +106,7 @@ def check_1f1b(rank: int, world: int, n_chunks: int, return_outputs: bool) -> No
     )
     ref_loss, ref_out, ref_grads = reference(world, x, y, n_chunks)
     what = f"1F1B PP={world} rank={rank} num_chunks={n_chunks}"
-    if last:
-        assert torch.equal(loss, ref_loss), f"{what}: loss {loss.item()} != {ref_loss.item()}"
-        if return_outputs:
-            assert_outputs(out, ref_out, what)
-        else:
-            assert out is None, what
-    else:
-        assert loss is None and out is None, what
+    assert_step_result(loss, out, (ref_loss, ref_out) if last else None, return_outputs, what)
     assert_grads(stage, ref_grads[rank], what)
 
 
@@ -122,15 +128,7 @@ def check_dualpipe(rank: int, world: int, n_chunks: int, return_outputs: bool) -
     )
     ref0, ref1 = reference(world, x0, y0, n), reference(world, x1, y1, n)
     what = f"DualPipe PP={world} rank={rank} num_chunks={n_chunks}"
-    ending = {0: ref1, last: ref0}.get(rank)
-    if ending is None:
-        assert loss is None and out is None, what
-    else:
-        assert torch.equal(loss, ending[0]), f"{what}: loss {loss.item()} != {ending[0].item()}"
-        if return_outputs:
-            assert_outputs(out, ending[1], what)
-        else:
-            assert out is None, what
+    assert_step_result(loss, out, {0: ref1, last: ref0}.get(rank), return_outputs, what)
     # Each copy of a stage sees one direction only ...
     assert_grads(m0, ref0[2][rank], what + " modules[0] (direction 0)")
     assert_grads(m1, ref1[2][last - rank], what + " modules[1] (direction 1)")
@@ -152,9 +150,9 @@ def check_invalid(rank: int, world: int) -> None:
         pipe.step(x, num_chunks=0)
     with pytest.raises(ValueError, match="inputs"):  # inputs on every rank, not only rank 0
         pipe.step(x, num_chunks=2, **end_kw)
-    with pytest.raises(
-        ValueError, match="criterion is missing on the last rank"
-    ):  # no criterion on the last rank
+    with pytest.raises(  # no criterion on the last rank
+        ValueError, match=f"criterion is missing on rank {last}, where the loss is computed"
+    ):
         pipe.step(*((x,) if rank == 0 else ()), num_chunks=2)
     with pytest.raises(ValueError, match="divisible"):  # 2*world*ROWS rows into 3 chunks
         pipe.step(*((x,) if rank == 0 else ()), num_chunks=3, **end_kw)
