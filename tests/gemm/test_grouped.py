@@ -5,13 +5,6 @@ Without a GPU the Triton kernels run in Triton's CPU interpreter (tests/conftest
 tails; the GPU-marked tests repeat the checks on the DeepSeek-V3 expert shapes.
 """
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -29,6 +22,7 @@ from ptxtrain.quant.ref import (
     per_token_cast_to_fp8,
 )
 from ptxtrain.testing import calc_diff
+from tests._sm90 import run_sm90_script
 
 INTERPRETED = gg.is_interpreted()
 HAS_GPU = torch.cuda.is_available()
@@ -434,54 +428,25 @@ def test_gpu_k_grouped_dsv3(m, n):
 # Compile-only: the kernels build for sm_90a (no GPU needed) with FP8 WGMMAs and no spills.
 # ---------------------------------------------------------------------------------------------
 
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import json, os, re, subprocess, tempfile
-    import triton
-    from ptxtrain.gemm import grouped as gg
-    from ptxtrain.gemm.heuristics import GemmConfig
+_COMPILE_SCRIPT = """
+from ptxtrain.gemm import grouped as gg
+from ptxtrain.gemm.heuristics import GemmConfig
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "cuobjdump")
-    results = {}
-    for op, cfg in [("contiguous", GemmConfig(64, 128, 4, 3)),
-                    ("contiguous", GemmConfig(128, 128, 8, 3)),
-                    ("masked", GemmConfig(64, 64, 4, 5)),
-                    ("k_grouped", GemmConfig(64, 128, 4, 3))]:
-        ck = gg._compile_for_sm90(op, cfg)
-        r = {"wgmma_e4m3": len(re.findall(r"wgmma\\.mma_async\\S*\\.e4m3\\.e4m3", ck.asm["ptx"]))}
-        if os.access(cuobjdump, os.X_OK):
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                f.write(ck.asm["cubin"])
-            try:
-                out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
-                                     text=True, timeout=120).stdout
-                use = re.search(r"REG:(\\d+) STACK:(\\d+) SHARED:\\d+ LOCAL:(\\d+)", out)
-                if use:
-                    r["regs"], r["stack"], r["local"] = map(int, use.groups())
-            finally:
-                os.unlink(f.name)
-        results[f"{op}_{cfg.block_m}x{cfg.block_n}"] = r
-    print("RESULT" + json.dumps(results))
-    """
-)
+results = {}
+for op, cfg in [("contiguous", GemmConfig(64, 128, 4, 3)),
+                ("contiguous", GemmConfig(128, 128, 8, 3)),
+                ("masked", GemmConfig(64, 64, 4, 5)),
+                ("k_grouped", GemmConfig(64, 128, 4, 3))]:
+    ck = gg._compile_for_sm90(op, cfg)
+    wgmma = len(re.findall(r"wgmma\\.mma_async\\S*\\.e4m3\\.e4m3", ck.asm["ptx"]))
+    results[f"{op}_{cfg.block_m}x{cfg.block_n}"] = {"wgmma_e4m3": wgmma,
+                                                    **sass_info(ck.asm["cubin"])}
+emit(results)
+"""
 
 
-def test_compile_for_sm90a_without_gpu():
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT")), None)
-    if line is None:
-        pytest.skip(f"Triton could not compile for sm_90a here: {proc.stderr[-2000:]}")
-    results = json.loads(line.removeprefix("RESULT"))
+def test_compile_for_sm90a_without_gpu(tmp_path):
+    results = run_sm90_script(_COMPILE_SCRIPT, tmp_path)
     assert len(results) == 4, results
     for name, r in results.items():
         # At least 4 WGMMAs of k = 32 per 128-K block, e4m3 x e4m3 with fp32 accumulators.

@@ -6,13 +6,6 @@ GPU-marked tests repeat the checks at the DeepSeek-V3 shapes. The compile-only t
 kernels for sm_90a without a GPU and reads their PTX and SASS.
 """
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -30,6 +23,7 @@ from ptxtrain.quant.ref import (
 )
 from ptxtrain.testing import assert_bitwise_equal, calc_diff
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_EXTRA_NK, DSV3_WGRAD_K, DSV3_WGRAD_MN
+from tests._sm90 import run_sm90_script
 
 INTERPRETED = tg.is_interpreted()
 HAS_GPU = torch.cuda.is_available()
@@ -352,59 +346,28 @@ def test_autotune_picks_a_correct_config_once(monkeypatch):
 # Compile-only: sm_90a PTX / SASS without a GPU
 # ---------------------------------------------------------------------------------------------
 
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import json, os, re, subprocess, sys, tempfile
-    import triton
-    from ptxtrain.gemm import triton as tg
-    from ptxtrain.gemm.heuristics import GemmConfig
+_COMPILE_SCRIPT = """
+from ptxtrain.gemm import triton as tg
+from ptxtrain.gemm.heuristics import GemmConfig
 
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    results = {}
-    for name, kind, cfg in [
-        ("1d2d_tma", "1d2d", GemmConfig(64, 128, 4, 3, 8, "tma")),
-        ("1d2d_tiled_bn256", "1d2d", GemmConfig(64, 256, 8, 3, 8, "tiled")),
-        ("1d1d_tma_persistent", "1d1d", GemmConfig(64, 128, 4, 3, 8, "tma_persistent", 2)),
-    ]:
-        ck = tg._compile_for_sm90(kind, cfg)
-        ptx = ck.asm["ptx"]
-        r = {"wgmma_e4m3": len(re.findall(r"wgmma\\.mma_async\\S*\\.e4m3\\.e4m3", ptx)),
-             "tma": len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx))}
-        cuobjdump = os.path.join(bindir, "cuobjdump")
-        if os.access(cuobjdump, os.X_OK):
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                f.write(ck.asm["cubin"])
-            try:
-                run = lambda *a: subprocess.run([cuobjdump, *a, f.name], capture_output=True,
-                                                text=True, timeout=120).stdout
-                r["sass_qgmma"] = sorted(set(re.findall(r"QGMMA\\.[\\w.]+", run("-sass"))))
-                use = re.search(r"REG:(\\d+) STACK:(\\d+) SHARED:\\d+ LOCAL:(\\d+)",
-                                run("-res-usage"))
-                if use:
-                    r["regs"], r["stack"], r["local"] = map(int, use.groups())
-            finally:
-                os.unlink(f.name)
-        results[name] = r
-    print("RESULT" + json.dumps(results))
-    """
-)
+results = {}
+for name, kind, cfg in [
+    ("1d2d_tma", "1d2d", GemmConfig(64, 128, 4, 3, 8, "tma")),
+    ("1d2d_tiled_bn256", "1d2d", GemmConfig(64, 256, 8, 3, 8, "tiled")),
+    ("1d1d_tma_persistent", "1d1d", GemmConfig(64, 128, 4, 3, 8, "tma_persistent", 2)),
+]:
+    ck = tg._compile_for_sm90(kind, cfg)
+    ptx = ck.asm["ptx"]
+    results[name] = {"wgmma_e4m3": len(re.findall(r"wgmma\\.mma_async\\S*\\.e4m3\\.e4m3", ptx)),
+                     "tma": len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
+                     **sass_info(ck.asm["cubin"])}
+emit(results)
+"""
 
 
-def test_compile_for_sm90a_without_gpu():
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT")), None)
-    if line is None:
-        pytest.skip(f"Triton could not compile for sm_90a here: {proc.stderr[-2000:]}")
-    results = json.loads(line.removeprefix("RESULT"))
+def test_compile_for_sm90a_without_gpu(tmp_path):
+    results = run_sm90_script(_COMPILE_SCRIPT, tmp_path)
+    assert len(results) == 3, results
     for name, r in results.items():
         # 4 WGMMAs of k = 32 per 128-K block, e4m3 x e4m3 with fp32 accumulators.
         assert r["wgmma_e4m3"] >= 4, (name, r)

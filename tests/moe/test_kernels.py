@@ -9,13 +9,6 @@ test builds the three kernels for sm_90 without a GPU and reads their PTX.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -26,6 +19,7 @@ from ptxtrain.moe import ref
 from ptxtrain.quant.ref import AMAX_EPS, FP8_MAX, per_token_cast_to_fp8
 from ptxtrain.testing import assert_bitwise_equal
 from ptxtrain.testing.triton_interp import patch_applied
+from tests._sm90 import run_sm90_script
 
 INTERPRETED = mt._kernels_interpreted()
 HAS_GPU = torch.cuda.is_available()
@@ -393,86 +387,53 @@ def test_v3_unpermute_weighted_gpu():
 # Compile-only: the kernels' PTX for sm_90 at DeepSeek-V3 constants, no GPU needed
 # --------------------------------------------------------------------------------------------
 
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import json, re, sys
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+_COMPILE_SCRIPT = """
+import ptxtrain.moe.triton as mt
 
-    target = GPUTarget("cuda", 90, 32)
-
-    @triton.jit
-    def probe(x_ptr):
-        tl.store(x_ptr, 1.0)
-
-    try:  # the toolchain itself: if this fails, the environment can't compile
-        triton.compile(ASTSource(probe, {"x_ptr": "*fp32"}), target=target)
-    except Exception as e:
-        print(json.dumps({"env_error": repr(e)[-500:]}))
-        sys.exit(0)
-
-    import ptxtrain.moe.triton as mt
-
-    cases = {  # kernel, pointer types, constexprs, enable_fp_fusion (as the wrappers launch)
-        "route": (mt._route_kernel,
-                  {"scores_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32"},
-                  dict(E=256, G=8, PG=32, GP=8, PGP=32, N_LIMITED=4, K=8, KP=8, BLOCK_T=8),
-                  False),
-        "scatter_quant": (mt._scatter_quant_kernel,
-                          {"x_ptr": "*bf16", "slot_row_ptr": "*i64", "q_ptr": "*fp8e4nv",
-                           "sf_ptr": "*fp32"},
-                          dict(K=8, BLOCK_M=64, BLOCK_K=128), True),
-        "padding": (mt._padding_rows_kernel,
-                    {"m_idx_ptr": "*i32", "q_ptr": "*fp8e4nv", "sf_ptr": "*fp32"},
-                    dict(BLOCK_M=64, BLOCK_K=128), True),
-        "unpermute": (mt._unpermute_kernel,
-                      {"y_ptr": "*bf16", "slot_row_ptr": "*i64", "w_ptr": "*fp32",
-                       "out_ptr": "*bf16"},
-                      dict(K=8, KP=8, BLOCK_T=16, BLOCK_D=256), False),
+cases = {  # kernel, pointer types, constexprs, enable_fp_fusion (as the wrappers launch)
+    "route": (mt._route_kernel,
+              {"scores_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32"},
+              dict(E=256, G=8, PG=32, GP=8, PGP=32, N_LIMITED=4, K=8, KP=8, BLOCK_T=8),
+              False),
+    "scatter_quant": (mt._scatter_quant_kernel,
+                      {"x_ptr": "*bf16", "slot_row_ptr": "*i64", "q_ptr": "*fp8e4nv",
+                       "sf_ptr": "*fp32"},
+                      dict(K=8, BLOCK_M=64, BLOCK_K=128), True),
+    "padding": (mt._padding_rows_kernel,
+                {"m_idx_ptr": "*i32", "q_ptr": "*fp8e4nv", "sf_ptr": "*fp32"},
+                dict(BLOCK_M=64, BLOCK_K=128), True),
+    "unpermute": (mt._unpermute_kernel,
+                  {"y_ptr": "*bf16", "slot_row_ptr": "*i64", "w_ptr": "*fp32",
+                   "out_ptr": "*bf16"},
+                  dict(K=8, KP=8, BLOCK_T=16, BLOCK_D=256), False),
+}
+result = {}
+for label, (kernel, ptrs, consts, fusion) in cases.items():
+    sig = {n: ptrs.get(n, "fp32" if n == "route_scale" else "i32")
+           for n in kernel.arg_names if n not in consts}
+    sig.update({n: "constexpr" for n in consts})
+    # What the launcher infers at D = 7168: 16-byte aligned pointers, D and row strides
+    # divisible by 16.
+    aligned = list(ptrs) + [n for n in ("D", "stride_xm", "stride_qm", "stride_ym",
+                                        "stride_om") if n in kernel.arg_names]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=target,
+                              options={"num_warps": 4, "enable_fp_fusion": fusion})
+    ptx = compiled.asm["ptx"]
+    result[label] = {
+        "fma": ptx.count("fma.rn.f32"),
+        "div_rn": ptx.count("div.rn.f32"),
+        "div_approx": len(re.findall(r"div\\.(full|approx)\\.f32", ptx)),
+        "cvt_e4m3x2": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
+        "ld_global": re.findall(r"ld\\.global[.\\w]*", ptx),
+        "st_global": re.findall(r"st\\.global[.\\w]*", ptx),
     }
-    result = {}
-    for label, (kernel, ptrs, consts, fusion) in cases.items():
-        sig = {n: ptrs.get(n, "fp32" if n == "route_scale" else "i32")
-               for n in kernel.arg_names if n not in consts}
-        sig.update({n: "constexpr" for n in consts})
-        # What the launcher infers at D = 7168: 16-byte aligned pointers, D and row strides
-        # divisible by 16.
-        aligned = list(ptrs) + [n for n in ("D", "stride_xm", "stride_qm", "stride_ym",
-                                            "stride_om") if n in kernel.arg_names]
-        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=target,
-                                  options={"num_warps": 4, "enable_fp_fusion": fusion})
-        ptx = compiled.asm["ptx"]
-        result[label] = {
-            "fma": ptx.count("fma.rn.f32"),
-            "div_rn": ptx.count("div.rn.f32"),
-            "div_approx": len(re.findall(r"div\\.(full|approx)\\.f32", ptx)),
-            "cvt_e4m3x2": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
-            "ld_global": re.findall(r"ld\\.global[.\\w]*", ptx),
-            "st_global": re.findall(r"st\\.global[.\\w]*", ptx),
-        }
-    print(json.dumps(result))
-    """
-)
+emit(result)
+"""
 
 
 def test_compile_kernels_for_sm90_ptx(tmp_path):
-    # A fresh process: the kernels must be decorated without TRITON_INTERPRET, and triton.jit
-    # reads a function's source, so the script is a file.
-    script = tmp_path / "compile_moe_sm90.py"
-    script.write_text(_COMPILE_SCRIPT)
-    repo = str(Path(mt.__file__).resolve().parents[2])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "env_error" in result:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {result['env_error']}")
+    result = run_sm90_script(_COMPILE_SCRIPT, tmp_path)
     route, quant, unperm = result["route"], result["scatter_quant"], result["unpermute"]
     # Exactness needs separately rounded multiplies and adds where the reference has them: with
     # fp contraction off no FMA appears, and the gate division is IEEE div.rn, never div.full.

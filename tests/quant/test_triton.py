@@ -9,12 +9,7 @@ fused kernel for sm_90 without a GPU and reads its PTX.
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +20,7 @@ import ptxtrain.quant.triton as tq
 from ptxtrain.quant import ref
 from ptxtrain.testing import assert_bitwise_equal
 from ptxtrain.testing.triton_interp import apply_interpreter_patch, patch_applied
+from tests._sm90 import run_sm90_script
 
 INTERPRETED = tq._kernels_interpreted()
 HAS_GPU = torch.cuda.is_available()
@@ -387,55 +383,35 @@ def test_gpu_mn_major_scales_feed_scaled_mm(m):
 # Compile-only: the fused kernel's PTX for sm_90, no GPU needed
 # ---------------------------------------------------------------------------------------------
 
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import json, re, sys
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+_COMPILE_SCRIPT = """
+import ptxtrain.quant.triton as tq
 
-    target = GPUTarget("cuda", 90, 32)
-
-    @triton.jit
-    def probe(x_ptr):
-        tl.store(x_ptr, 1.0)
-
-    try:  # the toolchain itself: if this fails, the environment can't compile
-        triton.compile(ASTSource(probe, {"x_ptr": "*fp32"}), target=target)
-    except Exception as e:
-        print(json.dumps({"env_error": repr(e)[-500:]}))
-        sys.exit(0)
-
-    import ptxtrain.quant.triton as tq
-
-    kernel = tq._quant_1x_kernel
-    ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
-            "sf_ptr": "*fp32", "sft_ptr": "*fp32"}
-    result = {}
-    for label, cfg in json.loads(sys.argv[1]).items():
-        consts = dict(BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], SUB_K=cfg["sub_k"],
-                      ROW=cfg["row"], COL=cfg["col"], POW2=False)
-        sig = {n: ptrs.get(n, "i32") for n in kernel.arg_names if n not in consts}
-        sig.update({n: "constexpr" for n in consts})
-        # What the launcher infers for aligned DeepSeek-V3 shapes: 16-byte aligned pointers and
-        # sizes / row strides divisible by 16.
-        aligned = set(ptrs) | {"M", "K", "stride_xm", "stride_qm", "stride_qt_k"}
-        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=target,
-                                  options={"num_warps": cfg["num_warps"]})
-        ptx = compiled.asm["ptx"]
-        result[label] = {
-            "cvt_e4m3x2": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
-            "div_rn": ptx.count("div.rn.f32"),
-            "fma_rn": ptx.count("fma.rn.f32"),
-            "div_approx": len(re.findall(r"div\\.(full|approx)\\.f32", ptx)),
-            "ld_global": re.findall(r"ld\\.global[.\\w]*", ptx),
-            "st_global": re.findall(r"st\\.global[.\\w]*", ptx),
-        }
-    print(json.dumps(result))
-    """
-)
+kernel = tq._quant_1x_kernel
+ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
+        "sf_ptr": "*fp32", "sft_ptr": "*fp32"}
+result = {}
+for label, cfg in json.loads(sys.argv[1]).items():
+    consts = dict(BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], SUB_K=cfg["sub_k"],
+                  ROW=cfg["row"], COL=cfg["col"], POW2=False)
+    sig = {n: ptrs.get(n, "i32") for n in kernel.arg_names if n not in consts}
+    sig.update({n: "constexpr" for n in consts})
+    # What the launcher infers for aligned DeepSeek-V3 shapes: 16-byte aligned pointers and
+    # sizes / row strides divisible by 16.
+    aligned = set(ptrs) | {"M", "K", "stride_xm", "stride_qm", "stride_qt_k"}
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=target,
+                              options={"num_warps": cfg["num_warps"]})
+    ptx = compiled.asm["ptx"]
+    result[label] = {
+        "cvt_e4m3x2": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
+        "div_rn": ptx.count("div.rn.f32"),
+        "fma_rn": ptx.count("fma.rn.f32"),
+        "div_approx": len(re.findall(r"div\\.(full|approx)\\.f32", ptx)),
+        "ld_global": re.findall(r"ld\\.global[.\\w]*", ptx),
+        "st_global": re.findall(r"st\\.global[.\\w]*", ptx),
+    }
+emit(result)
+"""
 
 
 def test_compile_fused_kernel_for_sm90_ptx(tmp_path):
@@ -443,24 +419,7 @@ def test_compile_fused_kernel_for_sm90_ptx(tmp_path):
     for label, row, col in (("both", True, True), ("row", True, False), ("col", False, True)):
         cfg = tq._config_1x(4096, 128, row=row, col=col)
         configs[label] = {**dataclasses.asdict(cfg), "row": row, "col": col}
-    # A fresh process: the kernels must be decorated without TRITON_INTERPRET, and triton.jit
-    # reads a function's source, so the script is a file.
-    script = tmp_path / "compile_sm90.py"
-    script.write_text(_COMPILE_SCRIPT)
-    repo = str(Path(tq.__file__).resolve().parents[2])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(configs)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "env_error" in result:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {result['env_error']}")
+    result = run_sm90_script(_COMPILE_SCRIPT, tmp_path, json.dumps(configs))
     for label, r in result.items():
         tag = f"{label}: {r}"
         # fp32 -> e4m3 through the saturating RNE pair conversion (what torch's cast does).
