@@ -1,6 +1,7 @@
 """Block-scaled FP8 GEMMs with DeepGEMM's contracts (DESIGN §2), dispatched to a backend.
 
-Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`):
+Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and their unchecked
+``_fp8_gemm_nt`` / ``_fp8_gemm_nt_1d1d`` that this dispatcher calls after validating once):
 
 - ``ref``: dequantize + fp32 matmul in PyTorch; any device; the oracle.
 - ``cublas``: cuBLAS blockwise FP8 through ``torch._scaled_mm`` (sm_90, N and K multiples of 16).
@@ -60,11 +61,9 @@ def fp8_gemm_nt(
     """``D = A · Bᵀ``, A scaled per 1x128 tile, B per 128x128 block (1D2D), on the selected
     backend. Contract, shapes and errors: :func:`ptxtrain.gemm.ref.fp8_gemm_nt`."""
     m, n, k = ref.validate_1d2d(a, b, out, out_dtype)
+    # Validated once here: every backend's ``_fp8_gemm_nt`` is its public function minus checks.
     mod = _backend.load(__name__, select_backend("1d2d", m, n, k, a[0].device))
-    fast = getattr(mod, "_fp8_gemm_nt", None)  # the backend's path without re-validation
-    if fast is not None:
-        return fast(a, b, out, out_dtype)
-    return mod.fp8_gemm_nt(a, b, out=out, out_dtype=out_dtype)
+    return mod._fp8_gemm_nt(a, b, out, out_dtype)
 
 
 def fp8_gemm_nt_1d1d(
@@ -80,10 +79,7 @@ def fp8_gemm_nt_1d1d(
     :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`."""
     m, n, k = ref.validate_1d1d(a, b, out, accumulate, out_dtype)
     mod = _backend.load(__name__, select_backend("1d1d", m, n, k, a[0].device))
-    fast = getattr(mod, "_fp8_gemm_nt_1d1d", None)
-    if fast is not None:
-        return fast(a, b, out, accumulate, out_dtype)
-    return mod.fp8_gemm_nt_1d1d(a, b, out=out, accumulate=accumulate, out_dtype=out_dtype)
+    return mod._fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
 
 
 __all__ = ["BACKENDS", "backends", "fp8_gemm_nt", "fp8_gemm_nt_1d1d", "select_backend"]

@@ -155,6 +155,11 @@ def fp8_gemm_nt(
     Source: DeepGEMM ``fp8_gemm_nt``; DESIGN §2.
     """
     validate_1d2d(a, b, out, out_dtype)
+    return _fp8_gemm_nt(a, b, out, out_dtype)
+
+
+def _fp8_gemm_nt(a: Operand, b: Operand, out, out_dtype) -> torch.Tensor:
+    """:func:`fp8_gemm_nt` after validation (every backend has this; the dispatcher calls it)."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     if out is not None:
         out_dtype = out.dtype
@@ -198,6 +203,11 @@ def fp8_gemm_nt_1d1d(
     Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; DESIGN §2.
     """
     validate_1d1d(a, b, out, accumulate, out_dtype)
+    return _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
+
+
+def _fp8_gemm_nt_1d1d(a: Operand, b: Operand, out, accumulate, out_dtype) -> torch.Tensor:
+    """:func:`fp8_gemm_nt_1d1d` after validation."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     if out is not None:
         out_dtype = out.dtype
