@@ -23,6 +23,7 @@ from ptxtrain.quant.ref import (
 )
 from ptxtrain.testing import calc_diff
 from tests._sm90 import run_sm90_script
+from tests.gemm._bounds import BF16_REL, CALC_DIFF_MAX, REF_REL
 
 INTERPRETED = gg.is_interpreted()
 HAS_GPU = torch.cuda.is_available()
@@ -32,18 +33,6 @@ runnable = pytest.mark.skipif(
     not (INTERPRETED or HAS_GPU),
     reason="no GPU and ptxtrain.gemm.grouped was imported before TRITON_INTERPRET=1 was set",
 )
-
-# DeepGEMM's FP8 x FP8 bar (DESIGN §2): e4m3's 3 mantissa bits put a random-input GEMM near 7e-4;
-# a wrong group, scale index or missed K block pushes calc_diff far above 1e-2.
-CALC_DIFF_MAX = 1e-3
-# Against the reference (same FP8 operands, dequantize-then-fp32-matmul), per element, relative to
-# Σ|terms| = |A|·|B|ᵀ: the interpreter sums the same exact fp32 products in another order
-# (|error| <= ~2·K·2^-24·Σ|terms| < 5e-5 for K <= 512); Hopper's FP8 tensor cores keep ~14 bits per
-# 128-K block (DeepSeek-V3 §3.3), ~2^-14·Σ|terms| per block. One wrong scale, group or block is an
-# O(1) fraction of Σ|terms|.
-REF_REL = 1e-4 if INTERPRETED else 1e-3
-# bf16 output: one rounding of the fp32 result, at most 2^-8 relative (2^-7 if truncating).
-BF16_REL = 2.0**-7
 
 
 def _gen(seed):

@@ -24,6 +24,7 @@ from ptxtrain.quant.ref import (
 from ptxtrain.testing import assert_bitwise_equal, calc_diff
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_EXTRA_NK, DSV3_WGRAD_K, DSV3_WGRAD_MN
 from tests._sm90 import run_sm90_script
+from tests.gemm._bounds import BF16_REL, CALC_DIFF_MAX, REF_REL
 
 INTERPRETED = tg.is_interpreted()
 HAS_GPU = torch.cuda.is_available()
@@ -37,21 +38,6 @@ runnable = pytest.mark.skipif(
         "if another module imports the kernels first)"
     ),
 )
-
-# DeepGEMM's FP8 x FP8 bar (DESIGN §2): e4m3's 3 mantissa bits give each operand ~2.6% RMS
-# relative error per element, so a random-input GEMM sits near 7e-4; a wrong scale index, a
-# missed K block or a transposed tile pushes calc_diff far above 1e-2.
-CALC_DIFF_MAX = 1e-3
-# Against the reference (same FP8 operands, dequantize-then-fp32-matmul), per element, relative to
-# Σ|terms| = |A|·|B|ᵀ. Interpreter: both sum the same exact fp32 products in different orders,
-# |error| <= ~2·K·2^-24·Σ|terms| (< 5e-5 for K <= 384), bound 1e-4. GPU: Hopper's FP8 tensor
-# cores keep only ~14 bits while summing each 128-K block (DeepSeek-V3 §3.3), ~2^-14·Σ|terms| per
-# block, bound 1e-3 (measured just over 1e-4 on an H200). One wrong scale or missed block is an
-# O(1) fraction of Σ|terms| either way.
-REF_REL = 1e-4 if INTERPRETED else 1e-3
-# bf16 output: one rounding of the fp32 result, at most 2^-8 relative (RNE on the GPU and in the
-# patched interpreter) or 2^-7 (the unpatched interpreter truncates).
-BF16_REL = 2.0**-7
 
 
 def _inputs(m, n, k, seed, device=DEVICE):
