@@ -378,7 +378,8 @@ class DeepSeekV3(nn.Module):
 
         See :meth:`update_router_biases` for the keys.
         """
-        return _aggregate([r.load_stats() for r in self.routers()], self.routers())
+        routers = self.routers()
+        return aggregate_router_stats([r.load_stats() for r in routers], _bias_abs_max(routers))
 
     def update_router_biases(self) -> dict[str, float]:
         """Apply one auxiliary-loss-free bias update to every router and reset their counters.
@@ -395,7 +396,7 @@ class DeepSeekV3(nn.Module):
             NaN when nothing was counted (eval-mode forwards do not count).
         """
         routers = self.routers()
-        return _aggregate([r.update_bias() for r in routers], routers)
+        return aggregate_router_stats([r.update_bias() for r in routers], _bias_abs_max(routers))
 
     # ------------------------------------------------------------------ sizes
     def num_params(self) -> dict[str, int]:
@@ -429,10 +430,16 @@ class DeepSeekV3(nn.Module):
         }
 
 
-def _aggregate(stats: list[dict[str, float]], routers: list[Router]) -> dict[str, float]:
+def _bias_abs_max(routers: list[Router]) -> float:
+    return max((float(r.bias.abs().max()) for r in routers), default=0.0)
+
+
+def aggregate_router_stats(stats: list[dict[str, float]], bias_abs_max: float) -> dict[str, float]:
+    """Model-level MoE load statistics from per-router ones (the keys of
+    :meth:`DeepSeekV3.update_router_biases`); ``bias_abs_max`` is the largest |bias| of any router.
+    Used by the model and by the pipeline runner, whose routers live on several ranks."""
     counted = [s for s in stats if s["tokens"] > 0]
     nan = math.nan
-    bias_abs_max = max((float(r.bias.abs().max()) for r in routers), default=0.0)
     return {
         "n_moe_layers": float(len(stats)),
         "tokens": float(sum(s["tokens"] for s in stats)),

@@ -20,14 +20,13 @@ expert parallelism across the pipeline group, checkpoints and ``--resume``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model.deepseek import DeepSeekV3
+from ..model.deepseek import DeepSeekV3, aggregate_router_stats
 from ..model.stages import DeepSeekV3Stage
 from ..moe.router import Router
 from ..parallel.stages import (
@@ -248,7 +247,9 @@ class PipelineRunner:
                 mine.append({**stats, "bias_abs_max": float(r.bias.abs().max())})
         gathered: list = [None] * self.pp
         dist.all_gather_object(gathered, mine, group=self.group)
-        return _aggregate([s for part in gathered for s in part])
+        stats = [s for part in gathered for s in part]
+        bias_abs_max = max((s["bias_abs_max"] for s in stats), default=0.0)
+        return aggregate_router_stats(stats, bias_abs_max)
 
     # ------------------------------------------------------------------ whole-model view
     @torch.no_grad()
@@ -276,18 +277,3 @@ class PipelineRunner:
                     buf = torch.empty_like(t)
                     dist.recv(buf, g_src, group=self.group)
                     t.copy_(buf)
-
-
-def _aggregate(stats: list[dict[str, float]]) -> dict[str, float]:
-    """Combine per-router statistics as ``DeepSeekV3.update_router_biases`` does."""
-    counted = [s for s in stats if s["tokens"] > 0]
-    nan = math.nan
-    return {
-        "n_moe_layers": float(len(stats)),
-        "tokens": float(sum(s["tokens"] for s in stats)),
-        "max_load_ratio": max((s["max_load_ratio"] for s in counted), default=nan),
-        "min_load_ratio": min((s["min_load_ratio"] for s in counted), default=nan),
-        "cv": sum(s["cv"] for s in counted) / len(counted) if counted else nan,
-        "cv_max": max((s["cv"] for s in counted), default=nan),
-        "bias_abs_max": max((s["bias_abs_max"] for s in stats), default=0.0),
-    }
