@@ -30,6 +30,10 @@ def fp8_backends(kind: str = "1d2d") -> dict[str, Callable]:
         found["triton"] = getattr(triton_gemm, name)
     except ImportError:
         pass
+    from ptxtrain.gemm import ptx
+
+    if ptx.supports(4096, 7168, 2048):
+        found["ptx"] = getattr(ptx, name)
     return found
 
 

@@ -6,6 +6,8 @@ Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and thei
 - ``ref``: dequantize + fp32 matmul in PyTorch; any device; the oracle.
 - ``cublas``: cuBLAS blockwise FP8 through ``torch._scaled_mm`` (sm_90, N and K multiples of 16).
 - ``triton``: Triton block-scaled kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+- ``ptx``: hand-written sm_90a kernels (wgmma, TMA, mbarriers), NVRTC-compiled per shape
+  (:mod:`ptxtrain.gemm.ptx`; K % 16 == 0).
 
 ``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA, ``cublas`` for the
 shapes it runs correctly (:func:`ptxtrain.gemm.cublas.supports`) except decode-sized 1D2D
@@ -21,7 +23,7 @@ from ptxtrain import _backend
 from ptxtrain.gemm import ref
 from ptxtrain.gemm.ref import Operand
 
-BACKENDS = ("ref", "cublas", "triton")
+BACKENDS = ("ref", "cublas", "triton", "ptx")
 ENV_VAR = "PTXTRAIN_GEMM_BACKEND"
 
 

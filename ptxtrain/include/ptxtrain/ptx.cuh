@@ -40,6 +40,21 @@ __device__ __forceinline__ u16 cvt_e4m3x2(float lo, float hi) {
   return out;
 }
 
+// Packs two floats into one bf16x2 word, round to nearest even: `lo` in bits 0..15, `hi` in bits
+// 16..31 (the order of a little-endian pair of bf16 in memory). PTX ISA "cvt" (.bf16x2.f32).
+__device__ __forceinline__ u32 cvt_bf16x2(float lo, float hi) {
+  u32 out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+// Rounds one float to bf16 (round to nearest even); the 16 bits in the low half. PTX ISA "cvt".
+__device__ __forceinline__ u16 cvt_bf16(float x) {
+  u16 out;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(out) : "f"(x));
+  return out;
+}
+
 // ---- warpgroup register reallocation -----------------------------------------------------------
 
 // Raises / lowers the per-thread register budget of the executing warpgroup to N (24..256, a

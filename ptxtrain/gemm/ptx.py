@@ -1,0 +1,359 @@
+"""Hand-written sm_90a FP8 GEMMs (wgmma + TMA + mbarrier), JIT-compiled through NVRTC.
+
+Design note (DESIGN §3; DeepSeek-V3 report §3.3; DeepGEMM's kernel design, ANCHORS §1). The
+kernel lives in ``ptxtrain/include/ptxtrain/fp8_gemm.cuh``: a persistent grid of one CTA per SM,
+one TMA producer warpgroup and one or two math warpgroups issuing ``wgmma.mma_async
+m64nNk32.e4m3`` from 128-byte-swizzled shared memory, FP32 promotion of every 128-K block on the
+CUDA cores with ``sf_a · sf_b``, a ring of shared-memory stages guarded by mbarriers. This module
+chooses the block sizes (:func:`select_config`, a pure function), generates the translation unit
+(the wgmma wrapper for the chosen ``BLOCK_N``, whose PTX takes ``BLOCK_N / 2`` accumulator
+operands, is generated here because asm operand lists cannot be written as a loop), compiles and
+caches it per (kind, N, K, config, output), builds the TMA descriptors and launches on PyTorch's
+current stream.
+
+Shape specialization: N and K are template constants, M a kernel argument. Requirements (else
+:func:`supports` is False and the dispatcher picks another backend; the public functions raise
+``ValueError``): an sm_90 device, NVRTC + driver available, ``K % 16 == 0`` (TMA needs 16-byte
+row strides). Any M (0 returns at once), N and K tails (TMA zero-fills, the epilogue masks).
+
+Scales: the kernel reads A's scales (and B's for 1D1D) through TMA from an MN-major,
+4-row-padded copy ``[⌈K/128⌉, M]`` (row stride ``4·⌈M/4⌉``, the layout of DeepGEMM and
+``torch._scaled_mm``); an ``sf`` that is already MN-major (``sf.stride() == (1, 4·⌈M/4⌉)``) is
+used as is, others are transposed once (one small copy).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ptxtrain._checks import ceil_div
+from ptxtrain.gemm import ref
+
+BLOCK_K = 128
+_BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc + fin in registers
+_SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
+_MAX_STAGES = 8
+_TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
+
+
+@dataclass(frozen=True)
+class PtxConfig:
+    """Block sizes of one compiled PTX GEMM: ``block_m`` (64 or 128 = math warpgroups x 64),
+    ``block_n`` (a multiple of 16 in [16, 160]), ``num_stages`` (shared-memory ring depth)."""
+
+    block_m: int
+    block_n: int
+    num_stages: int
+
+    @property
+    def num_threads(self) -> int:
+        return (self.block_m // 64 + 1) * 128
+
+
+def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str) -> int:
+    """Dynamic shared memory of one CTA (mirrors ``Fp8GemmSmem`` in fp8_gemm.cuh)."""
+    slot_sfa = ceil_div(block_m * 4, 128) * 128
+    slot_sfb = ceil_div(block_n * 4, 128) * 128 if kind == "1d1d" else 0
+    per_stage = block_m * BLOCK_K + block_n * BLOCK_K + slot_sfa + slot_sfb
+    return num_stages * per_stage + 2 * num_stages * 8 + 1024
+
+
+def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
+    """Block sizes that fill ``num_sms`` SMs (pure; DeepGEMM's rule of the fewest waves).
+
+    Cost model: ``waves · block_m · (block_n + 24)`` with ``waves = ⌈tiles / num_sms⌉`` — the
+    time of the busiest SM, each tile costing its area plus a share for A's traffic that does
+    not shrink with ``block_n``; ties go to the larger tile. ``block_m = 64`` for M <= 64 (one
+    math warpgroup), else both 64 and 128 are tried. Stages: as many as fit in shared memory
+    (at most 8).
+
+    Raises:
+        ValueError: unknown ``kind`` or a non-positive ``num_sms``.
+    """
+    if kind not in ("1d2d", "1d1d"):
+        raise ValueError(f"kind must be '1d2d' or '1d1d', got {kind!r}")
+    if num_sms < 1:
+        raise ValueError(f"num_sms must be positive, got {num_sms}")
+    block_ms = (64,) if m <= 64 else (64, 128)
+    best = None
+    for bm in block_ms:
+        for bn in _BLOCK_NS:
+            tiles = ceil_div(max(m, 1), bm) * ceil_div(n, bn)
+            waves = ceil_div(tiles, num_sms)
+            cost = waves * bm * (bn + _TILE_OVERHEAD_N)
+            key = (cost, -bm, -bn)
+            if best is None or key < best[0]:
+                best = (key, bm, bn)
+    _, bm, bn = best
+    stages = _MAX_STAGES
+    while stages > 2 and smem_bytes(bm, bn, stages, kind) > _SMEM_BYTES:
+        stages -= 1
+    return PtxConfig(bm, bn, stages)
+
+
+def _wgmma_struct(block_n: int) -> str:
+    """C++ of ``struct Wgmma { static void mma(float (&d)[block_n / 2], u64, u64, bool) }`` for
+    ``wgmma.mma_async.sync.aligned.m64n<block_n>k32.f32.e4m3.e4m3`` (PTX ISA "wgmma.mma_async")."""
+    regs = block_n // 2
+    dlist = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    return (
+        "struct Wgmma {\n"
+        "  __device__ __forceinline__ static void mma(float (&d)["
+        f"{regs}], ptxtrain::u64 desc_a, ptxtrain::u64 desc_b, bool accumulate) {{\n"
+        '    asm volatile("{\\n.reg .pred p;\\n'
+        f"setp.ne.b32 p, %{regs + 2}, 0;\\n"
+        f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3 "
+        f'{{{dlist}}}, %{regs}, %{regs + 1}, p, 1, 1;\\n}}\\n"\n'
+        f"                 : {outs}\n"
+        '                 : "l"(desc_a), "l"(desc_b), "r"(static_cast<unsigned>(accumulate)));\n'
+        "  }\n"
+        "};\n"
+    )
+
+
+_OUT_CODE = {torch.bfloat16: 0, torch.float32: 1}
+
+
+def kernel_source(
+    kind: str, cfg: PtxConfig, n: int, k: int, out_dtype: torch.dtype, accumulate: bool
+) -> tuple[str, str]:
+    """The translation unit and the kernel's name expression for one specialization."""
+    # The name expression instantiates the template (NVRTC's nvrtcAddNameExpression).
+    src = f"#include <ptxtrain/fp8_gemm.cuh>\n{_wgmma_struct(cfg.block_n)}"
+    expr = (
+        f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
+        f"{n}, {k}, {'true' if kind == '1d1d' else 'false'}, {_OUT_CODE[out_dtype]}, "
+        f"{'true' if accumulate else 'false'}>"
+    )
+    return src, expr
+
+
+@functools.lru_cache(maxsize=256)
+def compile_gemm(
+    kind: str, cfg: PtxConfig, n: int, k: int, out_dtype: torch.dtype, accumulate: bool
+):
+    """NVRTC-compile one specialization for sm_90a (disk-cached by :mod:`ptxtrain.jit`).
+
+    Works without a GPU (CI compiles every variant the heuristics choose for the V3 shapes).
+
+    Returns:
+        (CompiledKernel, name expression).
+
+    Raises:
+        ptxtrain.jit.JitCompileError: NVRTC rejected the source (log in the message).
+        RuntimeError: NVRTC is not installed.
+    """
+    from ptxtrain.jit import compile_cuda
+
+    src, expr = kernel_source(kind, cfg, n, k, out_dtype, accumulate)
+    name = f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}_n{n}_k{k}"
+    compiled = compile_cuda(src, name=name, name_expressions=(expr,))
+    return compiled, expr
+
+
+# ---- availability ------------------------------------------------------------------------------
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def _toolchain() -> bool:
+    from ptxtrain.jit import driver_available, nvrtc_available
+
+    return nvrtc_available() and driver_available()
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> bool:
+    """Whether the PTX kernels run this shape here: a CUDA sm_90 device, NVRTC and the driver
+    importable, ``K % 16 == 0`` and ``N >= 1``."""
+    if not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else device
+    if dev.type != "cuda" or _capability(_index(dev)) != (9, 0):
+        return False
+    return n >= 1 and k >= 16 and k % 16 == 0 and _toolchain()
+
+
+def _check_runnable(a_fp8: torch.Tensor, n: int, k: int) -> None:
+    if a_fp8.device.type != "cuda":
+        raise ValueError(f"the ptx backend needs CUDA tensors, got a on {a_fp8.device}")
+    cap = _capability(_index(a_fp8.device))
+    if cap != (9, 0):
+        raise ValueError(f"the ptx backend needs an sm_90 GPU, got capability {cap}")
+    if k % 16 or k < 16:
+        raise ValueError(
+            f"the ptx backend needs K % 16 == 0 (TMA rows of 16-byte multiples), got K={k}; "
+            "use the triton or ref backend"
+        )
+    if not _toolchain():
+        raise ValueError("the ptx backend needs NVRTC (nvidia-cuda-nvrtc) and cuda-bindings")
+
+
+# ---- operands ------------------------------------------------------------------------------------
+
+
+def _k_major(t: torch.Tensor) -> torch.Tensor:
+    if t.stride(1) != 1 or t.stride(0) != t.shape[1] or t.data_ptr() % 16:
+        t = t.contiguous()
+        if t.data_ptr() % 16:
+            t = t.clone()
+    return t
+
+
+def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
+    """``sf [R, KB]`` → a ``[KB, R]`` view with row stride ``4·⌈R/4⌉`` (16-byte rows for TMA)."""
+    rows, kb = sf.shape
+    pad = ceil_div(max(rows, 1), 4) * 4
+    if sf.stride(0) == 1 and sf.stride(1) == pad and sf.data_ptr() % 16 == 0:
+        return sf.t()
+    buf = torch.empty(kb, pad, dtype=torch.float32, device=sf.device)
+    view = buf[:, :rows]
+    view.copy_(sf.t())
+    return view
+
+
+def _launch(kind, a, b, out, accumulate, out_dtype):
+    from ptxtrain.jit import launch, load_kernel, make_tma_2d_desc
+
+    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
+    m, k = a_fp8.shape
+    n = b_fp8.shape[0]
+    device = a_fp8.device
+    cfg = select_config(kind, m, n, k, _num_sms(_index(device)))
+    compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
+    kernel = load_kernel(compiled, expr)
+    a8 = _k_major(a_fp8.view(torch.uint8))
+    b8 = _k_major(b_fp8.view(torch.uint8))
+    sfa = _mn_major_padded(sf_a.float())
+    tma_a = make_tma_2d_desc(a8, cfg.block_m, BLOCK_K, swizzle="128B")
+    tma_b = make_tma_2d_desc(b8, cfg.block_n, BLOCK_K, swizzle="128B")
+    tma_sfa = make_tma_2d_desc(sfa, 1, cfg.block_m)
+    if kind == "1d1d":
+        sfb_t = _mn_major_padded(sf_b.float())
+        tma_sfb = make_tma_2d_desc(sfb_t, 1, cfg.block_n)
+        sfb_ptr = sfb_t  # unused by the kernel; any valid pointer
+    else:
+        tma_sfb = tma_sfa  # unused by the 1D2D kernel
+        sfb_ptr = sf_b.float().contiguous()
+    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+    grid = min(tiles, _num_sms(_index(device)))
+    launch(
+        kernel,
+        grid,
+        cfg.num_threads,
+        (tma_a, tma_b, tma_sfa, tma_sfb, sfb_ptr, out, m),
+        smem_bytes=smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind),
+    )
+    # The descriptors hold raw addresses: keep the (possibly temporary) operands alive until the
+    # kernel has read them.
+    stream = torch.cuda.current_stream(device)
+    for t in (a8, b8, sfa, sfb_ptr):
+        t.record_stream(stream)
+
+
+def _target(out, m, n, dtype, device, accumulate):
+    """The tensor the kernel writes: ``out`` itself when it is contiguous, else a fresh one."""
+    if out is not None and out.is_contiguous() and out.dtype == dtype:
+        return out, False
+    if accumulate:
+        return out.contiguous(), True
+    return torch.empty(m, n, dtype=dtype, device=device), out is not None
+
+
+def _fp8_gemm_nt(a, b, out, out_dtype):
+    """:func:`fp8_gemm_nt` after validation (called by the dispatcher)."""
+    (a_fp8, _), (b_fp8, _) = a, b
+    m, k = a_fp8.shape
+    n = b_fp8.shape[0]
+    dtype = out.dtype if out is not None else out_dtype
+    if m == 0:
+        return torch.empty(0, n, dtype=dtype, device=a_fp8.device) if out is None else out
+    _check_runnable(a_fp8, n, k)
+    d, copy_back = _target(out, m, n, dtype, a_fp8.device, False)
+    _launch("1d2d", a, b, d, False, dtype)
+    if copy_back:
+        out.copy_(d)
+        return out
+    return d
+
+
+def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
+    """:func:`fp8_gemm_nt_1d1d` after validation (called by the dispatcher)."""
+    (a_fp8, _), (b_fp8, _) = a, b
+    m, k = a_fp8.shape
+    n = b_fp8.shape[0]
+    dtype = torch.float32 if accumulate else (out.dtype if out is not None else out_dtype)
+    if m == 0:
+        return torch.empty(0, n, dtype=dtype, device=a_fp8.device) if out is None else out
+    _check_runnable(a_fp8, n, k)
+    d, copy_back = _target(out, m, n, dtype, a_fp8.device, accumulate)
+    _launch("1d1d", a, b, d, accumulate, dtype)
+    if copy_back:
+        out.copy_(d)
+        return out
+    return d
+
+
+def fp8_gemm_nt(
+    a: ref.Operand,
+    b: ref.Operand,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """PTX 1D2D GEMM with the contract of :func:`ptxtrain.gemm.ref.fp8_gemm_nt` (bf16 or fp32 D).
+
+    Raises:
+        TypeError / ValueError: as the reference, plus non-CUDA / non-sm_90 tensors or
+            ``K % 16 != 0`` (see :func:`supports`).
+        ptxtrain.jit.JitCompileError: NVRTC rejected the kernel (a bug; the log is attached).
+    """
+    ref.validate_1d2d(a, b, out, out_dtype)
+    return _fp8_gemm_nt(a, b, out, out_dtype)
+
+
+def fp8_gemm_nt_1d1d(
+    a: ref.Operand,
+    b: ref.Operand,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """PTX 1D1D (wgrad) GEMM with the contract of :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`.
+
+    Raises:
+        TypeError / ValueError: as the reference, plus non-CUDA / non-sm_90 tensors or
+            ``K % 16 != 0``.
+        ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
+    """
+    ref.validate_1d1d(a, b, out, accumulate, out_dtype)
+    return _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
+
+
+__all__ = [
+    "PtxConfig",
+    "compile_gemm",
+    "fp8_gemm_nt",
+    "fp8_gemm_nt_1d1d",
+    "kernel_source",
+    "select_config",
+    "smem_bytes",
+    "supports",
+]

@@ -1,0 +1,240 @@
+// ptxtrain/fp8_gemm.cuh — persistent, warp-specialized block-scaled FP8 GEMM for sm_90a
+// (DESIGN §2-3; DeepSeek-V3 report §3.3; the design of DeepGEMM's 1D2D / 1D1D kernels).
+//
+//   D[M, N] (+)= A[M, K] · B[N, K]ᵀ, A and B e4m3 K-major, scales per 128-K block:
+//   1D2D: sf_a per 1x128 tile of A, sf_b per 128x128 block of B;  1D1D: both per 1x128 tile.
+//
+// Roles. One CTA per SM loops over output tiles (tile t, t + gridDim.x, ...; M-blocks fastest so
+// the CTAs running at once share B tiles and walk all of A through L2). Warpgroup kNumMathWG is
+// the producer: one thread issues the TMA loads of A (BLOCK_M x 128, 128-byte swizzle), B
+// (BLOCK_N x 128, 128-byte swizzle) and the scales of A (and of B for 1D1D) of each 128-K block
+// into a ring of kNumStages shared-memory stages, each guarded by a `full` and an `empty`
+// mbarrier. Warpgroups 0..kNumMathWG-1 are the math warpgroups, 64 rows of the tile each: per
+// 128-K block they wait on `full`, issue 4 wgmma m64nBLOCK_Nk32 (operands straight from shared
+// memory), wait for them, read their scales, release the stage (`empty`, one arrival per warp)
+// and promote the block's partial sums into the FP32 accumulator on the CUDA cores:
+// fin += acc · sf_a[row] · sf_b[col block]. While one math warpgroup promotes, the other's
+// wgmmas keep the tensor core busy. setmaxnreg moves registers from the producer (40) to the
+// math warpgroups (232) when there are two of them.
+//
+// Tails. TMA zero-fills out-of-bounds rows and columns of A and B, so a K tail adds zeros, and
+// the epilogue masks rows >= M and columns >= N. The shape constants N and K are template
+// parameters (shape-specialized JIT); M is a kernel argument.
+//
+// Fragment layout (PTX ISA "Register Fragments and Shared Memory Matrix Layouts", wgmma .f32
+// accumulator): in a m64nN tile, warp w of the warpgroup owns rows 16w..16w+15; thread lane
+// holds, for each 8-column group j, d[4j + 0/1] at (row lane/4, cols 8j + 2(lane%4) + 0/1) and
+// d[4j + 2/3] at row lane/4 + 8.
+#pragma once
+
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace ptxtrain {
+
+template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D>
+struct Fp8GemmSmem {
+  static constexpr int kBlockK = 128;
+  static constexpr u32 kBytesA = kBlockM * kBlockK;             // one stage of A, 1024-B multiple
+  static constexpr u32 kBytesB = kBlockN * kBlockK;             // one stage of B
+  static constexpr u32 kBytesSfa = kBlockM * 4;                 // fp32 scales of A's rows
+  static constexpr u32 kBytesSfb = k1D1D ? kBlockN * 4 : 0;     // fp32 scales of B's rows
+  static constexpr u32 kSlotSfa = (kBytesSfa + 127) / 128 * 128;  // TMA destinations: 128-B aligned
+  static constexpr u32 kSlotSfb = (kBytesSfb + 127) / 128 * 128;
+  static constexpr u32 kOffB = kNumStages * kBytesA;
+  static constexpr u32 kOffSfa = kOffB + kNumStages * kBytesB;
+  static constexpr u32 kOffSfb = kOffSfa + kNumStages * kSlotSfa;
+  static constexpr u32 kOffBar = kOffSfb + kNumStages * kSlotSfb;
+  // + 1024 so the base can be rounded up to the 1024-B alignment of 128-byte-swizzled tiles.
+  static constexpr u32 kTotal = kOffBar + 2 * kNumStages * 8 + 1024;
+  static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
+};
+
+// Mma: a struct with `static void mma(float (&d)[kBlockN / 2], u64 desc_a, u64 desc_b, bool
+// accumulate)` issuing one wgmma.mma_async m64n<kBlockN>k32 e4m3 (generated per BLOCK_N).
+// kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ.
+template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
+          int kOut, bool kAccumulate>
+__global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
+    fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
+                       const __grid_constant__ TmaDescriptor tma_b,
+                       const __grid_constant__ TmaDescriptor tma_sfa,
+                       const __grid_constant__ TmaDescriptor tma_sfb, const float* sf_b,
+                       void* out, int m) {
+  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D>;
+  constexpr int kNumMathWG = kBlockM / 64;
+  constexpr int kNumKBlocks = (kK + 127) / 128;
+  constexpr int kNumNBlocks = (kN + kBlockN - 1) / kBlockN;
+  constexpr int kNumSfbBlocks = (kN + 127) / 128;
+  static_assert(kBlockM == 64 || kBlockM == 128, "BLOCK_M must be 64 or 128");
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 160,
+                "BLOCK_N must be a multiple of 16 in [16, 160] (a tile then spans at most two "
+                "128-column scale blocks of B)");
+  static_assert(kOut == 1 || !kAccumulate, "accumulate needs an fp32 output");
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem_a = smem;
+  unsigned char* smem_b = smem + Smem::kOffB;
+  unsigned char* smem_sfa = smem + Smem::kOffSfa;
+  unsigned char* smem_sfb = smem + Smem::kOffSfb;
+  u64* full = reinterpret_cast<u64*>(smem + Smem::kOffBar);
+  u64* empty = full + kNumStages;
+
+  const int wg = threadIdx.x / 128;
+  const int num_m_blocks = (m + kBlockM - 1) / kBlockM;
+  const int num_tiles = num_m_blocks * kNumNBlocks;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kNumStages; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], kNumMathWG * 4);  // one arrival per math warp
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (wg == kNumMathWG) {
+    // ---- producer warpgroup: one thread issues every TMA load ----------------------------
+    if constexpr (kNumMathWG == 2) setmaxnreg_dec<40>();
+    if (threadIdx.x % 128 == 0) {
+      tma_prefetch_desc(&tma_a);
+      tma_prefetch_desc(&tma_b);
+      tma_prefetch_desc(&tma_sfa);
+      if constexpr (k1D1D) tma_prefetch_desc(&tma_sfb);
+      u32 it = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const int m0 = (tile % num_m_blocks) * kBlockM;
+        const int n0 = (tile / num_m_blocks) * kBlockN;
+        for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
+          const u32 s = it % kNumStages;
+          const u32 phase = (it / kNumStages) & 1u;
+          mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
+          mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
+          tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, m0);
+          tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, n0);
+          tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], m0, kb);
+          if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- math warpgroups ---------------------------------------------------------------------
+  if constexpr (kNumMathWG == 2) setmaxnreg_inc<232>();
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int row0 = wg * 64 + warp * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8
+  const int col0 = 2 * (lane % 4);                  // and columns 8j + col0 + {0, 1}
+  float acc[kBlockN / 2];
+  float fin[kBlockN / 2];
+  u32 it = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int m0 = (tile % num_m_blocks) * kBlockM;
+    const int n0 = (tile / num_m_blocks) * kBlockN;
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) fin[i] = 0.0f;
+    // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above.
+    const int sfb_block = n0 / 128;
+    const int split = 128 - n0 % 128;
+    const bool has_hi = !k1D1D && split < kBlockN && sfb_block + 1 < kNumSfbBlocks;
+    for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
+      const u32 s = it % kNumStages;
+      const u32 phase = (it / kNumStages) & 1u;
+      float sfb_lo = 1.0f, sfb_hi = 1.0f;
+      if constexpr (!k1D1D) {
+        sfb_lo = __ldg(sf_b + sfb_block * kNumKBlocks + kb);
+        sfb_hi = has_hi ? __ldg(sf_b + (sfb_block + 1) * kNumKBlocks + kb) : sfb_lo;
+      }
+      mbarrier_wait(&full[s], phase);
+      const unsigned char* a_tile = smem_a + s * Smem::kBytesA + wg * 64 * 128;
+      const unsigned char* b_tile = smem_b + s * Smem::kBytesB;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        // K-major, 128-byte swizzle: 8-row atoms 1024 B apart; the k-th 32-byte K slice starts
+        // kk * 32 bytes into each row (the swizzle is applied to the absolute address).
+        const u64 da = make_smem_desc(a_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
+        const u64 db = make_smem_desc(b_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
+        Mma::mma(acc, da, db, kk > 0);
+      }
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+      const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
+      const float sa0 = sfa[row0];
+      const float sa1 = sfa[row0 + 8];
+      if constexpr (k1D1D) {
+        const float* sfb = reinterpret_cast<const float*>(smem_sfb + s * Smem::kSlotSfb);
+        float sb[kBlockN / 4];
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+          sb[2 * j] = sfb[8 * j + col0];
+          sb[2 * j + 1] = sfb[8 * j + col0 + 1];
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty[s]);
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+          fin[4 * j + 0] += acc[4 * j + 0] * (sa0 * sb[2 * j]);
+          fin[4 * j + 1] += acc[4 * j + 1] * (sa0 * sb[2 * j + 1]);
+          fin[4 * j + 2] += acc[4 * j + 2] * (sa1 * sb[2 * j]);
+          fin[4 * j + 3] += acc[4 * j + 3] * (sa1 * sb[2 * j + 1]);
+        }
+      } else {
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty[s]);
+        const float lo0 = sa0 * sfb_lo, lo1 = sa1 * sfb_lo;
+        const float hi0 = sa0 * sfb_hi, hi1 = sa1 * sfb_hi;
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+          const bool hi = 8 * j >= split;
+          const float s0 = hi ? hi0 : lo0, s1 = hi ? hi1 : lo1;
+          fin[4 * j + 0] += acc[4 * j + 0] * s0;
+          fin[4 * j + 1] += acc[4 * j + 1] * s0;
+          fin[4 * j + 2] += acc[4 * j + 2] * s1;
+          fin[4 * j + 3] += acc[4 * j + 3] * s1;
+        }
+      }
+    }
+
+    // ---- epilogue: registers -> global, rows >= M and columns >= N masked --------------------
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + row0 + 8 * h;
+      if (row >= m) continue;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const int col = n0 + 8 * j + col0;
+        if (col >= kN) continue;
+        const float v0 = fin[4 * j + 2 * h], v1 = fin[4 * j + 2 * h + 1];
+        const long long off = static_cast<long long>(row) * kN + col;
+        if constexpr (kOut == 0) {
+          u16* o = reinterpret_cast<u16*>(out) + off;
+          if constexpr (kN % 2 == 0) {
+            *reinterpret_cast<u32*>(o) = cvt_bf16x2(v0, v1);
+          } else {
+            o[0] = cvt_bf16(v0);
+            if (col + 1 < kN) o[1] = cvt_bf16(v1);
+          }
+        } else {
+          float* o = reinterpret_cast<float*>(out) + off;
+          if constexpr (kN % 2 == 0) {
+            float2 v = make_float2(v0, v1);
+            if constexpr (kAccumulate) {
+              const float2 old = *reinterpret_cast<const float2*>(o);
+              v.x += old.x;
+              v.y += old.y;
+            }
+            *reinterpret_cast<float2*>(o) = v;
+          } else {
+            o[0] = kAccumulate ? o[0] + v0 : v0;
+            if (col + 1 < kN) o[1] = kAccumulate ? o[1] + v1 : v1;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace ptxtrain

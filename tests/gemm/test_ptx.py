@@ -1,0 +1,215 @@
+"""The hand-written sm_90a FP8 GEMMs (ptxtrain.gemm.ptx).
+
+Without a GPU: the block-size heuristic (pure), and NVRTC compiles every variant the heuristic
+picks for the DeepSeek-V3 shapes, checking the SASS (QGMMA present, no local-memory spills).
+GPU-marked tests check the kernels against the unquantized product (calc_diff) and the
+reference GEMM over the DeepSeek-V3 shapes and awkward ones (M = 0, 1, 13, 129; N, K tails).
+"""
+
+import subprocess
+
+import pytest
+import torch
+
+from ptxtrain.gemm import ptx
+from ptxtrain.jit import nvrtc_available
+from ptxtrain.jit.cache import find_cuobjdump
+from ptxtrain.quant.ref import (
+    per_block_cast_back,
+    per_block_cast_to_fp8,
+    per_token_cast_back,
+    per_token_cast_to_fp8,
+)
+from ptxtrain.testing import calc_diff
+from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_EXTRA_NK, DSV3_WGRAD_K, DSV3_WGRAD_MN
+from tests.gemm._bounds import CALC_DIFF_MAX
+
+H200_SMS = 132
+
+
+# ---- heuristic (pure) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 13, 64, 128, 129, 4096, 8192])
+@pytest.mark.parametrize("n,k", DSV3_DENSE_NK + DSV3_EXTRA_NK + ((100, 272),))
+@pytest.mark.parametrize("kind", ["1d2d", "1d1d"])
+def test_config_is_valid_and_fills_the_sms(kind, m, n, k):
+    cfg = ptx.select_config(kind, m, n, k, H200_SMS)
+    assert cfg.block_m in (64, 128) and cfg.block_n % 16 == 0 and 16 <= cfg.block_n <= 160
+    assert 2 <= cfg.num_stages <= 8
+    assert ptx.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) <= 227 * 1024
+    if m <= 64:
+        assert cfg.block_m == 64
+
+
+def test_config_prefers_wide_tiles_at_large_m():
+    # 4096 x 7168: 128x160 tiles need 11 waves against 14 for 128x128 (DeepGEMM's BLOCK_N = 160).
+    assert ptx.select_config("1d2d", 4096, 7168, 16384, H200_SMS) == ptx.PtxConfig(128, 160, 6)
+
+
+def test_config_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="kind"):
+        ptx.select_config("2d2d", 64, 64, 128, 132)
+    with pytest.raises(ValueError, match="num_sms"):
+        ptx.select_config("1d2d", 64, 64, 128, 0)
+
+
+def test_generated_wgmma_wrapper_lists_every_accumulator():
+    src = ptx._wgmma_struct(112)
+    assert "m64n112k32.f32.e4m3.e4m3" in src
+    assert src.count('"+f"(d[') == 56 and "%55}" in src and "%58, 0" in src
+
+
+# ---- compile-only (NVRTC, no GPU) --------------------------------------------------------------
+
+
+def _variants():
+    seen = {}
+    for m in (64, 128, 4096):
+        for n, k in DSV3_DENSE_NK + DSV3_EXTRA_NK:
+            cfg = ptx.select_config("1d2d", m, n, k, H200_SMS)
+            seen[("1d2d", cfg, n, k, torch.bfloat16, False)] = None
+    for m, n in DSV3_WGRAD_MN:
+        k = DSV3_WGRAD_K[0]
+        cfg = ptx.select_config("1d1d", m, n, k, H200_SMS)
+        seen[("1d1d", cfg, n, k, torch.float32, True)] = None
+    return list(seen)
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+def test_every_dsv3_variant_compiles_to_qgmma_without_spills(tmp_path, monkeypatch):
+    monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path))
+    ptx.compile_gemm.cache_clear()
+    cuobjdump = find_cuobjdump()
+    variants = _variants()
+    assert len(variants) >= 10
+    for args in variants:
+        compiled, expr = ptx.compile_gemm(*args)
+        assert expr in compiled.symbols
+        if cuobjdump is None:
+            continue
+        path = compiled.cache_path / "kernel.cubin"
+        res = subprocess.run(
+            [cuobjdump, "-res-usage", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+        assert "LOCAL:0" in res, f"{args}: local memory (spills):\n{res}"
+        sass = subprocess.run(
+            [cuobjdump, "-sass", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+        assert sass.count("QGMMA") == 4, f"{args}: expected 4 QGMMA per 128-K block"
+    ptx.compile_gemm.cache_clear()
+
+
+def test_unsupported_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only answer")
+    assert not ptx.supports(4096, 7168, 2048)
+    qa = per_token_cast_to_fp8(torch.randn(4, 256))
+    qb = per_block_cast_to_fp8(torch.randn(32, 256))
+    with pytest.raises(ValueError, match="CUDA"):
+        ptx.fp8_gemm_nt(qa, qb)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+
+def _inputs(m, n, k, seed):
+    """Random operands whose rows and 128-column blocks differ in magnitude (scales matter)."""
+    g = torch.Generator().manual_seed(seed)
+    kb = -(-k // 128)
+    row_gain = torch.exp(torch.randn(m, 1, generator=g))
+    w_gain = torch.exp(torch.randn(-(-n // 128), 1, generator=g)).repeat_interleave(128, 0)[:n]
+    k_gain = torch.exp(torch.randn(kb, generator=g)).repeat_interleave(128)[:k]
+    x = torch.randn(m, k, generator=g) * row_gain * k_gain
+    w = torch.randn(n, k, generator=g) * w_gain
+    return x.cuda(), w.cuda()
+
+
+def _check(got, want_exact, m, n, k, what):
+    diff = calc_diff(got, want_exact)
+    assert diff < CALC_DIFF_MAX, f"{what} {m=} {n=} {k=}: calc_diff {diff:.2e}"
+
+
+AWKWARD = [(1, 576, 7168), (13, 2112, 1536), (129, 300, 272), (200, 100, 64), (4096, 2112, 7168)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 13, 64, 128, 129, 4096])
+@pytest.mark.parametrize("n,k", DSV3_DENSE_NK + DSV3_EXTRA_NK)
+def test_gpu_1d2d_dsv3(m, n, k):
+    x, w = _inputs(m, n, k, seed=m * 7 + n + k)
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    got = ptx.fp8_gemm_nt(qa, qb)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    _check(got, x.double() @ w.double().t(), m, n, k, "1d2d vs unquantized")
+    # Against the reference GEMM of the same FP8 operands: only summation order and the tensor
+    # cores' ~14-bit block sums differ (DeepSeek-V3 §3.3), so the relative error is far below
+    # the quantization error; a wrong scale or tile moves it to O(1).
+    want = per_token_cast_back(*qa).double() @ per_block_cast_back(*qb).double().t()
+    rel = (got.double() - want).norm() / want.norm().clamp_min(1e-30)
+    assert rel < 5e-3, f"{m=} {n=} {k=}: {rel=:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", AWKWARD)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_1d2d_awkward_and_out(m, n, k, out_dtype):
+    x, w = _inputs(m, n, k, seed=m + n + k)
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    got = ptx.fp8_gemm_nt(qa, qb, out_dtype=out_dtype)
+    assert got.dtype == out_dtype
+    _check(got, x.double() @ w.double().t(), m, n, k, f"1d2d {out_dtype}")
+    # A non-contiguous out gets the same numbers.
+    big = torch.full((m, n + 8), float("nan"), dtype=out_dtype, device="cuda")
+    ptx.fp8_gemm_nt(qa, qb, out=big[:, :n])
+    torch.testing.assert_close(big[:, :n], got, rtol=0, atol=0)  # same kernel, same inputs
+    assert torch.isnan(big[:, n:]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_1d2d_m0_and_mn_major_scales():
+    qa = per_token_cast_to_fp8(torch.randn(0, 512, device="cuda"))
+    qb = per_block_cast_to_fp8(torch.randn(256, 512, device="cuda"))
+    assert ptx.fp8_gemm_nt(qa, qb).shape == (0, 256)
+    x, w = _inputs(100, 256, 512, seed=3)
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    sf_mn = torch.empty(4, 100, device="cuda").t()  # [100, 4], strides (1, 100): MN-major
+    sf_mn.copy_(qa[1])
+    assert sf_mn.stride() == (1, 100)
+    a = ptx.fp8_gemm_nt((qa[0], sf_mn), qb)
+    b = ptx.fp8_gemm_nt(qa, qb)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same scales in two layouts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n", DSV3_WGRAD_MN)
+@pytest.mark.parametrize("k", DSV3_WGRAD_K[:1])
+def test_gpu_1d1d_wgrad_dsv3(m, n, k):
+    x, w = _inputs(m, n, k, seed=m + n)
+    qa, qb = per_token_cast_to_fp8(x), per_token_cast_to_fp8(w)
+    got = ptx.fp8_gemm_nt_1d1d(qa, qb)
+    assert got.dtype == torch.float32
+    _check(got, x.double() @ w.double().t(), m, n, k, "1d1d")
+    out = torch.randn(m, n, device="cuda")
+    before = out.clone()
+    ptx.fp8_gemm_nt_1d1d(qa, qb, out=out, accumulate=True)
+    torch.testing.assert_close(out, before + got, rtol=1e-5, atol=1e-4)  # one fp32 add
+    bf = ptx.fp8_gemm_nt_1d1d(qa, qb, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(bf, got.bfloat16(), rtol=2**-7, atol=0)  # one bf16 rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", AWKWARD)
+def test_gpu_1d1d_awkward(m, n, k):
+    x, w = _inputs(m, n, k, seed=m * 3 + k)
+    qa, qb = per_token_cast_to_fp8(x), per_token_cast_to_fp8(w)
+    _check(ptx.fp8_gemm_nt_1d1d(qa, qb), x.double() @ w.double().t(), m, n, k, "1d1d awkward")
+
+
+@pytest.mark.gpu
+def test_gpu_bad_k_raises_before_launch():
+    qa = per_token_cast_to_fp8(torch.randn(8, 200, device="cuda"))
+    qb = per_block_cast_to_fp8(torch.randn(64, 200, device="cuda"))
+    assert not ptx.supports(8, 64, 200)
+    with pytest.raises(ValueError, match="K % 16"):
+        ptx.fp8_gemm_nt(qa, qb)
