@@ -37,16 +37,19 @@ _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
+_ONE_WARPGROUP_PENALTY = 1.3  # block_m = 64 at M > 64: see select_config
 
 
 @dataclass(frozen=True)
 class PtxConfig:
     """Block sizes of one compiled PTX GEMM: ``block_m`` (64 or 128 = math warpgroups x 64),
-    ``block_n`` (a multiple of 16 in [16, 160]), ``num_stages`` (shared-memory ring depth)."""
+    ``block_n`` (a multiple of 16 in [16, 160]), ``num_stages`` (shared-memory ring depth),
+    ``cluster`` (1, or 2: two CTAs on adjacent M-blocks share each B tile by TMA multicast)."""
 
     block_m: int
     block_n: int
     num_stages: int
+    cluster: int = 1
 
     @property
     def num_threads(self) -> int:
@@ -61,13 +64,16 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str) -> int:
     return num_stages * per_stage + 2 * num_stages * 8 + 1024
 
 
+@functools.lru_cache(maxsize=4096)
 def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     """Block sizes that fill ``num_sms`` SMs (pure; DeepGEMM's rule of the fewest waves).
 
     Cost model: ``waves · block_m · (block_n + 24)`` with ``waves = ⌈tiles / num_sms⌉`` — the
     time of the busiest SM, each tile costing its area plus a share for A's traffic that does
     not shrink with ``block_n``; ties go to the larger tile. ``block_m = 64`` for M <= 64 (one
-    math warpgroup), else both 64 and 128 are tried. Stages: as many as fit in shared memory
+    math warpgroup), else both 64 and 128 are tried, 64 at a 1.3x cost (a lone math warpgroup
+    idles the tensor core while it promotes). ``cluster = 2`` (B multicast) when the tiles fill
+    the SMs. Stages: as many as fit in shared memory
     (at most 8).
 
     Raises:
@@ -84,6 +90,10 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
             tiles = ceil_div(max(m, 1), bm) * ceil_div(n, bn)
             waves = ceil_div(tiles, num_sms)
             cost = waves * bm * (bn + _TILE_OVERHEAD_N)
+            if bm == 64 and m > 64:
+                # One math warpgroup cannot hide its own FP32 promotion behind a second one's
+                # wgmmas (measured: 4096 x 2112 at 64 x 160 ran at 0.6x of cuBLAS).
+                cost *= _ONE_WARPGROUP_PENALTY
             key = (cost, -bm, -bn)
             if best is None or key < best[0]:
                 best = (key, bm, bn)
@@ -91,7 +101,13 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     stages = _MAX_STAGES
     while stages > 2 and smem_bytes(bm, bn, stages, kind) > _SMEM_BYTES:
         stages -= 1
-    return PtxConfig(bm, bn, stages)
+    # Multicast B over two CTAs when there are enough tiles to fill the SMs and the extra
+    # (zero) M-block of an odd count wastes little: it halves B's L2 -> SM traffic, which bounds
+    # large GEMMs (a 128x160 tile needs ~36 KB per 128-K block at ~350 ns of tensor work).
+    m_blocks = ceil_div(max(m, 1), bm)
+    tiles = m_blocks * ceil_div(n, bn)
+    cluster = 2 if tiles >= num_sms and (m_blocks % 2 == 0 or m_blocks >= 8) else 1
+    return PtxConfig(bm, bn, stages, cluster)
 
 
 def _wgmma_struct(block_n: int) -> str:
@@ -127,7 +143,7 @@ def kernel_source(
     expr = (
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
         f"{n}, {k}, {'true' if kind == '1d1d' else 'false'}, {_OUT_CODE[out_dtype]}, "
-        f"{'true' if accumulate else 'false'}>"
+        f"{'true' if accumulate else 'false'}, {cfg.cluster}>"
     )
     return src, expr
 
@@ -150,7 +166,7 @@ def compile_gemm(
     from ptxtrain.jit import compile_cuda
 
     src, expr = kernel_source(kind, cfg, n, k, out_dtype, accumulate)
-    name = f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}_n{n}_k{k}"
+    name = f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}_n{n}_k{k}"
     compiled = compile_cuda(src, name=name, name_expressions=(expr,))
     return compiled, expr
 
@@ -228,21 +244,22 @@ def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def _launch(kind, a, b, out, accumulate, out_dtype):
+def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
     from ptxtrain.jit import launch, load_kernel, make_tma_2d_desc
 
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
     device = a_fp8.device
-    cfg = select_config(kind, m, n, k, _num_sms(_index(device)))
+    if cfg is None:
+        cfg = select_config(kind, m, n, k, _num_sms(_index(device)))
     compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
     kernel = load_kernel(compiled, expr)
     a8 = _k_major(a_fp8.view(torch.uint8))
     b8 = _k_major(b_fp8.view(torch.uint8))
     sfa = _mn_major_padded(sf_a.float())
     tma_a = make_tma_2d_desc(a8, cfg.block_m, BLOCK_K, swizzle="128B")
-    tma_b = make_tma_2d_desc(b8, cfg.block_n, BLOCK_K, swizzle="128B")
+    tma_b = make_tma_2d_desc(b8, cfg.block_n // cfg.cluster, BLOCK_K, swizzle="128B")
     tma_sfa = make_tma_2d_desc(sfa, 1, cfg.block_m)
     if kind == "1d1d":
         sfb_t = _mn_major_padded(sf_b.float())
@@ -251,20 +268,55 @@ def _launch(kind, a, b, out, accumulate, out_dtype):
     else:
         tma_sfb = tma_sfa  # unused by the 1D2D kernel
         sfb_ptr = sf_b.float().contiguous()
-    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-    grid = min(tiles, _num_sms(_index(device)))
+    units = ceil_div(ceil_div(m, cfg.block_m), cfg.cluster) * ceil_div(n, cfg.block_n)
+    grid = min(units, _num_sms(_index(device)) // cfg.cluster) * cfg.cluster
     launch(
         kernel,
         grid,
         cfg.num_threads,
         (tma_a, tma_b, tma_sfa, tma_sfb, sfb_ptr, out, m),
         smem_bytes=smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind),
+        cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
     )
     # The descriptors hold raw addresses: keep the (possibly temporary) operands alive until the
     # kernel has read them.
     stream = torch.cuda.current_stream(device)
     for t in (a8, b8, sfa, sfb_ptr):
         t.record_stream(stream)
+
+
+def run_with_config(
+    kind: str, a: ref.Operand, b: ref.Operand, cfg: PtxConfig, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """One GEMM with explicit block sizes (for sweeps and tests; no heuristic). ``kind`` is
+    ``"1d2d"`` or ``"1d1d"``; D is a fresh ``[M, N]`` tensor of ``out_dtype``.
+
+    Raises:
+        TypeError / ValueError: as :func:`fp8_gemm_nt` / :func:`fp8_gemm_nt_1d1d`, or a config
+            outside :class:`PtxConfig`'s ranges or over the shared-memory limit.
+    """
+    if kind == "1d2d":
+        ref.validate_1d2d(a, b, None, out_dtype)
+    elif kind == "1d1d":
+        ref.validate_1d1d(a, b, None, False, out_dtype)
+    else:
+        raise ValueError(f"kind must be '1d2d' or '1d1d', got {kind!r}")
+    if (
+        cfg.block_m not in (64, 128)
+        or cfg.block_n not in _BLOCK_NS
+        or cfg.cluster not in (1, 2)
+        or not 1 <= cfg.num_stages <= _MAX_STAGES
+        or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES
+    ):
+        raise ValueError(f"cfg: block sizes or shared memory out of range, got {cfg}")
+    (a_fp8, _), (b_fp8, _) = a, b
+    m, k = a_fp8.shape
+    n = b_fp8.shape[0]
+    d = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
+    if m:
+        _check_runnable(a_fp8, n, k)
+        _launch(kind, a, b, d, False, out_dtype, cfg)
+    return d
 
 
 def _target(out, m, n, dtype, device, accumulate):
@@ -353,6 +405,7 @@ __all__ = [
     "fp8_gemm_nt",
     "fp8_gemm_nt_1d1d",
     "kernel_source",
+    "run_with_config",
     "select_config",
     "smem_bytes",
     "supports",

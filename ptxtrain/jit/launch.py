@@ -160,6 +160,13 @@ class TensorMap:
     owner: Any = field(repr=False, compare=False, default=None)
 
 
+# Encoded descriptors by (address, dtype, shape, strides, device, box, swizzle): the driver call
+# costs tens of µs of host time per descriptor from Python, and GEMMs see the same operands
+# (cached weights) or the same allocator blocks again and again.
+_encoded: dict[tuple, tuple[bytes, Tma2dParams]] = {}
+_ENCODED_MAX = 4096
+
+
 def make_tma_2d_desc(tensor, box_rows: int, box_cols: int, *, swizzle: str = "none") -> TensorMap:
     """Encodes a TMA descriptor for a row-major 2D CUDA tensor (``cuTensorMapEncodeTiled``).
 
@@ -187,6 +194,22 @@ def make_tma_2d_desc(tensor, box_rows: int, box_cols: int, *, swizzle: str = "no
     }
     if tensor.dtype not in kinds:
         raise TypeError(f"tensor: dtype {tensor.dtype} has no TMA element type; use {list(kinds)}")
+    key = (
+        tensor.data_ptr(),
+        tensor.dtype,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.device,
+        box_rows,
+        box_cols,
+        swizzle,
+    )
+    hit = _encoded.get(key)
+    if hit is not None:
+        # The encoding depends only on the key, so a tensor that reuses a freed tensor's memory
+        # with the same geometry gets the same (valid) descriptor; only bytes are cached, never
+        # the tensor, so the cache keeps nothing alive.
+        return TensorMap(hit[0], hit[1], owner=tensor)
     params = tma_2d_params(
         tensor.shape, tensor.stride(), tensor.element_size(), box_rows, box_cols, swizzle
     )
@@ -218,7 +241,11 @@ def make_tma_2d_desc(tensor, box_rows: int, box_cols: int, *, swizzle: str = "no
         ),
         "cuTensorMapEncodeTiled",
     )
-    return TensorMap(ctypes.string_at(tmap.getPtr(), _TMAP_BYTES), params, owner=tensor)
+    data = ctypes.string_at(tmap.getPtr(), _TMAP_BYTES)
+    if len(_encoded) >= _ENCODED_MAX:
+        _encoded.pop(next(iter(_encoded)))  # oldest first (dicts keep insertion order)
+    _encoded[key] = (data, params)
+    return TensorMap(data, params, owner=tensor)
 
 
 # ---- loading and launching ----------------------------------------------------------------------

@@ -40,11 +40,14 @@ def test_config_is_valid_and_fills_the_sms(kind, m, n, k):
     assert ptx.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) <= 227 * 1024
     if m <= 64:
         assert cfg.block_m == 64
+    if cfg.cluster == 2:  # multicast only pays (and only pairs) with two or more M-blocks
+        assert -(-m // cfg.block_m) >= 2
 
 
 def test_config_prefers_wide_tiles_at_large_m():
-    # 4096 x 7168: 128x160 tiles need 11 waves against 14 for 128x128 (DeepGEMM's BLOCK_N = 160).
-    assert ptx.select_config("1d2d", 4096, 7168, 16384, H200_SMS) == ptx.PtxConfig(128, 160, 6)
+    # 4096 x 7168: 128x160 tiles need 11 waves against 14 for 128x128 (DeepGEMM's BLOCK_N = 160),
+    # and 1440 tiles fill the SMs, so B is multicast over clusters of two.
+    assert ptx.select_config("1d2d", 4096, 7168, 16384, H200_SMS) == ptx.PtxConfig(128, 160, 6, 2)
 
 
 def test_config_rejects_bad_arguments():
@@ -213,3 +216,22 @@ def test_gpu_bad_k_raises_before_launch():
     assert not ptx.supports(8, 64, 200)
     with pytest.raises(ValueError, match="K % 16"):
         ptx.fp8_gemm_nt(qa, qb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["1d2d", "1d1d"])
+@pytest.mark.parametrize(
+    "cfg",
+    [ptx.PtxConfig(128, 160, 6, 2), ptx.PtxConfig(64, 112, 8, 2), ptx.PtxConfig(128, 48, 8, 1)],
+    ids=str,
+)
+@pytest.mark.parametrize("m,n,k", [(129, 2112, 1536), (1000, 576, 7168), (13, 300, 272)])
+def test_gpu_every_block_shape_and_cluster(kind, cfg, m, n, k):
+    # Odd M-block counts leave the second CTA of a cluster a zero-filled phantom block; N tails
+    # cut a tile and its multicast half; BLOCK_N = 112 / 160 straddle two scale blocks of B.
+    x, w = _inputs(m, n, k, seed=m + k)
+    qa = per_token_cast_to_fp8(x)
+    qb = per_block_cast_to_fp8(w) if kind == "1d2d" else per_token_cast_to_fp8(w)
+    out_dtype = torch.bfloat16 if kind == "1d2d" else torch.float32
+    got = ptx.run_with_config(kind, qa, qb, cfg, out_dtype)
+    _check(got, x.double() @ w.double().t(), m, n, k, f"{kind} {cfg}")

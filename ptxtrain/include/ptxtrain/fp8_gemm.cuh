@@ -50,11 +50,31 @@ struct Fp8GemmSmem {
   static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
 };
 
+// One arrival on the stage's `empty` barrier of every CTA of the cluster.
+template <int kCluster>
+__device__ __forceinline__ void release_stage(u64* bar) {
+  if constexpr (kCluster == 1) {
+    mbarrier_arrive(bar);
+  } else {
+#pragma unroll
+    for (u32 c = 0; c < kCluster; ++c) mbarrier_arrive_cluster(bar, c);
+  }
+}
+
+// Forward declaration: the math warpgroups' loop (defined after the kernel).
+template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
+          int kOut, bool kAccumulate, int kCluster>
+__device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned char* smem_b,
+                                              unsigned char* smem_sfa, unsigned char* smem_sfb,
+                                              u64* full, u64* empty, const float* sf_b, void* out,
+                                              int m, int num_m_groups, int num_units,
+                                              int first_unit, int unit_stride, u32 rank);
+
 // Mma: a struct with `static void mma(float (&d)[kBlockN / 2], u64 desc_a, u64 desc_b, bool
 // accumulate)` issuing one wgmma.mma_async m64n<kBlockN>k32 e4m3 (generated per BLOCK_N).
 // kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ.
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate>
+          int kOut, bool kAccumulate, int kCluster>
 __global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
@@ -65,12 +85,13 @@ __global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
   constexpr int kNumMathWG = kBlockM / 64;
   constexpr int kNumKBlocks = (kK + 127) / 128;
   constexpr int kNumNBlocks = (kN + kBlockN - 1) / kBlockN;
-  constexpr int kNumSfbBlocks = (kN + 127) / 128;
   static_assert(kBlockM == 64 || kBlockM == 128, "BLOCK_M must be 64 or 128");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 160,
                 "BLOCK_N must be a multiple of 16 in [16, 160] (a tile then spans at most two "
                 "128-column scale blocks of B)");
   static_assert(kOut == 1 || !kAccumulate, "accumulate needs an fp32 output");
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
+  constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
 
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -83,16 +104,29 @@ __global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
 
   const int wg = threadIdx.x / 128;
   const int num_m_blocks = (m + kBlockM - 1) / kBlockM;
-  const int num_tiles = num_m_blocks * kNumNBlocks;
+  // Work units: kCluster adjacent M-blocks of one N-block; the CTAs of a cluster take one unit
+  // together (CTA rank r its M-block r) and share B through multicast. An M-block past M (odd
+  // count) is computed on zero-filled A and not stored.
+  const u32 rank = kCluster > 1 ? cluster_ctarank() : 0u;
+  const int num_m_groups = (num_m_blocks + kCluster - 1) / kCluster;
+  const int num_units = num_m_groups * kNumNBlocks;
+  const int first_unit = blockIdx.x / kCluster;
+  const int unit_stride = gridDim.x / kCluster;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
       mbarrier_init(&full[s], 1);
-      mbarrier_init(&empty[s], kNumMathWG * 4);  // one arrival per math warp
+      // One arrival per math warp of every CTA of the cluster: a stage is free only when no CTA
+      // still reads the B that this CTA multicasts into it.
+      mbarrier_init(&empty[s], kNumMathWG * 4 * kCluster);
     }
     fence_mbarrier_init();
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) {
+    cluster_sync();  // the peers' barriers exist before any multicast lands on them
+  } else {
+    __syncthreads();
+  }
 
   if (wg == kNumMathWG) {
     // ---- producer warpgroup: one thread issues every TMA load ----------------------------
@@ -103,25 +137,53 @@ __global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
       tma_prefetch_desc(&tma_sfa);
       if constexpr (k1D1D) tma_prefetch_desc(&tma_sfb);
       u32 it = 0;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const int m0 = (tile % num_m_blocks) * kBlockM;
-        const int n0 = (tile / num_m_blocks) * kBlockN;
+      for (int unit = first_unit; unit < num_units; unit += unit_stride) {
+        const int m0 = ((unit % num_m_groups) * kCluster + rank) * kBlockM;
+        const int n0 = (unit / num_m_groups) * kBlockN;
         for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
+          // The full tile of B arrives: this CTA's part plus the peers' multicast parts.
           mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
           tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, m0);
-          tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, n0);
+          if constexpr (kCluster > 1) {
+            tma_load_2d_multicast(smem_b + s * Smem::kBytesB + rank * kHalfB, &tma_b, &full[s],
+                                  kb * 128, n0 + static_cast<int>(rank) * (kBlockN / kCluster),
+                                  static_cast<u16>((1u << kCluster) - 1u));
+          } else {
+            tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, n0);
+          }
           tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], m0, kb);
           if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
         }
       }
     }
-    return;
+  } else {
+    fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster>(
+        smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, out, m, num_m_groups, num_units,
+        first_unit, unit_stride, rank);
   }
+  // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
+  if constexpr (kCluster > 1) {
+    __syncwarp();
+    cluster_sync();
+  }
+}
 
-  // ---- math warpgroups ---------------------------------------------------------------------
+// The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment).
+template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
+          int kOut, bool kAccumulate, int kCluster>
+__device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned char* smem_b,
+                                              unsigned char* smem_sfa, unsigned char* smem_sfb,
+                                              u64* full, u64* empty, const float* sf_b, void* out,
+                                              int m, int num_m_groups, int num_units,
+                                              int first_unit, int unit_stride, u32 rank) {
+  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D>;
+  constexpr int kNumMathWG = kBlockM / 64;
+  constexpr int kNumKBlocks = (kK + 127) / 128;
+  constexpr int kNumSfbBlocks = (kN + 127) / 128;
+  const int wg = threadIdx.x / 128;
   if constexpr (kNumMathWG == 2) setmaxnreg_inc<232>();
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
@@ -130,9 +192,9 @@ __global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
   float acc[kBlockN / 2];
   float fin[kBlockN / 2];
   u32 it = 0;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const int m0 = (tile % num_m_blocks) * kBlockM;
-    const int n0 = (tile / num_m_blocks) * kBlockN;
+  for (int unit = first_unit; unit < num_units; unit += unit_stride) {
+    const int m0 = ((unit % num_m_groups) * kCluster + rank) * kBlockM;
+    const int n0 = (unit / num_m_groups) * kBlockN;
 #pragma unroll
     for (int i = 0; i < kBlockN / 2; ++i) fin[i] = 0.0f;
     // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above.
@@ -173,7 +235,7 @@ __global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
           sb[2 * j + 1] = sfb[8 * j + col0 + 1];
         }
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(&empty[s]);
+        if (lane == 0) release_stage<kCluster>(&empty[s]);
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
           fin[4 * j + 0] += acc[4 * j + 0] * (sa0 * sb[2 * j]);
@@ -183,7 +245,7 @@ __global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
         }
       } else {
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(&empty[s]);
+        if (lane == 0) release_stage<kCluster>(&empty[s]);
         const float lo0 = sa0 * sfb_lo, lo1 = sa1 * sfb_lo;
         const float hi0 = sa0 * sfb_hi, hi1 = sa1 * sfb_hi;
 #pragma unroll

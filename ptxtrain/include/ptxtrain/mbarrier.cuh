@@ -36,6 +36,18 @@ __device__ __forceinline__ void mbarrier_arrive(u64* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// "mbarrier.arrive" on the barrier at the same shared-memory offset in CTA `cta_rank` of the
+// cluster (the address mapped with "mapa"), release semantics at cluster scope: a consumer
+// releases a stage that a multicast load of another CTA will overwrite.
+__device__ __forceinline__ void mbarrier_arrive_cluster(u64* bar, u32 cta_rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(remote)
+               : "r"(smem_addr(bar)), "r"(cta_rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+               : "memory");
+}
+
 // "mbarrier.test_wait / mbarrier.try_wait": one bounded wait for the phase with
 // parity `parity` to complete; true once it has.
 __device__ __forceinline__ bool mbarrier_try_wait_parity(u64* bar, u32 parity) {

@@ -72,6 +72,22 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// ---- thread-block clusters (sm_90) ------------------------------------------------------------
+
+// This CTA's rank in its cluster. PTX ISA "Special Registers: %cluster_ctarank".
+__device__ __forceinline__ u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster arrives, then waits for all (release / acquire at
+// cluster scope). PTX ISA "barrier.cluster".
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 // ---- global loads and stores -----------------------------------------------------------------
 
 // 16-byte load for communication buffers. Aggressive: the non-coherent read-only path without

@@ -33,6 +33,19 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const TmaDescriptor*
       : "memory");
 }
 
+// 2D tiled load multicast to the CTAs of the cluster in `cta_mask` (bit i = CTA rank i): the
+// box lands at the same shared-memory offset `smem_dst` in each of them and completes `bytes`
+// on the mbarrier at offset `bar` in each. PTX ISA "cp.async.bulk.tensor" (.multicast::cluster,
+// sm_90a).
+__device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const TmaDescriptor* desc,
+                                                      u64* bar, int c0, int c1, u16 cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_addr(smem_dst)),
+      "l"(desc), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "h"(cta_mask)
+      : "memory");
+}
+
 // 2D tiled store shared -> global, tracked by bulk async-groups. Call
 // fence_proxy_async_shared_cta() between the shared-memory writes and this store.
 __device__ __forceinline__ void tma_store_2d(const TmaDescriptor* desc, const void* smem_src, int c0,

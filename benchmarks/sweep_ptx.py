@@ -1,0 +1,98 @@
+"""Sweep the PTX GEMM's block sizes against cuBLAS blockwise on a GPU (tunes the heuristic).
+
+    python3 -m benchmarks.sweep_ptx [--json OUT.json] [--m 4096] [--kind 1d2d]
+
+For each DeepSeek-V3 (N, K) and each candidate config (block_m, block_n, stages, cluster), the
+kernel is checked (calc_diff < 1e-3 against the matmul of the unquantized inputs) and timed with
+the method of ``ptxtrain bench gemm``; cuBLAS blockwise and the heuristic's pick are timed in the
+same process. Prints µs, TFLOPS and the ratio to cuBLAS; the best config per shape is marked.
+"""
+
+# ruff: noqa: B023
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ptxtrain.bench.timing import GpuTimer, environment
+from ptxtrain.gemm import cublas, ptx
+from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from ptxtrain.testing import calc_diff
+from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_WGRAD_MN
+
+
+def _candidates(kind: str, m: int) -> list[ptx.PtxConfig]:
+    out = []
+    for bm in (128,) if m > 128 else (64, 128) if m > 64 else (64,):
+        for bn in (96, 112, 128, 144, 160) if m > 128 else (16, 32, 48, 64, 96, 128):
+            for cluster in (1, 2):
+                stages = 8
+                while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind) > 227 * 1024:
+                    stages -= 1
+                out.append(ptx.PtxConfig(bm, bn, stages, cluster))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json")
+    p.add_argument("--m", type=int, nargs="+", default=[4096])
+    p.add_argument("--kind", default="1d2d", choices=["1d2d", "1d1d"])
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    timer = GpuTimer(repeats=args.repeats)
+    rows = []
+    shapes = (
+        [(m, n, k) for m in args.m for n, k in DSV3_DENSE_NK]
+        if args.kind == "1d2d"
+        else [(m, n, 4096) for m, n in DSV3_WGRAD_MN]
+    )
+    for m, n, k in shapes:
+        x = torch.randn(m, k, device="cuda")
+        w = torch.randn(n, k, device="cuda")
+        want = x @ w.t()
+        qa = per_token_cast_to_fp8(x)
+        qb = per_block_cast_to_fp8(w) if args.kind == "1d2d" else per_token_cast_to_fp8(w)
+        out_dtype = torch.bfloat16 if args.kind == "1d2d" else torch.float32
+        cb = cublas.fp8_gemm_nt if args.kind == "1d2d" else cublas.fp8_gemm_nt_1d1d
+        t_cublas = timer(lambda: cb(qa, qb))
+        flops = 2.0 * m * n * k
+        pick = ptx.select_config(args.kind, m, n, k, 132)
+        best = None
+        for cfg in _candidates(args.kind, m):
+            d = ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype)
+            diff = calc_diff(d.float(), want)
+            if diff > 1e-3:
+                print(f"{m} {n} {k} {cfg}: WRONG calc_diff {diff:.2e}")
+                rows.append(dict(m=m, n=n, k=k, cfg=cfg.__dict__, wrong=diff))
+                continue
+            us = timer(lambda: ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype))
+            row = dict(
+                m=m,
+                n=n,
+                k=k,
+                cfg=cfg.__dict__,
+                us=us,
+                tflops=flops / us / 1e6,
+                x_cublas=t_cublas / us,
+                cublas_us=t_cublas,
+                picked=cfg == pick,
+            )
+            rows.append(row)
+            if best is None or us < best["us"]:
+                best = row
+            print(
+                f"{m:>5} {n:>6} {k:>6} {cfg.block_m:>4}x{cfg.block_n:<4} s{cfg.num_stages} "
+                f"c{cfg.cluster} {us:9.1f} µs {row['tflops']:6.0f} TFLOPS "
+                f"{row['x_cublas']:5.2f}x cuBLAS{'  <- heuristic' if row['picked'] else ''}"
+            )
+        print(f"BEST {m} {n} {k}: {best['cfg']} {best['x_cublas']:.2f}x cuBLAS")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(env=environment(), kind=args.kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
