@@ -69,6 +69,15 @@ def main() -> None:
                 rows.append(dict(m=m, n=n, k=k, cfg=cfg.__dict__, wrong=diff))
                 continue
             us = timer(lambda: ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype))
+            resident = None
+            if cfg.cluster > 1:
+                from ptxtrain.jit import load_kernel, max_active_clusters
+
+                compiled, expr = ptx.compile_gemm(args.kind, cfg, n, k, out_dtype, False)
+                smem = ptx.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, args.kind)
+                resident = max_active_clusters(
+                    load_kernel(compiled, expr), cfg.cluster, cfg.num_threads, smem
+                )
             row = dict(
                 m=m,
                 n=n,
@@ -87,6 +96,7 @@ def main() -> None:
                 f"{m:>5} {n:>6} {k:>6} {cfg.block_m:>4}x{cfg.block_n:<4} s{cfg.num_stages} "
                 f"c{cfg.cluster} {us:9.1f} µs {row['tflops']:6.0f} TFLOPS "
                 f"{row['x_cublas']:5.2f}x cuBLAS{'  <- heuristic' if row['picked'] else ''}"
+                f"{f'  ({resident} clusters resident)' if resident else ''}"
             )
         print(f"BEST {m} {n} {k}: {best['cfg']} {best['x_cublas']:.2f}x cuBLAS")
     if args.json:

@@ -38,6 +38,7 @@ from ptxtrain.jit.launch import (
     launch,
     load_kernel,
     make_tma_2d_desc,
+    max_active_clusters,
     tma_2d_params,
 )
 
@@ -53,6 +54,7 @@ __all__ = [
     "launch",
     "load_kernel",
     "make_tma_2d_desc",
+    "max_active_clusters",
     "nvrtc_available",
     "nvrtc_version",
     "tma_2d_params",

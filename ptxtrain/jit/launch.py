@@ -333,6 +333,54 @@ def _pack_arg(arg, index: int):
     )
 
 
+def max_active_clusters(kernel: LoadedKernel, cluster: int, block: int, smem_bytes: int) -> int:
+    """How many clusters of ``cluster`` CTAs (``block`` threads, ``smem_bytes`` of dynamic shared
+    memory each) can be resident on the GPU at once (``cuOccupancyMaxActiveClusters``).
+
+    A persistent kernel must launch at most this many clusters: GPCs whose SM count is not a
+    multiple of the cluster size leave SMs idle, and clusters beyond the resident ones run as a
+    second wave, which doubles the time. Cached per (kernel, arguments).
+
+    Raises:
+        TypeError / ValueError: malformed arguments; RuntimeError: no driver or a failed call.
+    """
+    if not isinstance(kernel, LoadedKernel):
+        raise TypeError(f"kernel: expected a LoadedKernel, got {type(kernel).__name__}")
+    for arg, v in (("cluster", cluster), ("block", block)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{arg}: expected a positive int, got {v!r}")
+    key = (id(kernel), cluster, block, smem_bytes)
+    hit = _max_clusters.get(key)
+    if hit is not None:
+        return hit
+    driver = _require_driver("max_active_clusters")
+    if smem_bytes > kernel.max_dynamic_smem:
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _ok(driver, driver.cuFuncSetAttribute(kernel.function, attr, smem_bytes), "cuFuncSetAttr")
+        kernel.max_dynamic_smem = smem_bytes
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = smem_bytes
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+    config.attrs = [attr]
+    config.numAttrs = 1
+    n = int(
+        _ok(
+            driver,
+            driver.cuOccupancyMaxActiveClusters(kernel.function, config),
+            "cuOccupancyMaxActiveClusters",
+        )
+    )
+    _max_clusters[key] = n
+    return n
+
+
+_max_clusters: dict[tuple, int] = {}
+
+
 def launch(
     kernel: LoadedKernel,
     grid,
