@@ -25,8 +25,9 @@ from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_WGRAD_MN
 
 def _candidates(kind: str, m: int) -> list[ptx.PtxConfig]:
     out = []
-    for bm in (128,) if m > 128 else (64, 128) if m > 64 else (64,):
-        for bn in (96, 112, 128, 144, 160) if m > 128 else (16, 32, 48, 64, 96, 128):
+    for bm in (128, 256) if m > 128 else (64, 128) if m > 64 else (64,):
+        bns = (16, 32, 48, 64, 96, 128) if m <= 128 else (112, 128, 160) if bm == 128 else (128,)
+        for bn in bns:
             for cluster in (1, 2):
                 stages = 8
                 while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind) > 227 * 1024:

@@ -34,6 +34,7 @@ from ptxtrain.gemm import ref
 
 BLOCK_K = 128
 _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc + fin in registers
+_BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x block_n registers
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
@@ -42,8 +43,9 @@ _ONE_WARPGROUP_PENALTY = 1.3  # block_m = 64 at M > 64: see select_config
 
 @dataclass(frozen=True)
 class PtxConfig:
-    """Block sizes of one compiled PTX GEMM: ``block_m`` (64 or 128 = math warpgroups x 64),
-    ``block_n`` (a multiple of 16 in [16, 160]), ``num_stages`` (shared-memory ring depth),
+    """Block sizes of one compiled PTX GEMM: ``block_m`` (64: one math warpgroup; 128 or 256: two,
+    each covering ``block_m / 128`` waves of 64 rows), ``block_n`` (a multiple of 16 in [16, 160];
+    at most 128 with ``block_m = 256``), ``num_stages`` (shared-memory ring depth),
     ``cluster`` (1, or 2: two CTAs on adjacent M-blocks share each B tile by TMA multicast)."""
 
     block_m: int
@@ -53,7 +55,8 @@ class PtxConfig:
 
     @property
     def num_threads(self) -> int:
-        return (self.block_m // 64 + 1) * 128
+        """One producer warpgroup + one (block_m = 64) or two math warpgroups."""
+        return (min(self.block_m // 64, 2) + 1) * 128
 
 
 def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str) -> int:
@@ -83,10 +86,10 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
         raise ValueError(f"kind must be '1d2d' or '1d1d', got {kind!r}")
     if num_sms < 1:
         raise ValueError(f"num_sms must be positive, got {num_sms}")
-    block_ms = (64,) if m <= 64 else (64, 128)
+    block_ms = (64,) if m <= 64 else (64, 128) if m <= 256 else (64, 128, 256)
     best = None
     for bm in block_ms:
-        for bn in _BLOCK_NS:
+        for bn in _BLOCK_NS if bm < 256 else _BLOCK_NS_256:
             tiles = ceil_div(max(m, 1), bm) * ceil_div(n, bn)
             waves = ceil_div(tiles, num_sms)
             cost = waves * bm * (bn + _TILE_OVERHEAD_N)
@@ -309,8 +312,8 @@ def run_with_config(
     else:
         raise ValueError(f"kind must be '1d2d' or '1d1d', got {kind!r}")
     if (
-        cfg.block_m not in (64, 128)
-        or cfg.block_n not in _BLOCK_NS
+        cfg.block_m not in (64, 128, 256)
+        or cfg.block_n not in (_BLOCK_NS if cfg.block_m < 256 else _BLOCK_NS_256)
         or cfg.cluster not in (1, 2)
         or not 1 <= cfg.num_stages <= _MAX_STAGES
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES

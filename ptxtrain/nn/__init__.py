@@ -19,6 +19,13 @@ very x that was quantized once. A GEMM configured off runs in the activation dty
 what it needs in high precision (x for wgrad, the weight Parameter itself for dgrad).
 """
 
+from ptxtrain.nn.fp8_grouped import fp8_grouped_linear
 from ptxtrain.nn.fp8_linear import RECIPES, Fp8Linear, Fp8LinearConfig, convert_to_fp8_training
 
-__all__ = ["RECIPES", "Fp8Linear", "Fp8LinearConfig", "convert_to_fp8_training"]
+__all__ = [
+    "RECIPES",
+    "Fp8Linear",
+    "Fp8LinearConfig",
+    "convert_to_fp8_training",
+    "fp8_grouped_linear",
+]

@@ -35,7 +35,8 @@ H200_SMS = 132
 @pytest.mark.parametrize("kind", ["1d2d", "1d1d"])
 def test_config_is_valid_and_fills_the_sms(kind, m, n, k):
     cfg = ptx.select_config(kind, m, n, k, H200_SMS)
-    assert cfg.block_m in (64, 128) and cfg.block_n % 16 == 0 and 16 <= cfg.block_n <= 160
+    assert cfg.block_m in (64, 128, 256) and cfg.block_n % 16 == 0 and 16 <= cfg.block_n <= 160
+    assert cfg.block_m < 256 or cfg.block_n <= 128  # registers: 1.5 x block_n accumulators
     assert 2 <= cfg.num_stages <= 8
     assert ptx.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) <= 227 * 1024
     if m <= 64:
@@ -99,7 +100,8 @@ def test_every_dsv3_variant_compiles_to_qgmma_without_spills(tmp_path, monkeypat
         sass = subprocess.run(
             [cuobjdump, "-sass", str(path)], capture_output=True, text=True, check=True
         ).stdout
-        assert sass.count("QGMMA") == 4, f"{args}: expected 4 QGMMA per 128-K block"
+        waves = 2 if args[1].block_m == 256 else 1  # block_m = 256: two waves of 64-row wgmmas
+        assert sass.count("QGMMA") == 4 * waves, f"{args}: expected 4 QGMMA per wave"
     ptx.compile_gemm.cache_clear()
 
 
@@ -222,7 +224,13 @@ def test_gpu_bad_k_raises_before_launch():
 @pytest.mark.parametrize("kind", ["1d2d", "1d1d"])
 @pytest.mark.parametrize(
     "cfg",
-    [ptx.PtxConfig(128, 160, 6, 2), ptx.PtxConfig(64, 112, 8, 2), ptx.PtxConfig(128, 48, 8, 1)],
+    [
+        ptx.PtxConfig(128, 160, 6, 2),
+        ptx.PtxConfig(64, 112, 8, 2),
+        ptx.PtxConfig(128, 48, 8, 1),
+        ptx.PtxConfig(256, 128, 4, 2),
+        ptx.PtxConfig(256, 96, 4, 1),
+    ],
     ids=str,
 )
 @pytest.mark.parametrize("m,n,k", [(129, 2112, 1536), (1000, 576, 7168), (13, 300, 272)])

@@ -4,18 +4,22 @@
 //   D[M, N] (+)= A[M, K] · B[N, K]ᵀ, A and B e4m3 K-major, scales per 128-K block:
 //   1D2D: sf_a per 1x128 tile of A, sf_b per 128x128 block of B;  1D1D: both per 1x128 tile.
 //
-// Roles. One CTA per SM loops over output tiles (tile t, t + gridDim.x, ...; M-blocks fastest so
-// the CTAs running at once share B tiles and walk all of A through L2). Warpgroup kNumMathWG is
-// the producer: one thread issues the TMA loads of A (BLOCK_M x 128, 128-byte swizzle), B
-// (BLOCK_N x 128, 128-byte swizzle) and the scales of A (and of B for 1D1D) of each 128-K block
-// into a ring of kNumStages shared-memory stages, each guarded by a `full` and an `empty`
-// mbarrier. Warpgroups 0..kNumMathWG-1 are the math warpgroups, 64 rows of the tile each: per
-// 128-K block they wait on `full`, issue 4 wgmma m64nBLOCK_Nk32 (operands straight from shared
-// memory), wait for them, read their scales, release the stage (`empty`, one arrival per warp)
-// and promote the block's partial sums into the FP32 accumulator on the CUDA cores:
+// Roles. One CTA per SM loops over work units (unit u, u + clusters, ...; see unit_coords for
+// the rasterization that keeps the running units on a few panels of A and B in L2). The last
+// warpgroup is the producer: one thread issues the TMA loads of A (BLOCK_M x 128, 128-byte
+// swizzle), B (BLOCK_N x 128, 128-byte swizzle) and the scales of A (and of B for 1D1D) of each
+// 128-K block into a ring of kNumStages shared-memory stages, each guarded by a `full` and an
+// `empty` mbarrier. The math warpgroups (one for BLOCK_M = 64, two for 128 and 256, each then
+// covering BLOCK_M / 128 waves of 64 rows) wait on `full`, issue 4 wgmma m64nBLOCK_Nk32 per wave
+// (operands straight from shared memory), wait for them, release the stage (`empty`, one arrival
+// per warp) and promote the block's partial sums into FP32 accumulators on the CUDA cores:
 // fin += acc · sf_a[row] · sf_b[col block]. While one math warpgroup promotes, the other's
 // wgmmas keep the tensor core busy. setmaxnreg moves registers from the producer (40) to the
 // math warpgroups (232) when there are two of them.
+//
+// Clusters (kCluster = 2): the two CTAs take adjacent M-blocks of one N-block; each loads half
+// of B and multicasts it to both, halving B's L2 -> shared-memory traffic. A stage is free only
+// when the math warps of both CTAs released it (remote mbarrier arrivals).
 //
 // Tails. TMA zero-fills out-of-bounds rows and columns of A and B, so a K tail adds zeros, and
 // the epilogue masks rows >= M and columns >= N. The shape constants N and K are template
@@ -31,6 +35,9 @@
 #include "wgmma.cuh"
 
 namespace ptxtrain {
+
+// Rows of A per rasterization group (see unit_coords).
+constexpr int kRasterM = 2048;
 
 template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D>
 struct Fp8GemmSmem {
@@ -50,15 +57,36 @@ struct Fp8GemmSmem {
   static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
 };
 
-// One arrival on the stage's `empty` barrier of every CTA of the cluster.
+// One arrival per warp on the stage's `empty` barrier of every CTA of the cluster (lane c
+// arrives for CTA c, so the remote arrivals go out in parallel).
 template <int kCluster>
-__device__ __forceinline__ void release_stage(u64* bar) {
+__device__ __forceinline__ void release_stage(u64* bar, int lane) {
   if constexpr (kCluster == 1) {
-    mbarrier_arrive(bar);
+    if (lane == 0) mbarrier_arrive(bar);
   } else {
-#pragma unroll
-    for (u32 c = 0; c < kCluster; ++c) mbarrier_arrive_cluster(bar, c);
+    if (lane < kCluster) mbarrier_arrive_cluster(bar, static_cast<u32>(lane));
   }
+}
+
+// Math warpgroups of a BLOCK_M tile: one for 64 rows, two for 128 and 256 (each then covers
+// BLOCK_M / 128 "waves" of 64 rows).
+template <int kBlockM>
+struct MathShape {
+  static constexpr int kWarpgroups = kBlockM == 64 ? 1 : 2;
+  static constexpr int kWaves = kBlockM / (64 * kWarpgroups);
+};
+
+// Work unit -> (M-group, N-block), rasterized in groups of kGroup M-groups so that the units
+// running at once share a few panels of A and of B in L2 (with M-groups fastest inside a group).
+template <int kGroup, int kNumNBlocks>
+__device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_group,
+                                            int& n_block) {
+  const int per_group = kGroup * kNumNBlocks;
+  const int first = (unit / per_group) * kGroup;
+  const int size = min(kGroup, num_m_groups - first);
+  const int r = unit % per_group;
+  m_group = first + r % size;
+  n_block = r / size;
 }
 
 // Forward declaration: the math warpgroups' loop (defined after the kernel).
@@ -75,17 +103,18 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
 // kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ.
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster>
-__global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
+__global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
                        const __grid_constant__ TmaDescriptor tma_sfa,
                        const __grid_constant__ TmaDescriptor tma_sfb, const float* sf_b,
                        void* out, int m) {
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D>;
-  constexpr int kNumMathWG = kBlockM / 64;
+  constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kNumKBlocks = (kK + 127) / 128;
   constexpr int kNumNBlocks = (kN + kBlockN - 1) / kBlockN;
-  static_assert(kBlockM == 64 || kBlockM == 128, "BLOCK_M must be 64 or 128");
+  constexpr int kGroup = kRasterM / (kBlockM * kCluster) > 0 ? kRasterM / (kBlockM * kCluster) : 1;
+  static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 256, "BLOCK_M: 64, 128 or 256");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 160,
                 "BLOCK_N must be a multiple of 16 in [16, 160] (a tile then spans at most two "
                 "128-column scale blocks of B)");
@@ -138,8 +167,10 @@ __global__ void __launch_bounds__((kBlockM / 64 + 1) * 128, 1)
       if constexpr (k1D1D) tma_prefetch_desc(&tma_sfb);
       u32 it = 0;
       for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-        const int m0 = ((unit % num_m_groups) * kCluster + rank) * kBlockM;
-        const int n0 = (unit / num_m_groups) * kBlockN;
+        int mg, nb;
+        unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
+        const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
+        const int n0 = nb * kBlockN;
         for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
@@ -180,23 +211,32 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
                                               int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank) {
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D>;
-  constexpr int kNumMathWG = kBlockM / 64;
+  constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
+  constexpr int kWaves = MathShape<kBlockM>::kWaves;
   constexpr int kNumKBlocks = (kK + 127) / 128;
+  constexpr int kNumNBlocks = (kN + kBlockN - 1) / kBlockN;
   constexpr int kNumSfbBlocks = (kN + 127) / 128;
+  constexpr int kGroup = kRasterM / (kBlockM * kCluster) > 0 ? kRasterM / (kBlockM * kCluster) : 1;
   const int wg = threadIdx.x / 128;
   if constexpr (kNumMathWG == 2) setmaxnreg_inc<232>();
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  const int row0 = wg * 64 + warp * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8
-  const int col0 = 2 * (lane % 4);                  // and columns 8j + col0 + {0, 1}
+  // This thread's rows in wave w: w * 64 * kNumMathWG + row0 and + 8; columns 8j + col0 + {0, 1}.
+  const int row0 = wg * 64 + warp * 16 + lane / 4;
+  const int col0 = 2 * (lane % 4);
   float acc[kBlockN / 2];
-  float fin[kBlockN / 2];
+  float fin[kWaves][kBlockN / 2];
   u32 it = 0;
   for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-    const int m0 = ((unit % num_m_groups) * kCluster + rank) * kBlockM;
-    const int n0 = (unit / num_m_groups) * kBlockN;
+    int mg, nb;
+    unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
+    const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
+    const int n0 = nb * kBlockN;
 #pragma unroll
-    for (int i = 0; i < kBlockN / 2; ++i) fin[i] = 0.0f;
+    for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) fin[w][i] = 0.0f;
+    }
     // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above.
     const int sfb_block = n0 / 128;
     const int split = 128 - n0 % 128;
@@ -210,66 +250,75 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
         sfb_hi = has_hi ? __ldg(sf_b + (sfb_block + 1) * kNumKBlocks + kb) : sfb_lo;
       }
       mbarrier_wait(&full[s], phase);
-      const unsigned char* a_tile = smem_a + s * Smem::kBytesA + wg * 64 * 128;
-      const unsigned char* b_tile = smem_b + s * Smem::kBytesB;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        // K-major, 128-byte swizzle: 8-row atoms 1024 B apart; the k-th 32-byte K slice starts
-        // kk * 32 bytes into each row (the swizzle is applied to the absolute address).
-        const u64 da = make_smem_desc(a_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
-        const u64 db = make_smem_desc(b_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
-        Mma::mma(acc, da, db, kk > 0);
-      }
-      wgmma_commit_group();
-      wgmma_wait_group<0>();
       const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
-      const float sa0 = sfa[row0];
-      const float sa1 = sfa[row0 + 8];
+      float sb[k1D1D ? kBlockN / 4 : 1];
       if constexpr (k1D1D) {
         const float* sfb = reinterpret_cast<const float*>(smem_sfb + s * Smem::kSlotSfb);
-        float sb[kBlockN / 4];
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
           sb[2 * j] = sfb[8 * j + col0];
           sb[2 * j + 1] = sfb[8 * j + col0 + 1];
         }
-        __syncwarp();
-        if (lane == 0) release_stage<kCluster>(&empty[s]);
+      }
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          fin[4 * j + 0] += acc[4 * j + 0] * (sa0 * sb[2 * j]);
-          fin[4 * j + 1] += acc[4 * j + 1] * (sa0 * sb[2 * j + 1]);
-          fin[4 * j + 2] += acc[4 * j + 2] * (sa1 * sb[2 * j]);
-          fin[4 * j + 3] += acc[4 * j + 3] * (sa1 * sb[2 * j + 1]);
+      for (int w = 0; w < kWaves; ++w) {
+        const int wrow = w * 64 * kNumMathWG + row0;
+        // Scales first: once this warp releases the stage, the producer may overwrite it.
+        const float sa0 = sfa[wrow];
+        const float sa1 = sfa[wrow + 8];
+        const unsigned char* a_tile =
+            smem_a + s * Smem::kBytesA + (w * 64 * kNumMathWG + wg * 64) * 128;
+        const unsigned char* b_tile = smem_b + s * Smem::kBytesB;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          // K-major, 128-byte swizzle: 8-row atoms 1024 B apart; the k-th 32-byte K slice
+          // starts kk * 32 bytes into each row (the swizzle applies to the absolute address).
+          const u64 da = make_smem_desc(a_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
+          const u64 db = make_smem_desc(b_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
+          Mma::mma(acc, da, db, kk > 0);
         }
-      } else {
-        __syncwarp();
-        if (lane == 0) release_stage<kCluster>(&empty[s]);
-        const float lo0 = sa0 * sfb_lo, lo1 = sa1 * sfb_lo;
-        const float hi0 = sa0 * sfb_hi, hi1 = sa1 * sfb_hi;
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        if (w == kWaves - 1) {
+          __syncwarp();
+          release_stage<kCluster>(&empty[s], lane);
+        }
+        if constexpr (k1D1D) {
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          const bool hi = 8 * j >= split;
-          const float s0 = hi ? hi0 : lo0, s1 = hi ? hi1 : lo1;
-          fin[4 * j + 0] += acc[4 * j + 0] * s0;
-          fin[4 * j + 1] += acc[4 * j + 1] * s0;
-          fin[4 * j + 2] += acc[4 * j + 2] * s1;
-          fin[4 * j + 3] += acc[4 * j + 3] * s1;
+          for (int j = 0; j < kBlockN / 8; ++j) {
+            fin[w][4 * j + 0] += acc[4 * j + 0] * (sa0 * sb[2 * j]);
+            fin[w][4 * j + 1] += acc[4 * j + 1] * (sa0 * sb[2 * j + 1]);
+            fin[w][4 * j + 2] += acc[4 * j + 2] * (sa1 * sb[2 * j]);
+            fin[w][4 * j + 3] += acc[4 * j + 3] * (sa1 * sb[2 * j + 1]);
+          }
+        } else {
+          const float lo0 = sa0 * sfb_lo, lo1 = sa1 * sfb_lo;
+          const float hi0 = sa0 * sfb_hi, hi1 = sa1 * sfb_hi;
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j) {
+            const bool hi = 8 * j >= split;
+            const float s0 = hi ? hi0 : lo0, s1 = hi ? hi1 : lo1;
+            fin[w][4 * j + 0] += acc[4 * j + 0] * s0;
+            fin[w][4 * j + 1] += acc[4 * j + 1] * s0;
+            fin[w][4 * j + 2] += acc[4 * j + 2] * s1;
+            fin[w][4 * j + 3] += acc[4 * j + 3] * s1;
+          }
         }
       }
     }
 
     // ---- epilogue: registers -> global, rows >= M and columns >= N masked --------------------
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = m0 + row0 + 8 * h;
+    for (int wh = 0; wh < 2 * kWaves; ++wh) {
+      const int w = wh / 2, h = wh % 2;
+      const int row = m0 + w * 64 * kNumMathWG + row0 + 8 * h;
       if (row >= m) continue;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
         const int col = n0 + 8 * j + col0;
         if (col >= kN) continue;
-        const float v0 = fin[4 * j + 2 * h], v1 = fin[4 * j + 2 * h + 1];
+        const float v0 = fin[w][4 * j + 2 * h], v1 = fin[w][4 * j + 2 * h + 1];
         const long long off = static_cast<long long>(row) * kN + col;
         if constexpr (kOut == 0) {
           u16* o = reinterpret_cast<u16*>(out) + off;

@@ -1,0 +1,399 @@
+"""FP8 grouped linear for the MoE experts: ``y[rows of g] = x[rows of g] · W[g]ᵀ`` with autograd.
+
+Design note. The tokens arrive in expert-contiguous order (expert 0's rows, then expert 1's, ...)
+with their counts. The three GEMMs of every expert run as one grouped GEMM each, with
+DeepSeek-V3's fine-grained FP8 recipe (report §3.3; DESIGN §1-2), as in the dense
+:class:`ptxtrain.nn.Fp8Linear`:
+
+- Fprop  ``y = x·W[g]ᵀ`` — x per 1x128 tile along K, each expert's W per 128x128 block:
+  ``m_grouped_fp8_gemm_nt_contiguous``.
+- Dgrad  ``dx = dy·W[g]`` — dy per 1x128 tile along N_out; B = W[g]ᵀ from the same 128x128
+  quantization transposed (``per_block_cast_to_fp8_both``): ``m_grouped_fp8_gemm_nt_contiguous``.
+- Wgrad  ``dW[g] = dy_gᵀ·x_g`` — contracts over each expert's tokens, so dy and x are quantized
+  1x128 along the tokens (128x1 tiles, stored transposed): ``k_grouped_fp8_gemm_nt_contiguous``,
+  fp32, cast to the weight's dtype. An expert with no tokens gets a zero gradient.
+
+Layout. Both grouped GEMMs need each expert's rows padded: the m-grouped GEMM to
+``get_m_alignment_for_contiguous_layout()`` (128) rows with ``m_indices = -1`` on padding rows,
+the k-grouped GEMM to token slices that are multiples of 128 (no scale tile spans two experts).
+One padded layout serves both (:func:`ptxtrain.moe.ref.grouped_layout_ref`, built on the host
+from the counts and copied over): x and dy are scattered into zero-filled ``[R, *]`` buffers,
+``R = Σ_g ⌈n_g/align⌉·align``, and the outputs gathered back. Zero rows leave the real rows'
+quantization unchanged (1x128 tiles are per row; a zero never raises a 128x1 tile's amax), so the
+result equals, on the reference path bit for bit, running the dense Fp8Linear once per expert.
+When every count is already a multiple of ``align`` the layout is the identity and no copy is
+made.
+
+Saved for backward: FP8 data and scales only (xᵀ's 128x1 quantization from the forward and
+W[g]ᵀ's 128x128 blocks), plus the int layout; a GEMM configured off by the config saves its
+high-precision operand instead, as Fp8Linear does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ptxtrain import quant
+from ptxtrain._checks import HP_DTYPES, ceil_div, check_tensor
+from ptxtrain.gemm import ref as gemm_ref
+from ptxtrain.nn.fp8_linear import Fp8LinearConfig
+
+__all__ = ["fp8_grouped_linear"]
+
+# The GEMM contracts (DESIGN §2) fix the scale granularity at 128 (also the k-grouped K unit).
+_GEMM_BLOCK = 128
+
+
+def _grouped_gemms():
+    """``(m_grouped_fp8_gemm_nt_contiguous, k_grouped_fp8_gemm_nt_contiguous)``: those of
+    :mod:`ptxtrain.gemm.grouped` (Triton on CUDA, reference on CPU) where Triton is installed,
+    else the references (any device). Imported at call time so ``import ptxtrain.nn`` needs no
+    Triton.
+    """
+    try:
+        from ptxtrain.gemm import grouped
+    except ImportError:
+        return (
+            gemm_ref.m_grouped_fp8_gemm_nt_contiguous_ref,
+            gemm_ref.k_grouped_fp8_gemm_nt_contiguous_ref,
+        )
+    return grouped.m_grouped_fp8_gemm_nt_contiguous, grouped.k_grouped_fp8_gemm_nt_contiguous
+
+
+def _resolve_config(config: Fp8LinearConfig | str | None) -> Fp8LinearConfig:
+    if config is None:
+        return Fp8LinearConfig.from_recipe_name("deepseek")
+    if isinstance(config, str):
+        return Fp8LinearConfig.from_recipe_name(config)
+    if not isinstance(config, Fp8LinearConfig):
+        raise TypeError(
+            f"config must be an Fp8LinearConfig, a recipe name or None, got {type(config).__name__}"
+        )
+    return config
+
+
+def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Output dtype to ask of an FP8 GEMM whose result ends up in ``dtype``."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _autocast_off(device_type: str):
+    """Disable autocast around the GEMMs (the reference's fp32 matmuls must stay fp32)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _check_counts(tokens_per_expert: object, g: int, n: int, device: torch.device) -> list[int]:
+    """``tokens_per_expert`` → G host ints ≥ 0 summing to N (one sync for a CUDA tensor)."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        t = tokens_per_expert
+        if t.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"tokens_per_expert must have dtype int64 or int32, got {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"tokens_per_expert must be 1-D [G], got shape {tuple(t.shape)}")
+        if t.device.type != "cpu" and t.device != device:
+            raise ValueError(
+                f"tokens_per_expert must be on the CPU or on x's device {device}, got {t.device}"
+            )
+        counts = [int(v) for v in t.tolist()]
+    elif isinstance(tokens_per_expert, Sequence) and not isinstance(tokens_per_expert, str):
+        counts = list(tokens_per_expert)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts):
+            raise TypeError(f"tokens_per_expert must hold ints, got {tokens_per_expert!r}")
+    else:
+        raise TypeError(
+            "tokens_per_expert must be a 1-D int64 tensor or a sequence of ints, got "
+            f"{type(tokens_per_expert).__name__}"
+        )
+    if len(counts) != g:
+        raise ValueError(
+            f"tokens_per_expert must have one count per expert (G = {g}, weight's dim 0), got "
+            f"{len(counts)}"
+        )
+    if any(c < 0 for c in counts):
+        raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
+    if sum(counts) != n:
+        raise ValueError(
+            f"tokens_per_expert must sum to N = {n} (x's rows), got sum {sum(counts)} for {counts}"
+        )
+    return counts
+
+
+def _check_align(align: object) -> int:
+    # = ptxtrain.gemm.grouped.get_m_alignment_for_contiguous_layout(), and the k-grouped K unit.
+    unit = gemm_ref.M_GROUPED_ALIGNMENT
+    if isinstance(align, bool) or not isinstance(align, int):
+        raise TypeError(f"align must be an int, got {type(align).__name__}")
+    if align <= 0 or align % unit or align % gemm_ref.K_GROUPED_ALIGNMENT:
+        raise ValueError(
+            f"align must be a positive multiple of {unit} (the m-grouped GEMM's row alignment and "
+            f"the k-grouped GEMM's token unit), got {align}"
+        )
+    return align
+
+
+class _Layout:
+    """The padded expert-contiguous layout of N rows: ``R`` rows, expert g's ``n_g`` rows first
+    in its slice of ``⌈n_g/align⌉·align`` rows, the rest padding.
+    """
+
+    def __init__(self, counts: list[int], align: int, device: torch.device) -> None:
+        padded = [(c + align - 1) // align * align for c in counts]
+        self.n = sum(counts)
+        self.rows = sum(padded)  # R
+        self.ks = padded  # token slice of each expert in the k-grouped wgrad (multiples of 128)
+        self.identity = self.rows == self.n  # every count already aligned: no scatter needed
+        # Imported here: ptxtrain.moe's modules may import ptxtrain.nn (no import cycle).
+        from ptxtrain.moe.ref import grouped_layout_ref
+
+        # Built on the host (counts are host ints), then copied: no device sync.
+        padded_rows, m_indices = grouped_layout_ref(torch.tensor(counts, dtype=torch.int64), align)
+        self.m_indices = m_indices.to(device, non_blocking=True)  # [R] int32, -1 = padding
+        self.padded_rows = None if self.identity else padded_rows.to(device, non_blocking=True)
+
+    def scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` [N, C] → [R, C] with zero padding rows."""
+        if self.identity:
+            return t if t.is_contiguous() else t.contiguous()
+        out = t.new_zeros(self.rows, t.shape[1])
+        out.index_copy_(0, self.padded_rows, t)
+        return out
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` [R, C] → its N real rows [N, C]."""
+        return t if self.identity else t.index_select(0, self.padded_rows)
+
+
+def _quantize_weight(
+    weight: torch.Tensor, need_w: bool, need_wt: bool, pow2: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """Each expert's 128x128 quantization of W[g] (Fprop's B) and of W[g]ᵀ (Dgrad's B).
+
+    Returns ``(w_fp8 [G, N_out, K], sf [G, ⌈N_out/128⌉, ⌈K/128⌉], wt_fp8 [G, K, N_out],
+    sf_t [G, ⌈K/128⌉, ⌈N_out/128⌉])``, None where not needed. With N_out a multiple of 128 the
+    experts' blocks do not straddle, so one call quantizes the stacked [G·N_out, K] weight.
+    """
+    g, n_out, k = weight.shape
+    nb, kb = ceil_div(n_out, _GEMM_BLOCK), ceil_div(k, _GEMM_BLOCK)
+    if not (need_w or need_wt):
+        return None, None, None, None
+    if n_out % _GEMM_BLOCK == 0 and g > 0:
+        flat = weight.reshape(g * n_out, k)
+        if need_wt:
+            w_fp8, sf, wt_fp8, sf_t = quant.per_block_cast_to_fp8_both(flat, pow2_scale=pow2)
+            # wt_fp8 [K, G·N_out] → [G, K, N_out]; sf_t [⌈K/128⌉, G·Nb] → [G, ⌈K/128⌉, Nb].
+            wt_fp8 = wt_fp8.view(k, g, n_out).transpose(0, 1).contiguous()
+            sf_t = sf_t.view(kb, g, nb).transpose(0, 1).contiguous()
+        else:
+            w_fp8, sf = quant.per_block_cast_to_fp8(flat, pow2_scale=pow2)
+            wt_fp8 = sf_t = None
+        return w_fp8.view(g, n_out, k), sf.view(g, nb, kb), wt_fp8, sf_t
+    # N_out tail: a 128-row block would straddle two experts, so quantize expert by expert.
+    parts = [quant.per_block_cast_to_fp8_both(weight[e], pow2_scale=pow2) for e in range(g)]
+    w_fp8, sf, wt_fp8, sf_t = (torch.stack([p[i] for p in parts]) for i in range(4))
+    return w_fp8, sf, (wt_fp8 if need_wt else None), (sf_t if need_wt else None)
+
+
+def _hp_grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], b_t: bool) -> torch.Tensor:
+    """High-precision per-expert ``a[rows of g] · (b[g]ᵀ if b_t else b[g])`` in a's dtype."""
+    n_cols = b.shape[1] if b_t else b.shape[2]
+    out = a.new_empty(a.shape[0], n_cols)
+    start = 0
+    for e, c in enumerate(counts):
+        w = b[e].to(a.dtype)
+        rows = a[start : start + c]
+        # F.linear for Fprop: the very op nn.Linear runs, so the "bf16" recipe matches it.
+        out[start : start + c] = F.linear(rows, w) if b_t else rows @ w
+        start += c
+    return out
+
+
+class _Fp8GroupedLinearFunction(torch.autograd.Function):
+    """``y[rows of g] = x[rows of g] · W[g]ᵀ`` with the GEMMs chosen by an Fp8LinearConfig.
+
+    Inputs: x [N, K], weight [G, N_out, K], the layout, the host counts, config, and whether grad
+    mode was on at the call. Output: y [N, N_out] in x's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, input_hp, weight_hp, layout, counts, config, grad_enabled):
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
+        act_dtype = input_hp.dtype
+        pow2 = config.pow2_scale
+        keep_xt_fp8 = need_dw and config.wgrad
+        need_wt = need_dx and config.dgrad
+        with _autocast_off(input_hp.device.type):
+            # -- x in the padded layout [R, K]: 1x128 for fprop, 128x1 (transposed [K, R]) for
+            # wgrad; one pass when both.
+            input_fp8 = input_sf = input_t_fp8 = input_t_sf = None
+            if config.fprop or keep_xt_fp8:
+                x_pad = layout.scatter(input_hp)
+                if config.fprop and keep_xt_fp8:
+                    input_fp8, input_sf, input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_both(
+                        x_pad, pow2_scale=pow2
+                    )
+                elif config.fprop:
+                    input_fp8, input_sf = quant.per_token_cast_to_fp8(x_pad, pow2_scale=pow2)
+                else:
+                    input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_t(x_pad, pow2_scale=pow2)
+            # -- each expert's W 128x128, and W[g]ᵀ's blocks when dgrad will need them.
+            weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = _quantize_weight(
+                weight_hp, config.fprop, need_wt, pow2
+            )
+            # -- Fprop: y_pad [R, N_out] = x_pad · W[g]ᵀ per expert; padding rows come out zero.
+            if config.fprop:
+                y_pad = _grouped_gemms()[0](
+                    (input_fp8, input_sf),
+                    (weight_fp8, weight_sf),
+                    layout.m_indices,
+                    out_dtype=_gemm_out_dtype(act_dtype),
+                    check_indices=False,  # built by _Layout, valid by construction
+                )
+                y = layout.gather(y_pad).to(act_dtype)
+            else:
+                y = _hp_grouped_mm(input_hp, weight_hp, counts, b_t=True)
+
+        saved: dict[str, torch.Tensor] = {}
+        if need_wt:
+            saved.update(weight_t_fp8=weight_t_fp8, weight_t_sf=weight_t_sf)
+        elif need_dx:
+            saved["weight_hp"] = weight_hp
+        if keep_xt_fp8:
+            saved.update(input_t_fp8=input_t_fp8, input_t_sf=input_t_sf)
+        elif need_dw:
+            saved["input_hp"] = input_hp
+        ctx.saved_names = tuple(saved)
+        ctx.save_for_backward(*saved.values())
+        ctx.layout = layout
+        ctx.counts = counts
+        ctx.config = config
+        ctx.act_dtype = act_dtype
+        ctx.weight_dtype = weight_hp.dtype
+        ctx.weight_shape = tuple(weight_hp.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        config, layout, counts = ctx.config, ctx.layout, ctx.counts
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        pow2 = config.pow2_scale
+        dy = grad_output  # [N, N_out], y's dtype
+        dx = dw = None
+        with _autocast_off(dy.device.type):
+            fp8_dgrad, fp8_wgrad = need_dx and config.dgrad, need_dw and config.wgrad
+            # -- dy in the padded layout: 1x128 along N_out (dgrad), 128x1 transposed (wgrad).
+            if fp8_dgrad or fp8_wgrad:
+                dy_pad = layout.scatter(dy)  # [R, N_out]
+                if fp8_dgrad and fp8_wgrad:
+                    dy_fp8, dy_sf, dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_both(
+                        dy_pad, pow2_scale=pow2
+                    )
+                elif fp8_dgrad:
+                    dy_fp8, dy_sf = quant.per_token_cast_to_fp8(dy_pad, pow2_scale=pow2)
+                else:
+                    dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_t(dy_pad, pow2_scale=pow2)
+            # -- Dgrad: dx_pad [R, K] = dy_pad · W[g], B = W[g]ᵀ [K, N_out] per expert.
+            if fp8_dgrad:
+                dx_pad = _grouped_gemms()[0](
+                    (dy_fp8, dy_sf),
+                    (saved["weight_t_fp8"], saved["weight_t_sf"]),
+                    layout.m_indices,
+                    out_dtype=_gemm_out_dtype(ctx.act_dtype),
+                    check_indices=False,
+                )
+                dx = layout.gather(dx_pad).to(ctx.act_dtype)
+            elif need_dx:
+                dx = _hp_grouped_mm(dy, saved["weight_hp"], counts, b_t=False)
+            # -- Wgrad: dW[g] [N_out, K] = dy_gᵀ · x_g over expert g's (padded) token slice.
+            if fp8_wgrad:
+                dw = _grouped_gemms()[1](
+                    (dy_t_fp8, dy_t_sf), (saved["input_t_fp8"], saved["input_t_sf"]), layout.ks
+                )  # [G, N_out, K] fp32
+                dw = dw.to(ctx.weight_dtype)
+            elif need_dw:
+                x_hp = saved["input_hp"].to(dy.dtype)
+                dw = dy.new_zeros(ctx.weight_shape)
+                start = 0
+                for e, c in enumerate(counts):
+                    if c:
+                        dw[e] = dy[start : start + c].t() @ x_hp[start : start + c]
+                    start += c
+                dw = dw.to(ctx.weight_dtype)
+        return dx, dw, None, None, None, None
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tokens_per_expert: torch.Tensor | Sequence[int],
+    *,
+    align: int = 128,
+    config: Fp8LinearConfig | str | None = None,
+) -> torch.Tensor:
+    """Grouped linear of the MoE experts in FP8: ``y[rows of g] = x[rows of g] · weight[g]ᵀ``.
+
+    All three GEMMs run as grouped FP8 GEMMs with DeepSeek-V3's fine-grained scaling (see the
+    module note): Fprop and Dgrad through ``m_grouped_fp8_gemm_nt_contiguous``, Wgrad through
+    ``k_grouped_fp8_gemm_nt_contiguous``; Triton kernels for CUDA tensors, the references on the
+    CPU (same semantics). Differentiable in ``x`` and ``weight``.
+
+    Args:
+        x: [N, K] float32 / bfloat16 / float16 activations in expert-contiguous order (expert 0's
+            rows, then expert 1's, ...); any N (0 included) and K.
+        weight: [G, N_out, K] float32 / bfloat16 / float16, the stacked expert weights (typically
+            one ``nn.Parameter``), on x's device; any N_out and K (tails allowed), G ≥ 1.
+        tokens_per_expert: G counts ``n_g ≥ 0`` summing to N: a 1-D int64 / int32 tensor on the
+            CPU or on x's device (read back to the host, one sync on CUDA), or a sequence of ints
+            (no sync). A count of 0 is allowed.
+        align: rows each expert's slice is padded to inside (internal layout only; a positive
+            multiple of 128, ``get_m_alignment_for_contiguous_layout()``).
+        config: an :class:`~ptxtrain.nn.Fp8LinearConfig`, a recipe name or None for
+            ``"deepseek"``; selects which GEMMs run in FP8 (others run per expert in x's dtype)
+            and power-of-two scales.
+
+    Returns:
+        y [N, N_out] in x's dtype, row-major. Gradients: x's [N, K] in x's dtype; weight's
+        [G, N_out, K] in weight's dtype, zeros for an expert with no tokens. Under
+        ``torch.autocast`` x is first cast to the autocast dtype (as Fp8Linear does).
+
+    Raises:
+        TypeError: x or weight not a tensor of a float32 / bfloat16 / float16 dtype;
+            ``tokens_per_expert`` not an integer tensor or a sequence of ints; ``align`` not an
+            int; ``config`` of a wrong type.
+        ValueError: x not 2-D, weight not 3-D or G = 0, K of x and weight differ, x and weight on
+            different devices; ``tokens_per_expert`` not 1-D, on another device, of length ≠ G,
+            with a negative count or not summing to N; ``align`` not a positive multiple of 128;
+            unknown recipe name.
+
+    Source: DeepSeek-V3 report §3.3 (FP8 recipe, MoE experts); DESIGN §1-2; DeepGEMM's grouped
+    GEMM contracts.
+    """
+    check_tensor("x", x, dtypes=HP_DTYPES, ndim=2)
+    check_tensor("weight", weight, dtypes=HP_DTYPES, ndim=3)
+    n, k = x.shape
+    g, _, kw = weight.shape
+    if g == 0:
+        raise ValueError(f"weight must hold at least one expert (G ≥ 1), got {tuple(weight.shape)}")
+    if kw != k:
+        raise ValueError(
+            f"x [N, K] and weight [G, N_out, K] must share K, got x {tuple(x.shape)} and weight "
+            f"{tuple(weight.shape)}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
+    align = _check_align(align)
+    config = _resolve_config(config)
+    counts = _check_counts(tokens_per_expert, g, n, x.device)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):  # cast as autocast would for a matmul
+        x = x.to(torch.get_autocast_dtype(device_type))
+    layout = _Layout(counts, align, x.device)
+    grad = torch.is_grad_enabled()
+    return _Fp8GroupedLinearFunction.apply(x, weight, layout, counts, config, grad)
