@@ -29,7 +29,7 @@ def test_unknown_env_value_is_a_clear_error(monkeypatch):
         ValueError, match=r"PTXTRAIN_GEMM_BACKEND must be one of auto, ref.*'cutlass'"
     ):
         gemm.fp8_gemm_nt(qa, qb)
-    monkeypatch.setenv("PTXTRAIN_QUANT_BACKEND", "cuda")
+    monkeypatch.setenv("PTXTRAIN_QUANT_BACKEND", "cutlass")
     with pytest.raises(ValueError, match="PTXTRAIN_QUANT_BACKEND"):
         quant.per_token_cast_to_fp8(x)
 

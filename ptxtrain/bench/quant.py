@@ -50,12 +50,20 @@ def _bytes(op: str, m: int, k: int) -> int:
 
 
 def quant_backends() -> dict[str, object]:
-    """Modules that implement the quantizers, by backend name (``ref`` always)."""
+    """Modules that implement the quantizers, by backend name (``ref`` always; ``triton`` when
+    installed; ``cuda`` when NVRTC imports and the current GPU is sm_90 with its driver)."""
     found: dict[str, object] = {"ref": ref}
     try:
         from ptxtrain.quant import triton as triton_quant
 
         found["triton"] = triton_quant
+    except ImportError:
+        pass
+    try:
+        from ptxtrain.quant import cuda as cuda_quant
+
+        if torch.cuda.is_available() and cuda_quant.usable(torch.device("cuda")):
+            found["cuda"] = cuda_quant
     except ImportError:
         pass
     return found

@@ -67,16 +67,36 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str) -> int:
     return num_stages * per_stage + 2 * num_stages * 8 + 1024
 
 
+def _efficiency(bm: int, bn: int) -> float:
+    """Relative throughput per tile area, measured on an H200 at M = 4096 over the six DeepSeek-V3
+    shapes (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200): 256x128 fastest per FLOP (B is
+    read once for 256 rows; other 256-row tiles unmeasured, ranked at 0.85), 128-row tiles ~0.84
+    of it with a power-of-two BLOCK_N, ~0.75 with
+    BLOCK_N = 112 / 144 / 160, and one math warpgroup (block_m = 64) ~0.6 (nothing hides its
+    FP32 promotion)."""
+    if bm == 64:
+        return 0.6
+    pow2 = bn & (bn - 1) == 0
+    if bm == 256:
+        return 1.0 if bn == 128 else 0.85  # only 256x128 was measured; the others rank below
+    return 0.84 if pow2 else 0.75
+
+
 @functools.lru_cache(maxsize=4096)
 def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
-    """Block sizes that fill ``num_sms`` SMs (pure; DeepGEMM's rule of the fewest waves).
+    """Block sizes for one GEMM shape on ``num_sms`` SMs (pure function).
 
-    Cost model: ``waves · block_m · (block_n + 24)`` with ``waves = ⌈tiles / num_sms⌉`` — the
-    time of the busiest SM, each tile costing its area plus a share for A's traffic that does
-    not shrink with ``block_n``; ties go to the larger tile. ``block_m = 64`` for M <= 64 (one
-    math warpgroup), else both 64 and 128 are tried, 64 at a 1.3x cost (a lone math warpgroup
-    idles the tensor core while it promotes). ``cluster = 2`` (B multicast) when the tiles fill
-    the SMs. Stages: as many as fit in shared memory
+    Two regimes:
+
+    - Tiles fill the SMs (large M): minimize ``waves · block_m · block_n / efficiency`` with
+      ``waves = ⌈tiles / num_sms⌉`` (the busiest SM's work) and the measured per-tile efficiency
+      of :func:`_efficiency`; this picks 256x128 for most V3 shapes at M = 4096.
+    - Decode-sized M: DeepGEMM's rule of the fewest waves, ``waves · block_m · (block_n + 24)``
+      (each tile costs its area plus a share for A's traffic, which does not shrink with
+      ``block_n``), ``block_m = 64`` for M <= 64, 64-row tiles at 1.3x for larger M.
+
+    Ties go to the larger tile. ``cluster = 2`` (B multicast over two CTAs) when the tiles fill
+    the SMs and an odd M-block count wastes little. Stages: as many as fit in shared memory
     (at most 8).
 
     Raises:
@@ -87,16 +107,18 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     if num_sms < 1:
         raise ValueError(f"num_sms must be positive, got {num_sms}")
     block_ms = (64,) if m <= 64 else (64, 128) if m <= 256 else (64, 128, 256)
+    large = ceil_div(max(m, 1), 128) * ceil_div(n, 128) >= 2 * num_sms
     best = None
     for bm in block_ms:
         for bn in _BLOCK_NS if bm < 256 else _BLOCK_NS_256:
             tiles = ceil_div(max(m, 1), bm) * ceil_div(n, bn)
             waves = ceil_div(tiles, num_sms)
-            cost = waves * bm * (bn + _TILE_OVERHEAD_N)
-            if bm == 64 and m > 64:
-                # One math warpgroup cannot hide its own FP32 promotion behind a second one's
-                # wgmmas (measured: 4096 x 2112 at 64 x 160 ran at 0.6x of cuBLAS).
-                cost *= _ONE_WARPGROUP_PENALTY
+            if large:
+                cost = waves * bm * bn / _efficiency(bm, bn)
+            else:
+                cost = waves * bm * (bn + _TILE_OVERHEAD_N)
+                if bm == 64 and m > 64:
+                    cost *= _ONE_WARPGROUP_PENALTY
             key = (cost, -bm, -bn)
             if best is None or key < best[0]:
                 best = (key, bm, bn)
@@ -105,8 +127,8 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     while stages > 2 and smem_bytes(bm, bn, stages, kind) > _SMEM_BYTES:
         stages -= 1
     # Multicast B over two CTAs when there are enough tiles to fill the SMs and the extra
-    # (zero) M-block of an odd count wastes little: it halves B's L2 -> SM traffic, which bounds
-    # large GEMMs (a 128x160 tile needs ~36 KB per 128-K block at ~350 ns of tensor work).
+    # (zero) M-block of an odd count wastes little: it halves B's L2 -> SM traffic (measured
+    # 1.05x at 4096 x 7168 x 16384 with 256x128 tiles).
     m_blocks = ceil_div(max(m, 1), bm)
     tiles = m_blocks * ceil_div(n, bn)
     cluster = 2 if tiles >= num_sms and (m_blocks % 2 == 0 or m_blocks >= 8) else 1

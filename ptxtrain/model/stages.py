@@ -17,14 +17,50 @@ Stage interface (what the schedules in :mod:`ptxtrain.parallel` pass between ran
 model's total loss without MTP. Multi-token prediction and tied embeddings are not supported here
 (the MTP module needs the first stage's embedding on the last stage): :func:`check_stageable`
 says so.
+
+F&B overlap (DeepSeek-V3 report §3.2.1, DualPipe's overlapped forward and backward chunks):
+:meth:`DeepSeekV3Stage.overlapped_forward_backward` is the hook DualPipe / DualPipeV call for
+their F&B steps. On CUDA it queues the forward of one micro-batch and the backward of another on
+two different streams so the GPU can run them concurrently. Autograd runs every backward op on
+the stream its forward op ran on, so the backward cannot be moved to another stream after the
+fact; instead the forward goes to the stream the backward's graph is *not* on: the current
+stream or one side stream per device, alternating. Each output of a hook forward is tagged with
+its stream so a later hook knows where that chunk's graph lives; plain forwards run on the
+current stream. On CPU the hook is :func:`~ptxtrain.parallel._p2p.sequential_forward_backward`
+(forward, then backward): the very same ops, so the numerics are identical.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from ptxtrain.model.deepseek import DeepSeekV3, _cross_entropy, _rope_freqs
+from ptxtrain.parallel._p2p import as_tuple, sequential_forward_backward
+
+# Attribute set on the outputs (and loss) of a forward run by the overlap hook: the CUDA stream
+# its autograd graph lives on, so the backward of that chunk knows which stream is busy.
+_STREAM_ATTR = "_ptxtrain_graph_stream"
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the hook's second stream
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _cuda_tensors(*groups) -> list[torch.Tensor]:
+    return [
+        t
+        for group in groups
+        for t in group
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+    ]
+
 
 __all__ = ["DeepSeekV3Stage", "check_stageable", "split_layers"]
 
@@ -124,3 +160,84 @@ class DeepSeekV3Stage(nn.Module):
         them for one batch."""
         lm_loss = _cross_entropy(logits, labels)
         return lm_loss + aux, lm_loss
+
+    @classmethod
+    def overlapped_forward_backward(
+        cls,
+        module_f: DeepSeekV3Stage,
+        inputs_f: tuple,
+        criterion_f: Callable | None,
+        labels_f: tuple,
+        module_b: DeepSeekV3Stage,
+        loss_b: torch.Tensor | None,
+        outputs_b: Sequence[torch.Tensor],
+        output_grads_b: Sequence[torch.Tensor],
+    ) -> tuple[tuple, torch.Tensor | None]:
+        """The forward of one micro-batch and the backward of another, overlapped on CUDA.
+
+        The overlap hook of the pipeline schedules (:func:`ptxtrain.parallel._p2p.forward_backward`
+        calls it for DualPipe's F&B steps); arguments and results as
+        :func:`~ptxtrain.parallel._p2p.sequential_forward_backward`, whose numerics it matches:
+
+        Args:
+            module_f: the stage to run forward, on ``inputs_f`` (its positional inputs).
+            criterion_f: on the last stage ``criterion_f(*outputs_f, *labels_f) -> loss``,
+                else None.
+            module_b: the stage to run backward (graph built by an earlier forward).
+            loss_b: on the last stage the loss to backward from, else None.
+            outputs_b, output_grads_b: the outputs to backward from and their gradients (used
+                when ``loss_b`` is None).
+
+        Returns:
+            ``(outputs_f, loss_f)``; ``loss_f`` None when ``criterion_f`` is None.
+
+        On CUDA (module docstring): the forward and the backward are queued on two streams
+        (the current one and a per-device side stream, the forward on the one the backward's
+        graph is not on). The side stream first waits for the current one (received tensors,
+        earlier updates); tensors made on one stream and used on the other are
+        ``record_stream``-ed; the current stream waits for the side stream at the end, so the
+        caller sees the results in stream order. On CPU, or with nothing to backward, it is the
+        sequential reference.
+        """
+        roots = [loss_b] if loss_b is not None else list(outputs_b)
+        cuda = _cuda_tensors(inputs_f, roots)
+        if not cuda or not roots:
+            return sequential_forward_backward(
+                module_f, inputs_f, criterion_f, labels_f,
+                module_b, loss_b, outputs_b, output_grads_b,
+            )  # fmt: skip
+        device = cuda[0].device
+        main = torch.cuda.current_stream(device)
+        side = _side_stream(device)
+        bwd = getattr(roots[0], _STREAM_ATTR, None)  # the stream b's graph is on
+        if bwd is None:  # built by a plain forward, on the current stream
+            bwd = main
+        fwd = side if bwd == main else main
+        side.wait_stream(main)  # inputs and grads received on main, weights updated on main
+        if fwd != main:
+            for t in _cuda_tensors(inputs_f):
+                t.record_stream(fwd)
+        if bwd != main:
+            for t in _cuda_tensors(output_grads_b):
+                t.record_stream(bwd)
+
+        with torch.cuda.stream(fwd):
+            outputs_f = as_tuple(module_f(*inputs_f))
+            loss_f = criterion_f(*outputs_f, *labels_f) if criterion_f is not None else None
+        made_f = _cuda_tensors(outputs_f, [loss_f])
+        for t in made_f:
+            setattr(t, _STREAM_ATTR, fwd)
+
+        # The ambient stream of the backward call is the graph's own stream: autograd then
+        # syncs nothing with the forward just queued on the other stream.
+        with torch.cuda.stream(bwd):
+            if loss_b is not None:
+                torch.autograd.backward([loss_b])
+            else:
+                torch.autograd.backward(list(outputs_b), list(output_grads_b))
+
+        main.wait_stream(side)
+        if fwd != main:
+            for t in made_f:
+                t.record_stream(main)
+        return outputs_f, loss_f

@@ -32,15 +32,30 @@ received row, ``is_token_in_rank``) so that ``combine`` and the backward passes 
 further count exchange. Autograd: the backward of dispatch is a combine of the gradient, the
 backward of combine is a dispatch of the gradient with the handle.
 
-What the NVLink kernel backend will replace: the ``all_to_all_single`` calls and the gathers /
-``index_add`` around them become DeepEP-style kernels writing straight into peers' buffers
-(PyTorch symmetric memory) on a configurable number of SMs, with async events for
-communication/computation overlap; the API, the handle's meaning and the receive order stay.
+Backends. ``"all_to_all"`` (default; the only one on CPU) moves everything with
+``all_to_all_single``. ``"nvlink"`` (one node of NVLink-connected GPUs, NCCL group) keeps the
+count / metadata exchange above but moves the payload rows (activations, FP8 bytes + scales,
+weights, combine rows and all the autograd counterparts) with a JIT kernel writing straight into
+the peers' symmetric-memory buffers on ``num_sms`` SMs (:mod:`ptxtrain.moe.nvlink` has its
+design note); the receive order, the handle and the sums are the same, so both backends give
+bit-identical results. The count exchange also carries every rank's largest per-peer count, so
+every rank knows ``handle.max_rows_per_pair`` and a capacity overflow raises on all ranks alike.
+
+Async mode (DeepEP's ``async_finish``): ``dispatch(..., async_finish=True)`` and
+``combine(..., async_finish=True)`` run on a side CUDA stream (after waiting for the current
+stream) and return an :class:`EventOverlap` as an extra last result; call its
+``current_stream_wait()`` before using the outputs on the current stream. Inputs are
+``record_stream``-ed on the side stream and outputs (and the handle's tensors) on the current
+stream, so the caching allocator never hands their memory out early. On CPU the same API works
+and the event is already complete. (The layout exchange still needs a host sync for the counts,
+as DeepEP's normal dispatch does.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -48,11 +63,12 @@ import torch.distributed as dist
 from ptxtrain._checks import ceil_div, check_positive_int, check_shape, check_tensor
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE
 
-__all__ = ["Buffer", "DispatchHandle", "get_dispatch_layout"]
+__all__ = ["Buffer", "DispatchHandle", "EventOverlap", "get_dispatch_layout"]
 
 _X_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
 _W_DTYPES = (torch.float32, torch.float64)
-_BACKENDS = ("all_to_all",)
+_BACKENDS = ("all_to_all", "nvlink")
+_DEFAULT_NVL_BYTES = 1 << 30
 
 
 def _check_topk_idx(topk_idx: object, num_experts: int) -> torch.Tensor:
@@ -134,6 +150,10 @@ class DispatchHandle:
             received row (the receive order: by source rank, then source token index).
         is_token_in_rank: ``[T, R]`` bool.
         group: the process group (``None`` = the default group).
+        max_rows_per_pair: the largest row count between any two ranks of the group in this
+            layout (the same on every rank; the nvlink backend's capacity check).
+        transport: the :class:`ptxtrain.moe.nvlink.NvlinkTransport` moving the payload rows,
+            or ``None`` for ``all_to_all_single``.
     """
 
     rank: int
@@ -147,6 +167,9 @@ class DispatchHandle:
     recv_src_idx: torch.Tensor
     is_token_in_rank: torch.Tensor
     group: dist.ProcessGroup | None
+    max_rows_per_pair: int = 0
+    transport: object | None = field(default=None, repr=False)
+    _nvl_index: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_recv_tokens(self) -> int:
@@ -166,19 +189,123 @@ def _exchange(
     return out
 
 
+def _nvl_index(handle: DispatchHandle, combine: bool) -> tuple[torch.Tensor, ...]:
+    """(send_row, send_dst, send_slot, recv_src, recv_slot) of the nvlink kernel, cached.
+
+    Dispatch: send row ``i`` = token ``send_src_idx[i]`` to rank ``dst`` at place ``i - first
+    row for dst``; receive row ``n`` = place ``n - first row from src`` of ``recv_src_rank[n]``.
+    Combine swaps the two sides (and sends the received rows in order).
+    """
+    key = "combine" if combine else "dispatch"
+    if key not in handle._nvl_index:
+        dev = handle.send_src_idx.device
+        r = torch.arange(handle.num_ranks, device=dev)
+        sc = torch.tensor(handle.send_counts, dtype=torch.int64, device=dev)
+        rc = torch.tensor(handle.recv_counts, dtype=torch.int64, device=dev)
+        send_dst = torch.repeat_interleave(r, sc, output_size=handle.send_src_idx.numel())
+        send_slot = torch.arange(send_dst.numel(), device=dev) - (sc.cumsum(0) - sc)[send_dst]
+        recv_src = handle.recv_src_rank  # [N]
+        recv_slot = torch.arange(recv_src.numel(), device=dev) - (rc.cumsum(0) - rc)[recv_src]
+        i32 = torch.int32
+        handle._nvl_index["dispatch"] = (
+            handle.send_src_idx.contiguous(),
+            send_dst.to(i32),
+            send_slot.to(i32),
+            recv_src.to(i32),
+            recv_slot.to(i32),
+        )
+        handle._nvl_index["combine"] = (
+            torch.arange(recv_src.numel(), device=dev),
+            recv_src.to(i32),
+            recv_slot.to(i32),
+            send_dst.to(i32),
+            send_slot.to(i32),
+        )
+    return handle._nvl_index[key]
+
+
+def _nvl_move(t: torch.Tensor, handle: DispatchHandle, combine: bool) -> torch.Tensor:
+    """The nvlink kernel on the rows of ``t`` viewed as bytes (rows padded to 16 bytes)."""
+    transport = handle.transport
+    t = t.contiguous()
+    rows = t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)  # [M, row_bytes]
+    row_bytes = rows.shape[1]
+    padded = max(16, ceil_div(row_bytes, 16) * 16)
+    cap = transport.capacity_rows(padded)
+    if handle.max_rows_per_pair > cap:
+        raise ValueError(
+            f"nvlink buffer too small: a rank sends {handle.max_rows_per_pair} rows of "
+            f"{padded} bytes to one peer, the buffer holds {cap} per peer "
+            f"(num_nvl_bytes={transport.num_nvl_bytes} over {transport.num_ranks} ranks); "
+            f"create the Buffer with num_nvl_bytes >= "
+            f"{handle.max_rows_per_pair * padded * transport.num_ranks}"
+        )
+    if padded != row_bytes:
+        rows = torch.nn.functional.pad(rows, (0, padded - row_bytes))
+    elif rows.data_ptr() % 16 != 0:  # a view at an odd offset: the kernel loads 16 bytes
+        rows = rows.clone()
+    out = transport.exchange(rows.contiguous(), *_nvl_index(handle, combine))  # [K, padded]
+    n_out = out.shape[0]
+    return out[:, :row_bytes].contiguous().view(t.dtype).reshape(n_out, *t.shape[1:])
+
+
 def _dispatch_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Token rows ``[T, ...]`` -> received rows ``[N, ...]`` (no gradient tracking)."""
+    if handle.transport is not None:
+        return _nvl_move(t, handle, combine=False)
     send = t.index_select(0, handle.send_src_idx)  # [S, ...]
     return _exchange(send, handle.send_counts, handle.recv_counts, handle.group)
 
 
 def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Received rows ``[N, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation)."""
-    back = _exchange(t, handle.recv_counts, handle.send_counts, handle.group)  # [S, ...]
+    if handle.transport is not None:
+        back = _nvl_move(t, handle, combine=True)  # [S, ...]
+    else:
+        back = _exchange(t, handle.recv_counts, handle.send_counts, handle.group)  # [S, ...]
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
     out = torch.zeros((handle.num_tokens, *t.shape[1:]), dtype=acc, device=t.device)
     out.index_add_(0, handle.send_src_idx, back.to(acc))  # [T, ...]
     return out.to(t.dtype)
+
+
+class EventOverlap:
+    """What ``dispatch`` / ``combine`` return with ``async_finish=True`` (DeepEP's name).
+
+    Wraps the CUDA event recorded on the communication stream after the operation, or ``None``
+    on CPU (then every method is a no-op: the work is already done).
+
+    Source: DeepEP ``EventOverlap`` (ANCHORS §2).
+    """
+
+    def __init__(self, event: torch.cuda.Event | None = None) -> None:
+        self.event = event
+
+    def current_stream_wait(self) -> None:
+        """Makes the current CUDA stream wait for the communication (no host blocking)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def synchronize(self) -> None:
+        """Blocks the host until the communication has finished."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def is_complete(self) -> bool:
+        """True when the communication has finished (always on CPU)."""
+        return self.event is None or self.event.query()
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a (nested) tuple / list / DispatchHandle."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, DispatchHandle):
+        found = [obj.send_src_idx, obj.recv_src_rank, obj.recv_src_idx, obj.is_token_in_rank]
+        return found + [t for v in obj._nvl_index.values() for t in v]
+    return []
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -214,20 +341,49 @@ class Buffer:
         group: the expert-parallel process group; ``None`` uses the default group, which must be
             initialized (``torch.distributed.init_process_group``).
         backend: ``"all_to_all"`` — ``torch.distributed.all_to_all_single`` (NCCL on GPUs, gloo
-            on CPU; any world size). The NVLink kernel backend is not implemented yet.
+            on CPU; any world size); ``"nvlink"`` — payload rows moved by a JIT kernel through
+            PyTorch symmetric memory (NCCL group of the GPUs of one node, one GPU per rank, the
+            current CUDA device being this rank's; :mod:`ptxtrain.moe.nvlink`).
+        num_sms: thread blocks (one per SM) of the nvlink kernel, at most the device's SM count
+            (ignored by ``"all_to_all"``, still validated). DeepEP's README uses 24.
+        num_nvl_bytes: bytes of each rank's nvlink receive buffer (default 1 GiB). A dispatch or
+            combine whose rows from one rank to another exceed ``num_nvl_bytes / (R · row
+            bytes)`` raises ValueError on every rank; :meth:`nvl_bytes_hint` sizes it.
+        aggressive_ptx: compile the nvlink kernel with ``PTXTRAIN_AGGRESSIVE_PTX`` (DeepEP's
+            ``ld.global.nc.L1::no_allocate.L2::256B`` loads of peer-written data; default off).
+        timeout_s: bound on every flag wait of the nvlink kernel (then RuntimeError, no hang).
 
-    Every rank of the group must call ``dispatch`` / ``combine`` (and their backward passes) in
-    the same order, as with any collective.
+    Every rank of the group must construct the buffer with the same arguments and call
+    ``dispatch`` / ``combine`` (and their backward passes) in the same order, as with any
+    collective.
 
     Raises:
-        ValueError: unknown ``backend``, or the default group is not initialized.
+        TypeError: ``num_sms`` / ``num_nvl_bytes`` not ints, ``timeout_s`` not a number.
+        ValueError: unknown ``backend``, a non-positive ``num_sms`` / ``num_nvl_bytes`` /
+            ``timeout_s``, ``num_sms`` above the device's SM count, ``"nvlink"`` without CUDA,
+            or the default group is not initialized.
 
     Source: DeepEP V1 ``Buffer`` (ANCHORS §2); DESIGN §4.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, backend: str = "all_to_all"):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        backend: str = "all_to_all",
+        num_sms: int = 24,
+        num_nvl_bytes: int = _DEFAULT_NVL_BYTES,
+        *,
+        aggressive_ptx: bool = False,
+        timeout_s: float = 30.0,
+    ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        check_positive_int("num_sms", num_sms)
+        check_positive_int("num_nvl_bytes", num_nvl_bytes)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "Buffer needs an initialized torch.distributed process group "
@@ -235,8 +391,41 @@ class Buffer:
             )
         self.group = group
         self.backend = backend
+        self.num_sms = num_sms
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
+        self._transport = None
+        self._comm_stream: torch.cuda.Stream | None = None
+        if backend == "nvlink":
+            if not torch.cuda.is_available():
+                raise ValueError("backend='nvlink' needs CUDA GPUs; use backend='all_to_all'")
+            n_sm = torch.cuda.get_device_properties(
+                torch.cuda.current_device()
+            ).multi_processor_count
+            if num_sms > n_sm:
+                raise ValueError(f"num_sms must be <= the device's {n_sm} SMs, got {num_sms}")
+            from ptxtrain.moe.nvlink import NvlinkTransport
+
+            self._transport = NvlinkTransport(
+                group, num_sms, num_nvl_bytes, aggressive_ptx=aggressive_ptx, timeout_s=timeout_s
+            )
+
+    @staticmethod
+    def nvl_bytes_hint(num_max_tokens: int, row_bytes: int, num_ranks: int) -> int:
+        """``num_nvl_bytes`` for up to ``num_max_tokens`` rows of ``row_bytes`` from each rank.
+
+        ``row_bytes`` is the largest payload row: ``2·H`` for BF16 combine, ``4·H`` for float32.
+        """
+        check_positive_int("num_max_tokens", num_max_tokens)
+        check_positive_int("row_bytes", row_bytes)
+        check_positive_int("num_ranks", num_ranks)
+        return num_max_tokens * max(16, ceil_div(row_bytes, 16) * 16) * num_ranks
+
+    def check_errors(self) -> None:
+        """Waits for the last nvlink kernel and raises RuntimeError if it timed out (no-op for
+        ``"all_to_all"``)."""
+        if self._transport is not None:
+            self._transport.check_errors(synchronize=True)
 
     # ------------------------------------------------------------------ validation
     def _check_dispatch_args(self, x, topk_idx, topk_weights, num_experts):
@@ -265,6 +454,10 @@ class Buffer:
         for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
             if t.device != device:
                 raise ValueError(f"{name} must be on x's device {device}, got {t.device}")
+        if self._transport is not None and device != self._transport.device:
+            raise ValueError(
+                f"x must be on the nvlink buffer's device {self._transport.device}, got {device}"
+            )
 
     # ------------------------------------------------------------------ public API
     def get_dispatch_layout(
@@ -279,13 +472,9 @@ class Buffer:
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
         num_experts: int,
-    ) -> tuple[
-        torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        torch.Tensor,
-        torch.Tensor,
-        list[int],
-        DispatchHandle,
-    ]:
+        *,
+        async_finish: bool = False,
+    ) -> tuple:
         """Send every token once to each rank holding at least one of its experts.
 
         Args:
@@ -303,7 +492,9 @@ class Buffer:
             the expert is on another rank or was ``-1``; ``recv_topk_weights [N, k]`` in
             ``topk_weights``' dtype, 0 where ``recv_topk_idx`` is ``-1``;
             ``num_recv_tokens_per_expert``: ``E/R`` ints, the rows each local expert gets;
-            ``handle``: the :class:`DispatchHandle` for :meth:`combine`.
+            ``handle``: the :class:`DispatchHandle` for :meth:`combine`; with
+            ``async_finish=True`` a sixth item, the :class:`EventOverlap` to wait on before
+            using the outputs on the current stream.
 
             Differentiable with respect to ``x`` (high-precision path) and ``topk_weights``:
             the backward combines the gradients back to the source tokens (collective: every
@@ -312,11 +503,22 @@ class Buffer:
         Raises:
             TypeError: a wrong dtype or a non-tensor argument (the message names it).
             ValueError: wrong shapes, ids outside ``[-1, E)``, ``E`` not a multiple of the
-                group size, tensors on different devices. Raised before any communication.
+                group size, tensors on different devices (or not on the nvlink buffer's GPU).
+                Raised before any communication. ``"nvlink"``: rows from one rank to another
+                over the buffer's capacity (raised on every rank, after the count exchange).
+            RuntimeError: ``"nvlink"``: an earlier kernel timed out waiting for a peer.
 
         Source: DeepEP ``Buffer.dispatch`` (ANCHORS §2); DESIGN §4.
         """
         self._check_dispatch_args(x, topk_idx, topk_weights, num_experts)
+        if not async_finish:
+            return self._dispatch(x, topk_idx, topk_weights, num_experts)
+        inputs = [*_tensors(x), topk_idx, topk_weights]
+        return self._run_async(
+            lambda: self._dispatch(x, topk_idx, topk_weights, num_experts), inputs
+        )
+
+    def _dispatch(self, x, topk_idx, topk_weights, num_experts):
         handle, recv_topk_idx = self._make_handle(topk_idx, num_experts)
         local = recv_topk_idx >= 0  # [N, k]
 
@@ -342,7 +544,9 @@ class Buffer:
         ).tolist()
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def combine(
+        self, x: torch.Tensor, handle: DispatchHandle, *, async_finish: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, EventOverlap]:
         """Send every received row back to its source token and sum the contributions.
 
         A plain sum (the caller applies the gate weights, as in DeepEP): ``combined_x[t] =
@@ -353,14 +557,18 @@ class Buffer:
             x: ``[N, H]`` bfloat16 / float32 / float16 / float64, rows in the receive order of
                 ``handle`` (``N = handle.num_recv_tokens``).
             handle: the :class:`DispatchHandle` returned by this buffer's :meth:`dispatch`.
+            async_finish: run on a side stream and also return an :class:`EventOverlap`.
 
         Returns:
-            ``combined_x [T, H]`` in ``x``'s dtype. Differentiable: the backward dispatches the
-            gradient with the handle (collective).
+            ``combined_x [T, H]`` in ``x``'s dtype (``(combined_x, event)`` with
+            ``async_finish``). Differentiable: the backward dispatches the gradient with the
+            handle (collective).
 
         Raises:
             TypeError: ``x`` has a wrong dtype or ``handle`` is not a :class:`DispatchHandle`.
-            ValueError: ``x`` is not ``[N, H]``, or the handle belongs to another group size.
+            ValueError: ``x`` is not ``[N, H]``, the handle belongs to another group size or
+                another buffer's backend, or (``"nvlink"``) rows over the buffer's capacity.
+            RuntimeError: ``"nvlink"``: an earlier kernel timed out waiting for a peer.
 
         Source: DeepEP ``Buffer.combine`` (ANCHORS §2); DESIGN §4.
         """
@@ -377,7 +585,34 @@ class Buffer:
                 f"x must have handle.num_recv_tokens={handle.num_recv_tokens} rows, "
                 f"got shape {tuple(x.shape)}"
             )
-        return _CombineFn.apply(x, handle)
+        if handle.transport is not self._transport:
+            raise ValueError("handle was made by another Buffer (different transport)")
+        if not async_finish:
+            return _CombineFn.apply(x, handle)
+        return self._run_async(lambda: (_CombineFn.apply(x, handle),), [x])
+
+    def _run_async(self, fn: Callable[[], tuple], inputs: list[torch.Tensor]) -> tuple:
+        """``fn()`` on the side stream; its results plus an :class:`EventOverlap`."""
+        device = inputs[0].device
+        if device.type != "cuda":
+            out = fn()
+            return (*out, EventOverlap(None)) if len(out) > 1 else (out[0], EventOverlap(None))
+        compute = torch.cuda.current_stream(device)
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(device=device)
+        comm = self._comm_stream
+        comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            out = fn()
+            event = torch.cuda.Event()
+            event.record(comm)
+        for t in inputs:  # freed by the caller: not reused before the side stream is done
+            if t.device.type == "cuda":
+                t.record_stream(comm)
+        for t in _tensors(out):  # allocated on the side stream, used on the current one
+            if t.device.type == "cuda":
+                t.record_stream(compute)
+        return (*out, EventOverlap(event)) if len(out) > 1 else (out[0], EventOverlap(event))
 
     # ------------------------------------------------------------------ internals
     def _make_handle(
@@ -390,10 +625,17 @@ class Buffer:
         )
         # (rank, token) pairs in rank-major, token-ascending order: the send order.
         send_src_idx = is_token_in_rank.t().nonzero()[:, 1].contiguous()  # [S]
-        recv_counts_t = torch.empty_like(num_tokens_per_rank)
-        dist.all_to_all_single(recv_counts_t, num_tokens_per_rank.contiguous(), group=group)
+        # Row r to rank r: (count for r, this rank's largest count), so every rank learns the
+        # largest count between any two ranks (the nvlink capacity check agrees everywhere).
+        counts = torch.stack(
+            [num_tokens_per_rank, num_tokens_per_rank.max().expand(n_ranks)], dim=1
+        )  # [R, 2]
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts.contiguous(), group=group)
+        recv_counts_t = recv[:, 0].contiguous()
         send_counts = tuple(num_tokens_per_rank.tolist())
         recv_counts = tuple(recv_counts_t.tolist())
+        max_rows_per_pair = int(recv[:, 1].max())
 
         tokens = torch.arange(topk_idx.shape[0], dtype=torch.int64, device=topk_idx.device)
         meta = torch.cat([tokens.unsqueeze(1), topk_idx], dim=1)  # [T, 1 + k]
@@ -421,5 +663,7 @@ class Buffer:
             recv_src_idx=recv_src_idx,
             is_token_in_rank=is_token_in_rank,
             group=group,
+            max_rows_per_pair=max_rows_per_pair,
+            transport=self._transport,
         )
         return handle, recv_topk_idx

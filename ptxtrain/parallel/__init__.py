@@ -4,6 +4,9 @@ All run one rank's stage(s) through ``step(*inputs, num_chunks, criterion, label
 return_outputs, timeline) -> (loss, outputs)`` over ``torch.distributed`` point-to-point messages
 (gloo on CPU, NCCL on GPU); tested against an unpartitioned single-process reference in float64.
 A :class:`Timeline` records what each rank ran when (``ptxtrain plot timeline`` draws it).
+DualPipe / DualPipeV run their F&B steps through a stage class's ``overlapped_forward_backward``
+classmethod when it has one (:func:`ptxtrain.parallel._p2p.forward_backward`), and every schedule
+sets up its P2P connections before its first message (:meth:`ptxtrain.parallel._p2p.P2P.connect`).
 """
 
 from ptxtrain.parallel._p2p import WeightGradStore

@@ -12,9 +12,24 @@
   gloo, which honours tags, runs it correctly. Every message therefore travels on one wire tag,
   in send order, and :meth:`P2P.recv` demultiplexes: it takes the next messages of the pair,
   keeping those of other tags for their own ``recv``. gloo and NCCL then see the same traffic.
-- Sends are asynchronous (``isend``; the handles are kept until :meth:`P2P.wait_all`), receives
-  block. A schedule is then deadlock-free exactly when its dependency graph is acyclic, and the
-  order of messages on one channel (src, dst, tag) is the program order on both sides.
+- Sends are asynchronous (``isend``; the handles and the sent tensors are kept until
+  :meth:`P2P.wait_all`), receives block. A schedule is then deadlock-free exactly when its
+  dependency graph is acyclic, and the order of messages on one channel (src, dst, tag) is the
+  program order on both sides. Payloads are made contiguous and moved to the P2P device before
+  they are posted; 0-element payloads are described by the header only (never posted).
+- Connections are set up eagerly (:meth:`P2P.connect`). In torch's default lazy mode every
+  unbatched send/recv between two ranks runs on a 2-rank NCCL communicator created at the first
+  op of the pair, and NCCL (runtime connect, the default since 2.22) sets up the pair's
+  connections at the first op in each direction. When two ranks both *send* first (DualPipe's
+  first step: rank 0 sends direction 0's activations while rank PP-1 sends direction 1's), each
+  side's one-message connect-info exchange carries send-side info where the other expects the
+  recv side, each send connector is wired to the peer's send-side memory, and the first send
+  kernel faults (CUDA error 700 on both ranks; NVIDIA/nccl PR #2407 describes the bug). So every
+  schedule first runs :meth:`P2P.connect` over its neighbours: one tiny send and one tiny receive
+  per pair, in an order every rank agrees on, lower rank sending first, through the same
+  unbatched ``isend``/``recv`` path (hence the same communicator) the traffic then uses. A
+  ``batch_isend_irecv`` warm-up would not do: batched ops run on the group's own communicator,
+  not on the 2-rank ones.
 - ``_StageRunner`` runs one stage for one direction of micro-batches: ``forward_chunk`` /
   ``backward_chunk`` in micro-batch order, optionally deferring the weight-grad part (W) to a
   :class:`WeightGradStore`. Its neighbours are group ranks, or a :class:`_Loopback` when the
@@ -26,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,6 +96,16 @@ class P2P:
         return dist.get_global_rank(self.group, group_rank)
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> None:
+        """Post one message (``tensors`` under logical ``tag``) to group rank ``dst``.
+
+        Every payload is detached, made contiguous and moved to this P2P's device first; the
+        posted tensors (and so their storage) are kept alive, unmodified, until
+        :meth:`wait_all`. 0-element payloads travel in the header only.
+
+        Raises:
+            TypeError: a dtype the wire format does not know.
+            ValueError: a tensor of more than ``MAX_NDIM`` dimensions.
+        """
         dst = self._global(dst)
         header = torch.full((len(tensors), 2 + MAX_NDIM), -1, dtype=torch.int64)
         payloads = []
@@ -94,12 +119,44 @@ class P2P:
             header[i, 0] = _CODE[t.dtype]
             header[i, 1] = t.dim()
             header[i, 2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-            t = t.detach().contiguous()
+            if t.numel() == 0:
+                continue
+            t = t.detach().to(self.device).contiguous()
             payloads.append(t.view(torch.uint8) if t.dtype in _FP8 else t)
         prefix = torch.tensor([len(tensors), tag], dtype=torch.int64, device=self.device)
         msgs = [prefix, header.to(self.device), *payloads]
         for m in msgs:
             self._pending.append((dist.isend(m, dst, group=self.group, tag=_WIRE_TAG), m))
+
+    def connect(self, peers: Iterable[int]) -> None:
+        """Set up the connections to group ranks ``peers`` before any traffic (module docstring).
+
+        Per peer one 1-element int64 message each way, through the unbatched ``isend`` / ``recv``
+        the traffic uses: the pairs are taken in increasing ``(low rank, high rank)`` order on
+        every rank (so the exchange cannot deadlock), and within a pair the lower rank sends
+        first, so each side's first op toward the other is matched by the opposite op. Every
+        rank named in another's ``peers`` must call it with that rank among its own. Cheap on
+        gloo, where it only checks the pairing.
+
+        Raises:
+            RuntimeError: a peer answered with another rank's id (the pairs do not match).
+        """
+        me = dist.get_rank(self.group)
+        for peer in sorted(set(peers) - {me}, key=lambda q: (min(me, q), max(me, q))):
+            g_peer = self._global(peer)
+            mine = torch.tensor([self._global(me)], dtype=torch.int64, device=self.device)
+            got = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+            if me < peer:
+                dist.isend(mine, g_peer, group=self.group, tag=_WIRE_TAG).wait()
+                dist.recv(got, g_peer, group=self.group, tag=_WIRE_TAG)
+            else:
+                dist.recv(got, g_peer, group=self.group, tag=_WIRE_TAG)
+                dist.isend(mine, g_peer, group=self.group, tag=_WIRE_TAG).wait()
+            if int(got.item()) != g_peer:
+                raise RuntimeError(
+                    f"pipeline P2P connect: rank {self._global(me)} expected a message from "
+                    f"rank {g_peer}, got one from rank {int(got.item())}"
+                )
 
     def _recv_next(self, src: int) -> tuple[int, list[torch.Tensor]]:
         """The next message from global rank ``src`` on the wire: ``(tag, tensors)``."""
@@ -114,7 +171,8 @@ class P2P:
             shape = shape[:ndim]
             wire = torch.uint8 if dtype in _FP8 else dtype
             buf = torch.empty(shape, dtype=wire, device=self.device)
-            dist.recv(buf, src, group=self.group, tag=_WIRE_TAG)
+            if buf.numel():  # 0-element payloads are not posted (see send)
+                dist.recv(buf, src, group=self.group, tag=_WIRE_TAG)
             out.append(buf.view(dtype) if dtype in _FP8 else buf)
         return tag, out
 
@@ -141,6 +199,15 @@ class P2P:
             raise RuntimeError(
                 f"pipeline P2P: messages received but never asked for, per (src, tag): {left}"
             )
+
+
+def connect_once(p2p: P2P, done: set[int], peers: Iterable[int], world: int) -> None:
+    """:meth:`P2P.connect` to the group ranks of ``peers`` in ``[0, world)`` not yet in ``done``
+    (a schedule's set of connected peers, updated); every rank calls it at the same point."""
+    new = sorted({q for q in peers if 0 <= q < world} - done)
+    if new:
+        p2p.connect(new)
+        done.update(new)
 
 
 class WeightGradStore:
@@ -340,20 +407,28 @@ class _StageRunner:
         with self._cell("send", chunk):
             self.p2p.send(tensors, peer, self.tag_fwd if kind == FWD else self.tag_bwd)
 
-    def forward_chunk(self) -> None:
+    # A forward chunk is _forward_begin (inputs), the compute, _forward_end (loss, send); a
+    # backward chunk is _backward_begin (grads), the compute, _backward_end (send input grads).
+    # forward_chunk / backward_chunk run them in a row; forward_backward (below) runs the begin
+    # halves of an F&B pair, then both computes through the stage's overlap hook, then the ends.
+    def _forward_begin(self) -> tuple[int, tuple]:
         i = self.n_fwd
         self.n_fwd += 1
         if self.prev is None:
-            inputs = tuple(self.input_chunks[i])
-        else:
-            inputs = tuple(
-                t.requires_grad_() if t.is_floating_point() else t
-                for t in self._recv(self.prev, FWD, i)
-            )
-        with self._cell("F", i):  # on the last stage the loss is part of the forward cell
-            outputs = as_tuple(self.module(*inputs))
-            if self.next is None:
-                loss = self.criterion(*outputs, *self.label_chunks[i])
+            return i, tuple(self.input_chunks[i])
+        inputs = tuple(
+            t.requires_grad_() if t.is_floating_point() else t
+            for t in self._recv(self.prev, FWD, i)
+        )
+        return i, inputs
+
+    def _loss_args(self, i: int) -> tuple[Callable | None, tuple]:
+        """``(criterion, labels)`` of chunk ``i``: the criterion on the last stage only."""
+        if self.next is None:
+            return self.criterion, tuple(self.label_chunks[i])
+        return None, ()
+
+    def _forward_end(self, i: int, inputs: tuple, outputs: tuple, loss) -> None:
         if self.next is None:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"criterion must return a one-element loss tensor, got {loss!r}")
@@ -365,14 +440,37 @@ class _StageRunner:
             self._send(outputs, self.next, FWD, i)
             self.states[i] = (inputs, outputs)
 
-    def backward_chunk(self, wgrad_store: WeightGradStore | None = None) -> None:
-        """Backward of the oldest pending chunk; with ``wgrad_store`` only B now, W queued."""
+    def forward_chunk(self) -> None:
+        i, inputs = self._forward_begin()
+        criterion, labels = self._loss_args(i)
+        with self._cell("F", i):  # on the last stage the loss is part of the forward cell
+            outputs = as_tuple(self.module(*inputs))
+            loss = criterion(*outputs, *labels) if criterion is not None else None
+        self._forward_end(i, inputs, outputs, loss)
+
+    def _backward_begin(self) -> tuple[int, tuple, list, list]:
+        """``(chunk, stage inputs, outputs to backward from, their grads)``; on the last stage
+        the outputs are ``[loss]`` and the grads ``[None]``. Outputs that do not require grad
+        are left out."""
         i = self.n_bwd
         self.n_bwd += 1
         inputs, outs = self.states.pop(i)
         grads = [None] if self.next is None else self._recv(self.next, BWD, i)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
-        outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        return i, inputs, [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_end(self, i: int, inputs: tuple) -> None:
+        if self.prev is not None:
+            self._send(
+                [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs],
+                self.prev,
+                BWD,
+                i,
+            )
+
+    def backward_chunk(self, wgrad_store: WeightGradStore | None = None) -> None:
+        """Backward of the oldest pending chunk; with ``wgrad_store`` only B now, W queued."""
+        i, inputs, outs, grads = self._backward_begin()
         in_req = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
         params = [p for p in self.module.parameters() if p.requires_grad]
         if outs and wgrad_store is not None:
@@ -392,13 +490,7 @@ class _StageRunner:
         elif outs:
             with self._cell("BW", i):
                 torch.autograd.backward(outs, grads)
-        if self.prev is not None:
-            self._send(
-                [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs],
-                self.prev,
-                BWD,
-                i,
-            )
+        self._backward_end(i, inputs)
 
     def total_loss(self) -> torch.Tensor:
         return torch.stack([lo.reshape(()) for lo in self.losses]).sum()
@@ -406,3 +498,109 @@ class _StageRunner:
     def gathered_outputs(self):
         cat = tuple(torch.cat(parts, dim=0) for parts in zip(*self.outputs, strict=True))
         return cat[0] if len(cat) == 1 else cat
+
+
+OVERLAP_HOOK = "overlapped_forward_backward"
+
+
+def overlap_hook(module_f: nn.Module, module_b: nn.Module) -> Callable | None:
+    """The overlap hook an F&B step of ``module_f`` (forward) and ``module_b`` (backward) uses.
+
+    The hook is the attribute ``overlapped_forward_backward`` of the stage class, a classmethod
+    (or staticmethod) called as ``hook(module_f, inputs_f, criterion_f, labels_f, module_b,
+    loss_b, outputs_b, output_grads_b) -> (outputs_f, loss_f)`` (see :func:`forward_backward`).
+    It is used when both modules are instances of the same class that defines it; otherwise
+    (None) the step runs the forward, then the backward.
+
+    Raises:
+        TypeError: the class defines ``overlapped_forward_backward`` as a plain (instance)
+            method or a non-callable.
+    """
+    cls = type(module_f)
+    if type(module_b) is not cls:
+        return None
+    for klass in cls.__mro__:
+        if OVERLAP_HOOK in vars(klass):
+            raw = vars(klass)[OVERLAP_HOOK]
+            break
+    else:
+        return None
+    if raw is None:  # a subclass may switch the hook off
+        return None
+    if not isinstance(raw, (classmethod, staticmethod)):
+        raise TypeError(
+            f"{cls.__name__}.{OVERLAP_HOOK} must be a classmethod or staticmethod taking "
+            f"(module_f, inputs_f, criterion_f, labels_f, module_b, loss_b, outputs_b, "
+            f"output_grads_b), got {type(raw).__name__}"
+        )
+    return getattr(cls, OVERLAP_HOOK)
+
+
+def check_overlap_hooks(modules: Sequence[nn.Module]) -> None:
+    """Raise ``TypeError`` at schedule construction for a malformed hook (see
+    :func:`overlap_hook`), rather than in the middle of a step."""
+    for m in modules:
+        overlap_hook(m, m)
+
+
+def sequential_forward_backward(
+    module_f: nn.Module,
+    inputs_f: tuple,
+    criterion_f: Callable | None,
+    labels_f: tuple,
+    module_b: nn.Module,
+    loss_b: torch.Tensor | None,
+    outputs_b: Sequence[torch.Tensor],
+    output_grads_b: Sequence[torch.Tensor],
+) -> tuple[tuple, torch.Tensor | None]:
+    """The reference F&B compute: ``module_f``'s forward (and loss), then ``module_b``'s full
+    backward; the contract every ``overlapped_forward_backward`` hook must match numerically.
+
+    Args:
+        module_f: the stage whose forward runs; ``inputs_f`` its positional inputs.
+        criterion_f: on the last stage ``criterion_f(*outputs_f, *labels_f) -> loss``, else None.
+        module_b: the stage whose backward runs (its graph was built by an earlier forward).
+        loss_b: on the last stage the chunk's loss to backward from (then ``outputs_b`` and
+            ``output_grads_b`` are empty), else None.
+        outputs_b, output_grads_b: the stage outputs that require grad and the gradients the
+            next stage sent for them (same length; may be empty, then nothing is run).
+
+    Returns:
+        ``(outputs_f, loss_f)``: the forward's outputs as a tuple, and the loss (None when
+        ``criterion_f`` is None). Parameter grads of ``module_b`` and the ``.grad`` of its
+        stage inputs are accumulated as by ``torch.autograd.backward``.
+    """
+    outputs_f = as_tuple(module_f(*inputs_f))
+    loss_f = criterion_f(*outputs_f, *labels_f) if criterion_f is not None else None
+    if loss_b is not None:
+        torch.autograd.backward([loss_b])
+    elif outputs_b:
+        torch.autograd.backward(list(outputs_b), list(output_grads_b))
+    return outputs_f, loss_f
+
+
+def forward_backward(f: _StageRunner, b: _StageRunner, overlap: bool = True) -> None:
+    """One F&B step: ``f``'s next forward chunk and ``b``'s next backward chunk (B and W).
+
+    Without a hook (or with ``overlap=False``) it is ``f.forward_chunk(); b.backward_chunk()``.
+    With one (:func:`overlap_hook`) the receives of both chunks come first, then one hook call
+    computes both, then both sends; with a timeline, the hook's span is recorded as the F cell of
+    ``f``'s chunk and the BW cell of ``b``'s (the two overlap).
+    """
+    hook = overlap_hook(f.module, b.module) if overlap else None
+    if hook is None:
+        f.forward_chunk()
+        b.backward_chunk()
+        return
+    i_f, inputs_f = f._forward_begin()
+    criterion_f, labels_f = f._loss_args(i_f)
+    i_b, inputs_b, outs_b, grads_b = b._backward_begin()
+    loss_b = outs_b[0] if b.next is None and outs_b else None
+    if loss_b is not None:
+        outs_b, grads_b = [], []
+    with f._cell("F", i_f), b._cell("BW", i_b):
+        outputs_f, loss_f = hook(
+            f.module, inputs_f, criterion_f, labels_f, b.module, loss_b, outs_b, grads_b
+        )
+    f._forward_end(i_f, inputs_f, as_tuple(outputs_f), loss_f)
+    b._backward_end(i_b, inputs_b)

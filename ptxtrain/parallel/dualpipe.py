@@ -15,8 +15,17 @@ Design notes:
   (1) warmup forwards of the near direction, (2) alternate near/far forwards,
   (3) B+W of the far direction then its forward, (4) main phase of F&B pairs,
   (5) far B then an F&B pair, (6) pairs of backwards, (7) W then near B, (8) remaining W.
-  Here each F&B "pair" runs one after the other: correctness first, the overlap of one chunk's
-  communication with the other's compute (``overlapped_forward_backward``) is left for later.
+  An F&B pair goes through the stages' overlap hook when their class defines one
+  (``overlapped_forward_backward``, see :func:`~ptxtrain.parallel._p2p.forward_backward`): the
+  receives of both chunks, one hook call computing the forward of one chunk and the backward of
+  the other (on CUDA the model's stage overlaps them on two streams), then both sends. Without a
+  hook (or with ``overlap=False``) the forward runs, then the backward.
+- NCCL: micro-batches enter at both ends, so two neighbours can both send to each other before
+  either receives (at PP=2 the first op of each rank: rank 0 sends direction 0's activations
+  while rank 1 sends direction 1's), which NCCL's lazy connection set-up cannot take (CUDA
+  error 700 at the first send; see :mod:`ptxtrain.parallel._p2p`). The first ``step`` therefore
+  connects every rank to its neighbours and its mirror with
+  :meth:`~ptxtrain.parallel._p2p.P2P.connect`, once.
 - Gradients: a rank's two modules are different stages, so nothing is reduced between them. But
   stage s has two copies, on ranks s and PP-1-s, each receiving the gradient of one direction's
   micro-batches only; the model's gradient is their sum. Call :meth:`DualPipe.reduce_mirrored_grads`
@@ -36,8 +45,11 @@ from ptxtrain.parallel._p2p import (
     P2P,
     WeightGradStore,
     _StageRunner,
+    check_overlap_hooks,
     check_step_args,
     check_two_stages,
+    connect_once,
+    forward_backward,
     module_device,
 )
 from ptxtrain.parallel.timeline import Timeline
@@ -51,18 +63,29 @@ class DualPipe(nn.Module):
             ``nn.Module``; each takes the previous stage's outputs (tensor or tuple of tensors) as
             positional arguments and returns a tensor or a tuple of tensors.
         process_group: the pipeline's process group (default: the world).
+        overlap: run the F&B steps through the stages' ``overlapped_forward_backward`` hook
+            when their class defines one (see :func:`~ptxtrain.parallel._p2p.forward_backward`);
+            False: forward then backward, as for stages without a hook.
 
     Raises:
         ValueError: ``modules`` does not hold exactly two modules.
-        TypeError: an entry of ``modules`` is not an ``nn.Module``.
+        TypeError: an entry of ``modules`` is not an ``nn.Module``, or its class defines
+            ``overlapped_forward_backward`` other than as a classmethod / staticmethod.
     """
 
     def __init__(
-        self, modules: Sequence[nn.Module], process_group: dist.ProcessGroup | None = None
+        self,
+        modules: Sequence[nn.Module],
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        overlap: bool = True,
     ):
         super().__init__()
         self.module = check_two_stages(modules, "(stage_r, stage_PP-1-r)")
+        check_overlap_hooks(self.module)
         self.group = process_group
+        self.overlap = bool(overlap)
+        self._connected: set[int] = set()  # peers whose P2P connections are set up
 
     def step(
         self,
@@ -125,6 +148,8 @@ class DualPipe(nn.Module):
 
         p2p = P2P(self.group, device)
         last = world - 1
+        # NCCL: set up every pair's connections (neighbours, mirror) before any crossed send.
+        connect_once(p2p, self._connected, (rank - 1, rank + 1, last - rank), world)
         stages = (
             _StageRunner(  # direction 0: rank 0 -> rank PP-1
                 self.module[0],
@@ -151,7 +176,7 @@ class DualPipe(nn.Module):
                 timeline=timeline,
             ),
         )
-        self._run_schedule(stages, rank, world, n)
+        self._run_schedule(stages, rank, world, n, self.overlap)
         p2p.wait_all()
         if timeline is not None:
             timeline._end()
@@ -162,7 +187,7 @@ class DualPipe(nn.Module):
         return ending.total_loss(), (ending.gathered_outputs() if return_outputs else None)
 
     @staticmethod
-    def _run_schedule(stages, rank: int, world: int, n: int) -> None:
+    def _run_schedule(stages, rank: int, world: int, n: int, overlap: bool = True) -> None:
         half = world // 2
         k = min(rank, world - 1 - rank)
         near = stages[0] if rank < half else stages[1]  # the direction this rank is early in
@@ -170,9 +195,7 @@ class DualPipe(nn.Module):
         wgrad = WeightGradStore()
 
         def _forward_backward(f: _StageRunner, b: _StageRunner) -> None:
-            # An F&B cell; sequential here (the overlap hook is future work).
-            f.forward_chunk()
-            b.backward_chunk()
+            forward_backward(f, b, overlap)  # an F&B cell, through the overlap hook if any
 
         # 1. Warmup: forwards of the near direction only.
         for _ in range(2 * (half - k - 1)):
@@ -221,9 +244,15 @@ class DualPipe(nn.Module):
             [p.grad if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
             for m in self.module
         ]
-        # Rank r's modules[0] is the mirror's modules[1] and vice versa.
-        p2p.send(mine[0] + mine[1], mirror, tag=4)
-        theirs = p2p.recv(mirror, tag=4)
+        connect_once(p2p, self._connected, (mirror,), world)
+        # Rank r's modules[0] is the mirror's modules[1] and vice versa. The lower rank sends
+        # first, so the pair's first ops never cross (see the module docstring).
+        if rank < mirror:
+            p2p.send(mine[0] + mine[1], mirror, tag=4)
+            theirs = p2p.recv(mirror, tag=4)
+        else:
+            theirs = p2p.recv(mirror, tag=4)
+            p2p.send(mine[0] + mine[1], mirror, tag=4)
         n0 = len(mine[0])
         got = (theirs[len(theirs) - n0 :], theirs[: len(theirs) - n0])
         for m, own, other in zip(self.module, mine, got, strict=True):

@@ -15,7 +15,11 @@ Design notes:
   (5) ``R-r-1`` x (phase-1 B, F1 & B0), (6) ``r+1`` x (phase-1 B, phase-0 B), the last ``r+1`` of
   these backwards deferring W, (7) ``R-r-1`` x (W, phase-0 B deferring W), (8) remaining W.
   Each of the N micro-batches thus gets one F and one B per phase on every rank; needs
-  N >= 2R. F&B pairs run one after the other (no compute/communication overlap yet).
+  N >= 2R. F&B pairs go through the stages' overlap hook when they define one, as in DualPipe
+  (:func:`~ptxtrain.parallel._p2p.forward_backward`); otherwise forward, then backward.
+- The first ``step`` sets up the P2P connections to both neighbours
+  (:meth:`~ptxtrain.parallel._p2p.P2P.connect`; see :mod:`ptxtrain.parallel._p2p` for why NCCL
+  needs it).
 - Bubble ``(PP/2-1)(F&B+B-3W)`` with PP = 2R stages, as DualPipe's on PP ranks, for half the
   devices; 2 stages of parameters per rank and activations of up to PP+1 micro-batches.
 """
@@ -33,8 +37,11 @@ from ptxtrain.parallel._p2p import (
     WeightGradStore,
     _Loopback,
     _StageRunner,
+    check_overlap_hooks,
     check_step_args,
     check_two_stages,
+    connect_once,
+    forward_backward,
     module_device,
 )
 from ptxtrain.parallel.timeline import Timeline
@@ -49,18 +56,28 @@ class DualPipeV(nn.Module):
             arguments and returns a tensor or a tuple of tensors. Stage R-1's outputs feed stage
             R on the same rank.
         process_group: the pipeline's process group (default: the world); any size R >= 1.
+        overlap: run the F&B steps through the stages' ``overlapped_forward_backward`` hook
+            when their class defines one; False: forward then backward.
 
     Raises:
         ValueError: ``modules`` does not hold exactly two modules.
-        TypeError: an entry of ``modules`` is not an ``nn.Module``.
+        TypeError: an entry of ``modules`` is not an ``nn.Module``, or its class defines
+            ``overlapped_forward_backward`` other than as a classmethod / staticmethod.
     """
 
     def __init__(
-        self, modules: Sequence[nn.Module], process_group: dist.ProcessGroup | None = None
+        self,
+        modules: Sequence[nn.Module],
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        overlap: bool = True,
     ):
         super().__init__()
         self.module = check_two_stages(modules, "(stage_r, stage_2R-1-r)")
+        check_overlap_hooks(self.module)
         self.group = process_group
+        self.overlap = bool(overlap)
+        self._connected: set[int] = set()  # peers whose P2P connections are set up
 
     def step(
         self,
@@ -118,6 +135,7 @@ class DualPipeV(nn.Module):
             timeline._begin("dualpipev", rank, world, num_chunks, device)
 
         p2p = P2P(self.group, device)
+        connect_once(p2p, self._connected, (rank - 1, rank + 1), world)
         turn = _Loopback() if last else None  # stage R-1 -> stage R on rank R-1
         stages = (
             _StageRunner(  # phase 0, stage r: down from rank r-1 to rank r+1
@@ -145,7 +163,7 @@ class DualPipeV(nn.Module):
                 timeline=timeline,
             ),
         )
-        self._run_schedule(stages, rank, world, num_chunks)
+        self._run_schedule(stages, rank, world, num_chunks, self.overlap)
         p2p.wait_all()
         if timeline is not None:
             timeline._end()
@@ -156,15 +174,13 @@ class DualPipeV(nn.Module):
         return up.total_loss(), (up.gathered_outputs() if return_outputs else None)
 
     @staticmethod
-    def _run_schedule(stages, rank: int, world: int, n: int) -> None:
+    def _run_schedule(stages, rank: int, world: int, n: int, overlap: bool = True) -> None:
         down, up = stages
         wgrad = WeightGradStore()
         rest = world - rank - 1  # ranks below this one
 
         def _forward_backward(f: _StageRunner, b: _StageRunner) -> None:
-            # An F&B cell; sequential here (the overlap hook is future work).
-            f.forward_chunk()
-            b.backward_chunk()
+            forward_backward(f, b, overlap)  # an F&B cell, through the overlap hook if any
 
         # 1. Warmup: down-leg forwards only.
         for _ in range(2 * rest):

@@ -8,7 +8,8 @@ Design notes (DESIGN §5, ANCHORS §3):
   ``PP - s`` micro-batches' activations are alive on rank s (PP on rank 0).
 - Bubble per rank: ``(PP-1)(F+B)`` (F, B: one chunk's forward / full backward time).
 - Communication is plain async send + blocking receive (``_p2p``); compute/communication overlap is
-  not attempted here.
+  not attempted here. The first ``step`` sets up the P2P connections to both neighbours
+  (:meth:`~ptxtrain.parallel._p2p.P2P.connect`), as the other schedules do.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptxtrain.parallel._p2p import P2P, _StageRunner, check_step_args, module_device
+from ptxtrain.parallel._p2p import (
+    P2P,
+    _StageRunner,
+    check_step_args,
+    connect_once,
+    module_device,
+)
 from ptxtrain.parallel.timeline import Timeline
 
 
@@ -42,6 +49,7 @@ class OneFOneB(nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         self.module = module
         self.group = process_group
+        self._connected: set[int] = set()  # peers whose P2P connections are set up
 
     def step(
         self,
@@ -97,6 +105,7 @@ class OneFOneB(nn.Module):
             timeline._begin("1f1b", rank, world, num_chunks, device)
 
         p2p = P2P(self.group, device)
+        connect_once(p2p, self._connected, (rank - 1, rank + 1), world)
         stage = _StageRunner(
             self.module,
             p2p,

@@ -102,14 +102,20 @@ def check_pipeline(schedule: str, pp: int, num_chunks: int, n_layers: int | None
 
 
 def build_schedule(
-    schedule: str, modules: Sequence[nn.Module], process_group: dist.ProcessGroup | None = None
+    schedule: str,
+    modules: Sequence[nn.Module],
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    overlap: bool = True,
 ) -> OneFOneB | DualPipe | DualPipeV:
     """The schedule object of one rank over its stage ``modules`` (ordered as
-    :func:`stages_of_rank`): one module for 1F1B, two for DualPipe / DualPipeV."""
+    :func:`stages_of_rank`): one module for 1F1B, two for DualPipe / DualPipeV. ``overlap``:
+    DualPipe / DualPipeV run their F&B steps through the stages' overlap hook (ignored by 1F1B,
+    which has no F&B step)."""
     _check_schedule(schedule)
     if schedule == "1f1b":
         if len(modules) != 1:
             raise ValueError(f"1f1b takes one stage module per rank, got {len(modules)}")
         return OneFOneB(modules[0], process_group)
     cls = DualPipe if schedule == "dualpipe" else DualPipeV
-    return cls(list(modules), process_group)
+    return cls(list(modules), process_group, overlap=overlap)

@@ -5,9 +5,13 @@ Backends (each a module with the quantizers of :mod:`ptxtrain.quant.ref`, bit-id
 - ``ref``: PyTorch ops; any device; the oracle.
 - ``triton``: Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``), incl. the fused
   one-read ``per_token_cast_to_fp8_both``.
+- ``cuda``: hand-written CUDA kernels compiled by NVRTC (:mod:`ptxtrain.jit`) for sm_90a: one
+  read of each 128x128 tile for the transposed and fused quantizations.
 
-``auto`` (the default) picks ``triton`` for CUDA tensors when Triton is installed, else ``ref``;
-``PTXTRAIN_QUANT_BACKEND`` forces one. Dequantization (``*_cast_back``) is always the reference.
+``auto`` (the default) picks, for CUDA tensors, ``cuda`` for the ops in
+``ptxtrain.quant.cuda.AUTO_OPS`` on an sm_90 GPU when NVRTC and the driver are present, else
+``triton`` when Triton is installed, else ``ref``; ``PTXTRAIN_QUANT_BACKEND`` forces one (for
+every op). Dequantization (``*_cast_back``) is always the reference.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ptxtrain.quant.ref import (
     per_token_cast_back,
 )
 
-BACKENDS = ("ref", "triton")
+BACKENDS = ("ref", "triton", "cuda")
 ENV_VAR = "PTXTRAIN_QUANT_BACKEND"
 
 
@@ -33,8 +37,12 @@ def backends() -> dict[str, str]:
     return _backend.availability(__name__, BACKENDS)
 
 
-def select_backend(x: torch.Tensor) -> str:
-    """The backend ``auto`` (or ``PTXTRAIN_QUANT_BACKEND``) gives for input ``x``.
+def select_backend(x: torch.Tensor, op: str = "per_token_cast_to_fp8") -> str:
+    """The backend ``auto`` (or ``PTXTRAIN_QUANT_BACKEND``) gives for quantizer ``op`` of ``x``.
+
+    Args:
+        x: the input tensor (its device decides).
+        op: the quantizer's name, e.g. ``"per_token_cast_to_fp8_both"``.
 
     Raises:
         ValueError: ``PTXTRAIN_QUANT_BACKEND`` holds an unknown name.
@@ -42,15 +50,28 @@ def select_backend(x: torch.Tensor) -> str:
     forced = _backend.requested(ENV_VAR, BACKENDS)
     if forced != "auto":
         return forced
-    if x.device.type == "cuda" and _backend.triton_usable(x.device):
+    if x.device.type != "cuda":
+        return "ref"
+    if _cuda_usable(x.device, op):
+        return "cuda"
+    if _backend.triton_usable(x.device):
         return "triton"
     return "ref"
+
+
+def _cuda_usable(device: torch.device, op: str) -> bool:
+    """The cuda backend imports (NVRTC present), runs on ``device`` and takes ``op`` in auto."""
+    try:
+        cuda_backend = _backend.load(__name__, "cuda")
+    except RuntimeError:
+        return False
+    return op in cuda_backend.AUTO_OPS and cuda_backend.usable(device)
 
 
 def _impl(fn_name: str, x: object):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    return getattr(_backend.load(__name__, select_backend(x)), fn_name)
+    return getattr(_backend.load(__name__, select_backend(x, fn_name)), fn_name)
 
 
 def per_token_cast_to_fp8(
@@ -98,8 +119,8 @@ def per_block_cast_to_fp8(
 def per_block_cast_to_fp8_both(
     w: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """128x128 quantizations of ``w`` and ``wᵀ`` (one read in the Triton kernel), on the
-    selected backend.
+    """128x128 quantizations of ``w`` and ``wᵀ`` (one read in the Triton and CUDA kernels), on
+    the selected backend.
 
     Contract and errors: :func:`ptxtrain.quant.ref.per_block_cast_to_fp8_both`.
     """

@@ -20,6 +20,7 @@ expert parallelism across the pipeline group, checkpoints and ``--resume``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,10 @@ class PipelineRunner:
         schedule: ``"1f1b"``, ``"dualpipe"`` or ``"dualpipev"``.
         num_chunks: micro-batches per step.
         group: the pipeline process group (default: the world); its size is PP.
+        overlap: DualPipe / DualPipeV: run the F&B steps through
+            :meth:`DeepSeekV3Stage.overlapped_forward_backward` (two CUDA streams). None (the
+            default) reads the environment variable ``PTXTRAIN_PP_OVERLAP`` (``0`` turns it
+            off, for A/B runs), else on.
 
     Raises:
         ValueError: an invalid combination (:func:`~ptxtrain.parallel.stages.check_pipeline`), or
@@ -72,6 +77,7 @@ class PipelineRunner:
         schedule: str,
         num_chunks: int,
         group: dist.ProcessGroup | None = None,
+        overlap: bool | None = None,
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -82,7 +88,10 @@ class PipelineRunner:
         ids = stages_of_rank(schedule, self.rank, self.pp)
         self.stages = [DeepSeekV3Stage(model, s, self.n_stages) for s in ids]
         self.module = nn.ModuleList(self.stages)  # for the optimizer: this rank's parameters
-        self.runner = build_schedule(schedule, self.stages, group)
+        if overlap is None:
+            overlap = os.environ.get("PTXTRAIN_PP_OVERLAP", "1").strip() != "0"
+        self.overlap = bool(overlap)
+        self.runner = build_schedule(schedule, self.stages, group, overlap=self.overlap)
         self.owned = [
             st for st in self.stages if owner_of_stage(schedule, st.index, self.pp) == self.rank
         ]

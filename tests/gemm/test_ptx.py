@@ -45,10 +45,13 @@ def test_config_is_valid_and_fills_the_sms(kind, m, n, k):
         assert -(-m // cfg.block_m) >= 2
 
 
-def test_config_prefers_wide_tiles_at_large_m():
-    # 4096 x 7168: 128x160 tiles need 11 waves against 14 for 128x128 (DeepGEMM's BLOCK_N = 160),
-    # and 1440 tiles fill the SMs, so B is multicast over clusters of two.
-    assert ptx.select_config("1d2d", 4096, 7168, 16384, H200_SMS) == ptx.PtxConfig(128, 160, 6, 2)
+def test_config_prefers_256_row_tiles_at_large_m():
+    # 4096 x 7168 x 16384: 256x128 tiles with B multicast measured fastest on an H200 (1239 vs
+    # 1017 TFLOPS for 128x128 and 995 for 128x160; benchmarks/results/2026-11-22-ptx-gemm-*).
+    assert ptx.select_config("1d2d", 4096, 7168, 16384, H200_SMS) == ptx.PtxConfig(256, 128, 4, 2)
+    # Decode-sized M keeps one 64-row math warpgroup and narrow tiles spread over the SMs.
+    small = ptx.select_config("1d2d", 64, 2112, 7168, H200_SMS)
+    assert small.block_m == 64 and small.block_n <= 32 and small.cluster == 1
 
 
 def test_config_rejects_bad_arguments():

@@ -4,7 +4,10 @@ Following DeepEP's test method (ANCHORS §2): every rank builds *all* ranks' inp
 so it can recompute, in plain Python, what it must receive. Rows are rank-encoded (column 0 = the
 source rank, column 1 = the source token index), so the order of received rows is checked both
 against the recomputation and by decoding the rows themselves. Each world size spawns its
-processes once and runs every check inside.
+processes once and runs every check inside, once on ``all_to_all_single`` and once through the
+nvlink backend's Python side (index lists, byte rows, padding, capacity, autograd) with the
+kernel replaced by :class:`GlooTransport`, a gloo emulation of its contract. The kernel itself is
+tested on GPUs in ``test_nvlink.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptxtrain.moe.dispatch import Buffer, DispatchHandle, get_dispatch_layout
+from ptxtrain.moe.dispatch import Buffer, DispatchHandle, EventOverlap, get_dispatch_layout
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.quant.ref import per_token_cast_to_fp8
 from tests.moe._dist import run_gloo
@@ -119,7 +122,7 @@ def _check_validation(buf, rank):
         with pytest.raises(exc, match=word):
             buf.dispatch(**args)
     with pytest.raises(ValueError, match="backend"):
-        Buffer(backend="nvlink")
+        Buffer(backend="nvlink")  # no CUDA here
     with pytest.raises(TypeError, match="handle"):
         buf.combine(x, handle=None)
 
@@ -229,10 +232,86 @@ def _check_moe_end_to_end(buf, rank, world, num_experts):
     torch.testing.assert_close(ws[rank].grad, ref_w[rank].grad, **tol, msg=lambda m: f"dw: {m}")
 
 
+class GlooTransport:
+    """The nvlink kernel's contract (``NvlinkTransport.exchange``) emulated with gloo.
+
+    ``out[k]`` = the row that rank ``recv_src[k]`` sent to this rank at place ``recv_slot[k]``;
+    capacity ``num_nvl_bytes // (R · row bytes)`` rows per peer, as the real transport.
+    """
+
+    def __init__(self, rank, num_ranks, num_nvl_bytes):
+        self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_nvl_bytes
+        self.device = torch.device("cpu")
+        self.row_bytes_seen = set()
+
+    def capacity_rows(self, row_bytes):
+        return self.num_nvl_bytes // (self.num_ranks * row_bytes)
+
+    def exchange(self, rows, send_row, send_dst, send_slot, recv_src, recv_slot):
+        assert rows.dtype == torch.uint8 and rows.shape[1] % 16 == 0 and rows.is_contiguous()
+        assert send_dst.dtype == recv_src.dtype == torch.int32
+        self.row_bytes_seen.add(rows.shape[1])
+        sent = (rows[send_row], send_dst.long(), send_slot.long())
+        everyone = [None] * self.num_ranks
+        dist.all_gather_object(everyone, sent)
+        regions = []  # regions[s][j]: the j-th row rank s sent here
+        for r_rows, r_dst, r_slot in everyone:
+            mine = (r_dst == self.rank).nonzero()[:, 0]
+            slots, order = r_slot[mine].sort()
+            assert torch.equal(slots, torch.arange(mine.numel())), "slots not 0..count-1"
+            regions.append(r_rows[mine[order]])
+        out = rows.new_zeros(recv_src.shape[0], rows.shape[1])
+        for src in range(self.num_ranks):
+            at = (recv_src == src).nonzero()[:, 0]
+            out[at] = regions[src][recv_slot[at].long()]  # IndexError if a slot is out of range
+        return out
+
+
+def _check_async(buf, rank, world, num_experts):
+    xs, idxs, ws = _scenario(world, 21, [5, 8, 3, 6][:world], 16, 2, num_experts)
+    sync = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+    *got, event = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts, async_finish=True)
+    assert isinstance(event, EventOverlap) and event.is_complete()
+    event.current_stream_wait()
+    event.synchronize()
+    for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), got, sync):
+        _check_exact(f"async {name}", a, b)
+    assert got[3] == sync[3]
+    y = torch.randn(sync[0].shape, generator=torch.Generator().manual_seed(rank))
+    out, event = buf.combine(y, got[4], async_finish=True)
+    assert isinstance(event, EventOverlap) and event.is_complete()
+    _check_exact("async combine", out, buf.combine(y, sync[4]))
+
+
+def _check_capacity(rank, world, num_experts):
+    """Too small a (gloo-emulated) nvlink buffer raises on every rank, before moving data."""
+    buf = Buffer()
+    xs, idxs, ws = _scenario(world, 22, [12] * world, 16, 2, num_experts)
+    # fp32 rows of 16 values = 64 bytes; 2 rows per peer fit, 12 tokens do not.
+    buf._transport = GlooTransport(rank, world, num_nvl_bytes=2 * world * 64)
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+
+
 def _worker(rank: int, world: int) -> None:
     buf = Buffer()
     assert (buf.rank, buf.num_ranks) == (rank, world)
     _check_validation(buf, rank)
+    _check_async(buf, rank, world, 3 * world)
+    _check_capacity(rank, world, 3 * world)
+    _run_checks(buf, rank, world)
+    # The nvlink backend's Python side (handle indices, byte rows, 16-byte padding, autograd)
+    # on the emulated kernel: every check again, same expected results.
+    nvl = Buffer()
+    nvl._transport = GlooTransport(rank, world, num_nvl_bytes=1 << 20)
+    _run_checks(nvl, rank, world)
+    # fp32 [.,16] = 64 B, fp64 [.,12] = 96 B, weights [.,3]/[.,4] fp32 = 12/16 B -> 16 (padded),
+    # fp8 200 B + 8 B scales = 208 B, bf16 [.,24] = 48 B: every payload went through it.
+    assert {16, 48, 64, 96, 208} <= nvl._transport.row_bytes_seen, nvl._transport.row_bytes_seen
+    dist.barrier()
+
+
+def _run_checks(buf, rank, world):
     e = 3 * world
     # Uneven, skewed loads; rank 1 has no tokens; the last rank receives nothing.
     tokens = [9, 0, 13, 5][:world]
@@ -270,3 +349,28 @@ def test_get_dispatch_layout_single_process():
         get_dispatch_layout(idx, 15, 4)
     with pytest.raises(ValueError, match="topk_idx"):
         get_dispatch_layout(idx - 2, 16, 4)
+
+
+def test_buffer_argument_validation_single_process():
+    # Checked before the process group: no init needed.
+    bad = [
+        (ValueError, "backend", dict(backend="nccl")),
+        (ValueError, "num_sms", dict(num_sms=0)),
+        (TypeError, "num_sms", dict(num_sms=2.0)),
+        (ValueError, "num_nvl_bytes", dict(num_nvl_bytes=-1)),
+        (TypeError, "num_nvl_bytes", dict(num_nvl_bytes="1G")),
+        (ValueError, "timeout_s", dict(timeout_s=0.0)),
+        (TypeError, "timeout_s", dict(timeout_s=True)),
+    ]
+    for exc, word, kw in bad:
+        with pytest.raises(exc, match=word):
+            Buffer(**kw)
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="init_process_group"):
+            Buffer()
+    # Rows padded to 16 bytes: 7392-byte FP8 rows stay, 8-byte weight rows take 16.
+    assert Buffer.nvl_bytes_hint(4096, 7168 + 224, 8) == 4096 * 7392 * 8
+    assert Buffer.nvl_bytes_hint(10, 8, 2) == 10 * 16 * 2
+    with pytest.raises(ValueError, match="num_max_tokens"):
+        Buffer.nvl_bytes_hint(0, 16, 2)
+    assert EventOverlap().is_complete()  # CPU: nothing to wait for

@@ -9,7 +9,10 @@ logs, and check what NCCL needs:
 
 - per ordered pair (src, dst): the sizes, dtypes and bytes src sends, in order, equal those dst
   receives, in order, tags ignored (what NCCL would deliver is what gloo delivered);
-- every rank issues the same collectives, in the same order, with the same shapes and dtypes.
+- every rank issues the same collectives, in the same order, with the same shapes and dtypes;
+- no pair's connections are set up from crossed first ops (both ranks sending to each other
+  first), which crashed DualPipe on NCCL before the schedules connected their peers eagerly
+  (``P2P.connect``); a DualPipe step without it is checked to be caught.
 
 Before messages carried their own tag (``ptxtrain.parallel._p2p``), DualPipeV on 4 ranks failed
 the first check (a ``tag 0`` activation sent ahead of a ``tag 3`` gradient on the same pair,
@@ -79,6 +82,35 @@ def _check_traffic(log: list, rank: int, world: int, what: str) -> None:
         assert colls[r] == colls[0], f"{what}: collectives of rank {r} {colls[r]} != {colls[0]}"
 
 
+def _crossed_first_ops(log: list, world: int) -> list[str]:
+    """The pairs whose connections NCCL would set up from crossed first ops (gathered logs).
+
+    NCCL (runtime connect) sets a rank's connection toward a peer up at its first send to and
+    at its first receive from that peer, and pairs these set-up events of the two ranks in
+    order; the k-th events of the two sides must be of opposite kinds (a send meeting a
+    receive). Both ranks sending first to each other is what crashed DualPipe on 2 x H200
+    (``ptxtrain.parallel._p2p``). Returns one message per bad pair (empty: all fine).
+    """
+    logs: list = [None] * world
+    dist.all_gather_object(logs, log)
+    events: list[dict[int, list[str]]] = []
+    for lg in logs:
+        ev: dict[int, list[str]] = {}
+        for op, peer, *_ in lg:
+            if op in _P2P_OPS:
+                kind = "send" if op in ("isend", "send") else "recv"
+                if kind not in ev.setdefault(peer, []):
+                    ev[peer].append(kind)
+        events.append(ev)
+    bad = []
+    for a in range(world):
+        for b in range(a + 1, world):
+            ea, eb = events[a].get(b, []), events[b].get(a, [])
+            if any(x == y for x, y in zip(ea, eb, strict=False)) or len(ea) != len(eb):
+                bad.append(f"ranks {a}, {b}: set-up ops {ea} vs {eb}")
+    return bad
+
+
 def _two_tags(rank: int, world: int) -> None:
     torch.manual_seed(7)
     a = torch.randn(3, 4)  # same seed on both ranks, so rank 1 knows what to expect
@@ -117,6 +149,7 @@ def _schedules(rank: int, world: int) -> None:
         labels=(y,) if rank == last else (),
     )
     _check_traffic(log, rank, world, "1F1B")
+    assert not _crossed_first_ops(log, world), _crossed_first_ops(log, world)
     log.clear()
 
     dp = DualPipe((make_stage(rank), make_stage(last - rank)))
@@ -126,6 +159,16 @@ def _schedules(rank: int, world: int) -> None:
     dp.step(*inputs, num_chunks=n_chunks, criterion=criterion if labels else None, labels=labels)
     dp.reduce_mirrored_grads()
     _check_traffic(log, rank, world, "DualPipe")
+    assert not _crossed_first_ops(log, world), _crossed_first_ops(log, world)
+    log.clear()
+
+    # The same step without the eager connect crosses its first sends: what crashed on NCCL.
+    unconnected = DualPipe((make_stage(rank), make_stage(last - rank)))
+    unconnected._connected.update(range(world))  # as if connected: P2P.connect is skipped
+    unconnected.step(
+        *inputs, num_chunks=n_chunks, criterion=criterion if labels else None, labels=labels
+    )
+    assert _crossed_first_ops(log, world), "the check must see DualPipe's crossed first sends"
     log.clear()
 
     DualPipeV((make_stage(rank), make_stage(2 * world - 1 - rank))).step(
@@ -135,6 +178,7 @@ def _schedules(rank: int, world: int) -> None:
         labels=(y,) if rank == 0 else (),
     )
     _check_traffic(log, rank, world, "DualPipeV")
+    assert not _crossed_first_ops(log, world), _crossed_first_ops(log, world)
 
 
 def test_schedule_traffic_pairs_up_without_tags():

@@ -1,0 +1,210 @@
+"""``ptxtrain bench dispatch``: expert-parallel dispatch / combine in µs and GB/s, per backend.
+
+Run under torchrun, one GPU per rank (``torchrun --nproc-per-node 8 -m ptxtrain bench
+dispatch``). DeepEP's setting by default (ANCHORS §2): 4096 tokens per rank, hidden 7168, 256
+experts, top-8 uniform random routing, FP8 dispatch, BF16 combine.
+
+Method (DeepEP's test_intranode, DESIGN §4 and §6): for each backend (``all_to_all`` always,
+``nvlink`` when every GPU of the group is peer-accessible), warm-ups, then ``repeats`` timed
+calls, each preceded by a barrier and a device synchronization, timed with CUDA events around
+the call on the current stream; the median is reported per rank. Three operations:
+
+- ``dispatch``: the whole ``Buffer.dispatch`` call (layout, count + metadata exchange with its
+  host sync, payload), FP8 activations + FP32 scales + weights;
+- ``dispatch_payload``: the FP8 payload rows alone with a cached handle (what DeepEP times when
+  it passes a handle);
+- ``combine``: ``Buffer.combine`` of BF16 rows (a cached handle by nature).
+
+Bandwidth = logical bytes received / time, as DeepEP reports: ``N · H · 2`` BF16 bytes times
+``(1 + 4/128) / 2`` for FP8 dispatch (the scales included), ``N · H · 2`` for combine, where
+``N`` is the rows this rank receives in dispatch (= sends in combine). Rank 0 prints and writes
+the table with every rank's numbers.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ptxtrain.bench.timing import environment
+
+__all__ = ["bench_dispatch", "format_table", "logical_bytes"]
+
+_OPS = ("dispatch", "dispatch_payload", "combine")
+
+
+def logical_bytes(op: str, num_recv_tokens: int, hidden: int, fp8: bool = True) -> float:
+    """DeepEP's logical bytes of one operation on one rank.
+
+    ``op``: ``"dispatch"`` / ``"dispatch_payload"`` (FP8: ``N·H·(1 + 4/128)``, BF16 ``2·N·H``)
+    or ``"combine"`` (BF16, ``2·N·H``). Raises ValueError for another ``op``.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+    bf16 = 2.0 * num_recv_tokens * hidden
+    if op != "combine" and fp8:
+        return bf16 * (1 + 4 / 128) / 2
+    return bf16
+
+
+def _nvlink_possible() -> str | None:
+    """None when the nvlink backend can run here, else why not."""
+    n = torch.cuda.device_count()
+    world = dist.get_world_size()
+    if world > n:
+        return f"{world} ranks on {n} visible GPUs (one node, one GPU per rank needed)"
+    me = torch.cuda.current_device()
+    for other in range(min(n, world)):
+        if other != me and not torch.cuda.can_device_access_peer(me, other):
+            return f"GPU {me} cannot access GPU {other} (no NVLink / P2P)"
+    return None
+
+
+def _time(fn, repeats: int, warmup: int) -> list[float]:
+    """µs per call: barrier + sync before each, CUDA events around it."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def bench_dispatch(
+    *,
+    tokens: int = 4096,
+    hidden: int = 7168,
+    experts: int = 256,
+    topk: int = 8,
+    num_sms: int = 24,
+    repeats: int = 20,
+    warmup: int = 5,
+    seed: int = 0,
+) -> dict:
+    """Time dispatch / combine of every available backend; return rank 0's results record.
+
+    Needs an initialized NCCL process group, one CUDA device per rank (the current device).
+    ``experts`` must be a multiple of the world size and ``topk <= experts``.
+
+    Returns:
+        On every rank: ``{"bench": "dispatch", "env", "settings", "rows", "skipped",
+        "method"}``; ``rows`` has one entry per (backend, op) with the median µs and GB/s of
+        every rank, their mean/max and the rows received.
+
+    Raises:
+        ValueError: bad sizes; RuntimeError: no process group / CUDA.
+    """
+    from ptxtrain.moe.dispatch import Buffer, _dispatch_rows
+    from ptxtrain.quant.ref import per_token_cast_to_fp8
+
+    if not dist.is_initialized() or not torch.cuda.is_available():
+        raise RuntimeError("bench dispatch needs CUDA and torch.distributed (run it with torchrun)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if experts % world or topk > experts:
+        raise ValueError(
+            f"experts must be a multiple of the {world} ranks and >= topk, got experts="
+            f"{experts}, topk={topk}"
+        )
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(seed + rank)
+    scores = torch.rand(tokens, experts, generator=g, device=dev)
+    topk_idx = scores.topk(topk, dim=1).indices  # uniform random top-k
+    topk_w = torch.rand(tokens, topk, generator=g, device=dev)
+    x = torch.randn(tokens, hidden, generator=g, device=dev).bfloat16()
+    x_fp8 = per_token_cast_to_fp8(x.float())
+
+    backends = {"all_to_all": {}}
+    skipped = {}
+    why = _nvlink_possible()
+    if why is None:
+        # Every rank may receive all tokens of every rank: bf16 combine rows are the largest.
+        nvl_bytes = Buffer.nvl_bytes_hint(tokens, 2 * hidden, world)
+        backends["nvlink"] = dict(num_sms=num_sms, num_nvl_bytes=nvl_bytes)
+    else:
+        skipped["nvlink"] = why
+    rows = []
+    for name, kw in backends.items():
+        buf = Buffer(backend=name, **kw)
+        recv, _, _, _, handle = buf.dispatch(x_fp8, topk_idx, topk_w, experts)
+        n_recv = handle.num_recv_tokens
+        y = torch.randn(n_recv, hidden, generator=g, device=dev).bfloat16()
+        packed = torch.cat(
+            [x_fp8[0].view(torch.uint8), x_fp8[1].view(torch.uint8)], dim=1
+        )  # as dispatch packs FP8 rows
+        fns = {
+            "dispatch": lambda buf=buf: buf.dispatch(x_fp8, topk_idx, topk_w, experts),
+            "dispatch_payload": lambda h=handle, p=packed: _dispatch_rows(p, h),
+            "combine": lambda buf=buf, h=handle, y=y: buf.combine(y, h),
+        }
+        for op, fn in fns.items():
+            us = statistics.median(_time(fn, repeats, warmup))
+            gbs = logical_bytes(op, n_recv, hidden) / (us * 1e-6) / 1e9
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, (us, gbs, n_recv))
+            rows.append(
+                {
+                    "backend": name,
+                    "op": op,
+                    "num_sms": kw.get("num_sms"),
+                    "us": [p[0] for p in per_rank],
+                    "gbs": [p[1] for p in per_rank],
+                    "recv_tokens": [p[2] for p in per_rank],
+                    "us_max": max(p[0] for p in per_rank),
+                    "gbs_mean": statistics.fmean(p[1] for p in per_rank),
+                }
+            )
+        if name == "nvlink":
+            buf.check_errors()
+        torch.cuda.synchronize()
+        dist.barrier()
+        del buf, recv, handle
+    return {
+        "bench": "dispatch",
+        "env": environment(),
+        "settings": {
+            "world_size": world,
+            "tokens_per_rank": tokens,
+            "hidden": hidden,
+            "experts": experts,
+            "topk": topk,
+            "num_sms": num_sms,
+            "repeats": repeats,
+            "routing": "uniform random top-k",
+            "dispatch": "fp8 (e4m3 + fp32 scale per 128)",
+            "combine": "bf16",
+        },
+        "rows": rows,
+        "skipped": skipped,
+        "method": "per rank: barrier + sync before each call, CUDA events, median; GB/s = "
+        "logical bytes received / time (DeepEP: FP8 factor (1+4/128)/2 on BF16 bytes)",
+    }
+
+
+def format_table(result: dict) -> str:
+    """Render a dispatch results record: one line per (backend, op)."""
+    s = result["settings"]
+    lines = [
+        f"EP{s['world_size']}: {s['tokens_per_rank']} tokens/rank, hidden {s['hidden']}, "
+        f"{s['experts']} experts, top-{s['topk']}, FP8 dispatch / BF16 combine",
+        f"{'backend':>10} {'op':>16} {'SMs':>4} {'µs (max rank)':>14} {'GB/s (mean)':>12} "
+        f"{'GB/s min':>9} {'GB/s max':>9}",
+    ]
+    for r in result["rows"]:
+        sms = "-" if r["num_sms"] is None else str(r["num_sms"])
+        lines.append(
+            f"{r['backend']:>10} {r['op']:>16} {sms:>4} {r['us_max']:14.1f} "
+            f"{r['gbs_mean']:12.1f} {min(r['gbs']):9.1f} {max(r['gbs']):9.1f}"
+        )
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"{name}: skipped ({why})")
+    return "\n".join(lines)

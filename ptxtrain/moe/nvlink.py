@@ -1,0 +1,340 @@
+"""The NVLink intranode transport of :class:`ptxtrain.moe.dispatch.Buffer` (``backend="nvlink"``).
+
+Design note (DeepSeek-V3 report §3.2.2; DESIGN §3-4; DeepEP's intranode kernels, ANCHORS §2).
+
+What moves where. The layout (counts per rank, the source index and ``topk_idx`` of every row)
+is still exchanged by the ``all_to_all`` path of ``dispatch.py`` (small int64 messages); the
+NVLink kernel moves the *payload rows* (activations, FP8 bytes + scales, gate weights, combine
+rows). A payload is a ``[M, B]`` byte matrix (rows padded to a multiple of 16 bytes); one kernel
+is a variable all-to-all ``out[k] = rows_of(src_k)[slot_k]`` driven by four index vectors, so
+dispatch and combine are the same kernel with the roles of the index vectors swapped:
+
+- send side: row ``i`` of the send list is input row ``send_row[i]``, goes to rank
+  ``send_dst[i]`` and lands in its ``send_slot[i]``-th place among the rows from this rank;
+- receive side: output row ``k`` is the ``recv_slot[k]``-th row that rank ``recv_src[k]`` sent.
+
+For dispatch the send list is ``handle.send_src_idx`` (grouped by destination, ascending tokens)
+and the receive list is the all_to_all receive order (by source rank, then source token), so the
+output is that order *by construction* and bit-identical to the ``all_to_all`` backend. Combine
+sends received row ``n`` back to ``recv_src_rank[n]`` and receives in the send order; the per-token
+sum is then the same ``index_add_`` as in the ``all_to_all`` backend (bit-identical too).
+
+Memory. Every rank allocates one PyTorch symmetric-memory buffer (``symm_mem.empty`` +
+``rendezvous``; ``buffer_ptrs`` gives every peer's base address, mapped for this GPU):
+
+    [ready flags: R·G int32][freed flags: R·G int32][pad to 256 B][data: R regions of cap rows]
+
+with ``G = num_sms`` blocks. Region ``s`` of rank ``r``'s data holds the rows rank ``s`` sends
+to ``r`` (``cap = num_nvl_bytes // (R · B)`` rows of ``B`` bytes each).
+
+The kernel (one launch per payload, ``G`` blocks of 512 threads; every rank launches it once per
+operation, in the same order, as with any collective):
+
+1. Wait until every block of every peer has released ``freed[peer][b] ≥ epoch - 1`` in this
+   rank's flags: the peer has finished reading the previous operation's rows out of *its*
+   buffer, so overwriting them is safe (write-after-read across GPUs).
+2. Each warp copies whole rows (16-byte ``ld_nc_v4`` loads, four in flight per lane, then
+   ``st_na_v4`` stores) from the local input straight into the destination rank's region over
+   NVLink.
+3. ``__syncthreads``, then per peer a ``fence.acq_rel.sys`` + ``st.release.sys`` of
+   ``ready[this rank][b] = epoch`` into that peer's flags.
+4. Wait for ``ready[src][b] ≥ epoch`` for every source rank and block (relaxed polling, then a
+   ``fence.acq_rel.sys``: the acquire half), then copy the received rows out of the local buffer
+   into the contiguous output in the receive order. These loads read data written by other GPUs
+   during the kernel: with ``PTXTRAIN_AGGRESSIVE_PTX`` (``Buffer(..., aggressive_ptx=True)``)
+   they are DeepEP's ``ld.global.nc.L1::no_allocate.L2::256B``, otherwise coherent
+   ``ld.relaxed.gpu`` loads.
+5. Release ``freed[this rank][b] = epoch`` into every peer's flags.
+
+``epoch`` is a per-buffer counter incremented on every operation (the same on all ranks since
+operations are collective), so flags only ever grow and are never reset: no reset race. Flags
+start at 0 (zeroed, then a barrier, at construction). Every wait is bounded by ``timeout_s`` of
+SM clock cycles; on expiry the kernel records an error code in a device word and carries on (so
+it never hangs); the host copies that word to pinned memory after each launch and raises at the
+next operation (or at :meth:`NvlinkTransport.check_errors`, which synchronizes).
+
+Capacity: ``handle.max_rows_per_pair`` (the largest count between any two ranks, known to every
+rank after the count exchange) must fit ``cap`` for the payload's row size, checked identically
+on all ranks before the launch, so an overflow raises everywhere instead of hanging.
+
+Deadlock freedom: a block only waits for flags released by (a) blocks of the previous
+operation, which have run to completion on every GPU, or (b) the send phase of this operation's
+blocks, which waits for nothing but (a). Blocks that are not yet resident (SMs busy with compute
+kernels) delay the others, never block them forever.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ptxtrain._checks import ceil_div
+
+__all__ = ["KERNEL_NAME", "NvlinkTransport", "compile_kernel", "kernel_source"]
+
+KERNEL_NAME = "nvl_all_to_all_v"
+_THREADS = 512
+_FLAG_ALIGN = 256
+# Error codes written by the kernel (the host message names them).
+_ERRORS = {1: "waiting for peers to free their buffers", 2: "waiting for peers' rows"}
+
+_SOURCE = r"""
+#include <ptxtrain/ptx.cuh>
+#include <ptxtrain/comm.cuh>
+using namespace ptxtrain;
+
+// Polls flags[0..n) until each is >= target (threads share the list), then an acquiring fence
+// and a block barrier. On timeout, records `code` in *error and stops waiting.
+__device__ __forceinline__ void wait_flags(const int* flags, int n, int target,
+                                           long long timeout, int* error, int code) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const long long start = clock64_ptx();
+    while (ld_relaxed_sys(flags + i) < target) {
+      if (clock64_ptx() - start > timeout) {
+        atomicExch(error, code);
+        break;
+      }
+    }
+  }
+  fence_acq_rel_sys();
+  __syncthreads();
+}
+
+// One warp copies one row of n int4: four 16-byte loads in flight per lane before their stores.
+__device__ __forceinline__ void copy_row(int4* d, const int4* s, int n, int lane) {
+  int j = lane;
+  for (; j + 96 < n; j += 128) {
+    const int4 a = ld_nc_v4(s + j), b = ld_nc_v4(s + j + 32);
+    const int4 c = ld_nc_v4(s + j + 64), e = ld_nc_v4(s + j + 96);
+    st_na_v4(d + j, a);
+    st_na_v4(d + j + 32, b);
+    st_na_v4(d + j + 64, c);
+    st_na_v4(d + j + 96, e);
+  }
+  for (; j < n; j += 32) st_na_v4(d + j, ld_nc_v4(s + j));
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) nvl_all_to_all_v(
+    const int4* __restrict__ src, const long long* __restrict__ send_row,
+    const int* __restrict__ send_dst, const int* __restrict__ send_slot, int num_send,
+    int4* __restrict__ out, const int* __restrict__ recv_src, const int* __restrict__ recv_slot,
+    int num_recv, const long long* __restrict__ peer_bases, int rank, int num_ranks,
+    int stride16, long long cap_rows, long long data_offset, int epoch, long long timeout,
+    int* __restrict__ error) {
+  const int num_blocks = gridDim.x;
+  const int nflags = num_ranks * num_blocks;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int nwarps = blockDim.x >> 5;
+  const long long gwarp = (long long)blockIdx.x * nwarps + warp;
+  const long long gstep = (long long)num_blocks * nwarps;
+  int* my_flags = reinterpret_cast<int*>(peer_bases[rank]);
+
+  // 1. Peers have finished reading the previous operation's rows.
+  wait_flags(my_flags + nflags, nflags, epoch - 1, timeout, error, 1);
+
+  // 2. Rows straight into the destination's region for this rank.
+  for (long long i = gwarp; i < num_send; i += gstep) {
+    const int4* s = src + send_row[i] * stride16;
+    int4* d = reinterpret_cast<int4*>(peer_bases[send_dst[i]] + data_offset) +
+              ((long long)rank * cap_rows + send_slot[i]) * stride16;
+    copy_row(d, s, stride16, lane);
+  }
+
+  // 3. This block's rows are written: release ready[rank][block] in every peer.
+  __syncthreads();
+  for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+    fence_acq_rel_sys();
+    st_release_sys(reinterpret_cast<int*>(peer_bases[p]) + rank * num_blocks + blockIdx.x, epoch);
+  }
+
+  // 4. Every source's rows have arrived: copy them out in the receive order.
+  wait_flags(my_flags, nflags, epoch, timeout, error, 2);
+  const int4* mine = reinterpret_cast<const int4*>(peer_bases[rank] + data_offset);
+  for (long long k = gwarp; k < num_recv; k += gstep) {
+    const int4* s = mine + ((long long)recv_src[k] * cap_rows + recv_slot[k]) * stride16;
+    int4* d = out + k * stride16;
+    copy_row(d, s, stride16, lane);
+  }
+
+  // 5. This block is done reading: release freed[rank][block] in every peer.
+  __syncthreads();
+  for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+    fence_acq_rel_sys();
+    st_release_sys(reinterpret_cast<int*>(peer_bases[p]) + nflags + rank * num_blocks + blockIdx.x,
+                   epoch);
+  }
+}
+"""
+
+
+def kernel_source() -> str:
+    """The CUDA C++ source of the NVLink all-to-all-v kernel (``extern "C"`` ``KERNEL_NAME``)."""
+    return _SOURCE
+
+
+def compile_kernel(aggressive_ptx: bool = False, arch: str = "sm_90a", keep_ptx: bool = False):
+    """Compiles the kernel through :func:`ptxtrain.jit.compile_cuda` (NVRTC; no GPU needed).
+
+    ``aggressive_ptx`` adds ``-DPTXTRAIN_AGGRESSIVE_PTX`` (the ``ld.global.nc`` loads);
+    ``keep_ptx`` keeps the PTX text on the result. Returns a :class:`ptxtrain.jit.CompiledKernel`;
+    raises :class:`ptxtrain.jit.JitCompileError` / RuntimeError as ``compile_cuda`` does.
+    """
+    from ptxtrain.jit import compile_cuda
+
+    flags = ("-DPTXTRAIN_AGGRESSIVE_PTX",) if aggressive_ptx else ()
+    return compile_cuda(_SOURCE, name=KERNEL_NAME, arch=arch, flags=flags, keep_ptx=keep_ptx)
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    pg = group if group is not None else dist.group.WORLD
+    return pg.group_name
+
+
+class NvlinkTransport:
+    """Peer buffers + the JIT kernel moving payload rows between the GPUs of one node.
+
+    Args:
+        group: the process group (``None``: the default group); NCCL, one GPU per rank, all
+            GPUs of the group peer-accessible (NVLink).
+        num_sms: ``G``, thread blocks of the kernel (one per SM).
+        num_nvl_bytes: bytes of the data region of each rank's symmetric buffer.
+        aggressive_ptx: compile with ``PTXTRAIN_AGGRESSIVE_PTX`` (``ld.global.nc`` loads).
+        timeout_s: bound on every flag wait (SM clock cycles at the device's clock rate).
+
+    Collective: every rank must construct it with the same arguments.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        num_sms: int,
+        num_nvl_bytes: int,
+        *,
+        aggressive_ptx: bool = False,
+        timeout_s: float = 30.0,
+    ) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from ptxtrain.jit import load_kernel
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.num_sms = num_sms
+        self.num_nvl_bytes = num_nvl_bytes
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        n_flags = 2 * self.num_ranks * num_sms
+        self.data_offset = ceil_div(4 * n_flags, _FLAG_ALIGN) * _FLAG_ALIGN
+        name = _group_name(group)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed up to torch 2.7, deprecated later
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(name)
+        self.buffer = symm_mem.empty(
+            self.data_offset + num_nvl_bytes, dtype=torch.uint8, device=self.device
+        )
+        self.symm = symm_mem.rendezvous(self.buffer, name)
+        self.buffer[: self.data_offset].zero_()  # flags start at 0; epoch starts at 1
+        # buffer_ptrs are the peers' mappings of the symmetric allocation; the tensor may start
+        # at an offset into it (torch's symmetric-memory pool), the same offset on every rank.
+        ptrs = [int(p) for p in self.symm.buffer_ptrs]
+        offset = self.buffer.data_ptr() - ptrs[self.rank]
+        self.peer_bases = torch.tensor(
+            [p + offset for p in ptrs], dtype=torch.int64, device=self.device
+        )
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)
+        self.epoch = 0
+        self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._error_host = torch.zeros(1, dtype=torch.int32).pin_memory()
+        self._error_event: torch.cuda.Event | None = None
+        props = torch.cuda.get_device_properties(self.device)
+        clock_khz = getattr(props, "clock_rate", 0) or 2_000_000
+        self.timeout_cycles = int(timeout_s * clock_khz * 1e3)
+        self.kernel = load_kernel(compile_kernel(aggressive_ptx))
+
+    def capacity_rows(self, row_bytes: int) -> int:
+        """Rows of ``row_bytes`` (padded to 16) one rank may send to another per operation."""
+        return self.num_nvl_bytes // (self.num_ranks * max(16, ceil_div(row_bytes, 16) * 16))
+
+    def check_errors(self, synchronize: bool = True) -> None:
+        """Raises RuntimeError if a kernel timed out waiting for a peer.
+
+        With ``synchronize`` the last launch is waited for; otherwise it is checked only if done.
+        """
+        if self._error_event is None:
+            return
+        if synchronize:
+            self._error_event.synchronize()
+        elif not self._error_event.query():
+            return
+        code = int(self._error_host.item())
+        if code:
+            raise RuntimeError(
+                f"nvlink dispatch/combine kernel on rank {self.rank} timed out "
+                f"{_ERRORS.get(code, f'(code {code})')}: a peer did not take part in the same "
+                "operation (every rank must call dispatch/combine in the same order) or a peer "
+                "failed; the buffer is unusable, create a new one"
+            )
+
+    def exchange(
+        self,
+        rows: torch.Tensor,
+        send_row: torch.Tensor,
+        send_dst: torch.Tensor,
+        send_slot: torch.Tensor,
+        recv_src: torch.Tensor,
+        recv_slot: torch.Tensor,
+    ) -> torch.Tensor:
+        """One variable all-to-all of byte rows on NVLink: ``out[k]`` = the row that rank
+        ``recv_src[k]`` sent to this rank with ``send_slot == recv_slot[k]``.
+
+        Args:
+            rows: ``[M, B]`` uint8 CUDA, contiguous, ``B`` a multiple of 16.
+            send_row: ``[S]`` int64 rows of ``rows`` to send; ``send_dst`` / ``send_slot``:
+                ``[S]`` int32 destination rank and place among this rank's rows there.
+            recv_src / recv_slot: ``[K]`` int32 source rank and place of every output row.
+
+        Returns:
+            ``[K, B]`` uint8. Launched on the current stream; the caller checks capacity.
+        """
+        self.check_errors(synchronize=False)
+        stride = rows.shape[1]
+        out = torch.empty(recv_src.shape[0], stride, dtype=torch.uint8, device=rows.device)
+        self.epoch += 1
+        from ptxtrain.jit import launch
+
+        launch(
+            self.kernel,
+            self.num_sms,
+            _THREADS,
+            [
+                rows,
+                send_row,
+                send_dst,
+                send_slot,
+                int(send_row.shape[0]),
+                out,
+                recv_src,
+                recv_slot,
+                int(recv_src.shape[0]),
+                self.peer_bases,
+                self.rank,
+                self.num_ranks,
+                stride // 16,
+                ctypes.c_int64(self.capacity_rows(stride)),
+                ctypes.c_int64(self.data_offset),
+                self.epoch,
+                ctypes.c_int64(self.timeout_cycles),
+                self.error,
+            ],
+        )
+        self._error_host.copy_(self.error, non_blocking=True)
+        self._error_event = torch.cuda.Event()
+        self._error_event.record()
+        return out

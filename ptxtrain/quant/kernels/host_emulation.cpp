@@ -1,0 +1,82 @@
+// ptxtrain/quant/kernels/host_emulation.cpp — a shared library exposing cast_transpose.cuh's
+// kernels, run on the CPU through host_emulation.hpp, to tests/quant/test_cuda.py (ctypes).
+// Build: g++ -std=c++20 -O1 -ffp-contract=off -fPIC -shared host_emulation.cpp -o emu.so
+#define PTXTRAIN_QUANT_HOST_EMULATION 1
+#include "cast_transpose.cuh"
+
+namespace {
+
+using ptxtrain_quant::i64;
+
+struct Args {
+  const void* x;
+  unsigned char* q;
+  float* sf;
+  unsigned char* qt;
+  float* sft;
+  i64 m, k, ldx, sf_s0, sf_s1, sft_s0, sft_s1;
+  int vec_flags;
+};
+
+template <int IN, bool BLOCK, bool ROW, bool COL, bool POW2>
+int run(const Args& a) {
+  const i64 k_tiles = (a.k + 127) / 128;
+  const i64 tiles = (a.m + 127) / 128 * k_tiles;
+  const int bytes = IN == ptxtrain_quant::kF32 ? 4 : 2;
+  const std::size_t smem = (COL ? 128 * 128 * bytes : 0) + 32;
+  emu::launch(ptxtrain_quant::cast_fp8<IN, BLOCK, ROW, COL, POW2>, tiles, 256, smem, a.x, a.q,
+              a.sf, a.qt, a.sft, a.m, a.k, a.ldx, a.sf_s0, a.sf_s1, a.sft_s0, a.sft_s1, k_tiles,
+              a.vec_flags);
+  return 0;
+}
+
+template <int IN, bool BLOCK, bool ROW, bool COL>
+int with_pow2(int pow2, const Args& a) {
+  return pow2 ? run<IN, BLOCK, ROW, COL, true>(a) : run<IN, BLOCK, ROW, COL, false>(a);
+}
+
+template <int IN>
+int with_mode(int mode, int pow2, const Args& a) {
+  switch (mode) {  // (block, row, col) as _MODES in ptxtrain/quant/cuda.py
+    case 0: return with_pow2<IN, false, true, false>(pow2, a);
+    case 1: return with_pow2<IN, false, false, true>(pow2, a);
+    case 2: return with_pow2<IN, false, true, true>(pow2, a);
+    case 3: return with_pow2<IN, true, true, false>(pow2, a);
+    case 4: return with_pow2<IN, true, true, true>(pow2, a);
+    default: return 1;
+  }
+}
+
+}  // namespace
+
+// The kernel's arguments (less k_tiles, derived here), then spans: the byte sizes of x's, q's,
+// sf's, qt's and sft's storage from their pointers. Global accesses outside them, or misaligned,
+// are reported on stderr and make the call return 2; 1 is an unknown in_kind / mode.
+extern "C" int emu_cast_fp8(int in_kind, int mode, int pow2, const void* x, unsigned char* q,
+                            float* sf, unsigned char* qt, float* sft, i64 m, i64 k, i64 ldx,
+                            i64 sf_s0, i64 sf_s1, i64 sft_s0, i64 sft_s1, int vec_flags,
+                            const i64* spans) {
+  const char* base = static_cast<const char*>(x);
+  emu::readable = {base, base + spans[0]};
+  emu::writable.clear();
+  const void* outs[4] = {q, sf, qt, sft};
+  for (int i = 0; i < 4; ++i) {
+    const char* o = static_cast<const char*>(outs[i]);
+    emu::writable.push_back({o, o + spans[i + 1]});
+  }
+  emu::error = false;
+  const Args a{x, q, sf, qt, sft, m, k, ldx, sf_s0, sf_s1, sft_s0, sft_s1, vec_flags};
+  int rc = 1;
+  switch (in_kind) {  // ptxtrain_quant::InKind
+    case 0: rc = with_mode<0>(mode, pow2, a); break;
+    case 1: rc = with_mode<1>(mode, pow2, a); break;
+    case 2: rc = with_mode<2>(mode, pow2, a); break;
+    default: break;
+  }
+  return rc != 0 ? rc : (emu::error ? 2 : 0);
+}
+
+// The e4m3 model of host_emulation.hpp on n floats (checked against torch's cast by the tests).
+extern "C" void emu_e4m3(const float* in, unsigned char* out, long long n) {
+  for (long long i = 0; i < n; ++i) out[i] = ptxtrain::e4m3_rn_satfinite(in[i]);
+}

@@ -1,0 +1,308 @@
+"""The nvlink backend of ``ptxtrain.moe.Buffer``: its kernel's NVRTC build (CPU) and, on 2+ GPUs,
+bit-exact agreement with the ``all_to_all`` backend, stale reads, async mode, capacity, timeouts.
+
+GPU tests (``multigpu``) spawn 2 NCCL processes, one GPU each:
+
+    python -m pytest tests/moe/test_nvlink.py -m multigpu
+    # or, under torchrun (from the repository root):
+    torchrun --nproc-per-node 2 -m tests.moe.test_nvlink
+
+Inputs follow DeepEP's test method (ANCHORS §2), reusing ``test_dispatch``'s rank-encoded
+scenarios (uneven and skewed loads, a rank with no tokens, a rank receiving nothing, a rank
+sending nothing, several experts of a token on one rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ptxtrain.jit import nvrtc_available
+from ptxtrain.moe.dispatch import Buffer, EventOverlap
+from ptxtrain.moe.nvlink import KERNEL_NAME, compile_kernel, kernel_source
+from ptxtrain.quant.ref import per_token_cast_to_fp8
+from tests.moe.test_dispatch import _check_exact, _expected, _scenario
+
+NC_LOAD = "ld.global.nc.L1::no_allocate.L2::256B"
+
+# --------------------------------------------------------------------------- CPU: NVRTC build
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-bindings) missing")
+def test_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
+    monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path))
+    assert 'extern "C" __global__' in kernel_source() and KERNEL_NAME in kernel_source()
+    builds = {a: compile_kernel(aggressive_ptx=a, keep_ptx=True) for a in (False, True)}
+    for aggressive, k in builds.items():
+        assert k.arch == "sm_90a" and k.cubin[:4] == b"\x7fELF", k.cubin[:4]
+        assert k.symbol() == KERNEL_NAME  # extern "C": unmangled
+        for instr in (
+            "st.release.sys.global.s32",  # ready / freed flags
+            "ld.relaxed.sys.global.s32",  # polling
+            "fence.acq_rel.sys",  # acquire after polling, release before the flag store
+            "st.global.L1::no_allocate.v4",  # row stores
+            "%clock64",  # bounded waits
+        ):
+            assert instr in k.ptx, f"{instr} missing (aggressive={aggressive})"
+        # The non-coherent path only behind the switch; otherwise coherent relaxed loads.
+        assert (NC_LOAD in k.ptx) == aggressive
+        assert ("ld.relaxed.gpu.global.v4" in k.ptx) == (not aggressive)
+    assert builds[False].key != builds[True].key
+
+
+# --------------------------------------------------------------------------- GPU checks
+
+
+def _cuda(t):
+    return t.cuda() if isinstance(t, torch.Tensor) else tuple(a.cuda() for a in t)
+
+
+def _cpu_parts(t):
+    """A tensor or an (fp8, scales) pair as a tuple of CPU tensors."""
+    return (t.detach().cpu(),) if isinstance(t, torch.Tensor) else tuple(a.cpu() for a in t)
+
+
+def _same_outputs(name, got, want):
+    """Dispatch outputs of two backends, exactly equal (bytes for FP8)."""
+    for i, (g, w) in enumerate(zip(got[:3], want[:3])):
+        for a, b in zip(_cpu_parts(g), _cpu_parts(w), strict=True):
+            _check_exact(f"{name}[{i}]", a, b)
+    assert got[3] == want[3], f"{name}: per-expert counts {got[3]} != {want[3]}"
+    hg, hw = got[4], want[4]
+    assert (hg.send_counts, hg.recv_counts) == (hw.send_counts, hw.recv_counts)
+    for field in ("send_src_idx", "recv_src_rank", "recv_src_idx"):
+        _check_exact(f"{name} handle.{field}", getattr(hg, field), getattr(hw, field))
+
+
+def _compare(ref, buf, rank, world, seed, tokens, hidden, k, num_experts, *, fp8, **kw):
+    """Dispatch, combine and their backward on ``buf`` vs ``ref``: bit-identical."""
+    xs, idxs, ws = _scenario(world, seed, tokens, hidden, k, num_experts, **kw)
+    idx, w = _cuda(idxs[rank]), _cuda(ws[rank])
+    if fp8:
+        q = [per_token_cast_to_fp8(x * 10) for x in xs]
+        want = ref.dispatch(_cuda(q[rank]), idx, w, num_experts)
+        got = buf.dispatch(_cuda(q[rank]), idx, w, num_experts)
+        _same_outputs("fp8 dispatch", got, want)
+        exp_q, *_ = _expected(rank, world, num_experts, [a for a, _ in q], idxs, ws)
+        _check_exact("fp8 recv vs expected", got[0][0].cpu(), exp_q)
+        return
+    exp_x, *_ = _expected(rank, world, num_experts, xs, idxs, ws)
+    outs, grads = [], []
+    for b in (ref, buf):
+        x = _cuda(xs[rank]).requires_grad_()
+        wr = w.clone().requires_grad_()
+        res = b.dispatch(x, idx, wr, num_experts)
+        _check_exact("fp32 recv vs expected", res[0].detach().cpu(), exp_x)
+        g = torch.Generator(device="cuda").manual_seed(seed + rank)
+        y_rows = res[0].bfloat16() * torch.rand(res[0].shape, generator=g, device="cuda")
+        y_rows = y_rows.bfloat16()
+        combined = b.combine(y_rows, res[4])
+        go = torch.randn(combined.shape, generator=g, device="cuda").bfloat16()
+        ((combined.float() * go.float()).sum() + res[2].sum()).backward()
+        outs.append((res, combined))
+        grads.append((x.grad, wr.grad))
+    (want, c_want), (got, c_got) = outs
+    _same_outputs("dispatch", got, want)
+    _check_exact("combine", c_got.detach().cpu(), c_want.detach().cpu())
+    _check_exact("dx", grads[1][0].cpu(), grads[0][0].cpu())
+    _check_exact("dw", grads[1][1].cpu(), grads[0][1].cpu())
+
+
+def _check_scenarios(ref, buf, rank, world):
+    e = 3 * world
+    # Uneven loads, rank 1 has no tokens, the last rank receives nothing.
+    _compare(ref, buf, rank, world, 1, [9, 0, 13, 5][:world], 16, 3, e, fp8=False,
+             deaf_rank=world - 1)  # fmt: skip
+    # Rank 0 sends nothing; top-3 of 3 local experts for token 0: one row per rank, not three.
+    _compare(ref, buf, rank, world, 2, [6] * world, 16, 3, e, fp8=False, mute_rank=0)
+    _compare(ref, buf, rank, world, 3, [10, 7, 4, 12][:world], 24, 4, e, fp8=False)
+    # FP8 rows (H=200: 200 + 8 bytes, a partial 16-byte tail) and a DeepSeek-sized row.
+    _compare(ref, buf, rank, world, 4, [6, 3, 8, 5][:world], 200, 2, e, fp8=True)
+    _compare(ref, buf, rank, world, 5, [300, 700, 0, 64][:world], 7168, 8, 8 * world, fp8=True)
+    _compare(ref, buf, rank, world, 6, [300, 700, 0, 64][:world], 2048, 8, 8 * world, fp8=False)
+
+
+def _check_stale_reads(ref, buf, rank, world, iters=24):
+    """Same buffers, new data (and every 3rd iteration a new layout) each time; every element
+    of every output compared with the all_to_all backend each iteration."""
+    hidden, tokens, e = 4096, 512, 8 * world
+    g = torch.Generator(device="cuda").manual_seed(100 + rank)
+    for it in range(iters):
+        if it % 3 == 0:
+            scores = torch.rand(tokens, e, generator=g, device="cuda")
+            idx = scores.topk(4, dim=1).indices
+            w = torch.rand(tokens, 4, generator=g, device="cuda")
+        x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+        x[:, 0], x[:, 1] = rank, it
+        want = ref.dispatch(x, idx, w, e)
+        got = buf.dispatch(x, idx, w, e)
+        assert torch.equal(got[0], want[0]), f"iteration {it}: stale or wrong recv_x"
+        assert torch.equal(got[2], want[2]), f"iteration {it}: stale or wrong weights"
+        y = torch.randn(got[0].shape, generator=g, device="cuda").bfloat16()
+        assert torch.equal(buf.combine(y, got[4]), ref.combine(y, want[4])), f"iteration {it}"
+        q = per_token_cast_to_fp8(x.float())
+        fg, fw = buf.dispatch(q, idx, w, e), ref.dispatch(q, idx, w, e)
+        assert torch.equal(fg[0][0].view(torch.uint8), fw[0][0].view(torch.uint8)), it
+        assert torch.equal(fg[0][1], fw[0][1]), f"iteration {it}: fp8 scales"
+
+
+def _check_async(ref, buf, rank, world):
+    e, hidden = 8 * world, 2048
+    g = torch.Generator(device="cuda").manual_seed(7 + rank)
+    idx = torch.rand(1024, e, generator=g, device="cuda").topk(4, dim=1).indices
+    w = torch.rand(1024, 4, generator=g, device="cuda")
+    x = torch.randn(1024, hidden, generator=g, device="cuda").bfloat16()
+    want = ref.dispatch(x, idx, w, e)
+    a = torch.randn(4096, 4096, device="cuda", generator=g)
+    *got, event = buf.dispatch(x, idx, w, e, async_finish=True)
+    assert isinstance(event, EventOverlap)
+    c = a @ a  # compute on the current stream while the side stream communicates
+    del x  # the side stream still reads it: record_stream keeps its memory reserved
+    junk = torch.full((1024, hidden), 7.0, device="cuda").bfloat16()  # may reuse freed blocks
+    event.current_stream_wait()
+    _same_outputs("async dispatch", got, want)
+    y = torch.randn(got[0].shape, generator=g, device="cuda").bfloat16()
+    out, event = buf.combine(y, got[4], async_finish=True)
+    c = c @ a
+    event.current_stream_wait()
+    assert torch.equal(out, ref.combine(y, want[4])), "async combine"
+    assert torch.isfinite(c).all() and junk.sum() > 0
+
+
+def _check_capacity(rank, world):
+    # fp32 rows of 16 values = 64 B: 4 rows per peer fit.
+    small = Buffer(backend="nvlink", num_sms=2, num_nvl_bytes=4 * world * 64)
+    xs, idxs, ws = _scenario(world, 30, [12] * world, 16, 2, 3 * world)
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        small.dispatch(_cuda(xs[rank]), _cuda(idxs[rank]), _cuda(ws[rank]), 3 * world)
+    # Raised on every rank before any launch: the buffer is still usable.
+    xs, idxs, ws = _scenario(world, 31, [3] * world, 16, 2, 3 * world)
+    got = small.dispatch(_cuda(xs[rank]), _cuda(idxs[rank]), _cuda(ws[rank]), 3 * world)
+    exp_x, *_ = _expected(rank, world, 3 * world, xs, idxs, ws)
+    _check_exact("after overflow", got[0].cpu(), exp_x)
+
+
+def _check_timeout(rank, world):
+    buf = Buffer(backend="nvlink", num_sms=2, num_nvl_bytes=1 << 16, timeout_s=0.5)
+    if rank == 0:  # the peers never take part: the kernel must give up, and the host raise
+        t = buf._transport
+        rows = torch.zeros(0, 16, dtype=torch.uint8, device="cuda")
+        i64, i32 = (
+            torch.zeros(0, dtype=torch.int64, device="cuda"),
+            torch.zeros(0, dtype=torch.int32, device="cuda"),
+        )
+        t.exchange(rows, i64, i32, i32, i32, i32)
+        with pytest.raises(RuntimeError, match="timed out"):
+            buf.check_errors()
+    dist.barrier()
+
+
+def _gpu_worker(rank: int, world: int) -> None:
+    ref = Buffer(backend="all_to_all")
+    with pytest.raises(ValueError, match="num_sms"):
+        Buffer(backend="nvlink", num_sms=10_000)
+    for num_sms, aggressive in ((1, False), (24, False), (24, True)):
+        buf = Buffer(
+            backend="nvlink", num_sms=num_sms, num_nvl_bytes=64 << 20, aggressive_ptx=aggressive
+        )
+        _check_scenarios(ref, buf, rank, world)
+        _check_stale_reads(ref, buf, rank, world)
+        buf.check_errors()  # waits for the last kernel
+        dist.barrier()  # no rank frees a buffer a peer still writes to
+    _check_async(ref, buf, rank, world)
+    _check_async(ref, ref, rank, world)  # async all_to_all on NCCL too
+    _check_capacity(rank, world)
+    buf.check_errors()
+    _check_timeout(rank, world)
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------- NCCL processes
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_nccl(rank: int, world: int, init_method: str | None = None) -> None:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        "nccl",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", torch.cuda.current_device()),
+    )
+
+
+def _nccl_entry(rank, world, port, results):
+    try:
+        _init_nccl(rank, world, f"tcp://127.0.0.1:{port}")
+        _gpu_worker(rank, world)
+        results.put((rank, None))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_nccl(world: int, timeout: float) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_nccl_entry, args=(r, world, port, results), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    errors, done = {}, set()
+    try:
+        for _ in range(world):
+            rank, err = results.get(timeout=timeout)
+            done.add(rank)
+            if err is not None:
+                errors[rank] = err
+                break
+        with contextlib.suppress(queue.Empty):
+            while errors and len(errors) < world:
+                rank, err = results.get(timeout=2.0)
+                if err is not None:
+                    errors[rank] = err
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=10.0 if not errors and len(done) == world else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    if errors:
+        rank, err = min(errors.items())
+        raise AssertionError(f"rank {rank} of {world} failed:\n{err}")
+    assert len(done) == world, f"ranks {sorted(set(range(world)) - done)} did not finish"
+
+
+@pytest.mark.multigpu
+def test_nvlink_matches_all_to_all_2gpu():
+    _run_nccl(2, timeout=600.0)
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m tests.moe.test_nvlink
+    _init_nccl(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    try:
+        _gpu_worker(dist.get_rank(), dist.get_world_size())
+        print(f"rank {dist.get_rank()}: nvlink backend OK")
+    finally:
+        dist.destroy_process_group()
