@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
-# benchmarks, and the training runs. Stages are chosen by argument (default: all).
+# benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [train]
+# Stages for 2 GPUs (nvidia-h200-x2): [multigpu] [p2p] [pp] [dispatch] [ep]
+# STEPS (default 60) sets the training steps of the train / pp / ep stages.
 # Results (JSON, logs, PNGs) are written under $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +37,38 @@ for stage in $stages; do
       ;;
     train)
       python3 -m benchmarks.train_compare --out "$OUT" || status=1
+      ;;
+    multigpu)
+      python3 -m pytest -q -m "multigpu" -p no:cacheprovider ${TEST_PATHS:-} 2>&1 | tee "$OUT/multigpu_tests.log" | tail -40
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
+    p2p)
+      torchrun --nproc-per-node 2 -m benchmarks.diag_p2p --json "$OUT/diag_p2p.json" 2>&1 | tail -30 || status=1
+      ;;
+    pp)
+      common="--preset small --no-mtp --steps ${STEPS:-60} --no-progress --overwrite"
+      python3 -m ptxtrain train $common --out /tmp/pp-1gpu 2>&1 | grep -E "throughput|train loss|val" || status=1
+      for sched in 1f1b dualpipe dualpipev; do
+        echo "--- pp2 $sched"
+        torchrun --nproc-per-node 2 -m ptxtrain train $common --pp 2 --schedule $sched --timeline \
+          --out /tmp/pp-$sched > "$OUT/train-pp2-$sched.log" 2>&1 || status=1
+        grep -E "throughput|train loss|val|Error|error" "$OUT/train-pp2-$sched.log" | head -8
+        python3 -m ptxtrain plot timeline /tmp/pp-$sched --out "$OUT/timeline-$sched.png" || status=1
+        for f in /tmp/pp-$sched/timeline_rank*.jsonl; do
+          [ -e "$f" ] && cp "$f" "$OUT/$(basename "${f%.jsonl}")-$sched.jsonl"
+        done
+      done
+      ;;
+    dispatch)
+      torchrun --nproc-per-node 2 -m ptxtrain bench dispatch --json "$OUT/$(date -u +%Y%m%d)-dispatch.json" 2>&1 | tail -30 || status=1
+      ;;
+    ep)
+      common="--preset small --no-mtp --steps ${STEPS:-60} --no-progress --overwrite"
+      python3 -m ptxtrain train $common --out /tmp/ep-1gpu > "$OUT/train-ep1.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val" "$OUT/train-ep1.log"
+      echo "--- ep2"
+      torchrun --nproc-per-node 2 -m ptxtrain train $common --ep 2 --out /tmp/ep-2 > "$OUT/train-ep2.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|Error|error" "$OUT/train-ep2.log" | head -8
       ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

@@ -107,10 +107,15 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     if num_sms < 1:
         raise ValueError(f"num_sms must be positive, got {num_sms}")
     block_ms = (64,) if m <= 64 else (64, 128) if m <= 256 else (64, 128, 256)
+    if kind == "1d1d":
+        # 256-row 1D1D tiles spill: B's per-column scales need block_n / 4 more registers.
+        block_ms = tuple(bm for bm in block_ms if bm < 256)
     large = ceil_div(max(m, 1), 128) * ceil_div(n, 128) >= 2 * num_sms
     best = None
     for bm in block_ms:
         for bn in _BLOCK_NS if bm < 256 else _BLOCK_NS_256:
+            if kind == "1d1d" and bm == 128 and bn > 128:
+                continue  # spills: 1.5 x block_n accumulators + block_n / 4 scales of B
             tiles = ceil_div(max(m, 1), bm) * ceil_div(n, bn)
             waves = ceil_div(tiles, num_sms)
             if large:
