@@ -23,7 +23,7 @@ from ptxtrain.testing import calc_diff
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_WGRAD_MN
 
 
-def _candidates(kind: str, m: int) -> list[ptx.PtxConfig]:
+def _candidates(kind: str, m: int, unrolls=(2,)) -> list[ptx.PtxConfig]:
     out = []
     for bm in (128, 256) if m > 128 else (64, 128) if m > 64 else (64,):
         bns = (16, 32, 48, 64, 96, 128) if m <= 128 else (112, 128, 160) if bm == 128 else (128,)
@@ -32,7 +32,8 @@ def _candidates(kind: str, m: int) -> list[ptx.PtxConfig]:
                 stages = 8
                 while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind) > 227 * 1024:
                     stages -= 1
-                out.append(ptx.PtxConfig(bm, bn, stages, cluster))
+                for u in unrolls:
+                    out.append(ptx.PtxConfig(bm, bn, stages, cluster, u))
     return out
 
 
@@ -42,6 +43,8 @@ def main() -> None:
     p.add_argument("--m", type=int, nargs="+", default=[4096])
     p.add_argument("--kind", default="1d2d", choices=["1d2d", "1d1d"])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--unroll", type=int, nargs="+", default=[2], help="K-loop unroll factors")
+    p.add_argument("--only", nargs="+", default=None, help="configs BMxBNcC, e.g. 256x128c2")
     args = p.parse_args()
     timer = GpuTimer(repeats=args.repeats)
     rows = []
@@ -62,7 +65,10 @@ def main() -> None:
         flops = 2.0 * m * n * k
         pick = ptx.select_config(args.kind, m, n, k, 132)
         best = None
-        for cfg in _candidates(args.kind, m):
+        for cfg in _candidates(args.kind, m, tuple(args.unroll)):
+            tag = f"{cfg.block_m}x{cfg.block_n}c{cfg.cluster}"
+            if args.only and tag not in args.only:
+                continue
             d = ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype)
             diff = calc_diff(d.float(), want)
             if diff > 1e-3:
@@ -95,7 +101,7 @@ def main() -> None:
                 best = row
             print(
                 f"{m:>5} {n:>6} {k:>6} {cfg.block_m:>4}x{cfg.block_n:<4} s{cfg.num_stages} "
-                f"c{cfg.cluster} {us:9.1f} µs {row['tflops']:6.0f} TFLOPS "
+                f"c{cfg.cluster} u{cfg.unroll_k} {us:9.1f} µs {row['tflops']:6.0f} TFLOPS "
                 f"{row['x_cublas']:5.2f}x cuBLAS{'  <- heuristic' if row['picked'] else ''}"
                 f"{f'  ({resident} clusters resident)' if resident else ''}"
             )

@@ -39,6 +39,7 @@ _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
 _ONE_WARPGROUP_PENALTY = 1.3  # block_m = 64 at M > 64: see select_config
+_UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class PtxConfig:
     block_n: int
     num_stages: int
     cluster: int = 1
+    unroll_k: int = 2
 
     @property
     def num_threads(self) -> int:
@@ -70,16 +72,12 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str) -> int:
 def _efficiency(bm: int, bn: int) -> float:
     """Relative throughput per tile area, measured on an H200 at M = 4096 over the six DeepSeek-V3
     shapes (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200): 256x128 fastest per FLOP (B is
-    read once for 256 rows; other 256-row tiles unmeasured, ranked at 0.85), 128-row tiles ~0.84
-    of it with a power-of-two BLOCK_N, ~0.75 with
-    BLOCK_N = 112 / 144 / 160, and one math warpgroup (block_m = 64) ~0.6 (nothing hides its
-    FP32 promotion)."""
-    if bm == 64:
-        return 0.6
+    read once for 256 rows), 128x128 ~0.84 of it, BLOCK_N = 112 / 144 / 160 ~0.9 of a
+    power-of-two one, narrower tiles proportionally slower (each wgmma re-reads A for fewer
+    columns), one math warpgroup (block_m = 64) ~0.6 (nothing hides its FP32 promotion)."""
+    base = {64: 0.6, 128: 0.84, 256: 1.0}[bm]
     pow2 = bn & (bn - 1) == 0
-    if bm == 256:
-        return 1.0 if bn == 128 else 0.85  # only 256x128 was measured; the others rank below
-    return 0.84 if pow2 else 0.75
+    return base * min(1.0, bn / 128) * (1.0 if pow2 else 0.9)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -137,7 +135,7 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     m_blocks = ceil_div(max(m, 1), bm)
     tiles = m_blocks * ceil_div(n, bn)
     cluster = 2 if tiles >= num_sms and (m_blocks % 2 == 0 or m_blocks >= 8) else 1
-    return PtxConfig(bm, bn, stages, cluster)
+    return PtxConfig(bm, bn, stages, cluster, _UNROLL_K)
 
 
 def _wgmma_struct(block_n: int) -> str:
@@ -173,7 +171,7 @@ def kernel_source(
     expr = (
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
         f"{n}, {k}, {'true' if kind == '1d1d' else 'false'}, {_OUT_CODE[out_dtype]}, "
-        f"{'true' if accumulate else 'false'}, {cfg.cluster}>"
+        f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}>"
     )
     return src, expr
 
@@ -196,7 +194,10 @@ def compile_gemm(
     from ptxtrain.jit import compile_cuda
 
     src, expr = kernel_source(kind, cfg, n, k, out_dtype, accumulate)
-    name = f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}_n{n}_k{k}"
+    name = (
+        f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}"
+        f"u{cfg.unroll_k}_n{n}_k{k}"
+    )
     compiled = compile_cuda(src, name=name, name_expressions=(expr,))
     return compiled, expr
 
@@ -342,6 +343,7 @@ def run_with_config(
         cfg.block_m not in (64, 128, 256)
         or cfg.block_n not in (_BLOCK_NS if cfg.block_m < 256 else _BLOCK_NS_256)
         or cfg.cluster not in (1, 2)
+        or cfg.unroll_k not in (1, 2, 4)
         or not 1 <= cfg.num_stages <= _MAX_STAGES
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES
     ):

@@ -105,7 +105,8 @@ def test_every_dsv3_variant_compiles_to_qgmma_without_spills(tmp_path, monkeypat
         ).stdout
         assert "STL" not in sass, f"{args}: register spills (STL) in the SASS"
         waves = 2 if args[1].block_m == 256 else 1  # block_m = 256: two waves of 64-row wgmmas
-        assert sass.count("QGMMA") == 4 * waves, f"{args}: expected 4 QGMMA per wave"
+        count = sass.count("QGMMA")  # 4 per wave per copy of the (unrolled) K-loop body
+        assert count >= 4 * waves and count % (4 * waves) == 0, f"{args}: {count} QGMMA"
     ptx.compile_gemm.cache_clear()
 
 

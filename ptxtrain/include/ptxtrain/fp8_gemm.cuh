@@ -109,7 +109,7 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
 
 // Forward declaration: the math warpgroups' loop (defined after the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned char* smem_b,
                                               unsigned char* smem_sfa, unsigned char* smem_sfb,
                                               u64* full, u64* empty, const float* sf_b, void* out,
@@ -118,9 +118,10 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
 
 // Mma: a struct with `static void mma(float (&d)[kBlockN / 2], u64 desc_a, u64 desc_b, bool
 // accumulate)` issuing one wgmma.mma_async m64n<kBlockN>k32 e4m3 (generated per BLOCK_N).
-// kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ.
+// kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ. kUnrollK: unroll factor of the
+// math warpgroups' K loop.
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK>
 __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
@@ -210,7 +211,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
       }
     }
   } else {
-    fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster>(
+    fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
+                  kUnrollK>(
         smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, out, m, num_m_groups, num_units,
         first_unit, unit_stride, rank);
   }
@@ -223,7 +225,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
 
 // The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned char* smem_b,
                                               unsigned char* smem_sfa, unsigned char* smem_sfb,
                                               u64* full, u64* empty, const float* sf_b, void* out,
@@ -260,7 +262,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
     const int sfb_block = n0 / 128;
     const int split = 128 - n0 % 128;
     const bool has_hi = !k1D1D && split < kBlockN && sfb_block + 1 < kNumSfbBlocks;
-#pragma unroll 1  // unrolling short K loops raised register pressure into spills
+    // kUnrollK: how far the compiler may unroll the K loop (more overlaps one block's scale
+    // loads and address math with the previous block's promotion; too much spills).
+#pragma unroll(kUnrollK)
     for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
       const u32 s = it % kNumStages;
       const u32 phase = (it / kNumStages) & 1u;
