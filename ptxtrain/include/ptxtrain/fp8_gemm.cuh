@@ -68,24 +68,6 @@ __device__ __forceinline__ void release_stage(u64* bar, int lane) {
   }
 }
 
-// 4x4 transpose of 32-bit words within each quad of lanes (`quad` = lane % 4, `mask` = the
-// quad's lanes): o[s] of lane q = v[q] of lane s. Four rotations with shfl.sync (PTX ISA
-// "shfl.sync"); the register indices are resolved with selects, never dynamic indexing.
-__device__ __forceinline__ void quad_transpose(const u32 (&v)[4], u32 (&o)[4], int quad, u32 mask) {
-  const int base = (threadIdx.x % 32) & ~3;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int give = (quad - k) & 3;  // lane s gives v[(s - k) & 3] to lane (s - k) & 3
-    const u32 send = give == 0 ? v[0] : give == 1 ? v[1] : give == 2 ? v[2] : v[3];
-    const int from = (quad + k) & 3;  // this lane receives lane from's v[quad]
-    const u32 got = __shfl_sync(mask, send, base + from);
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      if (t == from) o[t] = got;
-    }
-  }
-}
-
 // Math warpgroups of a BLOCK_M tile: one for 64 rows, two for 128 and 256 (each then covers
 // BLOCK_M / 128 "waves" of 64 rows).
 template <int kBlockM>
@@ -333,76 +315,13 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
     }
 
     // ---- epilogue: registers -> global, rows >= M and columns >= N masked --------------------
-    // Groups of 4 column blocks (32 columns) are exchanged within each quad of lanes (the
-    // quad holds one row's 32 columns, 2 per lane per block) so that every lane writes 8
-    // consecutive columns with 16-byte stores; the remaining blocks are stored pairwise.
-    constexpr bool kVec = kOut == 0 ? kN % 8 == 0 : kN % 4 == 0;  // 16-byte aligned rows
-    constexpr int kVecGroups = kVec ? kBlockN / 32 : 0;
-    const int quad = lane % 4;
-    const u32 quad_mask = 0xFu << (lane & ~3);
 #pragma unroll
     for (int wh = 0; wh < 2 * kWaves; ++wh) {
       const int w = wh / 2, h = wh % 2;
       const int row = m0 + w * 64 * kNumMathWG + row0 + 8 * h;
-      if (row >= m) continue;  // uniform over each quad (its lanes share the row)
+      if (row >= m) continue;
 #pragma unroll
-      for (int g = 0; g < kVecGroups; ++g) {
-        const int col = n0 + 32 * g + 8 * quad;
-        const long long off = static_cast<long long>(row) * kN + col;
-        if constexpr (kOut == 0) {
-          u32 v[4], o[4];
-#pragma unroll
-          for (int t = 0; t < 4; ++t) {
-            v[t] = cvt_bf16x2(fin[w][4 * (4 * g + t) + 2 * h], fin[w][4 * (4 * g + t) + 2 * h + 1]);
-          }
-          quad_transpose(v, o, quad, quad_mask);
-          u16* dst = reinterpret_cast<u16*>(out) + off;
-          if (col + 8 <= kN) {
-            *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
-          } else {
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-              if (col + 2 * t < kN) dst[2 * t] = static_cast<u16>(o[t] & 0xFFFFu);
-              if (col + 2 * t + 1 < kN) dst[2 * t + 1] = static_cast<u16>(o[t] >> 16);
-            }
-          }
-        } else {
-          u32 vx[4], vy[4], ox[4], oy[4];
-#pragma unroll
-          for (int t = 0; t < 4; ++t) {
-            vx[t] = __float_as_uint(fin[w][4 * (4 * g + t) + 2 * h]);
-            vy[t] = __float_as_uint(fin[w][4 * (4 * g + t) + 2 * h + 1]);
-          }
-          quad_transpose(vx, ox, quad, quad_mask);
-          quad_transpose(vy, oy, quad, quad_mask);
-          float* dst = reinterpret_cast<float*>(out) + off;
-          float r[8];
-#pragma unroll
-          for (int t = 0; t < 4; ++t) {
-            r[2 * t] = __uint_as_float(ox[t]);
-            r[2 * t + 1] = __uint_as_float(oy[t]);
-          }
-          if (col + 8 <= kN) {
-            float4* d4 = reinterpret_cast<float4*>(dst);
-            float4 a = make_float4(r[0], r[1], r[2], r[3]);
-            float4 b = make_float4(r[4], r[5], r[6], r[7]);
-            if constexpr (kAccumulate) {
-              const float4 pa = d4[0], pb = d4[1];
-              a.x += pa.x, a.y += pa.y, a.z += pa.z, a.w += pa.w;
-              b.x += pb.x, b.y += pb.y, b.z += pb.z, b.w += pb.w;
-            }
-            d4[0] = a;
-            d4[1] = b;
-          } else {
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-              if (col + t < kN) dst[t] = kAccumulate ? dst[t] + r[t] : r[t];
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 4 * kVecGroups; j < kBlockN / 8; ++j) {
+      for (int j = 0; j < kBlockN / 8; ++j) {
         const int col = n0 + 8 * j + col0;
         if (col >= kN) continue;
         const float v0 = fin[w][4 * j + 2 * h], v1 = fin[w][4 * j + 2 * h + 1];
