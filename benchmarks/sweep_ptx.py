@@ -23,17 +23,20 @@ from ptxtrain.testing import calc_diff
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_WGRAD_MN
 
 
-def _candidates(kind: str, m: int, unrolls=(2,)) -> list[ptx.PtxConfig]:
+def _candidates(kind: str, m: int, unrolls=(2,), doubles=(False,)) -> list[ptx.PtxConfig]:
     out = []
     for bm in (128, 256) if m > 128 else (64, 128) if m > 64 else (64,):
-        bns = (16, 32, 48, 64, 96, 128) if m <= 128 else (112, 128, 160) if bm == 128 else (128,)
+        bns = (16, 32, 48, 64, 96, 128) if m <= 128 else (96, 128, 160) if bm == 128 else (128,)
         for bn in bns:
             for cluster in (1, 2):
                 stages = 8
                 while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind) > 227 * 1024:
                     stages -= 1
                 for u in unrolls:
-                    out.append(ptx.PtxConfig(bm, bn, stages, cluster, u))
+                    for dbl in doubles:
+                        if dbl and (bm == 256 or bn > 128):
+                            continue
+                        out.append(ptx.PtxConfig(bm, bn, stages, cluster, u, dbl))
     return out
 
 
@@ -45,6 +48,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--unroll", type=int, nargs="+", default=[2], help="K-loop unroll factors")
     p.add_argument("--only", nargs="+", default=None, help="configs BMxBNcC, e.g. 256x128c2")
+    p.add_argument("--double", type=int, nargs="+", default=[0], help="double accumulators 0/1")
     args = p.parse_args()
     timer = GpuTimer(repeats=args.repeats)
     rows = []
@@ -65,7 +69,8 @@ def main() -> None:
         flops = 2.0 * m * n * k
         pick = ptx.select_config(args.kind, m, n, k, 132)
         best = None
-        for cfg in _candidates(args.kind, m, tuple(args.unroll)):
+        doubles = tuple(bool(d) for d in args.double)
+        for cfg in _candidates(args.kind, m, tuple(args.unroll), doubles):
             tag = f"{cfg.block_m}x{cfg.block_n}c{cfg.cluster}"
             if args.only and tag not in args.only:
                 continue
@@ -101,7 +106,8 @@ def main() -> None:
                 best = row
             print(
                 f"{m:>5} {n:>6} {k:>6} {cfg.block_m:>4}x{cfg.block_n:<4} s{cfg.num_stages} "
-                f"c{cfg.cluster} u{cfg.unroll_k} {us:9.1f} µs {row['tflops']:6.0f} TFLOPS "
+                f"c{cfg.cluster} u{cfg.unroll_k}{'d' if cfg.double_acc else ' '} {us:9.1f} µs "
+                f"{row['tflops']:6.0f} TFLOPS "
                 f"{row['x_cublas']:5.2f}x cuBLAS{'  <- heuristic' if row['picked'] else ''}"
                 f"{f'  ({resident} clusters resident)' if resident else ''}"
             )

@@ -47,13 +47,16 @@ class PtxConfig:
     """Block sizes of one compiled PTX GEMM: ``block_m`` (64: one math warpgroup; 128 or 256: two,
     each covering ``block_m / 128`` waves of 64 rows), ``block_n`` (a multiple of 16 in [16, 160];
     at most 128 with ``block_m = 256``), ``num_stages`` (shared-memory ring depth),
-    ``cluster`` (1, or 2: two CTAs on adjacent M-blocks share each B tile by TMA multicast)."""
+    ``cluster`` (1, or 2: two CTAs on adjacent M-blocks share each B tile by TMA multicast),
+    ``unroll_k`` (unroll factor of the single-accumulator K loop), ``double_acc`` (two wgmma
+    accumulators: block k + 1's MMAs run while block k is promoted; one wave, block_n <= 128)."""
 
     block_m: int
     block_n: int
     num_stages: int
     cluster: int = 1
     unroll_k: int = 2
+    double_acc: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -137,7 +140,10 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     cluster = 2 if tiles >= num_sms and (m_blocks % 2 == 0 or m_blocks >= 8) else 1
     if kind == "1d1d":
         cluster = 1  # measured 1.03-1.05x faster than B multicast for the wgrad shapes
-    return PtxConfig(bm, bn, stages, cluster, _UNROLL_K)
+    # Two wgmma accumulators (the next block's MMAs overlap this block's promotion) fit in the
+    # registers up to 64 x 128 per math warpgroup (3 x 64 + 32 for 1D1D's scales of B).
+    double_acc = bm <= 128 and bn <= 128
+    return PtxConfig(bm, bn, stages, cluster, _UNROLL_K, double_acc)
 
 
 def _wgmma_struct(block_n: int) -> str:
@@ -173,7 +179,8 @@ def kernel_source(
     expr = (
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
         f"{n}, {k}, {'true' if kind == '1d1d' else 'false'}, {_OUT_CODE[out_dtype]}, "
-        f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}>"
+        f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
+        f"{'true' if cfg.double_acc else 'false'}>"
     )
     return src, expr
 
@@ -198,7 +205,7 @@ def compile_gemm(
     src, expr = kernel_source(kind, cfg, n, k, out_dtype, accumulate)
     name = (
         f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}"
-        f"u{cfg.unroll_k}_n{n}_k{k}"
+        f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}_n{n}_k{k}"
     )
     compiled = compile_cuda(src, name=name, name_expressions=(expr,))
     return compiled, expr
@@ -346,6 +353,7 @@ def run_with_config(
         or cfg.block_n not in (_BLOCK_NS if cfg.block_m < 256 else _BLOCK_NS_256)
         or cfg.cluster not in (1, 2)
         or cfg.unroll_k not in (1, 2, 4)
+        or (cfg.double_acc and (cfg.block_m == 256 or cfg.block_n > 128))
         or not 1 <= cfg.num_stages <= _MAX_STAGES
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES
     ):

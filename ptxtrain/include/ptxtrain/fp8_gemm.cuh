@@ -68,6 +68,52 @@ __device__ __forceinline__ void release_stage(u64* bar, int lane) {
   }
 }
 
+// One 128-K block of one wave: 4 wgmma m64nBLOCK_Nk32 from the stage's A rows `a_tile` and B
+// tile `b_tile` into `acc` (overwritten: scale-d = 0 on the first), committed as one group.
+template <class Mma, int kBlockN>
+__device__ __forceinline__ void issue_kblock(float (&acc)[kBlockN / 2], const unsigned char* a_tile,
+                                             const unsigned char* b_tile) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    // K-major, 128-byte swizzle: 8-row atoms 1024 B apart; the k-th 32-byte K slice starts kk * 32
+    // bytes into each row (the swizzle applies to the absolute address).
+    const u64 da = make_smem_desc(a_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
+    const u64 db = make_smem_desc(b_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
+    Mma::mma(acc, da, db, kk > 0);
+  }
+  wgmma_commit_group();
+}
+
+// FP32 promotion of one block's partial sums: fin += acc · sf_a[row] · sf_b. 1D2D: sf_b is
+// `lo` for the 8-column groups left of `split`, `hi` right of it; 1D1D: per column from `sb`.
+template <int kBlockN, bool k1D1D>
+__device__ __forceinline__ void promote(float (&fin)[kBlockN / 2], const float (&acc)[kBlockN / 2],
+                                        float sa0, float sa1, float sfb_lo, float sfb_hi,
+                                        int split, const float (&sb)[k1D1D ? kBlockN / 4 : 1]) {
+  if constexpr (k1D1D) {
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      fin[4 * j + 0] += acc[4 * j + 0] * (sa0 * sb[2 * j]);
+      fin[4 * j + 1] += acc[4 * j + 1] * (sa0 * sb[2 * j + 1]);
+      fin[4 * j + 2] += acc[4 * j + 2] * (sa1 * sb[2 * j]);
+      fin[4 * j + 3] += acc[4 * j + 3] * (sa1 * sb[2 * j + 1]);
+    }
+  } else {
+    const float lo0 = sa0 * sfb_lo, lo1 = sa1 * sfb_lo;
+    const float hi0 = sa0 * sfb_hi, hi1 = sa1 * sfb_hi;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const bool hi = 8 * j >= split;
+      const float s0 = hi ? hi0 : lo0, s1 = hi ? hi1 : lo1;
+      fin[4 * j + 0] += acc[4 * j + 0] * s0;
+      fin[4 * j + 1] += acc[4 * j + 1] * s0;
+      fin[4 * j + 2] += acc[4 * j + 2] * s1;
+      fin[4 * j + 3] += acc[4 * j + 3] * s1;
+    }
+  }
+}
+
 // Math warpgroups of a BLOCK_M tile: one for 64 rows, two for 128 and 256 (each then covers
 // BLOCK_M / 128 "waves" of 64 rows).
 template <int kBlockM>
@@ -91,7 +137,7 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
 
 // Forward declaration: the math warpgroups' loop (defined after the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster, int kUnrollK>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned char* smem_b,
                                               unsigned char* smem_sfa, unsigned char* smem_sfb,
                                               u64* full, u64* empty, const float* sf_b, void* out,
@@ -101,9 +147,10 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
 // Mma: a struct with `static void mma(float (&d)[kBlockN / 2], u64 desc_a, u64 desc_b, bool
 // accumulate)` issuing one wgmma.mma_async m64n<kBlockN>k32 e4m3 (generated per BLOCK_N).
 // kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ. kUnrollK: unroll factor of the
-// math warpgroups' K loop.
+// math warpgroups' K loop. kDoubleAcc (one wave only): two wgmma accumulators, so the next
+// 128-K block's wgmmas run while this block is promoted (wgmma.wait_group 1 instead of 0).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster, int kUnrollK>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc>
 __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
@@ -194,7 +241,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK>(
+                  kUnrollK, kDoubleAcc>(
         smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, out, m, num_m_groups, num_units,
         first_unit, unit_stride, rank);
   }
@@ -207,7 +254,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
 
 // The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster, int kUnrollK>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned char* smem_b,
                                               unsigned char* smem_sfa, unsigned char* smem_sfb,
                                               u64* full, u64* empty, const float* sf_b, void* out,
@@ -244,20 +291,14 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
     const int sfb_block = n0 / 128;
     const int split = 128 - n0 % 128;
     const bool has_hi = !k1D1D && split < kBlockN && sfb_block + 1 < kNumSfbBlocks;
-    // kUnrollK: how far the compiler may unroll the K loop (more overlaps one block's scale
-    // loads and address math with the previous block's promotion; too much spills).
-#pragma unroll(kUnrollK)
-    for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
-      const u32 s = it % kNumStages;
-      const u32 phase = (it / kNumStages) & 1u;
-      float sfb_lo = 1.0f, sfb_hi = 1.0f;
+    // 1D2D: B's scales of block kb (global, cached); 1D1D: per column from the stage.
+    auto load_sfb = [&](int kb, float& lo, float& hi) {
       if constexpr (!k1D1D) {
-        sfb_lo = __ldg(sf_b + sfb_block * kNumKBlocks + kb);
-        sfb_hi = has_hi ? __ldg(sf_b + (sfb_block + 1) * kNumKBlocks + kb) : sfb_lo;
+        lo = __ldg(sf_b + sfb_block * kNumKBlocks + kb);
+        hi = has_hi ? __ldg(sf_b + (sfb_block + 1) * kNumKBlocks + kb) : lo;
       }
-      mbarrier_wait(&full[s], phase);
-      const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
-      float sb[k1D1D ? kBlockN / 4 : 1];
+    };
+    auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1]) {
       if constexpr (k1D1D) {
         const float* sfb = reinterpret_cast<const float*>(smem_sfb + s * Smem::kSlotSfb);
 #pragma unroll
@@ -266,52 +307,95 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
           sb[2 * j + 1] = sfb[8 * j + col0 + 1];
         }
       }
+    };
+    if constexpr (kDoubleAcc) {
+      // Block kb's wgmmas are in flight in one accumulator while block kb + 1's are issued into
+      // the other; wait_group 1 then retires kb alone, which is promoted while kb + 1 runs.
+      static_assert(kWaves == 1, "double accumulators need a single wave per warpgroup");
+      float acc2[kBlockN / 2];
+      const unsigned char* a_rows = smem_a + wg * 64 * 128;
+      // Retire the oldest block (`cur`): with `next`, first issue block it + 1 into `nxt` and
+      // wait until one group is pending; then read the scales, release the stage, promote.
+#define PTXTRAIN_FP8_GEMM_RETIRE(kb, cur, nxt, next)                                            \
+  {                                                                                           \
+    const u32 s = it % kNumStages;                                                            \
+    float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
+    load_sfb((kb), sfb_lo, sfb_hi);                                                           \
+    if (next) {                                                                               \
+      const u32 s1 = (it + 1) % kNumStages;                                                   \
+      mbarrier_wait(&full[s1], ((it + 1) / kNumStages) & 1u);                                 \
+      issue_kblock<Mma, kBlockN>(nxt, a_rows + s1 * Smem::kBytesA, smem_b + s1 * Smem::kBytesB); \
+      wgmma_wait_group<1>();                                                                  \
+    } else {                                                                                  \
+      wgmma_wait_group<0>();                                                                  \
+    }                                                                                         \
+    wgmma_fence_operand(cur);                                                                 \
+    const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
+    const float sa0 = sfa[row0], sa1 = sfa[row0 + 8];                                         \
+    float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
+    load_sb(s, sb);                                                                           \
+    __syncwarp();                                                                             \
+    release_stage<kCluster>(&empty[s], lane);                                                 \
+    promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
+    ++it;                                                                                     \
+  }
+      // Chunks of kChunk blocks, each fully unrolled and drained at its end (wait_group 0): ptxas
+      // serializes wgmmas that are still in flight across a loop's back edge, so none is. After
+      // unrolling, `i` is a constant and the parity / last-block branches fold away.
+#define PTXTRAIN_FP8_GEMM_CHUNK(kb0, count)                                                     \
+  {                                                                                           \
+    {                                                                                         \
+      const u32 s = it % kNumStages;                                                          \
+      mbarrier_wait(&full[s], (it / kNumStages) & 1u);                                        \
+      issue_kblock<Mma, kBlockN>(acc, a_rows + s * Smem::kBytesA, smem_b + s * Smem::kBytesB); \
+    }                                                                                         \
+    _Pragma("unroll") for (int i = 0; i < (count); ++i) {                                     \
+      if (i % 2 == 0) {                                                                       \
+        PTXTRAIN_FP8_GEMM_RETIRE((kb0) + i, acc, acc2, i + 1 < (count))                       \
+      } else {                                                                                \
+        PTXTRAIN_FP8_GEMM_RETIRE((kb0) + i, acc2, acc, i + 1 < (count))                       \
+      }                                                                                       \
+    }                                                                                         \
+  }
+      constexpr int kChunk = 8;
+#pragma unroll 1
+      for (int kb0 = 0; kb0 + kChunk <= kNumKBlocks; kb0 += kChunk) PTXTRAIN_FP8_GEMM_CHUNK(kb0, kChunk)
+      if constexpr (kNumKBlocks % kChunk != 0) {
+        PTXTRAIN_FP8_GEMM_CHUNK(kNumKBlocks - kNumKBlocks % kChunk, kNumKBlocks % kChunk)
+      }
+#undef PTXTRAIN_FP8_GEMM_CHUNK
+#undef PTXTRAIN_FP8_GEMM_RETIRE
+    } else {
+    // kUnrollK: how far the compiler may unroll the K loop (more overlaps one block's scale
+    // loads and address math with the previous block's promotion; too much spills).
+#pragma unroll(kUnrollK)
+    for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
+      const u32 s = it % kNumStages;
+      const u32 phase = (it / kNumStages) & 1u;
+      float sfb_lo = 1.0f, sfb_hi = 1.0f;
+      load_sfb(kb, sfb_lo, sfb_hi);
+      mbarrier_wait(&full[s], phase);
+      const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
+      float sb[k1D1D ? kBlockN / 4 : 1];
+      load_sb(s, sb);
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
         const int wrow = w * 64 * kNumMathWG + row0;
         // Scales first: once this warp releases the stage, the producer may overwrite it.
         const float sa0 = sfa[wrow];
         const float sa1 = sfa[wrow + 8];
-        const unsigned char* a_tile =
-            smem_a + s * Smem::kBytesA + (w * 64 * kNumMathWG + wg * 64) * 128;
-        const unsigned char* b_tile = smem_b + s * Smem::kBytesB;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          // K-major, 128-byte swizzle: 8-row atoms 1024 B apart; the k-th 32-byte K slice
-          // starts kk * 32 bytes into each row (the swizzle applies to the absolute address).
-          const u64 da = make_smem_desc(a_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
-          const u64 db = make_smem_desc(b_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
-          Mma::mma(acc, da, db, kk > 0);
-        }
-        wgmma_commit_group();
+        issue_kblock<Mma, kBlockN>(
+            acc, smem_a + s * Smem::kBytesA + (w * 64 * kNumMathWG + wg * 64) * 128,
+            smem_b + s * Smem::kBytesB);
         wgmma_wait_group<0>();
+        wgmma_fence_operand(acc);
         if (w == kWaves - 1) {
           __syncwarp();
           release_stage<kCluster>(&empty[s], lane);
         }
-        if constexpr (k1D1D) {
-#pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) {
-            fin[w][4 * j + 0] += acc[4 * j + 0] * (sa0 * sb[2 * j]);
-            fin[w][4 * j + 1] += acc[4 * j + 1] * (sa0 * sb[2 * j + 1]);
-            fin[w][4 * j + 2] += acc[4 * j + 2] * (sa1 * sb[2 * j]);
-            fin[w][4 * j + 3] += acc[4 * j + 3] * (sa1 * sb[2 * j + 1]);
-          }
-        } else {
-          const float lo0 = sa0 * sfb_lo, lo1 = sa1 * sfb_lo;
-          const float hi0 = sa0 * sfb_hi, hi1 = sa1 * sfb_hi;
-#pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) {
-            const bool hi = 8 * j >= split;
-            const float s0 = hi ? hi0 : lo0, s1 = hi ? hi1 : lo1;
-            fin[w][4 * j + 0] += acc[4 * j + 0] * s0;
-            fin[w][4 * j + 1] += acc[4 * j + 1] * s0;
-            fin[w][4 * j + 2] += acc[4 * j + 2] * s1;
-            fin[w][4 * j + 3] += acc[4 * j + 3] * s1;
-          }
-        }
+        promote<kBlockN, k1D1D>(fin[w], acc, sa0, sa1, sfb_lo, sfb_hi, split, sb);
       }
+    }
     }
 
     // ---- epilogue: registers -> global, rows >= M and columns >= N masked --------------------

@@ -28,6 +28,15 @@ __device__ __forceinline__ void wgmma_wait_group() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// Compiler-only fence on accumulator registers (no instruction): the registers may have been
+// written behind the compiler's back (by an asynchronous wgmma), so no read of them is moved
+// above this point and no write below it. Place after wgmma_wait_group, before reading them.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // Swizzle modes of a shared-memory matrix descriptor (bits 62..63).
 enum class SmemSwizzle : u32 { kNone = 0, kB128 = 1, kB64 = 2, kB32 = 3 };
 
