@@ -74,12 +74,18 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str) -> int:
 
 def _efficiency(bm: int, bn: int) -> float:
     """Relative throughput per tile area, measured on an H200 at M = 4096 over the six DeepSeek-V3
-    shapes (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200): 256x128 fastest per FLOP (B is
-    read once for 256 rows), 128x128 ~0.84 of it, BLOCK_N = 112 / 144 / 160 ~0.9 of a
-    power-of-two one, narrower tiles proportionally slower (each wgmma re-reads A for fewer
-    columns), one math warpgroup (block_m = 64) ~0.6 (nothing hides its FP32 promotion)."""
-    base = {64: 0.6, 128: 0.84, 256: 1.0}[bm]
+    shapes (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200/, sweep_*_8703b7e.json): 128-row
+    tiles with double accumulators (block_n <= 128) fastest on 4 of 6 shapes and 1D1D, 256x128
+    (one accumulator, two waves) on par (best at K = 16384), 128-row tiles wider than 128 (one
+    accumulator) ~0.75, narrower tiles proportionally slower (each wgmma re-reads A for fewer
+    columns), one math warpgroup (block_m = 64) ~0.6."""
     pow2 = bn & (bn - 1) == 0
+    if bm == 64:
+        base = 0.6
+    elif bm == 256:
+        base = 1.0 if bn == 128 else 0.85
+    else:
+        base = 1.02 if bn <= 128 else 0.84
     return base * min(1.0, bn / 128) * (1.0 if pow2 else 0.9)
 
 
@@ -138,8 +144,10 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     m_blocks = ceil_div(max(m, 1), bm)
     tiles = m_blocks * ceil_div(n, bn)
     cluster = 2 if tiles >= num_sms and (m_blocks % 2 == 0 or m_blocks >= 8) else 1
-    if kind == "1d1d":
-        cluster = 1  # measured 1.03-1.05x faster than B multicast for the wgrad shapes
+    if bm < 256:
+        # Measured: 128-row tiles (1D2D with double accumulators, and 1D1D) ran 1.03-1.08x
+        # faster without B multicast; 256x128 tiles gain from it.
+        cluster = 1
     # Two wgmma accumulators (the next block's MMAs overlap this block's promotion) fit in the
     # registers up to 64 x 128 per math warpgroup (3 x 64 + 32 for 1D1D's scales of B).
     double_acc = bm <= 128 and bn <= 128

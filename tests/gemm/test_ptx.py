@@ -37,6 +37,7 @@ def test_config_is_valid_and_fills_the_sms(kind, m, n, k):
     cfg = ptx.select_config(kind, m, n, k, H200_SMS)
     assert cfg.block_m in (64, 128, 256) and cfg.block_n % 16 == 0 and 16 <= cfg.block_n <= 160
     assert cfg.block_m < 256 or cfg.block_n <= 128  # registers: 1.5 x block_n accumulators
+    assert not cfg.double_acc or (cfg.block_m <= 128 and cfg.block_n <= 128)  # 3 x block_n / 2
     assert 2 <= cfg.num_stages <= 8
     assert ptx.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) <= 227 * 1024
     if m <= 64:
@@ -45,10 +46,11 @@ def test_config_is_valid_and_fills_the_sms(kind, m, n, k):
         assert -(-m // cfg.block_m) >= 2
 
 
-def test_config_prefers_256_row_tiles_at_large_m():
-    # 4096 x 7168 x 16384: 256x128 tiles with B multicast measured fastest on an H200 (1239 vs
-    # 1017 TFLOPS for 128x128 and 995 for 128x160; benchmarks/results/2026-11-22-ptx-gemm-*).
-    assert ptx.select_config("1d2d", 4096, 7168, 16384, H200_SMS) == ptx.PtxConfig(256, 128, 4, 2)
+def test_config_at_large_and_decode_m():
+    # M = 4096: 128x128 tiles with double accumulators and no multicast measured fastest on 4 of
+    # the 6 V3 shapes on an H200 (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200/).
+    cfg = ptx.select_config("1d2d", 4096, 4096, 7168, H200_SMS)
+    assert (cfg.block_m, cfg.block_n, cfg.cluster, cfg.double_acc) == (128, 128, 1, True)
     # Decode-sized M keeps one 64-row math warpgroup and narrow tiles spread over the SMs.
     small = ptx.select_config("1d2d", 64, 2112, 7168, H200_SMS)
     assert small.block_m == 64 and small.block_n <= 32 and small.cluster == 1
