@@ -236,6 +236,19 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         "`ptxtrain plot timeline RUN_DIR`)",
     )
 
+    g = p.add_argument_group(
+        "expert parallelism (torchrun --nproc-per-node EP -m ptxtrain train --ep EP ...)"
+    )
+    g.add_argument(
+        "--ep",
+        type=_int_at_least(1),
+        metavar="EP",
+        help="expert-parallel ranks, = the number of processes (WORLD_SIZE): each holds "
+        "n_routed_experts/EP experts of every MoE layer and trains on batch-size/EP sequences "
+        "of every batch (data parallel); n_routed_experts and --batch-size must be divisible "
+        f"by EP; not with --pp > 1 (default: {d.ep} = one process)",
+    )
+
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -259,6 +272,7 @@ _RUN_FIELDS = (
     "schedule",
     "num_chunks",
     "timeline",
+    "ep",
 )
 
 
@@ -293,7 +307,7 @@ def _run_train(ns: argparse.Namespace) -> int:
 # ptxtrain bench
 # --------------------------------------------------------------------------------------------
 
-_BENCHES = ("quant", "gemm", "linear")
+_BENCHES = ("quant", "gemm", "linear", "dispatch")
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -302,7 +316,8 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         choices=_BENCHES,
         help="quant: quantizers in GB/s vs a BF16 copy; gemm: FP8 GEMM backends (1D2D at "
         "M = 64/128/4096 and 1D1D wgrad) vs cuBLAS blockwise FP8 and BF16; linear: Fp8Linear "
-        "forward+backward vs BF16 nn.Linear at M = 4096",
+        "forward+backward vs BF16 nn.Linear at M = 4096; dispatch: MoE dispatch/combine per "
+        "backend in µs and GB/s (run under torchrun, one GPU per rank)",
     )
     p.add_argument(
         "--json",
@@ -314,8 +329,59 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=_int_at_least(1),
         default=None,
         metavar="N",
-        help="timed calls per measurement; the median is reported (default: 50, linear 30)",
+        help="timed calls per measurement; the median is reported (default: 50, linear 30, "
+        "dispatch 20)",
     )
+    d = p.add_argument_group("dispatch (DeepEP's setting by default)")
+    d.add_argument("--tokens", type=_int_at_least(1), default=4096, help="tokens per rank")
+    d.add_argument("--hidden", type=_int_at_least(1), default=7168, help="hidden size")
+    d.add_argument("--experts", type=_int_at_least(1), default=256, help="routed experts")
+    d.add_argument("--topk", type=_int_at_least(1), default=8, help="experts per token")
+    d.add_argument("--num-sms", type=_int_at_least(1), default=24, help="SMs of the nvlink kernel")
+
+
+def _run_bench_dispatch(ns: argparse.Namespace) -> int:
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from .bench import dispatch
+
+    if ns.topk > ns.experts:
+        raise _UsageError(f"--topk must be <= --experts, got {ns.topk} > {ns.experts}")
+    own_group = not dist.is_initialized()
+    if own_group:  # torchrun sets these; a plain run is one rank
+        for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(var, value)
+        os.environ.setdefault("MASTER_PORT", "29531")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        if ns.experts % dist.get_world_size():
+            raise _UsageError(
+                f"--experts must be a multiple of the {dist.get_world_size()} ranks, "
+                f"got {ns.experts}"
+            )
+        record = dispatch.bench_dispatch(
+            tokens=ns.tokens,
+            hidden=ns.hidden,
+            experts=ns.experts,
+            topk=ns.topk,
+            num_sms=ns.num_sms,
+            repeats=20 if ns.repeats is None else ns.repeats,
+        )
+        if dist.get_rank() == 0:
+            print(dispatch.format_table(record))
+            if ns.json:
+                with open(ns.json, "w", encoding="utf-8") as f:
+                    json.dump(record, f, indent=1, default=str)
+                print(f"wrote {ns.json}")
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return EXIT_OK
 
 
 def _run_bench(ns: argparse.Namespace) -> int:
@@ -325,6 +391,8 @@ def _run_bench(ns: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise _UsageError("ptxtrain bench times CUDA kernels: no CUDA device is visible")
+    if ns.what == "dispatch":
+        return _run_bench_dispatch(ns)
     from .bench import gemm, linear, quant
 
     kw = {} if ns.repeats is None else {"repeats": ns.repeats}

@@ -72,6 +72,7 @@ def _error(argv, capsys):
         (["train", "--preset", "huge"], "invalid choice: 'huge'"),
         (["train", "--precision", "fp16"], "invalid choice"),
         (["train", "--bogus"], "unrecognized arguments"),
+        (["train", "--ep", "0"], "--ep: must be >= 1"),
         (["frobnicate"], "invalid choice"),
         (["bench", "matmul"], "invalid choice: 'matmul'"),
         (["bench", "gemm", "--repeats", "0"], "--repeats: must be >= 1"),
@@ -95,6 +96,9 @@ def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
         (["--seq-len", "100000"], "max_seq_len"),
         (["--resume"], "no checkpoint"),
         (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
+        (["--ep", "2"], "--ep 2 needs 2 processes"),  # this process is a world of 1
+        (["--ep", "3"], "--batch-size 16 must be divisible by --ep 3"),
+        (["--ep", "2", "--pp", "2", "--no-mtp"], "not supported yet"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "no CUDA device"))
@@ -208,3 +212,16 @@ def test_plot_timeline_user_errors(tmp_path, capsys):
     assert code == 2 and "out of range" in err
     code, err = _error(["plot"], capsys)
     assert code == 2
+
+
+def test_ep_flag_reaches_train_args(smoke_run):
+    from ptxtrain.cli import _train_args_from, build_parser
+
+    parse = build_parser().parse_args
+    assert _train_args_from(parse(["train", "--ep", "4"])).ep == 4
+    assert _train_args_from(parse(["train"])).ep == 1
+    # --ep is a run flag, not part of the trajectory: a resume takes it from the command line
+    # (the checkpoint layout is the single-process one whatever --ep wrote it).
+    out = str(smoke_run[1])
+    assert _train_args_from(parse(["train", "--resume", "--out", out, "--ep", "2"])).ep == 2
+    assert _train_args_from(parse(["train", "--resume", "--out", out])).ep == 1

@@ -7,8 +7,10 @@ Structure (DeepSeek-V3 report, arXiv 2412.19437, §2.1-2.2):
     MTP (depth 1): h'_i = proj([RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]) -> Block -> RMSNorm -> head
                    (shared embedding and head) predicts t_{i+2}.
 
-Precision (DESIGN §1): every projection, expert and dense-MLP weight is a plain
-``nn.Linear(bias=False)``, the candidates of the FP8 swap (:func:`fp8_module_filter` picks them).
+Precision (DESIGN §1): every projection and dense-MLP weight is a plain ``nn.Linear(bias=False)``,
+the candidates of the FP8 swap (:func:`fp8_module_filter` picks them); the routed experts are
+stacked weights in an :class:`~ptxtrain.moe.experts.Experts` module whose ``fp8`` switch sends
+them through FP8 grouped GEMMs (:func:`convert_model_to_fp8_training` does both).
 Never FP8 (they stay in the activation dtype or higher): the embedding, the output ``head``, the
 router (an ``nn.Parameter``; gate GEMM in fp32), RMSNorm (computed in fp32), RoPE (computed in
 complex64) and the attention core (``scaled_dot_product_attention`` in the activation dtype).
@@ -19,21 +21,28 @@ MLA follows the report's eqs. 1-11 without the inference-time weight absorption:
 values are decompressed with ``wkv_b`` and the decoupled RoPE key (one per token, shared by all
 heads) is concatenated to every head's key; softmax scale ``1/sqrt(nope + rope)`` (no YaRN).
 RoPE rotates interleaved pairs ``(x[2i], x[2i+1])`` as DeepSeek's reference code does.
+
+Expert parallelism: :meth:`DeepSeekV3.enable_expert_parallel` splits every MoE layer's routed
+experts over a process group (see :mod:`ptxtrain.moe.layer`); everything else stays replicated.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ptxtrain._checks import check_tensor
 from ptxtrain.model.config import DeepSeekV3Config
+from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.layer import MLP, MoE
-from ptxtrain.moe.router import Router
+from ptxtrain.moe.router import Router, load_stats
 
 __all__ = [
     "MLA",
@@ -43,6 +52,7 @@ __all__ = [
     "ModelOutput",
     "RMSNorm",
     "build_model",
+    "convert_model_to_fp8_training",
     "fp8_module_filter",
     "generate",
 ]
@@ -286,12 +296,15 @@ class DeepSeekV3(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.mtp = MTP(config) if config.mtp_depth == 1 else None
+        self.ep_group: dist.ProcessGroup | None = None  # set by enable_expert_parallel
+        self.ep_size = 1
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """DeepSeek's init, in module order: every ``nn.Linear``, the embedding and the router
-        weights ``~ normal(0, init_std)``; RMSNorm weights 1; router bias and counters 0.
+        """DeepSeek's init, in module order: every ``nn.Linear``, the embedding, the stacked
+        routed-expert weights (``w1``, ``w3``, ``w2``) and the router weights
+        ``~ normal(0, init_std)``; RMSNorm weights 1; router bias and counters 0.
 
         Deterministic given ``generator`` (or the current default RNG of the parameters'
         device when ``None``).
@@ -300,6 +313,9 @@ class DeepSeekV3(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, Experts):
+                for w in (module.w1, module.w3, module.w2):
+                    w.normal_(0.0, std, generator=generator)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
             elif isinstance(module, Router):
@@ -376,16 +392,33 @@ class DeepSeekV3(nn.Module):
     def moe_load_stats(self) -> dict[str, float]:
         """Load statistics of the tokens counted since the last bias update, without updating.
 
-        See :meth:`update_router_biases` for the keys.
+        With expert parallelism the counts are summed over the group first (a collective; the
+        routers' own counters are left as they are). See :meth:`update_router_biases` for the keys.
         """
         routers = self.routers()
-        return aggregate_router_stats([r.load_stats() for r in routers], _bias_abs_max(routers))
+        counts = self._global_expert_counts(routers)
+        stats = [load_stats(c) for c in counts]
+        return aggregate_router_stats(stats, _bias_abs_max(routers))
+
+    @torch.no_grad()
+    def _global_expert_counts(self, routers: list[Router]) -> list[torch.Tensor]:
+        """Each router's ``expert_counts``, summed over the expert-parallel group (one
+        all-reduce of the concatenation), as new tensors."""
+        counts = [r.expert_counts.clone() for r in routers]
+        if self.ep_group is None or not counts:
+            return counts
+        flat = torch.cat([c.reshape(-1) for c in counts])
+        dist.all_reduce(flat, group=self.ep_group)
+        return list(flat.split([c.numel() for c in counts]))
 
     def update_router_biases(self) -> dict[str, float]:
         """Apply one auxiliary-loss-free bias update to every router and reset their counters.
 
-        Call once per optimizer step, after the backward passes of all micro-batches (in data
-        parallel: after all-reducing each router's ``expert_counts``).
+        Call once per optimizer step, after the backward passes of all micro-batches. With
+        expert parallelism (:meth:`enable_expert_parallel`) the counts are first all-reduced
+        over the group, so every rank applies the same update from the global expert load (a
+        collective: every rank must call it); other data-parallel setups must all-reduce each
+        router's ``expert_counts`` themselves first.
 
         Returns:
             ``n_moe_layers``; ``tokens`` (token-slots counted, summed over layers);
@@ -396,11 +429,63 @@ class DeepSeekV3(nn.Module):
             NaN when nothing was counted (eval-mode forwards do not count).
         """
         routers = self.routers()
+        if self.ep_group is not None:
+            for r, c in zip(routers, self._global_expert_counts(routers), strict=True):
+                r.expert_counts.copy_(c)
         return aggregate_router_stats([r.update_bias() for r in routers], _bias_abs_max(routers))
+
+    # ------------------------------------------------------------------ expert parallelism
+    def enable_expert_parallel(self, group: dist.ProcessGroup | None = None) -> None:
+        """Split every MoE layer's routed experts over the ranks of ``group`` (in place).
+
+        Rank ``r`` of ``R`` keeps experts ``[r·E/R, (r+1)·E/R)`` of every MoE layer (the MTP
+        block's included): slices of the full model, so build the full model identically on
+        every rank first (same seed), then call this, then build the optimizer. Each rank then
+        runs the whole model on its own tokens; the MoE layers exchange tokens with
+        :class:`~ptxtrain.moe.Buffer` (forward and backward are collectives over ``group``).
+
+        Gradients after ``backward`` (each rank's loss over its own tokens): a replicated
+        parameter holds this rank's gradient (average it over the ranks for data parallelism);
+        an expert parameter holds the sum over **all** ranks' losses of the gradient with
+        respect to its local expert (scale it by ``1/R`` to get the gradient of the mean loss).
+
+        Args:
+            group: the expert-parallel process group; ``None`` = the default group.
+
+        Raises:
+            ValueError: no initialized process group, ``n_routed_experts`` not divisible by the
+                group size, or expert parallelism already enabled.
+        """
+        if self.ep_group is not None:
+            raise ValueError("expert parallelism is already enabled on this model")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "enable_expert_parallel needs an initialized torch.distributed process group"
+            )
+        size = dist.get_world_size(group)
+        if self.config.n_routed_experts % size != 0:
+            raise ValueError(
+                f"n_routed_experts={self.config.n_routed_experts} must be divisible by the "
+                f"expert-parallel group size {size}"
+            )
+        for moe in self.moe_layers():
+            moe.enable_expert_parallel(group)
+        self.ep_group = group if group is not None else dist.group.WORLD
+        self.ep_size = size
+
+    def moe_layers(self) -> list[MoE]:
+        """Every MoE layer in module order (main layers first, then the MTP block's)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The routed experts' stacked weights (``w1``, ``w3``, ``w2`` of every MoE layer), the
+        parameters that expert parallelism shards rather than replicates."""
+        return [p for m in self.modules() if isinstance(m, Experts) for p in m.parameters()]
 
     # ------------------------------------------------------------------ sizes
     def num_params(self) -> dict[str, int]:
-        """Parameter counts (works on the meta device).
+        """Parameter counts of the whole model (works on the meta device; with expert
+        parallelism the experts held by other ranks are counted too).
 
         Returns:
             ``total``: every parameter (tied weights once, MTP included);
@@ -415,7 +500,9 @@ class DeepSeekV3(nn.Module):
             total = sum(p.numel() for p in module.parameters())
             unused = 0
             for moe in (m for m in module.modules() if isinstance(m, MoE)):
-                per_expert = sum(p.numel() for p in moe.experts[0].parameters())
+                ex = moe.experts
+                per_expert = sum(p[0].numel() for p in ex.parameters())
+                total += (ex.num_experts - ex.num_local_experts) * per_expert  # other EP ranks'
                 unused += (moe.n_routed_experts - moe.n_activated_experts) * per_expert
             return total, total - unused
 
@@ -460,12 +547,56 @@ def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
     (the report keeps only the embedding, head, gating, norms and attention core in high
     precision, and ``proj`` is an ordinary GEMM on normalized inputs).
     Not FP8: the output ``head`` (also the embedding when tied), anything inside a router, and
-    every module that is not an ``nn.Linear``.
+    every module that is not an ``nn.Linear``. The routed experts are not Linears (stacked
+    weights, :class:`~ptxtrain.moe.experts.Experts`): :func:`convert_model_to_fp8_training` turns
+    their ``fp8`` switch on.
     """
     if not isinstance(module, nn.Linear):
         return False
     parts = fqn.split(".")
     return parts[-1] != "head" and "router" not in parts
+
+
+def convert_model_to_fp8_training(model: nn.Module, config=None) -> nn.Module:
+    """Switch a model to FP8 training in place (DeepSeek-V3 report §3.3; DESIGN §1).
+
+    Swaps the Linears :func:`fp8_module_filter` selects for ``Fp8Linear`` (through
+    :func:`ptxtrain.nn.convert_to_fp8_training`) and sets ``fp8 = True`` on every
+    :class:`~ptxtrain.moe.experts.Experts` module, whose projections then run through
+    ``ptxtrain.nn.fp8_grouped.fp8_grouped_linear`` (the same 1x128 / 128x128 recipe; if that
+    module is missing from the installation the experts stay in high precision, with a
+    ``RuntimeWarning``). Parameters are shared, not copied: an existing optimizer is unaffected.
+
+    Args:
+        model: a :class:`DeepSeekV3` (or any module holding such parts).
+        config: an ``Fp8LinearConfig``, a recipe name, or None for ``"deepseek"``. A config that
+            runs no GEMM in FP8 (the ``"bf16"`` recipe) changes nothing.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        TypeError / ValueError: as :func:`ptxtrain.nn.convert_to_fp8_training` (a bad
+            ``model`` or ``config``, an unknown recipe name).
+    """
+    from ptxtrain.nn import Fp8LinearConfig, convert_to_fp8_training
+
+    if config is None or isinstance(config, str):
+        config = Fp8LinearConfig.from_recipe_name(config or "deepseek")
+    convert_to_fp8_training(model, config, module_filter_fn=fp8_module_filter)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if experts and isinstance(config, Fp8LinearConfig) and config.any_fp8:
+        if importlib.util.find_spec("ptxtrain.nn.fp8_grouped") is None:
+            warnings.warn(
+                "ptxtrain.nn.fp8_grouped is not available: the routed experts stay in high "
+                "precision (only the Linear layers run in FP8)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            for m in experts:
+                m.fp8, m.fp8_config = True, config
+    return model
 
 
 @torch.no_grad()

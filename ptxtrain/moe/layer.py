@@ -5,25 +5,41 @@ MLP ``w2(silu(w1 x) ⊙ w3 x)`` of plain ``nn.Linear(bias=False)`` layers (so th
 replace them). The ``n_shared_experts`` shared experts are fused into one MLP of width
 ``n_shared_experts · moe_inter_dim`` (mathematically the same as summing them).
 
-Single-device data path, the shape that the grouped GEMM and the expert-parallel
-dispatch/combine will later replace:
+The routed experts are one :class:`~ptxtrain.moe.experts.Experts` module (stacked weights
+``w1/w3 [E, I, D]``, ``w2 [E, D, I]``); the shared experts stay an :class:`MLP`.
+
+Single-device data path:
 
 1. route (``Router`` -> ``route_ref``),
 2. ``permute_ref``: one stable sort of the ``N·k`` (token, slot) pairs by expert, rows gathered
    into expert-contiguous order,
-3. one Python loop over the experts, each on its contiguous slice (one host sync to read the
-   slice lengths; an expert with no tokens runs on 0 rows, so its gradient is zero, not None),
+3. ``Experts``: each expert on its contiguous slice (a loop of ``F.linear``, or FP8 grouped
+   GEMMs; an expert with no tokens runs on 0 rows, so its gradient is zero, not None),
 4. ``unpermute_ref``: weighted ``index_add`` back to token order, accumulated in **fp32**, cast to
    the activation dtype.
+
+Expert parallelism (:meth:`MoE.enable_expert_parallel`, report §3.2.2 / DESIGN §4): with a group
+of ``R`` ranks, rank ``r`` keeps experts ``[r·E/R, (r+1)·E/R)`` only. Every rank routes its own
+tokens over all ``E`` experts, :meth:`ptxtrain.moe.Buffer.dispatch` sends each token once to every
+rank holding one of its experts, the receiver permutes the received rows by local expert (slots
+for other ranks' experts are dropped), runs its local experts, un-permutes with the received gate
+weights (fp32 accumulation) and :meth:`~ptxtrain.moe.Buffer.combine` sums the partial outputs back
+at the source token (fp32 accumulation). Forward and backward are collectives: every rank of the
+group must run every MoE forward and backward in the same order. The router keeps counting its
+own rank's tokens; all-reduce ``router.expert_counts`` over the data-parallel group before
+``update_bias`` (:meth:`MoE.sync_expert_counts`, or the model's ``update_router_biases``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ptxtrain._checks import check_tensor
+from ptxtrain.moe.dispatch import Buffer
+from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.moe.router import Router
 
@@ -57,6 +73,9 @@ class MoE(nn.Module):
         n_shared_experts: shared experts (0 = none).
         n_groups / n_limited_groups / route_scale / bias_update_speed / seq_aux_loss_alpha:
             passed to the :class:`Router`.
+
+    Submodules: ``router`` (:class:`Router`), ``experts`` (:class:`Experts`, all ``E`` or, with
+    expert parallelism, this rank's share), ``shared_experts`` (:class:`MLP` or None).
     """
 
     def __init__(
@@ -87,10 +106,11 @@ class MoE(nn.Module):
             bias_update_speed=bias_update_speed,
             seq_aux_loss_alpha=seq_aux_loss_alpha,
         )
-        self.experts = nn.ModuleList(MLP(dim, moe_inter_dim) for _ in range(n_routed_experts))
+        self.experts = Experts(n_routed_experts, dim, moe_inter_dim)
         self.shared_experts = (
             MLP(dim, n_shared_experts * moe_inter_dim) if n_shared_experts > 0 else None
         )
+        self.ep_buffer: Buffer | None = None  # set by enable_expert_parallel
 
     def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False):
         """Apply the layer to ``x [B, T, D]`` (or ``[N, D]``, treated as one sequence).
@@ -116,16 +136,75 @@ class MoE(nn.Module):
         y = y.view_as(x)
         return (y, aux_loss) if return_aux_loss else y
 
+    # ------------------------------------------------------------------ expert parallelism
+    def enable_expert_parallel(self, group: dist.ProcessGroup | None = None) -> None:
+        """Keep only this rank's experts and route tokens through a :class:`~ptxtrain.moe.Buffer`.
+
+        Rank ``r`` of the ``R`` ranks of ``group`` keeps experts ``[r·E/R, (r+1)·E/R)`` (copies of
+        the slices of the full stacks, so build every rank's layer identically first, then call
+        this; build the optimizer afterwards). Call it once.
+
+        Args:
+            group: the expert-parallel process group; ``None`` = the default group.
+
+        Raises:
+            ValueError: no initialized process group, ``E`` not a multiple of ``R``, or expert
+                parallelism already on.
+        """
+        if self.ep_buffer is not None:
+            raise ValueError("expert parallelism is already enabled on this MoE layer")
+        buffer = Buffer(group)  # raises without an initialized process group
+        n_ranks = buffer.num_ranks
+        if self.n_routed_experts % n_ranks != 0:
+            raise ValueError(
+                f"n_routed_experts={self.n_routed_experts} must be divisible by the "
+                f"expert-parallel group size {n_ranks}"
+            )
+        per_rank = self.n_routed_experts // n_ranks
+        self.experts.keep_experts_(buffer.rank * per_rank, per_rank)
+        self.ep_buffer = buffer
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the experts are split over (1 without expert parallelism)."""
+        return 1 if self.ep_buffer is None else self.ep_buffer.num_ranks
+
+    @torch.no_grad()
+    def sync_expert_counts(self) -> None:
+        """All-reduce (sum) ``router.expert_counts`` over the expert-parallel group, so that
+        ``router.update_bias()`` sees the global load on every rank (a no-op without expert
+        parallelism; a collective with it)."""
+        if self.ep_buffer is not None:
+            dist.all_reduce(self.router.expert_counts, group=self.ep_buffer.group)
+
+    # ------------------------------------------------------------------ routed experts
     def _routed(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Routed experts over expert-contiguous slices: permute, loop, weighted un-permute."""
+        """Routed experts: permute, :class:`Experts`, weighted un-permute (dispatch/combine
+        around them with expert parallelism)."""
+        if self.ep_buffer is not None:
+            return self._routed_ep(x, topk_idx, topk_weights)
         x_perm, sorted_slots, tokens_per_expert = permute_ref(
             x, topk_idx, self.n_routed_experts
         )  # [N·k, D], [N·k], [E]
-        counts = tokens_per_expert.tolist()  # one host sync
-        # Every expert runs, even on 0 rows, so every expert weight gets a (possibly zero)
-        # gradient: DDP/FSDP and the optimizers then see the same parameter set each step.
-        outs = [expert(rows) for expert, rows in zip(self.experts, x_perm.split(counts))]
-        y_perm = torch.cat(outs)  # [N·k, D]
+        y_perm = self.experts(x_perm, tokens_per_expert)  # [N·k, D]
         return unpermute_ref(y_perm, sorted_slots, topk_weights)
+
+    def _routed_ep(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Dispatch, local experts on the received rows, combine (see the module docstring)."""
+        buffer = self.ep_buffer
+        n_local = self.experts.num_local_experts
+        recv_x, recv_idx, recv_w, _, handle = buffer.dispatch(
+            x, topk_idx, topk_weights, self.n_routed_experts
+        )  # [M, D], [M, k] local ids or -1, [M, k] (0 where -1)
+        # Slots of other ranks' experts go to a spill expert n_local, sorted last and dropped.
+        spill_idx = torch.where(recv_idx >= 0, recv_idx, n_local)  # [M, k]
+        x_perm, sorted_slots, counts = permute_ref(recv_x, spill_idx, n_local + 1)
+        n_valid = x_perm.shape[0] - int(counts[n_local])
+        y_valid = self.experts(x_perm[:n_valid], counts[:n_local])  # [n_valid, D]
+        y_perm = torch.cat([y_valid, y_valid.new_zeros(x_perm.shape[0] - n_valid, self.dim)])
+        y_recv = unpermute_ref(y_perm, sorted_slots, recv_w)  # [M, D], weight 0 on spill slots
+        return buffer.combine(y_recv, handle)  # [N, D]

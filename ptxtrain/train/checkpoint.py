@@ -17,6 +17,10 @@ leaves a complete checkpoint: ``checkpoint/``, or ``checkpoint.prev/`` in the wi
 two renames, which the loader falls back to. Temp folders of crashed writes are ignored and
 cleaned up by the next save.
 
+Sharded models (expert parallelism) save and load the full layout: the caller gathers the
+shards and passes the full state dicts (``model_state`` / ``optimizer_state``) to the rank that
+writes, and every rank loads through a ``state_transform`` that keeps its own slice.
+
 Loading verifies before it touches the model: meta.json parses and matches its own hash, every
 listed file exists and matches its sha256, the saved config equals the expected one, and the
 state dicts load strictly. Any failure raises ``CheckpointError`` naming the file and the fault,
@@ -31,6 +35,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +231,8 @@ def save_checkpoint(
     step: int,
     config: dict,
     extra: dict | None = None,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict | None = None,
 ) -> Path:
     """Write ``<run_dir>/checkpoint/`` atomically (see the module docstring) and return its path.
 
@@ -236,6 +243,8 @@ def save_checkpoint(
         step: optimizer steps completed.
         config: JSON-able; compared on load against what the resuming run expects.
         extra: JSON-able bookkeeping returned on load (e.g. tokens seen, best val loss).
+        model_state / optimizer_state: state dicts to write instead of ``model.state_dict()`` /
+            ``optimizer.state_dict()`` (e.g. expert shards gathered from every rank).
 
     Raises:
         TypeError: the optimizer state holds a value that cannot be stored.
@@ -249,8 +258,12 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=run_dir))
     try:
         opt_tensors: dict[str, torch.Tensor] = {}
-        opt_json = flatten_state(optimizer.state_dict(), opt_tensors)
-        _write_safetensors(tmp / MODEL_FILE, model.state_dict())
+        if optimizer_state is None:
+            optimizer_state = optimizer.state_dict()
+        if model_state is None:
+            model_state = model.state_dict()
+        opt_json = flatten_state(optimizer_state, opt_tensors)
+        _write_safetensors(tmp / MODEL_FILE, model_state)
         _write_safetensors(tmp / OPTIM_TENSORS_FILE, opt_tensors)
         _write_bytes(tmp / OPTIM_JSON_FILE, _canonical(opt_json))
         files = {
@@ -387,6 +400,7 @@ def load_checkpoint(
     optimizer: Any,
     expected_config: dict | None = None,
     restore_rng: bool = True,
+    state_transform: Callable[[dict, dict], tuple[dict, dict]] | None = None,
 ) -> dict:
     """Verify the checkpoint of ``run_dir`` and load it into ``model`` and ``optimizer``.
 
@@ -396,6 +410,10 @@ def load_checkpoint(
     Args:
         expected_config: when given, must equal the saved ``config`` (after a JSON round trip).
         restore_rng: also restore torch's global RNG state.
+        state_transform: ``fn(model_state, optimizer_state) -> (model_state, optimizer_state)``
+            applied to the verified state dicts before they are loaded (e.g. keep this rank's
+            expert shards); a ``KeyError`` / ``ValueError`` it raises becomes a
+            ``CheckpointError``.
 
     Returns:
         The meta body (see ``read_checkpoint_meta``).
@@ -430,6 +448,13 @@ def load_checkpoint(
         raise CheckpointError(
             f"corrupt checkpoint {ckpt}: {OPTIM_JSON_FILE} refers to a missing tensor: {e}"
         ) from None
+    if state_transform is not None:
+        try:
+            model_sd, opt_sd = state_transform(model_sd, opt_sd)
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(
+                f"checkpoint {ckpt}: state does not fit this model: {_one_line(e)}"
+            ) from None
     try:
         model.load_state_dict(model_sd, strict=True)
     except (RuntimeError, KeyError, ValueError) as e:

@@ -23,6 +23,19 @@ above becomes one schedule step over ``num_chunks`` micro-batches (1F1B, DualPip
 see :mod:`ptxtrain.train.pipeline`), followed by the cross-rank gradient reduction and a global
 clipping norm. Rank 0 writes the run folder (no checkpoint yet); with ``timeline`` every rank
 writes ``timeline_rank{r}.jsonl``.
+
+Expert parallelism (``ep > 1``, one process per rank under ``torchrun``; DeepSeek-V3 report
+§3.2.2): every rank builds the same full model (same seed), then keeps ``1/ep`` of every MoE
+layer's routed experts (:meth:`~ptxtrain.model.DeepSeekV3.enable_expert_parallel`); tokens reach
+their experts through :class:`ptxtrain.moe.Buffer` dispatch/combine. The ranks are also data
+parallel: rank ``r`` trains on sequences ``[r·B/ep, (r+1)·B/ep)`` of the step's batch, so the
+global batch is the single-process one. After backward the replicated parameters' gradients are
+averaged over the ranks and the expert gradients (which already sum every rank's tokens) are
+divided by ``ep``, which gives the single-process gradient of the batch-mean loss; clipping uses
+the global norm; the router bias update uses the global expert load. Losses, evaluation and
+samples are computed collectively and agree on every rank. Checkpoints gather the expert shards
+to rank 0, which writes the single-process layout (so a run can be resumed with another ``ep``);
+every rank loads the full files and keeps its slice.
 """
 
 from __future__ import annotations
@@ -147,6 +160,8 @@ class TrainArgs:
     schedule: str = "dualpipe"  # pipeline schedule with pp > 1: "dualpipe", "dualpipev", "1f1b"
     num_chunks: int | None = None  # micro-batches per step (pp > 1); None = 2 * pp
     timeline: bool = False  # write each rank's schedule timeline into the run folder (pp > 1)
+    # --- expert parallelism (torchrun --nproc-per-node EP -m ptxtrain train --ep EP) ---
+    ep: int = 1  # expert-parallel (and data-parallel) ranks (= WORLD_SIZE); 1 = one process
     # --- Python API only ---
     progress: bool = True  # show a tqdm progress bar
     stop_after: int | None = None  # stop (checkpointed) after this many steps of this call
@@ -197,6 +212,18 @@ class TrainArgs:
             raise bad("mtp", "must be a bool")
         if not is_int(self.pp) or self.pp < 1:
             raise bad("pp", "must be an integer >= 1")
+        if not is_int(self.ep) or self.ep < 1:
+            raise bad("ep", "must be an integer >= 1")
+        if self.ep > 1:
+            if self.pp > 1:
+                raise TrainConfigError(
+                    "--ep > 1 with --pp > 1 is not supported yet: use one or the other"
+                )
+            if self.batch_size % self.ep:
+                raise TrainConfigError(
+                    f"--batch-size {self.batch_size} must be divisible by --ep {self.ep} (each "
+                    "rank trains on batch_size / ep sequences of every batch)"
+                )
         if self.schedule not in SCHEDULES:
             raise bad("schedule", f"must be one of {list(SCHEDULES)}")
         if self.num_chunks is not None and (not is_int(self.num_chunks) or self.num_chunks < 1):
@@ -324,19 +351,48 @@ def evaluate(
     """Mean next-token loss (nats/byte) over ``eval_batches`` fixed validation batches.
 
     Validation batch ``i`` is ``batch_generator(seed, i, "val")``: the same bytes every time,
-    so successive values are comparable.
+    so successive values are comparable. With expert parallelism (``model.ep_size > 1``) every
+    rank of the group must call this: each evaluates its ``1/ep`` share of every batch and the
+    result, averaged over the group, is the same on every rank.
     """
     was_training = model.training
     model.eval()
+    ep = getattr(model, "ep_size", 1)
+    rank = _group_rank(model.ep_group) if ep > 1 else 0
     total = 0.0
     for i in range(args.eval_batches):
         x, y = corpus.get_batch(
             "val", args.batch_size, args.seq_len, batch_generator(args.seed, i, "val")
         )
+        x, y = _shard(x, rank, ep), _shard(y, rank, ep)
         out = model(x.to(device), y.to(device))
         total += float(out.lm_loss)
     model.train(was_training)
+    if ep > 1:
+        total = _all_reduce_mean([total], model.ep_group, device)[0]
     return total / args.eval_batches
+
+
+def _group_rank(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def _shard(t: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """Rows ``[rank·B/n, (rank+1)·B/n)`` of ``t [B, ...]`` (``n`` divides ``B``)."""
+    per = t.shape[0] // n
+    return t[rank * per : (rank + 1) * per]
+
+
+def _all_reduce_mean(values: list[float], group, device: torch.device) -> list[float]:
+    """The mean of each value over the ranks of ``group`` (float64, one all-reduce on
+    ``device``, which must suit the group's backend)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return (t / dist.get_world_size(group)).tolist()
 
 
 def _bytes_per_param(b: dict | None) -> dict[str, float | None]:
@@ -389,40 +445,123 @@ def _prepare_run_dir(run_dir: Path, args: TrainArgs) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
+class _ExpertStates:
+    """Converts checkpointed state dicts between the expert-parallel and the full layout.
+
+    The full layout is the single-process one: every stacked expert weight ``[E, ...]`` and its
+    optimizer state (``master``, ``exp_avg``, ``exp_avg_sq``) whole. Rank ``r`` of ``R`` holds
+    rows ``[r·E/R, (r+1)·E/R)`` of each; every other entry is replicated.
+    """
+
+    def __init__(self, model, optimizer, rank: int, n_ranks: int) -> None:
+        self.rank, self.n_ranks = rank, n_ranks
+        experts = {id(p) for p in model.expert_parameters()}
+        self.model_keys = [n for n, p in model.named_parameters() if id(p) in experts]
+        order = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        self.opt_indices = {i for i, pid in enumerate(order) if pid in experts}
+
+    def _expert_entries(self, model_sd: dict, opt_sd: dict):
+        """``(container, key)`` of every sharded tensor of the two state dicts."""
+        for k in self.model_keys:
+            yield model_sd, k
+        for i, st in opt_sd["state"].items():
+            if int(i) in self.opt_indices:
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        yield st, k
+
+    @staticmethod
+    def _copy(opt_sd: dict) -> dict:
+        """A copy of ``opt_sd`` whose per-parameter state dicts may be edited."""
+        return {**opt_sd, "state": {i: dict(st) for i, st in opt_sd["state"].items()}}
+
+    @torch.no_grad()
+    def gather(self, model, optimizer) -> tuple[dict, dict]:
+        """The full-layout model and optimizer state dicts (a collective; every rank gets them).
+
+        The shards travel as raw bytes (bit-exact for any dtype, whatever the backend supports).
+        """
+        import torch.distributed as dist
+
+        model_sd = dict(model.state_dict())
+        opt_sd = self._copy(optimizer.state_dict())
+        for box, k in list(self._expert_entries(model_sd, opt_sd)):
+            t = box[k].detach().contiguous()
+            raw = t.reshape(t.shape[0], -1).view(torch.uint8)  # [E_local, bytes per expert]
+            parts = [torch.empty_like(raw) for _ in range(self.n_ranks)]
+            dist.all_gather(parts, raw)
+            full = torch.cat(parts).view(t.dtype)
+            box[k] = full.reshape(t.shape[0] * self.n_ranks, *t.shape[1:])
+        return model_sd, opt_sd
+
+    def slice(self, model_sd: dict, opt_sd: dict) -> tuple[dict, dict]:
+        """This rank's part of full-layout state dicts (for ``load_checkpoint``).
+
+        Raises:
+            ValueError: a sharded entry's first dim is not a multiple of the rank count.
+        """
+        model_sd = dict(model_sd)
+        opt_sd = self._copy(opt_sd)
+        for box, k in list(self._expert_entries(model_sd, opt_sd)):
+            t = box[k]
+            if t.shape[0] % self.n_ranks:
+                raise ValueError(
+                    f"{k}: {t.shape[0]} experts cannot be split over {self.n_ranks} ranks"
+                )
+            per = t.shape[0] // self.n_ranks
+            box[k] = t[self.rank * per : (self.rank + 1) * per].clone()
+        return model_sd, opt_sd
+
+
 class _PipeSetup:
-    """The process group and rank of a ``--pp > 1`` run; with ``pp == 1`` every method is a
-    no-op answering for a single process.
+    """The process group and rank of a ``--pp > 1`` or ``--ep > 1`` run; with neither, every
+    method is a no-op answering for a single process.
 
     Raises (on every rank alike, since the checks depend on the arguments only):
-        TrainConfigError: the model cannot be cut into the schedule's stages, WORLD_SIZE (or an
-            existing process group) does not match ``--pp``, or no CUDA device is visible.
+        TrainConfigError: the model cannot be cut into the schedule's stages (pp), the routed
+            experts cannot be split over the ranks (ep), WORLD_SIZE (or an existing process
+            group) does not match ``--pp`` / ``--ep``, or no CUDA device is visible.
     """
 
     def __init__(self, args: TrainArgs, config, param_dtype: torch.dtype) -> None:
         self.args, self.param_dtype = args, param_dtype
-        self.active = args.pp > 1
+        self.pipeline = args.pp > 1
+        self.ep = args.ep
+        self.active = self.pipeline or self.ep > 1
         self.rank, self.device, self._created = 0, None, False
         if not self.active:
             return
         import torch.distributed as dist
 
-        from ..model.stages import check_stageable
-        from ..parallel.stages import num_stages
+        if self.pipeline:
+            from ..model.stages import check_stageable
+            from ..parallel.stages import num_stages
 
-        try:
-            check_stageable(config, num_stages(args.schedule, args.pp))
-        except ValueError as e:
-            raise TrainConfigError(f"--pp {args.pp} --schedule {args.schedule}: {e}") from None
+            try:
+                check_stageable(config, num_stages(args.schedule, args.pp))
+            except ValueError as e:
+                raise TrainConfigError(f"--pp {args.pp} --schedule {args.schedule}: {e}") from None
+            flag, want, what = "pp", args.pp, "pipeline rank"
+        else:
+            if config.n_routed_experts % self.ep:
+                raise TrainConfigError(
+                    f"--ep {self.ep}: the model's n_routed_experts={config.n_routed_experts} must "
+                    "be divisible by --ep (each rank holds n_routed_experts / ep experts per "
+                    "MoE layer)"
+                )
+            if config.n_moe_layers == 0:
+                raise TrainConfigError(f"--ep {self.ep}: the model has no MoE layer")
+            flag, want, what = "ep", self.ep, "expert-parallel rank"
         device = resolve_device(args.device)
         if dist.is_initialized():
             world = dist.get_world_size()
         else:
             world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != args.pp:
+        if world != want:
             raise TrainConfigError(
-                f"--pp {args.pp} needs {args.pp} processes, one per pipeline rank, got a world "
-                f"of {world}: launch with torchrun --nproc-per-node {args.pp} -m ptxtrain train "
-                f"--pp {args.pp} ..."
+                f"--{flag} {want} needs {want} processes, one per {what}, got a world "
+                f"of {world}: launch with torchrun --nproc-per-node {want} -m ptxtrain train "
+                f"--{flag} {want} ..."
             )
         if device.type == "cuda":
             local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
@@ -434,7 +573,7 @@ class _PipeSetup:
         self.rank, self.device = dist.get_rank(), device
 
     def runner(self, model):
-        if not self.active:
+        if not self.pipeline:
             return None
         from .pipeline import PipelineRunner
 
@@ -475,10 +614,127 @@ class _PipeSetup:
         return bool(flag.item())
 
     def describe(self) -> dict[str, Any] | None:
-        if not self.active:
+        if not self.pipeline:
             return None
         a = self.args
         return {"pp": a.pp, "schedule": a.schedule, "num_chunks": a.chunks()}
+
+    # ------------------------------------------------------------------ expert parallelism
+    def split_experts(self, model) -> None:
+        """``ep > 1``: keep this rank's experts of the (identically built) full model."""
+        if self.ep > 1:
+            model.enable_expert_parallel()
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's sequences of a batch ``[B, T]`` (all of them unless ``ep > 1``)."""
+        return _shard(t, self.rank, self.ep) if self.ep > 1 else t
+
+    @torch.no_grad()
+    def reduce_grads(self, model, optimizer) -> None:
+        """``ep > 1``: average the replicated parameters' gradients over the ranks (one
+        all-reduce, fp32 or fp64) and divide the expert gradients by ``ep`` (they already sum
+        every rank's tokens), giving the gradient of the global batch-mean loss.
+
+        Works on the gradients ``optimizer.step`` uses (``optimizer.grad_for``, the FP32 buffers
+        of :class:`~ptxtrain.optim.AdamW`). A replicated parameter without a gradient on every
+        rank keeps none (the optimizer then skips it, as in the single-process run).
+        """
+        if self.ep == 1:
+            return
+        import torch.distributed as dist
+
+        experts = {id(p) for p in model.expert_parameters()}
+        for p in model.expert_parameters():
+            g = optimizer.grad_for(p)
+            if g is not None:
+                g.div_(self.ep)
+        params = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+        grads = [optimizer.grad_for(p) for p in params]
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        flat = torch.cat(
+            [
+                (g if g is not None else p.new_zeros(p.shape)).reshape(-1).to(dtype)
+                for p, g in zip(params, grads, strict=True)
+            ]
+            + [torch.tensor([float(g is not None) for g in grads], dtype=dtype, device=self.device)]
+        )
+        dist.all_reduce(flat)
+        has = flat[-len(params) :].tolist()
+        offset = 0
+        for p, g, h in zip(params, grads, has, strict=True):
+            part = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            if h == 0:
+                continue
+            if g is None:
+                p.grad = torch.zeros_like(p)
+                g = optimizer.grad_for(p)
+            g.copy_(part / self.ep)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, model, optimizer, max_norm: float) -> float:
+        """``ep > 1``: clip by the global L2 norm (replicated gradients counted once, expert
+        shards summed over the ranks; per-tensor norms in FP32 or wider, as
+        :meth:`~ptxtrain.optim.AdamW.clip_grad_norm_`). Returns the norm before clipping."""
+        import torch.distributed as dist
+
+        experts = {id(p) for p in model.expert_parameters()}
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [replicated, experts]
+        grads = []
+        for p in model.parameters():
+            g = optimizer.grad_for(p)
+            if g is None:
+                continue
+            grads.append(g)
+            n = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
+            sq[int(id(p) in experts)] += n.double() ** 2
+        dist.all_reduce(sq)
+        total = math.sqrt(float(sq[0]) / self.ep + float(sq[1]))  # replicated: same on all ranks
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(torch.tensor(coef, dtype=torch.float32).to(g.dtype))
+        return total
+
+    def mean_losses(self, out):
+        """``ep > 1``: the step's losses averaged over the ranks (= the global batch means),
+        as a :class:`~ptxtrain.model.ModelOutput` without logits; ``out`` itself otherwise."""
+        if self.ep == 1:
+            return out
+        from ..model import ModelOutput
+
+        names = [n for n in ("lm_loss", "mtp_loss", "aux_loss") if getattr(out, n) is not None]
+        vals = _all_reduce_mean([float(getattr(out, n).detach()) for n in names], None, self.device)
+        mean = ModelOutput(logits=None)
+        for n, v in zip(names, vals, strict=True):
+            setattr(mean, n, torch.tensor(v, dtype=torch.float64))
+        return mean
+
+    def state_codec(self, model, optimizer) -> _ExpertStates | None:
+        """``ep > 1``: gathers / slices the expert shards of checkpointed state dicts."""
+        return _ExpertStates(model, optimizer, self.rank, self.ep) if self.ep > 1 else None
+
+    def run_on_lead(self, fn, *fn_args) -> None:
+        """Run ``fn`` on rank 0 only; any exception there is raised on every rank (as an
+        ``OSError`` elsewhere when it is not a ``TrainConfigError``)."""
+        if not self.active:
+            fn(*fn_args)
+            return
+        import torch.distributed as dist
+
+        msg: list = [None]
+        if self.rank == 0:
+            try:
+                fn(*fn_args)
+            except Exception as e:
+                msg = [(isinstance(e, TrainConfigError), f"{type(e).__name__}: {e}")]
+                err = e
+        dist.broadcast_object_list(msg, src=0)
+        if msg[0] is not None:
+            if self.rank == 0:
+                raise err
+            is_config, text = msg[0]
+            raise (TrainConfigError if is_config else OSError)(f"rank 0 failed: {text}")
 
     def close(self) -> None:
         if self._created:
@@ -503,9 +759,10 @@ def train(
         param_dtype: floating dtype the model is built in (bf16 for training; fp32 to compare a
             pipeline run with the single-process one at fp32 precision).
 
-    With ``args.pp > 1`` this runs one pipeline rank: call it on every rank (``torchrun``, or
-    inside an initialized default process group of ``pp`` ranks). Rank 0 returns the summary
-    below; the other ranks return ``{"out", "rank", "step", "losses"}`` and write nothing.
+    With ``args.pp > 1`` (``args.ep > 1``) this runs one pipeline (expert-parallel) rank: call
+    it on every rank (``torchrun``, or inside an initialized default process group of ``pp``
+    (``ep``) ranks). Rank 0 returns the summary below; the other ranks return
+    ``{"out", "rank", "step", "losses"}`` and write nothing.
 
     Returns:
         A JSON-able dict: ``out``, ``preset``, ``precision``, ``device``, ``step`` (steps done
@@ -522,7 +779,9 @@ def train(
         TrainConfigError: invalid arguments or overrides, an unknown preset, an unusable device
             or run folder; with ``pp > 1`` also a world size other than ``pp``, a model that
             cannot be cut into the schedule's stages (MTP on, tied embeddings, layer count) or a
-            bad schedule / ``num_chunks`` combination, raised on every rank.
+            bad schedule / ``num_chunks`` combination, raised on every rank; with ``ep > 1`` a
+            world size other than ``ep``, ``n_routed_experts`` or ``batch_size`` not divisible
+            by ``ep``, a model without MoE layers, or ``pp > 1`` as well (not supported yet).
         CorpusError: ``--data`` missing, unreadable, empty or too short for ``seq_len``.
         CheckpointError: ``resume`` with a missing, corrupt or mismatched checkpoint.
         FloatingPointError: the train loss became NaN or infinite.
@@ -549,8 +808,9 @@ def train(
 
 
 def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[str, Any]:
-    from ..model import build_model, fp8_module_filter
-    from ..nn import Fp8LinearConfig, convert_to_fp8_training
+    from ..model import build_model
+    from ..model.deepseek import convert_model_to_fp8_training
+    from ..nn import Fp8LinearConfig
     from ..optim import AdamW
 
     lead = pipe.rank == 0  # the rank that prints and writes the run folder
@@ -577,10 +837,9 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     pipe.on_lead(_prepare_run_dir, run_dir, args)
 
     model = build_model(config, dtype=pipe.param_dtype, device=device, seed=args.seed)
+    pipe.split_experts(model)  # ep > 1: keep this rank's experts of the full model
     if args.precision == "fp8":
-        convert_to_fp8_training(
-            model, Fp8LinearConfig.from_recipe_name("deepseek"), module_filter_fn=fp8_module_filter
-        )
+        convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name("deepseek"))
     model.train()
     runner = pipe.runner(model)  # None when pp == 1
     trained = model if runner is None else runner.module  # this rank's parameters
@@ -594,10 +853,31 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     # Not compared on resume (the corpus hash is); lets `ptxtrain train --resume` find the data.
     data_path = str(Path(args.data).expanduser().resolve()) if args.data else None
     ckpt_kw = dict(model=model, optimizer=optimizer, config=ckpt_config, extra={"data": data_path})
+    codec = pipe.state_codec(model, optimizer)  # ep > 1: expert shards <-> the full layout
+
+    def save(step: int) -> None:
+        if codec is None:
+            save_checkpoint(run_dir, step=step, **ckpt_kw)
+            return
+        model_state, optimizer_state = codec.gather(model, optimizer)  # every rank
+        pipe.run_on_lead(
+            lambda: save_checkpoint(
+                run_dir,
+                step=step,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                **ckpt_kw,
+            )
+        )
+
     start = 0
     if args.resume:
         meta = load_checkpoint(
-            run_dir, model=model, optimizer=optimizer, expected_config=ckpt_config
+            run_dir,
+            model=model,
+            optimizer=optimizer,
+            expected_config=ckpt_config,
+            state_transform=None if codec is None else codec.slice,
         )
         start = int(meta["step"])
         log(f"resumed from {meta['path']} at step {start}")
@@ -617,11 +897,13 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                 "versions": _versions(),
                 "resumed_from_step": start if args.resume else None,
                 "pipeline": pipe.describe(),
+                "ep": args.ep,
             },
         )
     log(
         f"model: {args.preset} ({params['total']:,} params, {params['activated']:,} activated "
         f"per token), precision {args.precision}, device {device}; run folder {run_dir}"
+        + (f"; experts split over {args.ep} ranks" if args.ep > 1 else "")
     )
 
     if device.type == "cuda":
@@ -664,7 +946,13 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                     "train", args.batch_size, args.seq_len, batch_generator(args.seed, step)
                 )
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                if runner is None:
+                if runner is None and args.ep > 1:
+                    out = model(pipe.shard(x), pipe.shard(y))  # this rank's sequences
+                    out.loss.backward()
+                    pipe.reduce_grads(model, optimizer)
+                    grad_norm = pipe.clip_grad_norm_(model, optimizer, args.grad_clip or _NO_CLIP)
+                    out = pipe.mean_losses(out)
+                elif runner is None:
                     out = model(x, y)
                     out.loss.backward()
                     # With clipping off, a max_norm no norm reaches keeps the gradients unscaled.
@@ -707,7 +995,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                 if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                     if runner is not None:
                         runner.gather_model()
-                    if lead:
+                    if lead or args.ep > 1:  # ep > 1: a collective, every rank takes part
                         val_loss = evaluate(model, corpus, args, device)
                         record["val_loss"] = val_loss
                 if moe_stats:
@@ -726,10 +1014,10 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                 if runner is not None:
                     continue  # pipeline runs write no checkpoint (yet)
                 if args.ckpt_every and step % args.ckpt_every == 0 and step < end:
-                    save_checkpoint(run_dir, step=step, **ckpt_kw)
+                    save(step)
                     last_saved = step
             if done > last_saved and runner is None:
-                save_checkpoint(run_dir, step=done, **ckpt_kw)
+                save(done)
                 last_saved = done
     finally:
         bar.close()
@@ -746,7 +1034,9 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     wall = time.perf_counter() - t0
     if runner is not None and args.sample_tokens:
         runner.gather_model()
-    if not lead:  # the other pipeline ranks write nothing
+    # ep > 1: sampling is a collective (every rank runs the same generation; rank 0's is kept).
+    samples = _samples(model, args, device) if args.sample_tokens and args.ep > 1 else None
+    if not lead:  # the other ranks write nothing
         return {"out": str(run_dir), "rank": pipe.rank, "step": done, "losses": run_losses}
 
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -756,7 +1046,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
         entropy=entropy,
         title=f"ptxtrain {args.preset} {args.precision}: byte-level LM",
     )
-    samples = _samples(model, args, device) if args.sample_tokens else []  # lead rank only
+    if samples is None:
+        samples = _samples(model, args, device) if args.sample_tokens else []  # lead rank only
     if samples:
         text = "".join(
             f"--- sample {i + 1} (prompt {SAMPLE_PROMPT!r}, temperature {SAMPLE_TEMPERATURE}, "
@@ -794,6 +1085,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
         ),
         "params": params,
         "pipeline": pipe.describe(),
+        "ep": args.ep,
         "samples": samples,
     }
     write_json_atomic(run_dir / "summary.json", summary)

@@ -159,8 +159,9 @@ def test_v3_layer_shapes_on_meta():
     }
     for attr, shape in shapes.items():
         assert tuple(getattr(attn, attr).weight.shape) == shape, attr
-    assert len(moe.experts) == 256 and tuple(moe.experts[0].w1.weight.shape) == (2048, 7168)
-    assert tuple(moe.experts[0].w2.weight.shape) == (7168, 2048)
+    assert moe.experts.num_experts == 256 and tuple(moe.experts.w1.shape) == (256, 2048, 7168)
+    assert tuple(moe.experts.w3.shape) == (256, 2048, 7168)
+    assert tuple(moe.experts.w2.shape) == (256, 7168, 2048)
     assert tuple(moe.shared_experts.w1.weight.shape) == (2048, 7168)
     assert (
         tuple(moe.router.weight.shape) == (256, 7168) and moe.router.weight.dtype == torch.bfloat16
@@ -416,14 +417,20 @@ def test_fp8_module_filter_selects_the_projection_linears():
         "layers.0.attn.wq_a",
         "layers.0.attn.wkv_b",
         "layers.0.ffn.w2",
-        "layers.1.ffn.experts.7.w3",
         "layers.1.ffn.shared_experts.w1",
         "mtp.proj",
         "mtp.block.attn.wo",
     ):
         assert fqn in chosen, fqn
     modules = dict(model.named_modules())
-    for fqn in ("head", "embed", "norm", "layers.1.ffn.router", "layers.1.attn.kv_norm"):
+    for fqn in (
+        "head",
+        "embed",
+        "norm",
+        "layers.1.ffn.router",
+        "layers.1.attn.kv_norm",
+        "layers.1.ffn.experts",  # stacked weights: FP8 through Experts.fp8, not the Linear swap
+    ):
         assert not fp8_module_filter(modules[fqn], fqn), fqn
     assert isinstance(modules["layers.1.ffn.router"], Router)
     assert not fp8_module_filter(nn.Linear(4, 4), "layers.1.ffn.router.proj")

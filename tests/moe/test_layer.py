@@ -1,12 +1,18 @@
-"""Permutation references and the MoE layer vs naive per-token loops (DeepSeek-V3 report eq. 12)."""
+"""Permutation references and the MoE layer vs naive per-token loops (DeepSeek-V3 report eq. 12),
+and the expert-parallel layer on gloo ranks vs the single-process layer."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from ptxtrain.moe import MoE
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
+from tests.moe._dist import run_gloo
 
 
 def _topk_idx(n_tokens, k, n_experts, gen, skip=()):
@@ -83,6 +89,12 @@ def _moe(dtype=torch.float32, **kw):
     return moe
 
 
+def _expert(moe, e, x):
+    """Routed expert ``e`` of ``moe`` on ``x``, from its stacked weights (as a plain MLP)."""
+    ex = moe.experts
+    return F.linear(F.silu(F.linear(x, ex.w1[e])) * F.linear(x, ex.w3[e]), ex.w2[e])
+
+
 def test_moe_forward_matches_per_token_loop():
     moe = _moe().eval()
     x = torch.randn(3, 10, 32)
@@ -92,7 +104,7 @@ def test_moe_forward_matches_per_token_loop():
     for t, x_t in enumerate(x.reshape(-1, 32)):
         y_t = moe.shared_experts(x_t)
         for j in range(3):
-            y_t = y_t + w[t, j] * moe.experts[int(idx[t, j])](x_t)
+            y_t = y_t + w[t, j] * _expert(moe, int(idx[t, j]), x_t)
         want.append(y_t)
     # fp32 with a different summation order (fp32 index_add vs the loop's sequential sum) and
     # batched vs single-row matmuls: differences of a few fp32 ulp of O(1) values.
@@ -110,8 +122,8 @@ def test_moe_backward_gives_every_expert_a_gradient():
     (y * torch.randn_like(y)).sum().backward()
     for name, p in moe.named_parameters():
         assert p.grad is not None and bool(torch.isfinite(p.grad).all()), name
-    assert bool(moe.experts[0].w1.weight.grad.abs().sum() > 0)
-    assert bool(moe.experts[5].w1.weight.grad.abs().sum() == 0)  # ran on 0 rows
+    assert bool(moe.experts.w1.grad[0].abs().sum() > 0)
+    assert bool(moe.experts.w1.grad[5].abs().sum() == 0)  # ran on 0 rows
     assert bool(moe.router.weight.grad.abs().sum() > 0)  # through the gate values
     assert bool(x.grad.abs().sum() > 0)
 
@@ -129,3 +141,93 @@ def test_moe_aux_loss_bf16_and_flat_input():
         moe(torch.randn(12, 31))
     with pytest.raises(ValueError, match="x"):
         moe(torch.randn(32))
+
+
+# ---------------------------------------------------------------------------- expert parallelism
+def _ep_case(world: int):
+    """The float64 layer, the ranks' inputs and cotangents (every rank builds all of them)."""
+    moe = _moe(torch.float64, seq_aux_loss_alpha=1e-2).train()  # E = 8, k = 3, 2 of 4 groups
+    with torch.no_grad():
+        # Uneven loads: expert 0 favoured, group 3 (experts 6 and 7, all of rank 3's share with
+        # 4 ranks) never chosen, so some experts and, with 4 ranks, a whole rank receive nothing.
+        moe.router.bias[0] = 0.3
+        moe.router.bias[6:] = -10.0
+    xs, gs = [], []
+    for r in range(world):
+        gen = torch.Generator().manual_seed(100 + r)
+        b = 1 + r % 2  # uneven token counts per rank
+        xs.append(torch.randn(b, 5, 32, generator=gen, dtype=torch.float64) + 0.1 * r)
+        gs.append(torch.randn(b, 5, 32, generator=gen, dtype=torch.float64))
+    return moe, xs, gs
+
+
+def _ep_worker(rank: int, world: int) -> None:
+    ref, xs, gs = _ep_case(world)
+    ep = copy.deepcopy(ref)
+    ep.enable_expert_parallel()
+    per = 8 // world
+    assert ep.ep_size == world and ep.experts.num_local_experts == per
+    assert ep.experts.expert_offset == rank * per
+
+    # Each rank: its own tokens; loss weights the (per-sequence mean) balance loss by its
+    # sequence count so that the ranks' losses sum to the single-process loss below.
+    x = xs[rank].clone().requires_grad_(True)
+    y, aux = ep(x, return_aux_loss=True)
+    (y * gs[rank]).sum().add(aux * x.shape[0]).backward()
+
+    x_all = torch.cat(xs).requires_grad_(True)
+    y_all, aux_all = ref(x_all, return_aux_loss=True)
+    (y_all * torch.cat(gs)).sum().add(aux_all * x_all.shape[0]).backward()
+
+    # float64 throughout; the only differences are summation orders (per-rank partial sums of
+    # the k expert outputs, then the combine): a few ulps of O(1) values.
+    tol = dict(rtol=1e-12, atol=1e-12)
+    lo = sum(t.shape[0] for t in xs[:rank])
+    mine = slice(lo, lo + x.shape[0])
+    torch.testing.assert_close(y, y_all[mine], **tol, msg=lambda m: f"{rank=} y: {m}")
+    torch.testing.assert_close(x.grad, x_all.grad[mine], **tol, msg=lambda m: f"{rank=} dx: {m}")
+    experts = {"experts.w1", "experts.w3", "experts.w2"}
+    ref_params = dict(ref.named_parameters())
+    for name, p in ep.named_parameters():
+        want = ref_params[name].grad
+        if name in experts:  # this rank's slice of the experts, fed by every rank's tokens
+            want = want[rank * per : (rank + 1) * per]
+            got = p.grad
+        else:  # replicated: each rank holds its own tokens' share; the shares sum to the whole
+            got = p.grad.clone()
+            dist.all_reduce(got)
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{rank=} {n}: {m}")
+    assert torch.equal(ref.experts.w1.grad[6:].abs().sum(), torch.zeros((), dtype=torch.float64))
+
+    # The bias update from the global load: identical on every rank and to the reference.
+    ep.sync_expert_counts()
+    assert torch.equal(ep.router.expert_counts, ref.router.expert_counts), rank
+    assert ref.router.expert_counts[6:].sum() == 0 and ref.router.expert_counts[0] > 0
+    ep.router.update_bias()
+    ref.router.update_bias()
+    assert torch.equal(ep.router.bias, ref.router.bias), rank
+
+    # A second, eval-mode forward (no counting) still matches: the handle is per call.
+    with torch.no_grad():
+        ep.eval(), ref.eval()
+        torch.testing.assert_close(ep(xs[rank]), ref(torch.cat(xs))[mine], **tol)
+
+    # Errors, raised before any communication: E not divisible, enabling twice.
+    with pytest.raises(ValueError, match=r"n_routed_experts=\d+ must be divisible"):
+        MoE(32, 16, 6 if world == 4 else 3, 1, n_shared_experts=0).enable_expert_parallel()
+    with pytest.raises(ValueError, match="already enabled"):
+        ep.enable_expert_parallel()
+
+
+# With 4 ranks a whole rank (experts 6 and 7) receives no token.
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_layer_matches_single_process(world):
+    run_gloo(_ep_worker, world, timeout=90)
+
+
+def test_expert_parallel_needs_a_process_group():
+    moe = _moe()
+    with pytest.raises(ValueError, match="init_process_group"):
+        moe.enable_expert_parallel()
+    assert moe.ep_size == 1 and moe.experts.num_local_experts == 8
+    moe.sync_expert_counts()  # a no-op without expert parallelism

@@ -260,3 +260,49 @@ def test_config_mismatch_lists_differences(saved):
     with pytest.raises(CheckpointError, match=r"model\.dim: checkpoint 12, now 16"):
         _load(saved, expected_config=other)
     _load(saved, expected_config=json.loads(json.dumps(CONFIG)))  # equal after JSON: fine
+
+
+def test_given_state_dicts_and_state_transform(tmp_path):
+    # Expert-parallel style: save state dicts the caller built (here: a larger "full" layer b)
+    # and load them through a transform that keeps one slice.
+    net, opt = _trained(7)
+    full_b = torch.cat([net.b.weight.detach(), torch.randn(6, 20).to(torch.bfloat16)])  # [12, 20]
+    model_state = {**net.state_dict(), "b.weight": full_b}
+    b_index = [id(p) for p in net.parameters()].index(id(net.b.weight))
+    opt_state = opt.state_dict()
+    opt_state = {
+        **opt_state,
+        "state": {
+            i: (
+                {k: torch.cat([v, v + 1]) if v.dim() else v for k, v in st.items()}
+                if i == b_index
+                else st
+            )
+            for i, st in opt_state["state"].items()
+        },
+    }
+    save_checkpoint(
+        tmp_path, model=net, optimizer=opt, step=2, config=CONFIG,
+        model_state=model_state, optimizer_state=opt_state,
+    )  # fmt: skip
+
+    def keep_first_half(m_sd, o_sd):
+        m_sd = {**m_sd, "b.weight": m_sd["b.weight"][:6]}
+        o_sd = {**o_sd, "state": dict(o_sd["state"])}
+        o_sd["state"][b_index] = {
+            k: v[:6] if v.dim() else v for k, v in o_sd["state"][b_index].items()
+        }
+        return m_sd, o_sd
+
+    net2, opt2 = _fresh()
+    load_checkpoint(tmp_path, model=net2, optimizer=opt2, state_transform=keep_first_half)
+    _assert_same_state(net, opt, net2, opt2)
+    # Without the transform the saved (full) layout does not fit: a clear CheckpointError.
+    with pytest.raises(CheckpointError, match="model weights do not fit"):
+        load_checkpoint(tmp_path, model=_fresh()[0], optimizer=_fresh()[1])
+
+    def broken(m_sd, o_sd):
+        raise KeyError("layers.1.ffn.experts.w1")
+
+    with pytest.raises(CheckpointError, match=r"state does not fit this model.*experts"):
+        load_checkpoint(tmp_path, model=net2, optimizer=opt2, state_transform=broken)
