@@ -154,8 +154,12 @@ class Experts(nn.Module):
             h = F.silu(fp8_grouped_linear(x, self.w1, counts, config=cfg))  # [N, I]
             h = h * fp8_grouped_linear(x, self.w3, counts, config=cfg)
             return fp8_grouped_linear(h, self.w2, counts, config=cfg)  # [N, D]
+        # unbind once: its backward stacks the E gradients into one tensor, where indexing
+        # w[e] per expert made every expert's backward materialize a full [E, ...] gradient
+        # (measured: the small preset trained 2.6x slower on an H200).
+        w1s, w3s, w2s = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
         outs = []
         for e, rows in enumerate(x.split(counts)):  # [n_e, D] each
-            h = F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e])  # [n_e, I]
-            outs.append(F.linear(h, self.w2[e]))  # [n_e, D]
+            h = F.silu(F.linear(rows, w1s[e])) * F.linear(rows, w3s[e])  # [n_e, I]
+            outs.append(F.linear(h, w2s[e]))  # [n_e, D]
         return torch.cat(outs)
