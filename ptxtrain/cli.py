@@ -210,9 +210,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         type=_int_at_least(1),
         metavar="PP",
         help="pipeline ranks, = the number of processes (WORLD_SIZE); the model's layers are "
-        "split into PP stages (2*PP for dualpipev). Not supported with --pp > 1: MTP (pass "
-        "--no-mtp), tied embeddings, checkpoints and --resume; the MoE balance losses are "
-        f"supported (default: {d.pp} = one process)",
+        "split into PP stages (2*PP for dualpipev); checkpoints and --resume work. Not "
+        "supported with --pp > 1: MTP (pass --no-mtp), tied embeddings, --ep; the MoE balance "
+        f"losses are supported (default: {d.pp} = one process)",
     )
     g.add_argument(
         "--schedule",

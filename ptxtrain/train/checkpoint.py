@@ -17,9 +17,10 @@ leaves a complete checkpoint: ``checkpoint/``, or ``checkpoint.prev/`` in the wi
 two renames, which the loader falls back to. Temp folders of crashed writes are ignored and
 cleaned up by the next save.
 
-Sharded models (expert parallelism) save and load the full layout: the caller gathers the
-shards and passes the full state dicts (``model_state`` / ``optimizer_state``) to the rank that
-writes, and every rank loads through a ``state_transform`` that keeps its own slice.
+Sharded models (expert or pipeline parallelism) save and load the full layout: the caller
+gathers the shards (expert slices, pipeline stages) and passes the full state dicts
+(``model_state`` / ``optimizer_state``) to the rank that writes, and every rank loads through a
+``state_transform`` that keeps its own slice (its experts, its stages' optimizer state).
 
 Loading verifies before it touches the model: meta.json parses and matches its own hash, every
 listed file exists and matches its sha256, the saved config equals the expected one, and the

@@ -21,8 +21,13 @@ The run folder gets ``config.json``, ``metrics.jsonl``, ``loss.png``, ``checkpoi
 Pipeline parallelism (``pp > 1``, one process per rank under ``torchrun``): the forward/backward
 above becomes one schedule step over ``num_chunks`` micro-batches (1F1B, DualPipe or DualPipeV;
 see :mod:`ptxtrain.train.pipeline`), followed by the cross-rank gradient reduction and a global
-clipping norm. Rank 0 writes the run folder (no checkpoint yet); with ``timeline`` every rank
-writes ``timeline_rank{r}.jsonl``.
+clipping norm. Rank 0 writes the run folder; with ``timeline`` every rank writes
+``timeline_rank{r}.jsonl``. Checkpoints gather every stage's parameters, buffers (router biases)
+and optimizer state to rank 0 by parameter name, each stage from its owner (a DualPipe mirror copy
+is identical and written once), so rank 0 writes the single-process layout: a pipeline run resumes
+with any ``--pp`` / ``--schedule`` or none, and a single-process checkpoint resumes under
+``--pp``. On ``--resume`` every rank loads the full files, the full model and its own stages'
+optimizer state; with the same pipeline the resumed losses are bitwise those of a straight run.
 
 Expert parallelism (``ep > 1``, one process per rank under ``torchrun``; DeepSeek-V3 report
 §3.2.2): every rank builds the same full model (same seed), then keeps ``1/ep`` of every MoE
@@ -60,6 +65,7 @@ from ..data import ByteTokenizer, Corpus, batch_generator, load_corpus
 from .checkpoint import (
     CHECKPOINT_DIR,
     PREV_DIR,
+    CheckpointError,
     load_checkpoint,
     save_checkpoint,
     write_json_atomic,
@@ -234,10 +240,6 @@ class TrainArgs:
             if self.num_chunks is not None:
                 raise TrainConfigError("--num-chunks splits a pipeline step: it needs --pp > 1")
             return
-        if self.resume:
-            raise TrainConfigError(
-                "--resume is not supported with --pp > 1 (pipeline runs write no checkpoint yet)"
-            )
         chunks = self.chunks()
         try:
             check_pipeline(self.schedule, self.pp, chunks)
@@ -513,6 +515,109 @@ class _ExpertStates:
         return model_sd, opt_sd
 
 
+class _StageStates:
+    """Converts checkpointed state dicts between a pipeline rank's stages and the full layout.
+
+    The full layout is the single-process one: ``model.state_dict()`` of the whole model, and the
+    state dict of an optimizer built over ``_param_groups(model)`` (parameters numbered in that
+    order). A pipeline rank's optimizer holds its stages' parameters only, numbered in its own
+    order; the two are matched by parameter name. Every rank holds the whole model (the stages
+    share its submodules), so loading needs only the optimizer state re-indexed.
+
+    Raises:
+        ValueError: the rank's optimizer has another number of parameter groups than the full
+            layout (cannot happen with ``_param_groups``: every stage holds matrices and norms).
+    """
+
+    def __init__(self, model, optimizer, runner, weight_decay: float) -> None:
+        self.runner = runner
+        pname = {id(p): n for n, p in model.named_parameters()}
+        sname = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+        full = _param_groups(model, weight_decay)
+        self.full_groups = [[pname[id(p)] for p in g["params"]] for g in full]
+        self.full_index = {n: i for i, n in enumerate(n for g in self.full_groups for n in g)}
+        self.local_groups = [[pname[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        self.local_names = [n for g in self.local_groups for n in g]
+        if len(self.local_groups) != len(self.full_groups):
+            raise ValueError(
+                f"pipeline rank {runner.rank}: its optimizer has {len(self.local_groups)} "
+                f"parameter groups, the single-process one {len(self.full_groups)}"
+            )
+        # What this rank writes: the state of the stages it owns (each stage counted once).
+        self.owned_state = {
+            sname[id(t)]: t for st in runner.owned for t in st.state_dict(keep_vars=True).values()
+        }
+        self.owned_params = {pname[id(p)] for st in runner.owned for p in st.parameters()}
+
+    @staticmethod
+    def _cpu(v):
+        return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+
+    @torch.no_grad()
+    def gather(self, model, optimizer) -> tuple[dict | None, dict | None]:
+        """The full-layout model and optimizer state dicts on group rank 0, ``(None, None)``
+        elsewhere (a collective: every rank of the pipeline must call it).
+
+        Each rank sends its owned stages' tensors (CPU copies, pickled: bit-exact) by name.
+        """
+        import torch.distributed as dist
+
+        local = optimizer.state_dict()
+        part_model = {n: self._cpu(t) for n, t in self.owned_state.items()}
+        part_opt = {}
+        for i, entry in local["state"].items():
+            name = self.local_names[int(i)]
+            if name in self.owned_params:
+                part_opt[name] = {k: self._cpu(v) for k, v in entry.items()}
+        group = self.runner.group
+        lead = 0 if group is None else dist.get_global_rank(group, 0)
+        parts: list | None = [None] * self.runner.pp if self.runner.rank == 0 else None
+        dist.gather_object((part_model, part_opt), parts, dst=lead, group=group)
+        if parts is None:
+            return None, None
+        model_sd = dict(model.state_dict())  # keys outside every stage: rank 0's (untrained)
+        state: dict[int, dict] = {}
+        for got_model, got_opt in parts:
+            model_sd.update(got_model)
+            for name, entry in got_opt.items():
+                state[self.full_index[name]] = entry
+        groups, offset = [], 0
+        for g, names in zip(local["param_groups"], self.full_groups, strict=True):
+            hyper = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+            groups.append({**hyper, "params": list(range(offset, offset + len(names)))})
+            offset += len(names)
+        return model_sd, {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def slice(self, model_sd: dict, opt_sd: dict) -> tuple[dict, dict]:
+        """This rank's optimizer state out of full-layout state dicts (for ``load_checkpoint``);
+        the model state stays whole (every rank holds the whole model).
+
+        Raises:
+            ValueError: the saved parameter groups do not have the full layout's sizes.
+        """
+        saved = opt_sd["param_groups"]
+        want = [len(g) for g in self.full_groups]
+        got = [len(g["params"]) for g in saved]
+        if got != want:
+            raise ValueError(
+                f"the optimizer state has parameter groups of {got} parameters, this model's "
+                f"single-process layout {want}"
+            )
+        saved_ids = [int(i) for g in saved for i in g["params"]]  # full position -> saved key
+        full_state = {int(k): v for k, v in opt_sd["state"].items()}
+        state = {}
+        for i, name in enumerate(self.local_names):
+            key = saved_ids[self.full_index[name]]
+            if key in full_state:  # a parameter that never had a gradient has no state
+                state[i] = full_state[key]
+        groups, offset = [], 0
+        for g, names in zip(saved, self.local_groups, strict=True):
+            hyper = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+            groups.append({**hyper, "params": list(range(offset, offset + len(names)))})
+            offset += len(names)
+        return model_sd, {"state": state, "param_groups": groups}
+
+
 class _PipeSetup:
     """The process group and rank of a ``--pp > 1`` or ``--ep > 1`` run; with neither, every
     method is a no-op answering for a single process.
@@ -710,9 +815,37 @@ class _PipeSetup:
             setattr(mean, n, torch.tensor(v, dtype=torch.float64))
         return mean
 
-    def state_codec(self, model, optimizer) -> _ExpertStates | None:
-        """``ep > 1``: gathers / slices the expert shards of checkpointed state dicts."""
+    def state_codec(self, model, optimizer, runner=None) -> _ExpertStates | _StageStates | None:
+        """Converts checkpointed state dicts to and from the single-process layout: ``ep > 1``
+        gathers / slices the expert shards, ``pp > 1`` (``runner`` given) the stages; None for
+        a single process."""
+        if runner is not None:
+            return _StageStates(model, optimizer, runner, self.args.weight_decay)
         return _ExpertStates(model, optimizer, self.rank, self.ep) if self.ep > 1 else None
+
+    def on_every_rank(self, fn, *fn_args):
+        """``fn(*fn_args)`` on every rank; if it raises on any rank, every rank raises (its own
+        exception, else a ``CheckpointError`` / ``RuntimeError`` naming the first failed rank),
+        so a fault one rank sees cannot leave the others waiting in a collective."""
+        if not self.active:
+            return fn(*fn_args)
+        import torch.distributed as dist
+
+        err, result = None, None
+        try:
+            result = fn(*fn_args)
+        except Exception as e:  # shared below, then re-raised
+            err = e
+        mine = None if err is None else (isinstance(err, CheckpointError), f"{err}")
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        if err is not None:
+            raise err
+        for r, got in enumerate(every):
+            if got is not None:
+                is_ckpt, text = got
+                raise (CheckpointError if is_ckpt else RuntimeError)(f"rank {r} failed: {text}")
+        return result
 
     def run_on_lead(self, fn, *fn_args) -> None:
         """Run ``fn`` on rank 0 only; any exception there is raised on every rank (as an
@@ -783,7 +916,8 @@ def train(
             world size other than ``ep``, ``n_routed_experts`` or ``batch_size`` not divisible
             by ``ep``, a model without MoE layers, or ``pp > 1`` as well (not supported yet).
         CorpusError: ``--data`` missing, unreadable, empty or too short for ``seq_len``.
-        CheckpointError: ``resume`` with a missing, corrupt or mismatched checkpoint.
+        CheckpointError: ``resume`` with a missing, corrupt or mismatched checkpoint (with
+            ``pp > 1`` or ``ep > 1`` raised on every rank).
         FloatingPointError: the train loss became NaN or infinite.
 
     A first Ctrl-C stops the run after the step in flight and checkpoints it (the summary then
@@ -853,7 +987,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     # Not compared on resume (the corpus hash is); lets `ptxtrain train --resume` find the data.
     data_path = str(Path(args.data).expanduser().resolve()) if args.data else None
     ckpt_kw = dict(model=model, optimizer=optimizer, config=ckpt_config, extra={"data": data_path})
-    codec = pipe.state_codec(model, optimizer)  # ep > 1: expert shards <-> the full layout
+    # ep > 1: expert shards, pp > 1: stages <-> the full (single-process) layout
+    codec = pipe.state_codec(model, optimizer, runner)
 
     def save(step: int) -> None:
         if codec is None:
@@ -872,12 +1007,14 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
 
     start = 0
     if args.resume:
-        meta = load_checkpoint(
-            run_dir,
-            model=model,
-            optimizer=optimizer,
-            expected_config=ckpt_config,
-            state_transform=None if codec is None else codec.slice,
+        meta = pipe.on_every_rank(
+            lambda: load_checkpoint(
+                run_dir,
+                model=model,
+                optimizer=optimizer,
+                expected_config=ckpt_config,
+                state_transform=None if codec is None else codec.slice,
+            )
         )
         start = int(meta["step"])
         log(f"resumed from {meta['path']} at step {start}")
@@ -1011,12 +1148,10 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                 )
                 if pipe.agree_to_stop(stop.requested):
                     break
-                if runner is not None:
-                    continue  # pipeline runs write no checkpoint (yet)
                 if args.ckpt_every and step % args.ckpt_every == 0 and step < end:
                     save(step)
                     last_saved = step
-            if done > last_saved and runner is None:
+            if done > last_saved:
                 save(done)
                 last_saved = done
     finally:
@@ -1027,10 +1162,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     if timeline is not None:
         timeline.write(run_dir)
     if stop.requested:
-        if runner is None:
-            log(f"interrupted: stopped after step {done}; checkpoint saved, continue with --resume")
-        else:
-            log(f"interrupted: stopped after step {done}")
+        log(f"interrupted: stopped after step {done}; checkpoint saved, continue with --resume")
     wall = time.perf_counter() - t0
     if runner is not None and args.sample_tokens:
         runner.gather_model()

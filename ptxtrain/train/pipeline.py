@@ -14,8 +14,12 @@ optimizer is built over those stages' parameters only. A step (DESIGN §5)::
     optimizer.step()            each rank updates its stages; mirrored copies stay identical
     update_router_biases()      DualPipe: expert counts of the two copies summed first
 
+Checkpoints: :mod:`ptxtrain.train.loop` gathers each stage from its owner
+(``PipelineRunner.owned``) to rank 0 in the single-process layout; on ``--resume`` every rank
+loads the whole model and its stages' optimizer state.
+
 Not supported here: multi-token prediction and tied embeddings (see ``check_stageable``),
-expert parallelism across the pipeline group, checkpoints and ``--resume``.
+expert parallelism across the pipeline group.
 """
 
 from __future__ import annotations

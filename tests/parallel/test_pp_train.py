@@ -126,7 +126,8 @@ def test_pp2_run_folder(pipeline_runs):
     names = {p.name for p in run.iterdir()}
     assert {"config.json", "metrics.jsonl", "summary.json", "loss.png"} <= names
     assert {"timeline_rank0.jsonl", "timeline_rank1.jsonl"} <= names  # --timeline: every rank
-    assert "checkpoint" not in names  # pipeline runs write none (documented)
+    # --ckpt-every 0: one checkpoint at the end (its content: tests/parallel/test_pp_checkpoint.py)
+    assert (run / "checkpoint" / "meta.json").is_file()
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["pipeline"] == {"pp": 2, "schedule": "dualpipe", "num_chunks": 4}
     assert not any(

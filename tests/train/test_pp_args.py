@@ -58,7 +58,6 @@ def test_stages_share_the_model_and_cover_it():
         (dict(pp=0), "--pp must be an integer >= 1"),
         (dict(pp=1, timeline=True), "--timeline .* needs --pp > 1"),
         (dict(pp=1, num_chunks=4), "--num-chunks .* needs --pp > 1"),
-        (dict(pp=2, resume=True), "--resume is not supported with --pp > 1"),
     ],
 )
 def test_bad_pipeline_arguments(kw, match):
