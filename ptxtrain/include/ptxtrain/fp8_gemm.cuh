@@ -17,6 +17,12 @@
 // wgmmas keep the tensor core busy. setmaxnreg moves registers from the producer (40) to the
 // math warpgroups (232) when there are two of them.
 //
+// Double accumulators (kDoubleAcc, one wave per warpgroup, BLOCK_N <= 128): block k + 1's
+// wgmmas are issued into a second register set before block k is promoted, and wait_group 1
+// retires block k alone, so the tensor core also runs while this warpgroup promotes. The K loop
+// is then unrolled in chunks of 8 blocks drained at their ends: ptxas serializes wgmmas that stay
+// in flight across a loop's back edge (C7514).
+//
 // Clusters (kCluster = 2): the two CTAs take adjacent M-blocks of one N-block; each loads half
 // of B and multicasts it to both, halving B's L2 -> shared-memory traffic. A stage is free only
 // when the math warps of both CTAs released it (remote mbarrier arrivals).
