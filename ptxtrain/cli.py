@@ -211,8 +211,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PP",
         help="pipeline ranks, = the number of processes (WORLD_SIZE); the model's layers are "
         "split into PP stages (2*PP for dualpipev); checkpoints and --resume work. Not "
-        "supported with --pp > 1: MTP (pass --no-mtp), tied embeddings, --ep; the MoE balance "
-        f"losses are supported (default: {d.pp} = one process)",
+        "supported with --pp > 1: MTP (pass --no-mtp), tied embeddings; the MoE balance "
+        "losses are supported; with --ep EP it takes PP*EP processes (experts sharded inside "
+        f"each stage) (default: {d.pp} = one process)",
     )
     g.add_argument(
         "--schedule",
@@ -246,7 +247,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="expert-parallel ranks, = the number of processes (WORLD_SIZE): each holds "
         "n_routed_experts/EP experts of every MoE layer and trains on batch-size/EP sequences "
         "of every batch (data parallel); n_routed_experts and --batch-size must be divisible "
-        f"by EP; not with --pp > 1 (default: {d.ep} = one process)",
+        "by EP; with --pp PP: PP*EP processes, rank = pipeline_rank*EP + ep_rank, each of the "
+        f"EP pipelines on batch-size/EP sequences (default: {d.ep} = one process)",
     )
 
     g = p.add_argument_group("data")

@@ -98,7 +98,7 @@ def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
         (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
         (["--ep", "2"], "--ep 2 needs 2 processes"),  # this process is a world of 1
         (["--ep", "3"], "--batch-size 16 must be divisible by --ep 3"),
-        (["--ep", "2", "--pp", "2", "--no-mtp"], "not supported yet"),
+        (["--ep", "2", "--pp", "2", "--no-mtp"], "--pp 2 --ep 2 needs 4 processes"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "no CUDA device"))

@@ -41,6 +41,19 @@ the global norm; the router bias update uses the global expert load. Losses, eva
 samples are computed collectively and agree on every rank. Checkpoints gather the expert shards
 to rank 0, which writes the single-process layout (so a run can be resumed with another ``ep``);
 every rank loads the full files and keeps its slice.
+
+Both (``pp > 1`` and ``ep > 1``, ``pp · ep`` processes; DeepSeek-V3's layout, EP inside a
+pipeline stage): rank ``r = pipeline_rank · ep + ep_rank``
+(:func:`~ptxtrain.train.pipeline.pipeline_groups`). The ``pp`` ranks of one ``ep_rank`` run the
+schedule together on sequences ``[e·B/ep, (e+1)·B/ep)`` of the batch (``num_chunks``
+micro-batches of them); the ``ep`` ranks of one pipeline rank hold the same stages with ``1/ep``
+of the experts each and exchange tokens inside the MoE layers. After the schedule: DualPipe's
+mirror sum, then the EP average / expert scaling above; the clipping norm, the losses and the
+router load are reduced over both groups. Evaluation and sampling run on the ``ep`` ranks of
+pipeline rank 0 (each gathers the stages of its own pipeline, then they run the model
+collectively); with ``timeline`` only the pipeline of ``ep_rank`` 0 records (files named by
+pipeline rank). Checkpoints: expert shards gathered over the EP group, then stages over the
+pipeline of rank 0, which writes the single-process layout; resume slices both back.
 """
 
 from __future__ import annotations
@@ -71,6 +84,7 @@ from .checkpoint import (
     write_json_atomic,
 )
 from .metrics import MetricsWriter, format_summary, plot_loss_curve, read_metrics
+from .pipeline import all_reduce_grads
 
 PRECISIONS = ("bf16", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
@@ -162,12 +176,12 @@ class TrainArgs:
     data: str | None = None  # text file or folder; None = the embedded Shakespeare corpus
     mtp: bool = True  # False drops the MTP module (mtp_depth=0); needed with pp > 1
     # --- pipeline parallelism (torchrun --nproc-per-node PP -m ptxtrain train --pp PP) ---
-    pp: int = 1  # pipeline ranks (= WORLD_SIZE); 1 = one process, no pipeline
+    pp: int = 1  # pipeline ranks (WORLD_SIZE = pp * ep); 1 = one process, no pipeline
     schedule: str = "dualpipe"  # pipeline schedule with pp > 1: "dualpipe", "dualpipev", "1f1b"
     num_chunks: int | None = None  # micro-batches per step (pp > 1); None = 2 * pp
     timeline: bool = False  # write each rank's schedule timeline into the run folder (pp > 1)
     # --- expert parallelism (torchrun --nproc-per-node EP -m ptxtrain train --ep EP) ---
-    ep: int = 1  # expert-parallel (and data-parallel) ranks (= WORLD_SIZE); 1 = one process
+    ep: int = 1  # expert-parallel (and data-parallel) ranks (WORLD_SIZE = pp * ep); 1 = none
     # --- Python API only ---
     progress: bool = True  # show a tqdm progress bar
     stop_after: int | None = None  # stop (checkpointed) after this many steps of this call
@@ -220,16 +234,11 @@ class TrainArgs:
             raise bad("pp", "must be an integer >= 1")
         if not is_int(self.ep) or self.ep < 1:
             raise bad("ep", "must be an integer >= 1")
-        if self.ep > 1:
-            if self.pp > 1:
-                raise TrainConfigError(
-                    "--ep > 1 with --pp > 1 is not supported yet: use one or the other"
-                )
-            if self.batch_size % self.ep:
-                raise TrainConfigError(
-                    f"--batch-size {self.batch_size} must be divisible by --ep {self.ep} (each "
-                    "rank trains on batch_size / ep sequences of every batch)"
-                )
+        if self.ep > 1 and self.batch_size % self.ep:
+            raise TrainConfigError(
+                f"--batch-size {self.batch_size} must be divisible by --ep {self.ep} (each "
+                "rank trains on batch_size / ep sequences of every batch)"
+            )
         if self.schedule not in SCHEDULES:
             raise bad("schedule", f"must be one of {list(SCHEDULES)}")
         if self.num_chunks is not None and (not is_int(self.num_chunks) or self.num_chunks < 1):
@@ -249,6 +258,12 @@ class TrainArgs:
             raise TrainConfigError(
                 f"--batch-size {self.batch_size} must be divisible by the {chunks} micro-batches "
                 "of a pipeline step (--num-chunks)"
+            )
+        if self.ep > 1 and self.batch_size % (chunks * self.ep):
+            raise TrainConfigError(
+                f"--batch-size {self.batch_size} must be divisible by --ep {self.ep} x the "
+                f"{chunks} micro-batches of a pipeline step (each of the ep pipelines runs "
+                "batch_size / ep sequences in num_chunks micro-batches)"
             )
 
     def chunks(self) -> int:
@@ -451,12 +466,13 @@ class _ExpertStates:
     """Converts checkpointed state dicts between the expert-parallel and the full layout.
 
     The full layout is the single-process one: every stacked expert weight ``[E, ...]`` and its
-    optimizer state (``master``, ``exp_avg``, ``exp_avg_sq``) whole. Rank ``r`` of ``R`` holds
-    rows ``[r·E/R, (r+1)·E/R)`` of each; every other entry is replicated.
+    optimizer state (``master``, ``exp_avg``, ``exp_avg_sq``) whole. Rank ``r`` of the ``R``
+    ranks of ``group`` (the expert-parallel group; None = the world) holds rows
+    ``[r·E/R, (r+1)·E/R)`` of each; every other entry is replicated.
     """
 
-    def __init__(self, model, optimizer, rank: int, n_ranks: int) -> None:
-        self.rank, self.n_ranks = rank, n_ranks
+    def __init__(self, model, optimizer, rank: int, n_ranks: int, group=None) -> None:
+        self.rank, self.n_ranks, self.group = rank, n_ranks, group  # group None: the world
         experts = {id(p) for p in model.expert_parameters()}
         self.model_keys = [n for n, p in model.named_parameters() if id(p) in experts]
         order = [id(p) for g in optimizer.param_groups for p in g["params"]]
@@ -491,7 +507,7 @@ class _ExpertStates:
             t = box[k].detach().contiguous()
             raw = t.reshape(t.shape[0], -1).view(torch.uint8)  # [E_local, bytes per expert]
             parts = [torch.empty_like(raw) for _ in range(self.n_ranks)]
-            dist.all_gather(parts, raw)
+            dist.all_gather(parts, raw, group=self.group)
             full = torch.cat(parts).view(t.dtype)
             box[k] = full.reshape(t.shape[0] * self.n_ranks, *t.shape[1:])
         return model_sd, opt_sd
@@ -554,16 +570,23 @@ class _StageStates:
         return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
 
     @torch.no_grad()
-    def gather(self, model, optimizer) -> tuple[dict | None, dict | None]:
+    def gather(
+        self, model, optimizer, model_sd: dict | None = None, opt_sd: dict | None = None
+    ) -> tuple[dict | None, dict | None]:
         """The full-layout model and optimizer state dicts on group rank 0, ``(None, None)``
         elsewhere (a collective: every rank of the pipeline must call it).
 
         Each rank sends its owned stages' tensors (CPU copies, pickled: bit-exact) by name.
+        ``model_sd`` / ``opt_sd``: this rank's state dicts to take them from (``--ep``: with the
+        expert shards already gathered, :class:`_ExpertStates`); None = the live ones.
         """
         import torch.distributed as dist
 
-        local = optimizer.state_dict()
-        part_model = {n: self._cpu(t) for n, t in self.owned_state.items()}
+        local = optimizer.state_dict() if opt_sd is None else opt_sd
+        if model_sd is None:
+            part_model = {n: self._cpu(t) for n, t in self.owned_state.items()}
+        else:
+            part_model = {n: self._cpu(model_sd[n]) for n in self.owned_state}
         part_opt = {}
         for i, entry in local["state"].items():
             name = self.local_names[int(i)]
@@ -575,7 +598,8 @@ class _StageStates:
         dist.gather_object((part_model, part_opt), parts, dst=lead, group=group)
         if parts is None:
             return None, None
-        model_sd = dict(model.state_dict())  # keys outside every stage: rank 0's (untrained)
+        # keys outside every stage: rank 0's (untrained)
+        model_sd = dict(model.state_dict() if model_sd is None else model_sd)
         state: dict[int, dict] = {}
         for got_model, got_opt in parts:
             model_sd.update(got_model)
@@ -618,6 +642,29 @@ class _StageStates:
         return model_sd, {"state": state, "param_groups": groups}
 
 
+class _StageExpertStates:
+    """``--pp`` with ``--ep``: the two conversions composed. Saving gathers the expert shards
+    over the EP group first (:class:`_ExpertStates`), then the stages over the pipeline group to
+    its rank 0 (:class:`_StageStates`; only the pipeline of global rank 0 does, the others'
+    result would be dropped); loading re-indexes the optimizer state to this rank's stages
+    first, then slices this rank's experts out of it and out of the model state."""
+
+    def __init__(self, experts: _ExpertStates, stages: _StageStates, gather_stages: bool):
+        self.experts, self.stages, self.gather_stages = experts, stages, gather_stages
+
+    def gather(self, model, optimizer) -> tuple[dict | None, dict | None]:
+        """Full-layout state dicts on global rank 0, ``(None, None)`` elsewhere (a collective)."""
+        model_sd, opt_sd = self.experts.gather(model, optimizer)
+        if not self.gather_stages:
+            return None, None
+        return self.stages.gather(model, optimizer, model_sd, opt_sd)
+
+    def slice(self, model_sd: dict, opt_sd: dict) -> tuple[dict, dict]:
+        """This rank's part of full-layout state dicts (for ``load_checkpoint``); raises the
+        ``ValueError`` of either step."""
+        return self.experts.slice(*self.stages.slice(model_sd, opt_sd))
+
+
 class _PipeSetup:
     """The process group and rank of a ``--pp > 1`` or ``--ep > 1`` run; with neither, every
     method is a no-op answering for a single process.
@@ -625,7 +672,12 @@ class _PipeSetup:
     Raises (on every rank alike, since the checks depend on the arguments only):
         TrainConfigError: the model cannot be cut into the schedule's stages (pp), the routed
             experts cannot be split over the ranks (ep), WORLD_SIZE (or an existing process
-            group) does not match ``--pp`` / ``--ep``, or no CUDA device is visible.
+            group) does not match ``--pp`` / ``--ep`` (``pp * ep`` with both), or no CUDA device
+            is visible.
+
+    With both, ``pp_group`` / ``ep_group`` / ``mirror_group`` and ``pp_rank`` / ``ep_rank``
+    describe this rank's place (:func:`~ptxtrain.train.pipeline.pipeline_groups`); otherwise
+    the groups are None (the world) and the ranks follow the one parallelism in use.
     """
 
     def __init__(self, args: TrainArgs, config, param_dtype: torch.dtype) -> None:
@@ -634,6 +686,9 @@ class _PipeSetup:
         self.ep = args.ep
         self.active = self.pipeline or self.ep > 1
         self.rank, self.device, self._created = 0, None, False
+        # rank = pp_rank * ep + ep_rank (ptxtrain.train.pipeline.pipeline_groups)
+        self.pp_rank, self.ep_rank = 0, 0
+        self.pp_group = self.ep_group = self.mirror_group = None  # None: the world
         if not self.active:
             return
         import torch.distributed as dist
@@ -646,8 +701,7 @@ class _PipeSetup:
                 check_stageable(config, num_stages(args.schedule, args.pp))
             except ValueError as e:
                 raise TrainConfigError(f"--pp {args.pp} --schedule {args.schedule}: {e}") from None
-            flag, want, what = "pp", args.pp, "pipeline rank"
-        else:
+        if self.ep > 1:
             if config.n_routed_experts % self.ep:
                 raise TrainConfigError(
                     f"--ep {self.ep}: the model's n_routed_experts={config.n_routed_experts} must "
@@ -656,7 +710,13 @@ class _PipeSetup:
                 )
             if config.n_moe_layers == 0:
                 raise TrainConfigError(f"--ep {self.ep}: the model has no MoE layer")
-            flag, want, what = "ep", self.ep, "expert-parallel rank"
+        if self.pipeline and self.ep > 1:
+            flags, want = f"--pp {args.pp} --ep {self.ep}", args.pp * self.ep
+            what = "pipeline rank x expert-parallel rank"
+        elif self.pipeline:
+            flags, want, what = f"--pp {args.pp}", args.pp, "pipeline rank"
+        else:
+            flags, want, what = f"--ep {self.ep}", self.ep, "expert-parallel rank"
         device = resolve_device(args.device)
         if dist.is_initialized():
             world = dist.get_world_size()
@@ -664,9 +724,9 @@ class _PipeSetup:
             world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != want:
             raise TrainConfigError(
-                f"--{flag} {want} needs {want} processes, one per {what}, got a world "
+                f"{flags} needs {want} processes, one per {what}, got a world "
                 f"of {world}: launch with torchrun --nproc-per-node {want} -m ptxtrain train "
-                f"--{flag} {want} ..."
+                f"{flags} ..."
             )
         if device.type == "cuda":
             local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
@@ -676,13 +736,41 @@ class _PipeSetup:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
             self._created = True
         self.rank, self.device = dist.get_rank(), device
+        if self.pipeline and self.ep > 1:
+            from .pipeline import pipeline_groups
+
+            groups = pipeline_groups(args.pp, self.ep, args.schedule)  # every rank, same order
+            self.pp_group, self.ep_group, self.mirror_group = (
+                groups.pipeline,
+                groups.expert,
+                groups.mirror,
+            )
+            self.pp_rank, self.ep_rank = groups.pipeline_rank, groups.ep_rank
+        elif self.pipeline:
+            self.pp_rank = self.rank
+        else:
+            self.ep_rank = self.rank
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this rank takes part in evaluation and sampling: rank 0, or with ``--ep``
+        every expert-parallel rank of pipeline rank 0 (they hold the gathered model; the
+        forward is a collective over their EP group)."""
+        return self.pp_rank == 0 if self.ep > 1 else self.rank == 0
 
     def runner(self, model):
         if not self.pipeline:
             return None
         from .pipeline import PipelineRunner
 
-        return PipelineRunner(model, self.args.schedule, self.args.chunks())
+        return PipelineRunner(
+            model,
+            self.args.schedule,
+            self.args.chunks(),
+            group=self.pp_group,
+            ep_group=self.ep_group,
+            mirror_group=self.mirror_group,
+        )
 
     def on_lead(self, fn, *fn_args) -> None:
         """Run ``fn`` on rank 0 only; a ``TrainConfigError`` there is raised on every rank."""
@@ -702,7 +790,7 @@ class _PipeSetup:
             raise TrainConfigError(msg[0])
 
     def new_timeline(self):
-        if not self.args.timeline:
+        if not self.args.timeline or self.ep_rank != 0:  # one pipeline's timelines (--ep)
             return None
         from ..parallel.timeline import Timeline
 
@@ -728,11 +816,12 @@ class _PipeSetup:
     def split_experts(self, model) -> None:
         """``ep > 1``: keep this rank's experts of the (identically built) full model."""
         if self.ep > 1:
-            model.enable_expert_parallel()
+            model.enable_expert_parallel(self.ep_group)
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's sequences of a batch ``[B, T]`` (all of them unless ``ep > 1``)."""
-        return _shard(t, self.rank, self.ep) if self.ep > 1 else t
+        """This rank's sequences of a batch ``[B, T]`` (all of them unless ``ep > 1``): rows
+        ``[e·B/ep, (e+1)·B/ep)`` for EP rank ``e`` (with ``pp > 1``: its pipeline's share)."""
+        return _shard(t, self.ep_rank, self.ep) if self.ep > 1 else t
 
     @torch.no_grad()
     def reduce_grads(self, model, optimizer) -> None:
@@ -746,35 +835,13 @@ class _PipeSetup:
         """
         if self.ep == 1:
             return
-        import torch.distributed as dist
-
         experts = {id(p) for p in model.expert_parameters()}
         for p in model.expert_parameters():
             g = optimizer.grad_for(p)
             if g is not None:
                 g.div_(self.ep)
         params = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
-        grads = [optimizer.grad_for(p) for p in params]
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        flat = torch.cat(
-            [
-                (g if g is not None else p.new_zeros(p.shape)).reshape(-1).to(dtype)
-                for p, g in zip(params, grads, strict=True)
-            ]
-            + [torch.tensor([float(g is not None) for g in grads], dtype=dtype, device=self.device)]
-        )
-        dist.all_reduce(flat)
-        has = flat[-len(params) :].tolist()
-        offset = 0
-        for p, g, h in zip(params, grads, has, strict=True):
-            part = flat[offset : offset + p.numel()].view(p.shape)
-            offset += p.numel()
-            if h == 0:
-                continue
-            if g is None:
-                p.grad = torch.zeros_like(p)
-                g = optimizer.grad_for(p)
-            g.copy_(part / self.ep)
+        all_reduce_grads(params, optimizer, None, self.device, divide_by=self.ep)
 
     @torch.no_grad()
     def clip_grad_norm_(self, model, optimizer, max_norm: float) -> float:
@@ -815,10 +882,18 @@ class _PipeSetup:
             setattr(mean, n, torch.tensor(v, dtype=torch.float64))
         return mean
 
-    def state_codec(self, model, optimizer, runner=None) -> _ExpertStates | _StageStates | None:
+    def state_codec(
+        self, model, optimizer, runner=None
+    ) -> _ExpertStates | _StageStates | _StageExpertStates | None:
         """Converts checkpointed state dicts to and from the single-process layout: ``ep > 1``
-        gathers / slices the expert shards, ``pp > 1`` (``runner`` given) the stages; None for
-        a single process."""
+        gathers / slices the expert shards, ``pp > 1`` (``runner`` given) the stages, both
+        composed with both; None for a single process."""
+        if runner is not None and self.ep > 1:
+            return _StageExpertStates(
+                _ExpertStates(model, optimizer, self.ep_rank, self.ep, self.ep_group),
+                _StageStates(model, optimizer, runner, self.args.weight_decay),
+                gather_stages=self.ep_rank == 0,
+            )
         if runner is not None:
             return _StageStates(model, optimizer, runner, self.args.weight_decay)
         return _ExpertStates(model, optimizer, self.rank, self.ep) if self.ep > 1 else None
@@ -894,8 +969,9 @@ def train(
 
     With ``args.pp > 1`` (``args.ep > 1``) this runs one pipeline (expert-parallel) rank: call
     it on every rank (``torchrun``, or inside an initialized default process group of ``pp``
-    (``ep``) ranks). Rank 0 returns the summary below; the other ranks return
-    ``{"out", "rank", "step", "losses"}`` and write nothing.
+    (``ep``) ranks; ``pp * ep`` ranks with both, see the module doc). Rank 0 returns the
+    summary below; the other ranks return ``{"out", "rank", "step", "losses"}`` and write
+    nothing.
 
     Returns:
         A JSON-able dict: ``out``, ``preset``, ``precision``, ``device``, ``step`` (steps done
@@ -914,7 +990,8 @@ def train(
             cannot be cut into the schedule's stages (MTP on, tied embeddings, layer count) or a
             bad schedule / ``num_chunks`` combination, raised on every rank; with ``ep > 1`` a
             world size other than ``ep``, ``n_routed_experts`` or ``batch_size`` not divisible
-            by ``ep``, a model without MoE layers, or ``pp > 1`` as well (not supported yet).
+            by ``ep``, or a model without MoE layers; with both a world size other than
+            ``pp * ep`` or ``batch_size`` not divisible by ``ep * num_chunks``.
         CorpusError: ``--data`` missing, unreadable, empty or too short for ``seq_len``.
         CheckpointError: ``resume`` with a missing, corrupt or mismatched checkpoint (with
             ``pp > 1`` or ``ep > 1`` raised on every rank).
@@ -1094,8 +1171,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                     out.loss.backward()
                     # With clipping off, a max_norm no norm reaches keeps the gradients unscaled.
                     grad_norm = float(optimizer.clip_grad_norm_(args.grad_clip or _NO_CLIP))
-                else:
-                    out = runner.step(x, y, timeline)
+                else:  # ep > 1: this pipeline's share of the batch
+                    out = runner.step(pipe.shard(x), pipe.shard(y), timeline)
                     runner.reduce_grads(optimizer)
                     grad_norm = runner.clip_grad_norm_(optimizer, args.grad_clip or _NO_CLIP)
                 optimizer.step()
@@ -1132,7 +1209,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                 if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                     if runner is not None:
                         runner.gather_model()
-                    if lead or args.ep > 1:  # ep > 1: a collective, every rank takes part
+                    if pipe.evaluates:  # ep > 1: a collective over the EP group
                         val_loss = evaluate(model, corpus, args, device)
                         record["val_loss"] = val_loss
                 if moe_stats:
@@ -1167,7 +1244,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     if runner is not None and args.sample_tokens:
         runner.gather_model()
     # ep > 1: sampling is a collective (every rank runs the same generation; rank 0's is kept).
-    samples = _samples(model, args, device) if args.sample_tokens and args.ep > 1 else None
+    collective = args.sample_tokens and args.ep > 1 and pipe.evaluates
+    samples = _samples(model, args, device) if collective else None
     if not lead:  # the other ranks write nothing
         return {"out": str(run_dir), "rank": pipe.rank, "step": done, "losses": run_losses}
 

@@ -18,12 +18,22 @@ Checkpoints: :mod:`ptxtrain.train.loop` gathers each stage from its owner
 (``PipelineRunner.owned``) to rank 0 in the single-process layout; on ``--resume`` every rank
 loads the whole model and its stages' optimizer state.
 
-Not supported here: multi-token prediction and tied embeddings (see ``check_stageable``),
-expert parallelism across the pipeline group.
+Expert parallelism inside the stages (``--pp PP --ep EP``, DeepSeek-V3's layout, report §3.2):
+:func:`pipeline_groups` lays ``PP x EP`` ranks out as ``rank = pipeline_rank * EP + ep_rank``.
+The ``PP`` ranks of one ``ep_rank`` form a pipeline (a replica that runs the schedule on its own
+``1/EP`` of the batch); the ``EP`` ranks of one ``pipeline_rank`` hold the same stages, each with
+``1/EP`` of every MoE layer's routed experts, and exchange tokens inside those MoE layers (they
+run the same schedule in lockstep, so their collectives line up). Pass ``ep_group`` to the runner:
+after the mirror sum, :meth:`PipelineRunner.reduce_grads` averages the replicated gradients over
+the EP group and divides the expert gradients by ``EP`` (they already sum every replica's
+tokens); the clipping norm, the losses and the router load are reduced over the EP group too.
+
+Not supported here: multi-token prediction and tied embeddings (see ``check_stageable``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -43,7 +53,97 @@ from ..parallel.stages import (
 )
 from ..parallel.timeline import Timeline
 
-__all__ = ["PipelineRunner", "StepLosses"]
+__all__ = ["PipelineGroups", "PipelineRunner", "StepLosses", "pipeline_groups"]
+
+
+@dataclass
+class PipelineGroups:
+    """The process groups of one rank of a ``PP x EP`` run (see :func:`pipeline_groups`).
+
+    ``pipeline``: the ``PP`` ranks running one schedule together; ``expert``: the ``EP`` ranks
+    holding the same stages (None when ``EP == 1``); ``mirror``: DualPipe's two-rank group of
+    this rank and its mirror inside the pipeline (None for other schedules; the pipeline group
+    itself when ``PP == 2``). ``pipeline_rank`` / ``ep_rank``: this rank's place in each.
+    """
+
+    pipeline: dist.ProcessGroup | None
+    expert: dist.ProcessGroup | None
+    mirror: dist.ProcessGroup | None
+    pipeline_rank: int
+    ep_rank: int
+
+
+def pipeline_groups(pp: int, ep: int, schedule: str) -> PipelineGroups:
+    """Create the groups of a ``pp x ep`` layout (a collective: every rank of the world calls it,
+    and ``dist.new_group`` is called for every group in the same order on every rank).
+
+    Layout: global rank ``r = pipeline_rank * ep + ep_rank``. Pipeline group ``e`` holds ranks
+    ``{s * ep + e : s < pp}``, expert group ``s`` ranks ``{s * ep + e : e < ep}``, DualPipe mirror
+    pairs ``{q * ep + e, (pp - 1 - q) * ep + e}`` inside each pipeline. With ``ep == 1`` the
+    pipeline group is the default group (None) and there is no expert group.
+
+    Raises:
+        ValueError: ``pp``/``ep`` not positive ints, or a world size other than ``pp * ep``.
+    """
+    for name, v in (("pp", pp), ("ep", ep)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != pp * ep:
+        raise ValueError(f"pp={pp} x ep={ep} needs a world of {pp * ep} ranks, got {world}")
+    p_rank, e_rank = divmod(rank, ep)
+    if ep == 1:
+        pipe_group, expert_group = None, None
+    else:
+        pipe_group = expert_group = None
+        for e in range(ep):  # every rank creates every group, in this order
+            g = dist.new_group([s * ep + e for s in range(pp)])
+            if e == e_rank:
+                pipe_group = g
+        for s in range(pp):
+            g = dist.new_group([s * ep + e for e in range(ep)])
+            if s == p_rank:
+                expert_group = g
+    mirror = None
+    if schedule == "dualpipe" and pp == 2:
+        mirror = pipe_group if pipe_group is not None else dist.group.WORLD
+    elif schedule == "dualpipe":
+        for e in range(ep):
+            for q in range(pp // 2):
+                g = dist.new_group([q * ep + e, (pp - 1 - q) * ep + e])
+                if e == e_rank and p_rank in (q, pp - 1 - q):
+                    mirror = g
+    return PipelineGroups(pipe_group, expert_group, mirror, p_rank, e_rank)
+
+
+@torch.no_grad()
+def all_reduce_grads(params, optimizer, group, device, divide_by: int = 1) -> None:
+    """Sum the gradients ``optimizer.grad_for(p)`` of ``params`` over ``group`` (one all-reduce,
+    fp32 or fp64), divided by ``divide_by`` when it is not 1. A parameter without a gradient on
+    every rank keeps none (the optimizer then skips it, as in the single-process run)."""
+    if not params:
+        return
+    grads = [optimizer.grad_for(p) for p in params]
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    flat = torch.cat(
+        [
+            (g if g is not None else p.new_zeros(p.shape)).reshape(-1).to(dtype)
+            for p, g in zip(params, grads, strict=True)
+        ]
+        + [torch.tensor([float(g is not None) for g in grads], dtype=dtype, device=device)]
+    )
+    dist.all_reduce(flat, group=group)
+    has = flat[-len(params) :].tolist()
+    offset = 0
+    for p, g, h in zip(params, grads, has, strict=True):
+        part = flat[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
+        if h == 0:
+            continue
+        if g is None:
+            p.grad = torch.zeros_like(p)
+            g = optimizer.grad_for(p)
+        g.copy_(part if divide_by == 1 else part / divide_by)
 
 
 @dataclass
@@ -65,14 +165,22 @@ class PipelineRunner:
         schedule: ``"1f1b"``, ``"dualpipe"`` or ``"dualpipev"``.
         num_chunks: micro-batches per step.
         group: the pipeline process group (default: the world); its size is PP.
+        ep_group: the expert-parallel group of the ranks holding the same stages (``--pp`` with
+            ``--ep``, see the module doc; the model's experts must already be split over it with
+            :meth:`~ptxtrain.model.DeepSeekV3.enable_expert_parallel`); None = no EP.
+        mirror_group: DualPipe's mirror-pair group from :func:`pipeline_groups`; needed with
+            ``ep_group`` (every rank of the world must create every pair). None: with DualPipe the
+            runner creates the pairs of ``group`` itself (every rank of ``group`` must be the
+            whole world then).
         overlap: DualPipe / DualPipeV: run the F&B steps through
             :meth:`DeepSeekV3Stage.overlapped_forward_backward` (two CUDA streams). None (the
             default) reads the environment variable ``PTXTRAIN_PP_OVERLAP`` (``0`` turns it
             off, for A/B runs), else on.
 
     Raises:
-        ValueError: an invalid combination (:func:`~ptxtrain.parallel.stages.check_pipeline`), or
-            a model that cannot be cut into stages (MTP on, tied embeddings, layer count).
+        ValueError: an invalid combination (:func:`~ptxtrain.parallel.stages.check_pipeline`),
+            a model that cannot be cut into stages (MTP on, tied embeddings, layer count), or
+            DualPipe with ``ep_group`` but no ``mirror_group``.
     """
 
     def __init__(
@@ -82,8 +190,12 @@ class PipelineRunner:
         num_chunks: int,
         group: dist.ProcessGroup | None = None,
         overlap: bool | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+        mirror_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        self.ep_group = ep_group
+        self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.rank = dist.get_rank(group)
         self.pp = dist.get_world_size(group)
         check_pipeline(schedule, self.pp, num_chunks, model.config.n_layers)
@@ -104,17 +216,25 @@ class PipelineRunner:
         # DualPipe: one two-rank group per mirror pair {r, PP-1-r} (every rank creates all). With
         # PP = 2 the only pair is the pipeline group itself: reuse it rather than open a second
         # NCCL communicator over the same two GPUs.
-        self.mirror_group = None
-        if schedule == "dualpipe" and self.pp == 2:
-            self.mirror_group = group if group is not None else dist.group.WORLD
-        elif schedule == "dualpipe":
-            for r in range(self.pp // 2):
-                pair = [r, self.pp - 1 - r]
-                if group is not None:
-                    pair = [dist.get_global_rank(group, q) for q in pair]
-                g = dist.new_group(pair)
-                if self.rank in (r, self.pp - 1 - r):
-                    self.mirror_group = g
+        self.mirror_group = mirror_group
+        # Expert parameters (sharded over ep_group): reduced and counted apart from the rest.
+        self._expert_ids = {id(p) for p in model.expert_parameters()} if self.ep > 1 else set()
+        if schedule == "dualpipe" and mirror_group is None:
+            if ep_group is not None:
+                raise ValueError(
+                    "dualpipe with ep_group needs the mirror_group of pipeline_groups() (every "
+                    "rank of the world must create every mirror pair)"
+                )
+            if self.pp == 2:
+                self.mirror_group = group if group is not None else dist.group.WORLD
+            else:
+                for r in range(self.pp // 2):
+                    pair = [r, self.pp - 1 - r]
+                    if group is not None:
+                        pair = [dist.get_global_rank(group, q) for q in pair]
+                    g = dist.new_group(pair)
+                    if self.rank in (r, self.pp - 1 - r):
+                        self.mirror_group = g
 
     # ------------------------------------------------------------------ the step
     def _inputs_and_labels(self, x: torch.Tensor, y: torch.Tensor):
@@ -163,7 +283,9 @@ class PipelineRunner:
             sums[0] += lm_loss.double()
             sums[1] += aux.double()
         dist.all_reduce(sums, group=self.group)
-        means = (sums / n).cpu()
+        if self.ep > 1:  # every replica's micro-batches have the same size: the global mean
+            dist.all_reduce(sums, group=self.ep_group)
+        means = (sums / (n * self.ep)).cpu()
         cfg = self.model.config
         has_aux = cfg.n_moe_layers > 0 and cfg.seq_aux_loss_alpha > 0
         return StepLosses(lm_loss=means[0], aux_loss=means[1] if has_aux else None)
@@ -174,45 +296,41 @@ class PipelineRunner:
 
     @torch.no_grad()
     def reduce_grads(self, optimizer) -> None:
-        """DualPipe: sum the gradients of the two copies of every stage (a no-op otherwise).
+        """The cross-rank gradient reductions after the schedule's backward passes.
+
+        DualPipe: sum the gradients of the two copies of every stage. With ``ep_group``: then
+        average the replicated parameters' gradients over the EP group and divide the expert
+        gradients by ``EP`` (each already sums every replica's tokens), which gives the gradient
+        of the global batch-mean loss. A no-op for 1F1B / DualPipeV without EP.
 
         Works on the gradients ``optimizer.step`` will use (``optimizer.grad_for``, the FP32
-        buffers of :class:`~ptxtrain.optim.AdamW`). A parameter without a gradient on both copies
-        keeps none (so the optimizer skips it, as in the single-process run).
+        buffers of :class:`~ptxtrain.optim.AdamW`). A parameter without a gradient on every rank
+        of a reduction keeps none (so the optimizer skips it, as in the single-process run).
         """
-        if self.mirror_group is None:
-            return
         params = [p for st in self._mirror_order() for p in st.parameters() if p.requires_grad]
-        grads = [optimizer.grad_for(p) for p in params]
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        flat = torch.cat(
-            [
-                (g if g is not None else p.new_zeros(p.shape)).reshape(-1).to(dtype)
-                for p, g in zip(params, grads, strict=True)
-            ]
-            + [torch.tensor([float(g is not None) for g in grads], dtype=dtype, device=self.device)]
-        )
-        dist.all_reduce(flat, group=self.mirror_group)
-        has = flat[-len(params) :].tolist()
-        offset = 0
-        for p, g, h in zip(params, grads, has, strict=True):
-            part = flat[offset : offset + p.numel()].view(p.shape)
-            offset += p.numel()
-            if h == 0:
+        if self.mirror_group is not None:
+            all_reduce_grads(params, optimizer, self.mirror_group, self.device)
+        if self.ep == 1:
+            return
+        replicated = []
+        for p in params:
+            if id(p) not in self._expert_ids:
+                replicated.append(p)
                 continue
-            if g is None:
-                p.grad = torch.zeros_like(p)
-                g = optimizer.grad_for(p)
-            g.copy_(part)
+            g = optimizer.grad_for(p)
+            if g is not None:
+                g.div_(self.ep)
+        all_reduce_grads(replicated, optimizer, self.ep_group, self.device, divide_by=self.ep)
 
     @torch.no_grad()
     def clip_grad_norm_(self, optimizer, max_norm: float) -> float:
         """Clip every gradient of this rank by the global L2 norm over the whole model.
 
-        Each stage counts once (its owner's copy); per-tensor norms in FP32 or wider, as
+        Each stage counts once (its owner's copy), a replicated gradient once over the EP group,
+        the expert shards of the EP group summed; per-tensor norms in FP32 or wider, as
         :meth:`~ptxtrain.optim.AdamW.clip_grad_norm_`. Returns the norm before clipping.
         """
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [replicated, experts]
         for st in self.owned:
             for p in st.parameters():
                 g = optimizer.grad_for(p)
@@ -220,9 +338,11 @@ class PipelineRunner:
                     n = torch.linalg.vector_norm(
                         g, dtype=torch.promote_types(g.dtype, torch.float32)
                     )
-                    sq += n.double() ** 2
+                    sq[int(id(p) in self._expert_ids)] += n.double() ** 2
         dist.all_reduce(sq, group=self.group)
-        total = float(sq.sqrt())
+        if self.ep > 1:  # replicated gradients are equal over the EP group: count them once
+            dist.all_reduce(sq, group=self.ep_group)
+        total = math.sqrt(float(sq[0]) / self.ep + float(sq[1]))
         coef = min(1.0, max_norm / (total + 1e-6))
         if coef < 1.0:
             for p in self.module.parameters():
@@ -237,21 +357,23 @@ class PipelineRunner:
     @torch.no_grad()
     def update_router_biases(self) -> dict[str, float]:
         """Auxiliary-loss-free bias update of every router of this rank (DualPipe: the expert
-        counts of the two copies summed first, so the copies stay identical).
+        counts of the two copies summed first, so the copies stay identical; with ``ep_group``
+        the counts are then summed over it: the global expert load).
 
         Returns the statistics of :meth:`DeepSeekV3.update_router_biases` over the whole model
         (all ranks' routers, each once), on every rank.
         """
-        if self.mirror_group is not None:
-            routers = self._routers(self._mirror_order())
-            if routers:
-                counts = torch.cat([r.expert_counts.reshape(-1) for r in routers])
-                dist.all_reduce(counts, group=self.mirror_group)
-                offset = 0
-                for r in routers:
-                    k = r.expert_counts.numel()
-                    r.expert_counts.copy_(counts[offset : offset + k].view_as(r.expert_counts))
-                    offset += k
+        routers = self._routers(self._mirror_order())
+        groups = [g for g in (self.mirror_group, self.ep_group) if g is not None]
+        if routers and groups:
+            counts = torch.cat([r.expert_counts.reshape(-1) for r in routers])
+            for g in groups:
+                dist.all_reduce(counts, group=g)
+            offset = 0
+            for r in routers:
+                k = r.expert_counts.numel()
+                r.expert_counts.copy_(counts[offset : offset + k].view_as(r.expert_counts))
+                offset += k
         owned = {id(r) for r in self._routers(self.owned)}
         mine = []
         for r in self._routers(self.stages):

@@ -42,3 +42,20 @@ def run_gloo(fn, world: int, *args, timeout_s: float = 60.0) -> None:
                 if p.is_alive():
                     p.kill()
             raise TimeoutError(f"gloo group of {world} ranks did not finish in {timeout_s} s")
+
+
+def raised_on_this_rank(cases, run) -> list[bool]:
+    """For each ``(call_args, match)`` in ``cases``: whether ``run(*call_args)`` raised a
+    :class:`~ptxtrain.train.TrainConfigError` whose message contains ``match`` (False when it
+    raised nothing). Run on every rank: each rank reports what it saw."""
+    from ptxtrain.train import TrainConfigError
+
+    seen = []
+    for call_args, match in cases:
+        try:
+            run(*call_args)
+        except TrainConfigError as e:
+            seen.append(match in str(e))
+        else:
+            seen.append(False)
+    return seen

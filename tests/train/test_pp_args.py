@@ -99,3 +99,41 @@ def test_cli_pipeline_flags(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["train", "--pp", "2", "--no-mtp", "--device", "cpu"]) == 2
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        # 12 sequences split over 2 pipelines of 4 micro-batches: 1.5 per micro-batch
+        (dict(batch_size=12), "--batch-size 12 must be divisible by --ep 2 x the 4 micro-batches"),
+        (dict(batch_size=8, num_chunks=8), "must be divisible by --ep 2 x the 8 micro-batches"),
+    ],
+)
+def test_bad_pp_ep_arguments(kw, match):
+    with pytest.raises(TrainConfigError, match=match):
+        TrainArgs(pp=2, ep=2, mtp=False, **kw).validate()
+    TrainArgs(pp=2, ep=2, mtp=False, batch_size=16).validate()  # 2 pipelines x 4 chunks x 2
+
+
+@pytest.mark.parametrize(
+    ("kw", "overrides", "match"),
+    [
+        (dict(ep=2), {}, "--pp 2 --ep 2 needs 4 processes"),  # this process is a world of 1
+        (dict(ep=3, batch_size=24), {}, "n_routed_experts=8 must be divisible by --ep"),
+        (dict(ep=2), {"n_layers": 3}, "cannot be split into 2"),
+    ],
+)
+def test_train_pp_ep_refuses_before_any_communication(tmp_path, monkeypatch, kw, overrides, match):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = TrainArgs(pp=2, mtp=False, out=str(tmp_path), device="cpu", progress=False, **kw)
+    with pytest.raises(TrainConfigError, match=match):
+        train(args, model_overrides=overrides)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_pp_ep_flags(capsys, monkeypatch):
+    a = train_args_from(build_parser().parse_args(["train", "--pp", "2", "--ep", "2"]))
+    assert (a.pp, a.ep) == (2, 2)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--pp", "2", "--ep", "2", "--no-mtp", "--device", "cpu"]) == 2
+    assert "torchrun --nproc-per-node 4" in capsys.readouterr().err
