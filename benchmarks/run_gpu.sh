@@ -43,7 +43,9 @@ for stage in $stages; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
     p2p)
-      torchrun --nproc-per-node 2 -m benchmarks.diag_p2p --json "$OUT/diag_p2p.json" 2>&1 | tail -30 || status=1
+      # Variants run one after another (up to --timeout s each): stream the output, no tail.
+      torchrun --nproc-per-node 2 -m benchmarks.diag_p2p --timeout 60 --json "$OUT/diag_p2p.json" \
+        2>&1 | tee "$OUT/diag_p2p.log" | grep -v "^W" || status=1
       ;;
     pp)
       common="--preset small --no-mtp --steps ${STEPS:-60} --no-progress --overwrite"
