@@ -366,14 +366,7 @@ def run_with_config(
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES
     ):
         raise ValueError(f"cfg: block sizes or shared memory out of range, got {cfg}")
-    (a_fp8, _), (b_fp8, _) = a, b
-    m, k = a_fp8.shape
-    n = b_fp8.shape[0]
-    d = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
-    if m:
-        _check_runnable(a_fp8, n, k)
-        _launch(kind, a, b, d, False, out_dtype, cfg)
-    return d
+    return _gemm(kind, a, b, None, False, out_dtype, cfg)
 
 
 def _target(out, m, n, dtype, device, accumulate):
@@ -385,38 +378,31 @@ def _target(out, m, n, dtype, device, accumulate):
     return torch.empty(m, n, dtype=dtype, device=device), out is not None
 
 
-def _fp8_gemm_nt(a, b, out, out_dtype):
-    """:func:`fp8_gemm_nt` after validation (called by the dispatcher)."""
+def _gemm(kind, a, b, out, accumulate, dtype, cfg=None):
+    """D (+)= A · Bᵀ into ``out`` (or a fresh ``[M, N]`` tensor of ``dtype``); validated inputs."""
     (a_fp8, _), (b_fp8, _) = a, b
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
-    dtype = out.dtype if out is not None else out_dtype
-    if m == 0:
-        return torch.empty(0, n, dtype=dtype, device=a_fp8.device) if out is None else out
-    _check_runnable(a_fp8, n, k)
-    d, copy_back = _target(out, m, n, dtype, a_fp8.device, False)
-    _launch("1d2d", a, b, d, False, dtype)
-    if copy_back:
-        out.copy_(d)
-        return out
-    return d
-
-
-def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
-    """:func:`fp8_gemm_nt_1d1d` after validation (called by the dispatcher)."""
-    (a_fp8, _), (b_fp8, _) = a, b
-    m, k = a_fp8.shape
-    n = b_fp8.shape[0]
-    dtype = torch.float32 if accumulate else (out.dtype if out is not None else out_dtype)
     if m == 0:
         return torch.empty(0, n, dtype=dtype, device=a_fp8.device) if out is None else out
     _check_runnable(a_fp8, n, k)
     d, copy_back = _target(out, m, n, dtype, a_fp8.device, accumulate)
-    _launch("1d1d", a, b, d, accumulate, dtype)
+    _launch(kind, a, b, d, accumulate, dtype, cfg)
     if copy_back:
         out.copy_(d)
         return out
     return d
+
+
+def _fp8_gemm_nt(a, b, out, out_dtype):
+    """:func:`fp8_gemm_nt` after validation (called by the dispatcher)."""
+    return _gemm("1d2d", a, b, out, False, out.dtype if out is not None else out_dtype)
+
+
+def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
+    """:func:`fp8_gemm_nt_1d1d` after validation (called by the dispatcher)."""
+    dtype = torch.float32 if accumulate else (out.dtype if out is not None else out_dtype)
+    return _gemm("1d1d", a, b, out, accumulate, dtype)
 
 
 def fp8_gemm_nt(

@@ -31,7 +31,6 @@ high-precision operand instead, as Fp8Linear does.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -40,7 +39,12 @@ import torch.nn.functional as F
 from ptxtrain import quant
 from ptxtrain._checks import HP_DTYPES, ceil_div, check_tensor
 from ptxtrain.gemm import ref as gemm_ref
-from ptxtrain.nn.fp8_linear import Fp8LinearConfig
+from ptxtrain.nn.fp8_linear import (
+    Fp8LinearConfig,
+    _autocast_off,
+    _gemm_out_dtype,
+    _resolve_config,
+)
 
 __all__ = ["fp8_grouped_linear"]
 
@@ -62,30 +66,6 @@ def _grouped_gemms():
             gemm_ref.k_grouped_fp8_gemm_nt_contiguous_ref,
         )
     return grouped.m_grouped_fp8_gemm_nt_contiguous, grouped.k_grouped_fp8_gemm_nt_contiguous
-
-
-def _resolve_config(config: Fp8LinearConfig | str | None) -> Fp8LinearConfig:
-    if config is None:
-        return Fp8LinearConfig.from_recipe_name("deepseek")
-    if isinstance(config, str):
-        return Fp8LinearConfig.from_recipe_name(config)
-    if not isinstance(config, Fp8LinearConfig):
-        raise TypeError(
-            f"config must be an Fp8LinearConfig, a recipe name or None, got {type(config).__name__}"
-        )
-    return config
-
-
-def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Output dtype to ask of an FP8 GEMM whose result ends up in ``dtype``."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-
-
-def _autocast_off(device_type: str):
-    """Disable autocast around the GEMMs (the reference's fp32 matmuls must stay fp32)."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _check_counts(tokens_per_expert: object, g: int, n: int, device: torch.device) -> list[int]:

@@ -141,124 +141,7 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
   n_block = r / size;
 }
 
-// Forward declaration: the math warpgroups' loop (defined after the kernel).
-template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc>
-__device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned char* smem_b,
-                                              unsigned char* smem_sfa, unsigned char* smem_sfb,
-                                              u64* full, u64* empty, const float* sf_b, void* out,
-                                              int m, int num_m_groups, int num_units,
-                                              int first_unit, int unit_stride, u32 rank);
-
-// Mma: a struct with `static void mma(float (&d)[kBlockN / 2], u64 desc_a, u64 desc_b, bool
-// accumulate)` issuing one wgmma.mma_async m64n<kBlockN>k32 e4m3 (generated per BLOCK_N).
-// kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ. kUnrollK: unroll factor of the
-// math warpgroups' K loop. kDoubleAcc (one wave only): two wgmma accumulators, so the next
-// 128-K block's wgmmas run while this block is promoted (wgmma.wait_group 1 instead of 0).
-template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc>
-__global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
-    fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
-                       const __grid_constant__ TmaDescriptor tma_b,
-                       const __grid_constant__ TmaDescriptor tma_sfa,
-                       const __grid_constant__ TmaDescriptor tma_sfb, const float* sf_b,
-                       void* out, int m) {
-  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D>;
-  constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
-  constexpr int kNumKBlocks = (kK + 127) / 128;
-  constexpr int kNumNBlocks = (kN + kBlockN - 1) / kBlockN;
-  constexpr int kGroup = kRasterM / (kBlockM * kCluster) > 0 ? kRasterM / (kBlockM * kCluster) : 1;
-  static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 256, "BLOCK_M: 64, 128 or 256");
-  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 160,
-                "BLOCK_N must be a multiple of 16 in [16, 160] (a tile then spans at most two "
-                "128-column scale blocks of B)");
-  static_assert(kOut == 1 || !kAccumulate, "accumulate needs an fp32 output");
-  static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
-  constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
-
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  unsigned char* smem_a = smem;
-  unsigned char* smem_b = smem + Smem::kOffB;
-  unsigned char* smem_sfa = smem + Smem::kOffSfa;
-  unsigned char* smem_sfb = smem + Smem::kOffSfb;
-  u64* full = reinterpret_cast<u64*>(smem + Smem::kOffBar);
-  u64* empty = full + kNumStages;
-
-  const int wg = threadIdx.x / 128;
-  const int num_m_blocks = (m + kBlockM - 1) / kBlockM;
-  // Work units: kCluster adjacent M-blocks of one N-block; the CTAs of a cluster take one unit
-  // together (CTA rank r its M-block r) and share B through multicast. An M-block past M (odd
-  // count) is computed on zero-filled A and not stored.
-  const u32 rank = kCluster > 1 ? cluster_ctarank() : 0u;
-  const int num_m_groups = (num_m_blocks + kCluster - 1) / kCluster;
-  const int num_units = num_m_groups * kNumNBlocks;
-  const int first_unit = blockIdx.x / kCluster;
-  const int unit_stride = gridDim.x / kCluster;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
-      mbarrier_init(&full[s], 1);
-      // One arrival per math warp of every CTA of the cluster: a stage is free only when no CTA
-      // still reads the B that this CTA multicasts into it.
-      mbarrier_init(&empty[s], kNumMathWG * 4 * kCluster);
-    }
-    fence_mbarrier_init();
-  }
-  if constexpr (kCluster > 1) {
-    cluster_sync();  // the peers' barriers exist before any multicast lands on them
-  } else {
-    __syncthreads();
-  }
-
-  if (wg == kNumMathWG) {
-    // ---- producer warpgroup: one thread issues every TMA load ----------------------------
-    if constexpr (kNumMathWG == 2) setmaxnreg_dec<40>();
-    if (threadIdx.x % 128 == 0) {
-      tma_prefetch_desc(&tma_a);
-      tma_prefetch_desc(&tma_b);
-      tma_prefetch_desc(&tma_sfa);
-      if constexpr (k1D1D) tma_prefetch_desc(&tma_sfb);
-      u32 it = 0;
-      for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-        int mg, nb;
-        unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
-        const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
-        const int n0 = nb * kBlockN;
-#pragma unroll 1
-        for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
-          const u32 s = it % kNumStages;
-          const u32 phase = (it / kNumStages) & 1u;
-          mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
-          // The full tile of B arrives: this CTA's part plus the peers' multicast parts.
-          mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
-          tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, m0);
-          if constexpr (kCluster > 1) {
-            tma_load_2d_multicast(smem_b + s * Smem::kBytesB + rank * kHalfB, &tma_b, &full[s],
-                                  kb * 128, n0 + static_cast<int>(rank) * (kBlockN / kCluster),
-                                  static_cast<u16>((1u << kCluster) - 1u));
-          } else {
-            tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, n0);
-          }
-          tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], m0, kb);
-          if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
-        }
-      }
-    }
-  } else {
-    fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK, kDoubleAcc>(
-        smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, out, m, num_m_groups, num_units,
-        first_unit, unit_stride, rank);
-  }
-  // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
-  if constexpr (kCluster > 1) {
-    __syncwarp();
-    cluster_sync();
-  }
-}
-
-// The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment).
+// The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment and the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned char* smem_b,
@@ -441,6 +324,114 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_a, unsigned ch
         }
       }
     }
+  }
+}
+
+// Mma: a struct with `static void mma(float (&d)[kBlockN / 2], u64 desc_a, u64 desc_b, bool
+// accumulate)` issuing one wgmma.mma_async m64n<kBlockN>k32 e4m3 (generated per BLOCK_N).
+// kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ. kUnrollK: unroll factor of the
+// math warpgroups' K loop. kDoubleAcc (one wave only): two wgmma accumulators, so the next
+// 128-K block's wgmmas run while this block is promoted (wgmma.wait_group 1 instead of 0).
+template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc>
+__global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
+    fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
+                       const __grid_constant__ TmaDescriptor tma_b,
+                       const __grid_constant__ TmaDescriptor tma_sfa,
+                       const __grid_constant__ TmaDescriptor tma_sfb, const float* sf_b,
+                       void* out, int m) {
+  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D>;
+  constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
+  constexpr int kNumKBlocks = (kK + 127) / 128;
+  constexpr int kNumNBlocks = (kN + kBlockN - 1) / kBlockN;
+  constexpr int kGroup = kRasterM / (kBlockM * kCluster) > 0 ? kRasterM / (kBlockM * kCluster) : 1;
+  static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 256, "BLOCK_M: 64, 128 or 256");
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 160,
+                "BLOCK_N must be a multiple of 16 in [16, 160] (a tile then spans at most two "
+                "128-column scale blocks of B)");
+  static_assert(kOut == 1 || !kAccumulate, "accumulate needs an fp32 output");
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
+  constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem_a = smem;
+  unsigned char* smem_b = smem + Smem::kOffB;
+  unsigned char* smem_sfa = smem + Smem::kOffSfa;
+  unsigned char* smem_sfb = smem + Smem::kOffSfb;
+  u64* full = reinterpret_cast<u64*>(smem + Smem::kOffBar);
+  u64* empty = full + kNumStages;
+
+  const int wg = threadIdx.x / 128;
+  const int num_m_blocks = (m + kBlockM - 1) / kBlockM;
+  // Work units: kCluster adjacent M-blocks of one N-block; the CTAs of a cluster take one unit
+  // together (CTA rank r its M-block r) and share B through multicast. An M-block past M (odd
+  // count) is computed on zero-filled A and not stored.
+  const u32 rank = kCluster > 1 ? cluster_ctarank() : 0u;
+  const int num_m_groups = (num_m_blocks + kCluster - 1) / kCluster;
+  const int num_units = num_m_groups * kNumNBlocks;
+  const int first_unit = blockIdx.x / kCluster;
+  const int unit_stride = gridDim.x / kCluster;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kNumStages; ++s) {
+      mbarrier_init(&full[s], 1);
+      // One arrival per math warp of every CTA of the cluster: a stage is free only when no CTA
+      // still reads the B that this CTA multicasts into it.
+      mbarrier_init(&empty[s], kNumMathWG * 4 * kCluster);
+    }
+    fence_mbarrier_init();
+  }
+  if constexpr (kCluster > 1) {
+    cluster_sync();  // the peers' barriers exist before any multicast lands on them
+  } else {
+    __syncthreads();
+  }
+
+  if (wg == kNumMathWG) {
+    // ---- producer warpgroup: one thread issues every TMA load ----------------------------
+    if constexpr (kNumMathWG == 2) setmaxnreg_dec<40>();
+    if (threadIdx.x % 128 == 0) {
+      tma_prefetch_desc(&tma_a);
+      tma_prefetch_desc(&tma_b);
+      tma_prefetch_desc(&tma_sfa);
+      if constexpr (k1D1D) tma_prefetch_desc(&tma_sfb);
+      u32 it = 0;
+      for (int unit = first_unit; unit < num_units; unit += unit_stride) {
+        int mg, nb;
+        unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
+        const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
+        const int n0 = nb * kBlockN;
+#pragma unroll 1
+        for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
+          const u32 s = it % kNumStages;
+          const u32 phase = (it / kNumStages) & 1u;
+          mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
+          // The full tile of B arrives: this CTA's part plus the peers' multicast parts.
+          mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
+          tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, m0);
+          if constexpr (kCluster > 1) {
+            tma_load_2d_multicast(smem_b + s * Smem::kBytesB + rank * kHalfB, &tma_b, &full[s],
+                                  kb * 128, n0 + static_cast<int>(rank) * (kBlockN / kCluster),
+                                  static_cast<u16>((1u << kCluster) - 1u));
+          } else {
+            tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, n0);
+          }
+          tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], m0, kb);
+          if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
+        }
+      }
+    }
+  } else {
+    fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
+                  kUnrollK, kDoubleAcc>(
+        smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, out, m, num_m_groups, num_units,
+        first_unit, unit_stride, rank);
+  }
+  // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
+  if constexpr (kCluster > 1) {
+    __syncwarp();
+    cluster_sync();
   }
 }
 
