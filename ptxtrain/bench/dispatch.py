@@ -28,7 +28,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ptxtrain.bench.timing import environment
+from ptxtrain.bench.timing import environment, event_us
 
 __all__ = ["bench_dispatch", "format_table", "logical_bytes"]
 
@@ -70,13 +70,7 @@ def _time(fn, repeats: int, warmup: int) -> list[float]:
     for _ in range(repeats):
         dist.barrier()
         torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(event_us(fn))
     return times
 
 

@@ -64,14 +64,20 @@ class GpuTimer:
             if self.flush_l2:
                 self._flush.zero_()
             torch.cuda._sleep(sleep_cycles)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)  # ms -> µs
+            times.append(event_us(fn))
         return statistics.median(times)
+
+
+def event_us(fn: Callable[[], object]) -> float:
+    """Device time of one call of ``fn`` on the current stream in µs (CUDA events around it;
+    waits for it to finish)."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3  # ms -> µs
 
 
 def git_sha() -> str:

@@ -1,7 +1,8 @@
-"""Run a function on ``world_size`` spawned CPU processes joined in one gloo group.
+"""Run a function on ``world_size`` spawned processes joined in one process group.
 
 ``run_gloo(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in every process (``fn``
-must be importable: a module-level function). A failure on any rank is re-raised here with that
+must be importable: a module-level function) on CPU with gloo; ``run_dist(..., backend="nccl")``
+does the same with one GPU per rank. A failure on any rank is re-raised here with that
 rank's traceback; a rank that does not finish within ``timeout`` seconds (a hang in a collective)
 fails the test and the processes are killed.
 """
@@ -23,25 +24,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, results, args: tuple) -> None:
+def init_nccl(rank: int, world_size: int, init_method: str | None = None) -> None:
+    """Join an NCCL group with GPU ``rank % device_count`` as this process's device."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        "nccl",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        device_id=torch.device("cuda", torch.cuda.current_device()),
     )
+
+
+def _entry(
+    fn: Callable, rank: int, world_size: int, port: int, results, args: tuple, backend: str
+) -> None:
+    import torch
+    import torch.distributed as dist
+
     try:
+        torch.set_num_threads(1)
+        init_method = f"tcp://127.0.0.1:{port}"
+        if backend == "nccl":
+            init_nccl(rank, world_size, init_method)
+        else:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size
+            )
         fn(rank, world_size, *args)
         results.put((rank, None))
     except BaseException:  # report everything, assertion failures included, before tearing down
         results.put((rank, traceback.format_exc()))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_gloo(fn: Callable, world_size: int, *args, timeout: float = 60.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise on any failure."""
+    run_dist(fn, world_size, *args, timeout=timeout, backend="gloo")
+
+
+def run_dist(
+    fn: Callable, world_size: int, *args, timeout: float = 60.0, backend: str = "gloo"
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend`` ("gloo" on CPU,
+    "nccl" with one GPU per rank); raise on any rank's failure or a rank that hangs."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -49,7 +80,11 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout: float = 60.0) -> Non
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children: no oversubscription
     try:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args), daemon=True)
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, world_size, port, results, args, backend),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in procs:

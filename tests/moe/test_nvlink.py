@@ -14,12 +14,7 @@ sending nothing, several experts of a token on one rank).
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
-import queue
-import socket
-import traceback
 
 import pytest
 import torch
@@ -29,6 +24,7 @@ from ptxtrain.jit import nvrtc_available
 from ptxtrain.moe.dispatch import Buffer, EventOverlap
 from ptxtrain.moe.nvlink import KERNEL_NAME, compile_kernel, kernel_source
 from ptxtrain.quant.ref import per_token_cast_to_fp8
+from tests.moe._dist import init_nccl, run_dist
 from tests.moe.test_dispatch import _check_exact, _expected, _scenario
 
 NC_LOAD = "ld.global.nc.L1::no_allocate.L2::256B"
@@ -228,79 +224,13 @@ def _gpu_worker(rank: int, world: int) -> None:
 # --------------------------------------------------------------------------- NCCL processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_nccl(rank: int, world: int, init_method: str | None = None) -> None:
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        "nccl",
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
-        device_id=torch.device("cuda", torch.cuda.current_device()),
-    )
-
-
-def _nccl_entry(rank, world, port, results):
-    try:
-        _init_nccl(rank, world, f"tcp://127.0.0.1:{port}")
-        _gpu_worker(rank, world)
-        results.put((rank, None))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_nccl(world: int, timeout: float) -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_nccl_entry, args=(r, world, port, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    errors, done = {}, set()
-    try:
-        for _ in range(world):
-            rank, err = results.get(timeout=timeout)
-            done.add(rank)
-            if err is not None:
-                errors[rank] = err
-                break
-        with contextlib.suppress(queue.Empty):
-            while errors and len(errors) < world:
-                rank, err = results.get(timeout=2.0)
-                if err is not None:
-                    errors[rank] = err
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(timeout=10.0 if not errors and len(done) == world else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-    if errors:
-        rank, err = min(errors.items())
-        raise AssertionError(f"rank {rank} of {world} failed:\n{err}")
-    assert len(done) == world, f"ranks {sorted(set(range(world)) - done)} did not finish"
-
-
 @pytest.mark.multigpu
 def test_nvlink_matches_all_to_all_2gpu():
-    _run_nccl(2, timeout=600.0)
+    run_dist(_gpu_worker, 2, timeout=600.0, backend="nccl")
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node N -m tests.moe.test_nvlink
-    _init_nccl(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    init_nccl(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     try:
         _gpu_worker(dist.get_rank(), dist.get_world_size())
         print(f"rank {dist.get_rank()}: nvlink backend OK")
