@@ -27,6 +27,7 @@ import torch
 from ptxtrain.jit import nvrtc_available
 from ptxtrain.quant import ref
 from ptxtrain.testing import assert_bitwise_equal
+from tests.quant._cases import BAD_INPUTS
 
 pytestmark = pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-bindings) missing")
 
@@ -275,16 +276,7 @@ def test_emulated_empty_inputs_launch_nothing(emulated):
 
 
 @pytest.mark.parametrize("name", FUNCS)
-@pytest.mark.parametrize(
-    "bad, block, exc",
-    [
-        (torch.zeros(4, 4, dtype=torch.int32), 128, TypeError),
-        ([[1.0]], 128, TypeError),
-        (torch.zeros(2, 3, 4), 128, ValueError),
-        (torch.zeros(4, 4), 0, ValueError),
-        (torch.zeros(4, 4), True, ValueError),
-    ],
-)
+@pytest.mark.parametrize("bad, block, exc", BAD_INPUTS)
 def test_errors_match_reference(name, bad, block, exc):
     with pytest.raises(exc) as want:
         getattr(ref, name)(bad, block)

@@ -21,6 +21,7 @@ from ptxtrain.quant import ref
 from ptxtrain.testing import assert_bitwise_equal
 from ptxtrain.testing.triton_interp import apply_interpreter_patch, patch_applied
 from tests._sm90 import run_sm90_script
+from tests.quant._cases import BAD_INPUTS
 
 INTERPRETED = tq._kernels_interpreted()
 HAS_GPU = torch.cuda.is_available()
@@ -309,16 +310,7 @@ def test_gpu_tile_configs(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ALL_FUNCS)
-@pytest.mark.parametrize(
-    "bad, block, exc",
-    [
-        (torch.zeros(4, 4, dtype=torch.int32), 128, TypeError),
-        ([[1.0]], 128, TypeError),
-        (torch.zeros(2, 3, 4), 128, ValueError),
-        (torch.zeros(4, 4), 0, ValueError),
-        (torch.zeros(4, 4), True, ValueError),
-    ],
-)
+@pytest.mark.parametrize("bad, block, exc", BAD_INPUTS)
 def test_errors_match_reference(name, bad, block, exc):
     with pytest.raises(exc) as want:
         getattr(ref, name)(bad, block)
