@@ -23,6 +23,7 @@ from ptxtrain.quant.ref import (
 from ptxtrain.testing import calc_diff
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_EXTRA_NK, DSV3_WGRAD_K, DSV3_WGRAD_MN
 from tests.gemm._bounds import CALC_DIFF_MAX
+from tests.gemm._inputs import scaled_operands
 
 H200_SMS = 132
 
@@ -126,15 +127,7 @@ def test_unsupported_without_cuda():
 
 
 def _inputs(m, n, k, seed):
-    """Random operands whose rows and 128-column blocks differ in magnitude (scales matter)."""
-    g = torch.Generator().manual_seed(seed)
-    kb = -(-k // 128)
-    row_gain = torch.exp(torch.randn(m, 1, generator=g))
-    w_gain = torch.exp(torch.randn(-(-n // 128), 1, generator=g)).repeat_interleave(128, 0)[:n]
-    k_gain = torch.exp(torch.randn(kb, generator=g)).repeat_interleave(128)[:k]
-    x = torch.randn(m, k, generator=g) * row_gain * k_gain
-    w = torch.randn(n, k, generator=g) * w_gain
-    return x.cuda(), w.cuda()
+    return scaled_operands(m, n, k, seed, "cuda")
 
 
 def _check(got, want_exact, m, n, k, what):

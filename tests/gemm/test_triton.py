@@ -25,6 +25,7 @@ from ptxtrain.testing import assert_bitwise_equal, calc_diff
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_EXTRA_NK, DSV3_WGRAD_K, DSV3_WGRAD_MN
 from tests._sm90 import run_sm90_script
 from tests.gemm._bounds import BF16_REL, CALC_DIFF_MAX, REF_REL
+from tests.gemm._inputs import scaled_operands
 
 INTERPRETED = tg.is_interpreted()
 HAS_GPU = torch.cuda.is_available()
@@ -41,15 +42,7 @@ runnable = pytest.mark.skipif(
 
 
 def _inputs(m, n, k, seed, device=DEVICE):
-    """Random operands whose rows and 128-column blocks differ in magnitude (scales matter)."""
-    g = torch.Generator().manual_seed(seed)
-    kb = -(-k // 128)
-    row_gain = torch.exp(torch.randn(m, 1, generator=g))  # [M, 1]
-    w_block_gain = torch.exp(torch.randn(-(-n // 128), 1, generator=g)).repeat_interleave(128, 0)
-    k_block_gain = torch.exp(torch.randn(kb, generator=g)).repeat_interleave(128)[:k]  # [K]
-    x = torch.randn(m, k, generator=g) * row_gain * k_block_gain
-    w = torch.randn(n, k, generator=g) * w_block_gain[:n]
-    return x.to(device), w.to(device)
+    return scaled_operands(m, n, k, seed, device)
 
 
 def _quantize(x, w, kind):
