@@ -12,6 +12,7 @@ same process. Prints µs, TFLOPS and the ratio to cuBLAS; the best config per sh
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -23,20 +24,26 @@ from ptxtrain.testing import calc_diff
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_WGRAD_MN
 
 
-def _candidates(kind: str, m: int, unrolls=(2,), doubles=(False,)) -> list[ptx.PtxConfig]:
+def _candidates(
+    kind: str, m: int, n: int, unrolls=(2,), doubles=(False,), tmas=(False,)
+) -> list[ptx.PtxConfig]:
     out = []
+    out_dtype = torch.bfloat16 if kind == "1d2d" else torch.float32
     for bm in (128, 256) if m > 128 else (64, 128) if m > 64 else (64,):
         bns = (16, 32, 48, 64, 96, 128) if m <= 128 else (96, 128, 160) if bm == 128 else (128,)
         for bn in bns:
-            for cluster in (1, 2):
+            for cluster, tma in itertools.product((1, 2), tmas):
+                if tma and not ptx.tma_store_fits(bn, n, out_dtype):
+                    continue
+                epi = ptx.epilogue_bytes(bm, bn, out_dtype) if tma else 0
                 stages = 8
-                while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind) > 227 * 1024:
+                while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind, epi) > 227 * 1024:
                     stages -= 1
                 for u in unrolls:
                     for dbl in doubles:
                         if dbl and (bm == 256 or bn > 128):
                             continue
-                        out.append(ptx.PtxConfig(bm, bn, stages, cluster, u, dbl))
+                        out.append(ptx.PtxConfig(bm, bn, stages, cluster, u, dbl, tma))
     return out
 
 
@@ -49,6 +56,7 @@ def main() -> None:
     p.add_argument("--unroll", type=int, nargs="+", default=[2], help="K-loop unroll factors")
     p.add_argument("--only", nargs="+", default=None, help="configs BMxBNcC, e.g. 256x128c2")
     p.add_argument("--double", type=int, nargs="+", default=[0], help="double accumulators 0/1")
+    p.add_argument("--tma", type=int, nargs="+", default=[1], help="TMA-store epilogue 0/1")
     args = p.parse_args()
     timer = GpuTimer(repeats=args.repeats)
     rows = []
@@ -70,7 +78,8 @@ def main() -> None:
         pick = ptx.select_config(args.kind, m, n, k, 132)
         best = None
         doubles = tuple(bool(d) for d in args.double)
-        for cfg in _candidates(args.kind, m, tuple(args.unroll), doubles):
+        tmas = tuple(bool(t) for t in args.tma)
+        for cfg in _candidates(args.kind, m, n, tuple(args.unroll), doubles, tmas):
             tag = f"{cfg.block_m}x{cfg.block_n}c{cfg.cluster}"
             if args.only and tag not in args.only:
                 continue
@@ -86,7 +95,11 @@ def main() -> None:
                 from ptxtrain.jit import load_kernel, max_active_clusters
 
                 compiled, expr = ptx.compile_gemm(args.kind, cfg, n, k, out_dtype, False)
-                smem = ptx.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, args.kind)
+                # (the sweep's D is fresh and aligned, so cfg runs as given)
+                epi = (
+                    ptx.epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype) if cfg.tma_store else 0
+                )
+                smem = ptx.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, args.kind, epi)
                 resident = max_active_clusters(
                     load_kernel(compiled, expr), cfg.cluster, cfg.num_threads, smem
                 )
@@ -106,7 +119,8 @@ def main() -> None:
                 best = row
             print(
                 f"{m:>5} {n:>6} {k:>6} {cfg.block_m:>4}x{cfg.block_n:<4} s{cfg.num_stages} "
-                f"c{cfg.cluster} u{cfg.unroll_k}{'d' if cfg.double_acc else ' '} {us:9.1f} µs "
+                f"c{cfg.cluster} u{cfg.unroll_k}{'d' if cfg.double_acc else ' '}"
+                f"{'t' if cfg.tma_store else ' '} {us:9.1f} µs "
                 f"{row['tflops']:6.0f} TFLOPS "
                 f"{row['x_cublas']:5.2f}x cuBLAS{'  <- heuristic' if row['picked'] else ''}"
                 f"{f'  ({resident} clusters resident)' if resident else ''}"

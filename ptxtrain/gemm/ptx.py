@@ -24,6 +24,7 @@ used as is, others are transposed once (one small copy).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ _MAX_STAGES = 8
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
 _ONE_WARPGROUP_PENALTY = 1.3  # block_m = 64 at M > 64: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
+_TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,10 @@ class PtxConfig:
     at most 128 with ``block_m = 256``), ``num_stages`` (shared-memory ring depth),
     ``cluster`` (1, or 2: two CTAs on adjacent M-blocks share each B tile by TMA multicast),
     ``unroll_k`` (unroll factor of the single-accumulator K loop), ``double_acc`` (two wgmma
-    accumulators: block k + 1's MMAs run while block k is promoted; one wave, block_n <= 128)."""
+    accumulators: block k + 1's MMAs run while block k is promoted; one wave, block_n <= 128),
+    ``tma_store`` (the epilogue stages the tile in shared memory and writes it with TMA stores,
+    or TMA reductions for ``accumulate``; needs ``block_n`` a multiple of 64 (bf16 D) or 32 (fp32
+    D), 16-byte D rows and a 16-byte-aligned D, else the launch falls back to direct stores)."""
 
     block_m: int
     block_n: int
@@ -57,6 +62,7 @@ class PtxConfig:
     cluster: int = 1
     unroll_k: int = 2
     double_acc: bool = False
+    tma_store: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -64,12 +70,39 @@ class PtxConfig:
         return (min(self.block_m // 64, 2) + 1) * 128
 
 
-def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str) -> int:
-    """Dynamic shared memory of one CTA (mirrors ``Fp8GemmSmem`` in fp8_gemm.cuh)."""
+def _out_bytes(out_dtype: torch.dtype) -> int:
+    return 2 if out_dtype == torch.bfloat16 else 4
+
+
+def epilogue_bytes(block_m: int, block_n: int, out_dtype: torch.dtype) -> int:
+    """Shared memory of the TMA-store epilogue's staging tiles: 64 rows x ``block_n`` of D per
+    math warpgroup (mirrors ``EpiShape`` in fp8_gemm.cuh)."""
+    return min(block_m, 128) * block_n * _out_bytes(out_dtype)
+
+
+def tma_store_fits(block_n: int, n: int, out_dtype: torch.dtype) -> bool:
+    """Whether the TMA-store epilogue can write this D: whole 128-byte boxes per tile and rows of
+    a 16-byte multiple (TMA's global stride rule)."""
+    elem = _out_bytes(out_dtype)
+    return block_n % (128 // elem) == 0 and (n * elem) % 16 == 0
+
+
+def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str, epilogue: int = 0) -> int:
+    """Dynamic shared memory of one CTA (mirrors ``Fp8GemmSmem`` in fp8_gemm.cuh); ``epilogue``:
+    bytes of the TMA-store staging tiles (:func:`epilogue_bytes`, 0 for direct stores)."""
     slot_sfa = ceil_div(block_m * 4, 128) * 128
     slot_sfb = ceil_div(block_n * 4, 128) * 128 if kind == "1d1d" else 0
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + slot_sfa + slot_sfb
-    return num_stages * per_stage + 2 * num_stages * 8 + 1024
+    return epilogue + num_stages * per_stage + 2 * num_stages * 8 + 1024
+
+
+def _default_out(kind: str) -> torch.dtype:
+    return torch.float32 if kind == "1d1d" else torch.bfloat16
+
+
+def _config_smem(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
+    epi = epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype) if cfg.tma_store else 0
+    return smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind, epi)
 
 
 def _efficiency(bm: int, bn: int) -> float:
@@ -135,8 +168,12 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
             if best is None or key < best[0]:
                 best = (key, bm, bn)
     _, bm, bn = best
+    # TMA-store epilogue (the tile drains from shared memory while the next one computes) where
+    # whole boxes fit the tile, sized for the kind's usual D (bf16 1D2D, fp32 1D1D).
+    tma_store = _TMA_STORE and tma_store_fits(bn, n, _default_out(kind))
+    epi = epilogue_bytes(bm, bn, _default_out(kind)) if tma_store else 0
     stages = _MAX_STAGES
-    while stages > 2 and smem_bytes(bm, bn, stages, kind) > _SMEM_BYTES:
+    while stages > 2 and smem_bytes(bm, bn, stages, kind, epi) > _SMEM_BYTES:
         stages -= 1
     # Multicast B over two CTAs when there are enough tiles to fill the SMs and the extra
     # (zero) M-block of an odd count wastes little: it halves B's L2 -> SM traffic (measured
@@ -151,7 +188,7 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     # Two wgmma accumulators (the next block's MMAs overlap this block's promotion) fit in the
     # registers up to 64 x 128 per math warpgroup (3 x 64 + 32 for 1D1D's scales of B).
     double_acc = bm <= 128 and bn <= 128
-    return PtxConfig(bm, bn, stages, cluster, _UNROLL_K, double_acc)
+    return PtxConfig(bm, bn, stages, cluster, _UNROLL_K, double_acc, tma_store)
 
 
 def _wgmma_struct(block_n: int) -> str:
@@ -188,7 +225,7 @@ def kernel_source(
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
         f"{n}, {k}, {'true' if kind == '1d1d' else 'false'}, {_OUT_CODE[out_dtype]}, "
         f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
-        f"{'true' if cfg.double_acc else 'false'}>"
+        f"{'true' if cfg.double_acc else 'false'}, {'true' if cfg.tma_store else 'false'}>"
     )
     return src, expr
 
@@ -213,7 +250,7 @@ def compile_gemm(
     src, expr = kernel_source(kind, cfg, n, k, out_dtype, accumulate)
     name = (
         f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}"
-        f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}_n{n}_k{k}"
+        f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}{'t' if cfg.tma_store else ''}_n{n}_k{k}"
     )
     compiled = compile_cuda(src, name=name, name_expressions=(expr,))
     return compiled, expr
@@ -301,6 +338,7 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
     device = a_fp8.device
     if cfg is None:
         cfg = select_config(kind, m, n, k, _num_sms(_index(device)))
+    cfg = _resolve(cfg, kind, n, out, out_dtype)
     compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
     kernel = load_kernel(compiled, expr)
     a8 = _k_major(a_fp8.view(torch.uint8))
@@ -316,8 +354,12 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
     else:
         tma_sfb = tma_sfa  # unused by the 1D2D kernel
         sfb_ptr = sf_b.float().contiguous()
+    if cfg.tma_store:
+        tma_d = make_tma_2d_desc(out, 64, 128 // out.element_size(), swizzle="128B")
+    else:
+        tma_d = tma_a  # unused with direct stores
     units = ceil_div(ceil_div(m, cfg.block_m), cfg.cluster) * ceil_div(n, cfg.block_n)
-    smem = smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind)
+    smem = _config_smem(cfg, kind, out_dtype)
     if cfg.cluster > 1:
         # Only as many clusters as fit at once: a second wave of a persistent grid doubles the
         # time (measured: 66 clusters of 2 on 132 SMs ran 2x slower than 132 single CTAs).
@@ -329,7 +371,7 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
         kernel,
         grid,
         cfg.num_threads,
-        (tma_a, tma_b, tma_sfa, tma_sfb, sfb_ptr, out, m),
+        (tma_a, tma_b, tma_sfa, tma_sfb, tma_d, sfb_ptr, out, m),
         smem_bytes=smem,
         cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
     )
@@ -340,20 +382,45 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
         t.record_stream(stream)
 
 
+def _resolve(cfg: PtxConfig, kind: str, n: int, out: torch.Tensor, out_dtype: torch.dtype):
+    """``cfg`` adapted to this D: direct stores where the TMA store cannot write it (box rule,
+    16-byte rows or base), and fewer stages where a wider (fp32) staging tile needs the room."""
+    if cfg.tma_store and not (
+        tma_store_fits(cfg.block_n, n, out_dtype) and out.data_ptr() % 16 == 0
+    ):
+        cfg = dataclasses.replace(cfg, tma_store=False)
+    while cfg.num_stages > 2 and _config_smem(cfg, kind, out_dtype) > _SMEM_BYTES:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
+
+
 def run_with_config(
-    kind: str, a: ref.Operand, b: ref.Operand, cfg: PtxConfig, out_dtype: torch.dtype
+    kind: str,
+    a: ref.Operand,
+    b: ref.Operand,
+    cfg: PtxConfig,
+    out_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """One GEMM with explicit block sizes (for sweeps and tests; no heuristic). ``kind`` is
-    ``"1d2d"`` or ``"1d1d"``; D is a fresh ``[M, N]`` tensor of ``out_dtype``.
+    ``"1d2d"`` or ``"1d1d"``; D is ``out`` (``accumulate``: D += A·Bᵀ, 1D1D with fp32 ``out``
+    only) or a fresh ``[M, N]`` tensor of ``out_dtype``. ``cfg.num_stages`` is lowered and
+    ``cfg.tma_store`` dropped where this D needs it (see :class:`PtxConfig`).
 
     Raises:
         TypeError / ValueError: as :func:`fp8_gemm_nt` / :func:`fp8_gemm_nt_1d1d`, or a config
             outside :class:`PtxConfig`'s ranges or over the shared-memory limit.
     """
+    if out is not None:
+        out_dtype = out.dtype
     if kind == "1d2d":
-        ref.validate_1d2d(a, b, None, out_dtype)
+        if accumulate:
+            raise ValueError("accumulate: the 1D2D GEMM has no accumulate mode, got True")
+        ref.validate_1d2d(a, b, out, out_dtype)
     elif kind == "1d1d":
-        ref.validate_1d1d(a, b, None, False, out_dtype)
+        ref.validate_1d1d(a, b, out, accumulate, out_dtype)
     else:
         raise ValueError(f"kind must be '1d2d' or '1d1d', got {kind!r}")
     if (
@@ -366,7 +433,7 @@ def run_with_config(
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES
     ):
         raise ValueError(f"cfg: block sizes or shared memory out of range, got {cfg}")
-    return _gemm(kind, a, b, None, False, out_dtype, cfg)
+    return _gemm(kind, a, b, out, accumulate, out_dtype, cfg)
 
 
 def _target(out, m, n, dtype, device, accumulate):
@@ -445,6 +512,7 @@ def fp8_gemm_nt_1d1d(
 __all__ = [
     "PtxConfig",
     "compile_gemm",
+    "epilogue_bytes",
     "fp8_gemm_nt",
     "fp8_gemm_nt_1d1d",
     "kernel_source",
@@ -452,4 +520,5 @@ __all__ = [
     "select_config",
     "smem_bytes",
     "supports",
+    "tma_store_fits",
 ]

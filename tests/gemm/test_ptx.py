@@ -230,6 +230,9 @@ def test_gpu_bad_k_raises_before_launch():
         ptx.PtxConfig(128, 48, 8, 1),
         ptx.PtxConfig(256, 128, 4, 2),
         ptx.PtxConfig(256, 64, 5, 1),
+        ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True),
+        ptx.PtxConfig(64, 64, 8, 1, double_acc=True, tma_store=True),
+        ptx.PtxConfig(256, 128, 3, 2, tma_store=True),
     ],
     ids=str,
 )
@@ -243,3 +246,42 @@ def test_gpu_every_block_shape_and_cluster(kind, cfg, m, n, k):
     out_dtype = torch.bfloat16 if kind == "1d2d" else torch.float32
     got = ptx.run_with_config(kind, qa, qb, cfg, out_dtype)
     _check(got, x.double() @ w.double().t(), m, n, k, f"{kind} {cfg}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kind,out_dtype,accumulate",
+    [
+        ("1d2d", torch.bfloat16, False),
+        ("1d2d", torch.float32, False),
+        ("1d1d", torch.float32, False),
+        ("1d1d", torch.float32, True),
+        ("1d1d", torch.bfloat16, False),
+    ],
+)
+@pytest.mark.parametrize("m,n,k", [(129, 576, 1536), (4096, 2112, 7168), (13, 7168, 512)])
+def test_gpu_tma_store_epilogue_equals_direct_stores(kind, out_dtype, accumulate, m, n, k):
+    # The two epilogues write the same FP32 accumulators (the same main loop), rounded by the
+    # same cvt.rn: bitwise equal. Accumulate: TMA adds (cp.reduce.async.bulk .add) vs a load,
+    # one fp32 add and a store: the same single rounding of old + new.
+    x, w = _inputs(m, n, k, seed=m + 2 * n + k)
+    qa = per_token_cast_to_fp8(x)
+    qb = per_block_cast_to_fp8(w) if kind == "1d2d" else per_token_cast_to_fp8(w)
+    base = torch.randn(m, n, device="cuda").to(out_dtype) if accumulate else None
+    got = {}
+    for tma in (True, False):
+        cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=tma)
+        out = base.clone() if accumulate else None
+        got[tma] = ptx.run_with_config(kind, qa, qb, cfg, out_dtype, out=out, accumulate=accumulate)
+    torch.testing.assert_close(got[True], got[False], rtol=0, atol=0)
+    want = x.double() @ w.double().t() + (base.double() if accumulate else 0)
+    _check(got[True], want, m, n, k, f"{kind} tma store")
+    # A contiguous D at a 2-byte offset cannot take TMA stores: the launch falls back to direct
+    # stores and gets the same numbers.
+    if not accumulate:
+        flat = torch.full((m * n + 8,), float("nan"), dtype=out_dtype, device="cuda")
+        shifted = flat[1 : 1 + m * n].view(m, n)
+        assert shifted.data_ptr() % 16 != 0
+        cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True)
+        ptx.run_with_config(kind, qa, qb, cfg, out_dtype, out=shifted)
+        torch.testing.assert_close(shifted, got[True], rtol=0, atol=0)

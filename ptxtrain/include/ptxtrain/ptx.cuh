@@ -72,6 +72,24 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// ---- shared-memory matrix stores and named barriers --------------------------------------------
+
+// Stores four 8x8 b16 matrices to shared memory: register q holds this thread's fragment of
+// matrix q (row lane / 4, columns 2 (lane % 4) and + 1, the lower column in the low half, i.e.
+// the layout of a wgmma accumulator's 8x8 block after packing), and lane 8q + i gives the
+// shared address of row i of matrix q (16 contiguous bytes). PTX ISA "stmatrix" (sm_90).
+__device__ __forceinline__ void stmatrix_x4(u32 smem_row, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_row),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads) among `threads` threads (a multiple of 32), e.g. the
+// 128 threads of one warpgroup. PTX ISA "bar / barrier" (bar.sync with a thread count).
+__device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- thread-block clusters (sm_90) ------------------------------------------------------------
 
 // This CTA's rank in its cluster. PTX ISA "Special Registers: %cluster_ctarank".

@@ -57,6 +57,18 @@ __device__ __forceinline__ void tma_store_2d(const TmaDescriptor* desc, const vo
       : "memory");
 }
 
+// 2D tiled reduction shared -> global, D[box] += smem (element type of the tensor map, e.g.
+// fp32), tracked by bulk async-groups like tma_store_2d. PTX ISA "cp.reduce.async.bulk.tensor"
+// (.add).
+__device__ __forceinline__ void tma_reduce_add_2d(const TmaDescriptor* desc, const void* smem_src,
+                                                  int c0, int c1) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%1, %2}], [%3];\n" ::"l"(desc),
+      "r"(c0), "r"(c1), "r"(smem_addr(smem_src))
+      : "memory");
+}
+
 // "cp.async.bulk.commit_group": closes the group of bulk stores issued so far.
 __device__ __forceinline__ void tma_store_commit_group() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
@@ -66,6 +78,13 @@ __device__ __forceinline__ void tma_store_commit_group() {
 template <int N>
 __device__ __forceinline__ void tma_store_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+// "cp.async.bulk.wait_group": waits until at most N bulk groups are incomplete (their global
+// writes done, not only their shared-memory reads).
+template <int N>
+__device__ __forceinline__ void tma_store_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 }  // namespace ptxtrain
