@@ -39,7 +39,7 @@ _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x b
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
-_ONE_WARPGROUP_PENALTY = 1.3  # block_m = 64 at M > 64: see select_config
+_DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 _TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
 
@@ -133,7 +133,10 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
       of :func:`_efficiency`; this picks 256x128 for most V3 shapes at M = 4096.
     - Decode-sized M: DeepGEMM's rule of the fewest waves, ``waves · block_m · (block_n + 24)``
       (each tile costs its area plus a share for A's traffic, which does not shrink with
-      ``block_n``), ``block_m = 64`` for M <= 64, 64-row tiles at 1.3x for larger M.
+      ``block_n``), over ``block_n`` in {32, 64, 128}. On an H200 with the TMA-store epilogue
+      (benchmarks/results/2026-11-22-ptx-s4-h200/sweep_decode_5b2ef08.json) this picks the
+      fastest or a within-3% config on all twelve V3 shapes at M = 64 and 128; non-power-of-two
+      and 16-column tiles were slower or unmeasured, and 64-row tiles won at M = 128 too.
 
     Ties go to the larger tile. ``cluster = 2`` (B multicast over two CTAs) when the tiles fill
     the SMs and an odd M-block count wastes little. Stages: as many as fit in shared memory
@@ -153,7 +156,8 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     large = ceil_div(max(m, 1), 128) * ceil_div(n, 128) >= 2 * num_sms
     best = None
     for bm in block_ms:
-        for bn in _BLOCK_NS if bm < 256 else _BLOCK_NS_256:
+        block_ns = (_BLOCK_NS if bm < 256 else _BLOCK_NS_256) if large else _DECODE_BLOCK_NS
+        for bn in block_ns:
             if kind == "1d1d" and bm == 128 and bn > 128:
                 continue  # spills: 1.5 x block_n accumulators + block_n / 4 scales of B
             tiles = ceil_div(max(m, 1), bm) * ceil_div(n, bn)
@@ -162,8 +166,6 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
                 cost = waves * bm * bn / _efficiency(bm, bn)
             else:
                 cost = waves * bm * (bn + _TILE_OVERHEAD_N)
-                if bm == 64 and m > 64:
-                    cost *= _ONE_WARPGROUP_PENALTY
             key = (cost, -bm, -bn)
             if best is None or key < best[0]:
                 best = (key, bm, bn)
@@ -437,11 +439,12 @@ def run_with_config(
 
 
 def _target(out, m, n, dtype, device, accumulate):
-    """The tensor the kernel writes: ``out`` itself when it is contiguous, else a fresh one."""
-    if out is not None and out.is_contiguous() and out.dtype == dtype:
+    """The tensor the kernel writes: ``out`` itself when it is contiguous and 16-byte aligned (the
+    epilogues store 4- to 16-byte vectors), else a fresh one that is copied back."""
+    if out is not None and out.is_contiguous() and out.dtype == dtype and out.data_ptr() % 16 == 0:
         return out, False
     if accumulate:
-        return out.contiguous(), True
+        return out.clone(memory_format=torch.contiguous_format), True
     return torch.empty(m, n, dtype=dtype, device=device), out is not None
 
 

@@ -52,9 +52,17 @@ def test_config_at_large_and_decode_m():
     # the 6 V3 shapes on an H200 (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200/).
     cfg = ptx.select_config("1d2d", 4096, 4096, 7168, H200_SMS)
     assert (cfg.block_m, cfg.block_n, cfg.cluster, cfg.double_acc) == (128, 128, 1, True)
-    # Decode-sized M keeps one 64-row math warpgroup and narrow tiles spread over the SMs.
-    small = ptx.select_config("1d2d", 64, 2112, 7168, H200_SMS)
-    assert small.block_m == 64 and small.block_n <= 32 and small.cluster == 1
+    # Decode-sized M keeps one 64-row math warpgroup and narrow tiles spread over the SMs; the
+    # picks below measured fastest (or within 3%) on an H200 (sweep_decode_5b2ef08.json).
+    for (m, n, k), bn in {
+        (64, 2112, 7168): 32,
+        (64, 32768, 512): 128,
+        (128, 4096, 7168): 64,
+        (128, 7168, 16384): 128,
+        (128, 24576, 1536): 128,
+    }.items():
+        small = ptx.select_config("1d2d", m, n, k, H200_SMS)
+        assert (small.block_m, small.block_n, small.cluster) == (64, bn, 1), (m, n, k, small)
 
 
 def test_config_rejects_bad_arguments():
@@ -276,12 +284,14 @@ def test_gpu_tma_store_epilogue_equals_direct_stores(kind, out_dtype, accumulate
     torch.testing.assert_close(got[True], got[False], rtol=0, atol=0)
     want = x.double() @ w.double().t() + (base.double() if accumulate else 0)
     _check(got[True], want, m, n, k, f"{kind} tma store")
-    # A contiguous D at a 2-byte offset cannot take TMA stores: the launch falls back to direct
-    # stores and gets the same numbers.
-    if not accumulate:
-        flat = torch.full((m * n + 8,), float("nan"), dtype=out_dtype, device="cuda")
-        shifted = flat[1 : 1 + m * n].view(m, n)
-        assert shifted.data_ptr() % 16 != 0
-        cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True)
-        ptx.run_with_config(kind, qa, qb, cfg, out_dtype, out=shifted)
-        torch.testing.assert_close(shifted, got[True], rtol=0, atol=0)
+    # A contiguous D at a 2- or 4-byte offset (misaligned for the epilogues' vector stores) is
+    # written through an aligned temporary: the same numbers, nothing outside D touched.
+    flat = torch.full((m * n + 8,), float("nan"), dtype=out_dtype, device="cuda")
+    shifted = flat[1 : 1 + m * n].view(m, n)
+    assert shifted.data_ptr() % 16 != 0
+    if accumulate:
+        shifted.copy_(base)
+    cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True)
+    ptx.run_with_config(kind, qa, qb, cfg, out_dtype, out=shifted, accumulate=accumulate)
+    torch.testing.assert_close(shifted, got[True], rtol=0, atol=0)
+    assert torch.isnan(flat[0]) and torch.isnan(flat[1 + m * n :]).all()
