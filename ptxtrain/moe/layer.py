@@ -18,6 +18,14 @@ Single-device data path:
 4. ``unpermute_ref``: weighted ``index_add`` back to token order, accumulated in **fp32**, cast to
    the activation dtype.
 
+Kernels (``MoE.kernels``, :mod:`ptxtrain.moe.fused`): ``"auto"`` (default) runs steps 1 (after
+the fp32 logits GEMM), 2 and 4 through the Triton kernels of :mod:`ptxtrain.moe.triton` for CUDA
+inputs (float32 / bfloat16 / float16) and the references above otherwise (the CPU); ``"ref"``
+always the references; ``"triton"`` always the kernels (on the CPU only under
+``TRITON_INTERPRET=1``). Same forward values (the kernels are bitwise twins of the references
+evaluated on the CPU), same gradient paths (the gates stay differentiable w.r.t. the router
+input and weight, the selection does not); the backward sums run in fp32 in a fixed order.
+
 Expert parallelism (:meth:`MoE.enable_expert_parallel`, report §3.2.2 / DESIGN §4): with a group
 of ``R`` ranks, rank ``r`` keeps experts ``[r·E/R, (r+1)·E/R)`` only. Every rank routes its own
 tokens over all ``E`` experts, :meth:`ptxtrain.moe.Buffer.dispatch` sends each token once to every
@@ -28,6 +36,21 @@ at the source token (fp32 accumulation). Forward and backward are collectives: e
 group must run every MoE forward and backward in the same order. The router keeps counting its
 own rank's tokens; all-reduce ``router.expert_counts`` over the data-parallel group before
 ``update_bias`` (:meth:`MoE.sync_expert_counts`, or the model's ``update_router_biases``).
+
+FP8 dispatch (report §3.3): when the routed experts run in FP8 (``experts.fp8``, set by
+``--precision fp8`` through :func:`ptxtrain.model.deepseek.convert_model_to_fp8_training`) and
+``MoE.fp8_dispatch`` is True (the default), the tokens are quantized 1x128
+(:func:`ptxtrain.quant.per_token_cast_to_fp8`) and dispatched as ``(e4m3, fp32 scales)``, a
+little over half the bytes of BF16; the receiver dequantizes them to the activation dtype for
+the experts, which quantize them again: 1x128 re-quantization of a dequantized row gives back
+its e4m3 values (they sit on the grid up to one rounding of the dequantization) with scales
+within an ulp, so Fprop sees what a local quantization gives; Wgrad's 128x1 quantization along
+the tokens now rounds an already-rounded input (report §3.5 has the same step). The combine,
+and the backward's combine of the dispatched rows' gradient, stay in the activation dtype (BF16
+in training), the quantization counting as the identity for the gradient
+(:func:`ptxtrain.moe.fused.dispatch_fp8`). Float64 tokens (which have no FP8 recipe) are
+dispatched in float64. So ``ptxtrain train --ep N --precision fp8`` dispatches FP8 with no extra
+flag; set ``fp8_dispatch = False`` on a layer to send BF16.
 """
 
 from __future__ import annotations
@@ -40,6 +63,14 @@ from torch import nn
 from ptxtrain._checks import check_tensor
 from ptxtrain.moe.dispatch import Buffer
 from ptxtrain.moe.experts import Experts
+from ptxtrain.moe.fused import (
+    KERNEL_CHOICES,
+    dispatch_fp8,
+    permute_fused,
+    route_fused,
+    unpermute_fused,
+    use_triton_kernels,
+)
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.moe.router import Router
 
@@ -73,9 +104,16 @@ class MoE(nn.Module):
         n_shared_experts: shared experts (0 = none).
         n_groups / n_limited_groups / route_scale / bias_update_speed / seq_aux_loss_alpha:
             passed to the :class:`Router`.
+        kernels: ``"auto"`` (Triton kernels for CUDA inputs, references on the CPU), ``"ref"``
+            or ``"triton"`` (see the module docstring); also a settable attribute.
+        fp8_dispatch: with expert parallelism and FP8 experts, dispatch the tokens in FP8
+            (default True; see the module docstring); also a settable attribute.
 
     Submodules: ``router`` (:class:`Router`), ``experts`` (:class:`Experts`, all ``E`` or, with
     expert parallelism, this rank's share), ``shared_experts`` (:class:`MLP` or None).
+
+    Raises:
+        ValueError: ``kernels`` is not one of ``"auto"``, ``"ref"``, ``"triton"``.
     """
 
     def __init__(
@@ -91,8 +129,12 @@ class MoE(nn.Module):
         route_scale: float = 1.0,
         bias_update_speed: float = 1e-3,
         seq_aux_loss_alpha: float = 0.0,
+        kernels: str = "auto",
+        fp8_dispatch: bool = True,
     ) -> None:
         super().__init__()
+        self.kernels = kernels
+        self.fp8_dispatch = bool(fp8_dispatch)
         self.dim = dim
         self.n_routed_experts = n_routed_experts
         self.n_activated_experts = n_activated_experts
@@ -112,6 +154,17 @@ class MoE(nn.Module):
         )
         self.ep_buffer: Buffer | None = None  # set by enable_expert_parallel
 
+    @property
+    def kernels(self) -> str:
+        """``"auto"``, ``"ref"`` or ``"triton"``: where routing and (un)permutation run."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, value: str) -> None:
+        if value not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {value!r}")
+        self._kernels = value
+
     def forward(self, x: torch.Tensor, *, return_aux_loss: bool = False):
         """Apply the layer to ``x [B, T, D]`` (or ``[N, D]``, treated as one sequence).
 
@@ -120,17 +173,22 @@ class MoE(nn.Module):
             (``aux_loss``: the router's sequence-wise balance loss, fp32 scalar or ``None``).
 
         Raises:
-            TypeError / ValueError: ``x`` is not a float tensor of rank 2 or 3 with last dim ``D``.
+            TypeError / ValueError: ``x`` is not a float tensor of rank 2 or 3 with last dim ``D``;
+                ``kernels="triton"`` with a float64 ``x``, or (interpreter off) a CPU ``x``.
         """
         check_tensor("x", x, ndim=(2, 3))
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have last dim {self.dim}, got shape {tuple(x.shape)}")
         seq_len = x.shape[1] if x.dim() == 3 else x.shape[0]
         flat = x.reshape(-1, self.dim)  # [N, D]
-        topk_idx, topk_weights, aux_loss = self.router(
-            flat, seq_len=seq_len, return_aux_loss=True
-        )  # [N, k], [N, k], scalar | None
-        y = self._routed(flat, topk_idx, topk_weights)  # [N, D]
+        triton = use_triton_kernels(self.kernels, flat)
+        if triton:
+            topk_idx, topk_weights, aux_loss = route_fused(self.router, flat, seq_len=seq_len)
+        else:
+            topk_idx, topk_weights, aux_loss = self.router(
+                flat, seq_len=seq_len, return_aux_loss=True
+            )  # [N, k], [N, k], scalar | None
+        y = self._routed(flat, topk_idx, topk_weights, triton)  # [N, D]
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         y = y.view_as(x)
@@ -179,32 +237,52 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------------ routed experts
     def _routed(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        triton: bool = False,
     ) -> torch.Tensor:
         """Routed experts: permute, :class:`Experts`, weighted un-permute (dispatch/combine
-        around them with expert parallelism)."""
+        around them with expert parallelism); ``triton``: the kernels of
+        :mod:`ptxtrain.moe.fused`."""
         if self.ep_buffer is not None:
-            return self._routed_ep(x, topk_idx, topk_weights)
-        x_perm, sorted_slots, tokens_per_expert = permute_ref(
+            return self._routed_ep(x, topk_idx, topk_weights, triton)
+        permute, unpermute = (permute_fused, unpermute_fused) if triton else (
+            permute_ref, unpermute_ref
+        )  # fmt: skip
+        x_perm, sorted_slots, tokens_per_expert = permute(
             x, topk_idx, self.n_routed_experts
         )  # [N·k, D], [N·k], [E]
         y_perm = self.experts(x_perm, tokens_per_expert)  # [N·k, D]
-        return unpermute_ref(y_perm, sorted_slots, topk_weights)
+        return unpermute(y_perm, sorted_slots, topk_weights)
 
     def _routed_ep(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        triton: bool = False,
     ) -> torch.Tensor:
-        """Dispatch, local experts on the received rows, combine (see the module docstring)."""
+        """Dispatch (FP8 with FP8 experts, see the module docstring), local experts on the
+        received rows, combine."""
         buffer = self.ep_buffer
         n_local = self.experts.num_local_experts
-        recv_x, recv_idx, recv_w, _, handle = buffer.dispatch(
-            x, topk_idx, topk_weights, self.n_routed_experts
-        )  # [M, D], [M, k] local ids or -1, [M, k] (0 where -1)
+        permute, unpermute = (permute_fused, unpermute_fused) if triton else (
+            permute_ref, unpermute_ref
+        )  # fmt: skip
+        fp8 = self.fp8_dispatch and self.experts.fp8 and x.dtype != torch.float64
+        if fp8:
+            dispatched = dispatch_fp8(buffer, x, topk_idx, topk_weights, self.n_routed_experts)
+        else:
+            dispatched = buffer.dispatch(x, topk_idx, topk_weights, self.n_routed_experts)
+        recv_x, recv_idx, recv_w, _, handle = dispatched
+        # recv_x [M, D] in x's dtype, recv_idx [M, k] local ids or -1, recv_w [M, k] (0 where -1)
         # Slots of other ranks' experts go to a spill expert n_local, sorted last and dropped.
         spill_idx = torch.where(recv_idx >= 0, recv_idx, n_local)  # [M, k]
-        x_perm, sorted_slots, counts = permute_ref(recv_x, spill_idx, n_local + 1)
+        x_perm, sorted_slots, counts = permute(recv_x, spill_idx, n_local + 1)
         n_valid = x_perm.shape[0] - int(counts[n_local])
         y_valid = self.experts(x_perm[:n_valid], counts[:n_local])  # [n_valid, D]
         y_perm = torch.cat([y_valid, y_valid.new_zeros(x_perm.shape[0] - n_valid, self.dim)])
-        y_recv = unpermute_ref(y_perm, sorted_slots, recv_w)  # [M, D], weight 0 on spill slots
+        y_recv = unpermute(y_perm, sorted_slots, recv_w)  # [M, D], weight 0 on spill slots
         return buffer.combine(y_recv, handle)  # [N, D]
