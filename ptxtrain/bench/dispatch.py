@@ -7,13 +7,16 @@ experts, top-8 uniform random routing, FP8 dispatch, BF16 combine.
 Method (DeepEP's test_intranode, DESIGN §4 and §6): for each backend (``all_to_all`` always,
 ``nvlink`` when every GPU of the group is peer-accessible), warm-ups, then ``repeats`` timed
 calls, each preceded by a barrier and a device synchronization, timed with CUDA events around
-the call on the current stream; the median is reported per rank. Three operations:
+the call on the current stream; the median is reported per rank. Four
+operations (:func:`time_buffer`, also used by ``benchmarks/sweep_nvlink.py``):
 
-- ``dispatch``: the whole ``Buffer.dispatch`` call (layout, count + metadata exchange with its
-  host sync, payload), FP8 activations + FP32 scales + weights;
+- ``dispatch``: the whole ``Buffer.dispatch`` call (layout, the count exchange with its one host
+  sync, one packed message of FP8 activations + FP32 scales + weights + ``topk_idx`` + token
+  index);
 - ``dispatch_payload``: the FP8 payload rows alone with a cached handle (what DeepEP times when
   it passes a handle);
-- ``combine``: ``Buffer.combine`` of BF16 rows (a cached handle by nature).
+- ``combine``: ``Buffer.combine`` of BF16 rows (a cached handle by nature);
+- ``combine_payload``: the BF16 rows' move alone (no per-token sum).
 
 Bandwidth = logical bytes received / time, as DeepEP reports: ``N · H · 2`` BF16 bytes times
 ``(1 + 4/128) / 2`` for FP8 dispatch (the scales included), ``N · H · 2`` for combine, where
@@ -30,21 +33,29 @@ import torch.distributed as dist
 
 from ptxtrain.bench.timing import environment, event_us
 
-__all__ = ["bench_dispatch", "format_table", "logical_bytes"]
+__all__ = [
+    "bench_dispatch",
+    "format_table",
+    "logical_bytes",
+    "make_inputs",
+    "nvl_bytes",
+    "time_buffer",
+]
 
-_OPS = ("dispatch", "dispatch_payload", "combine")
+_OPS = ("dispatch", "dispatch_payload", "combine", "combine_payload")
 
 
 def logical_bytes(op: str, num_recv_tokens: int, hidden: int, fp8: bool = True) -> float:
     """DeepEP's logical bytes of one operation on one rank.
 
     ``op``: ``"dispatch"`` / ``"dispatch_payload"`` (FP8: ``N·H·(1 + 4/128)``, BF16 ``2·N·H``)
-    or ``"combine"`` (BF16, ``2·N·H``). Raises ValueError for another ``op``.
+    or ``"combine"`` / ``"combine_payload"`` (BF16, ``2·N·H``). Raises ValueError for another
+    ``op``.
     """
     if op not in _OPS:
         raise ValueError(f"op must be one of {_OPS}, got {op!r}")
     bf16 = 2.0 * num_recv_tokens * hidden
-    if op != "combine" and fp8:
+    if op.startswith("dispatch") and fp8:
         return bf16 * (1 + 4 / 128) / 2
     return bf16
 
@@ -62,6 +73,16 @@ def _nvlink_possible() -> str | None:
     return None
 
 
+def nvl_bytes(tokens: int, hidden: int, topk: int) -> int:
+    """``num_nvl_bytes`` for the benchmark: every rank may receive all tokens of every rank, in
+    the larger of a BF16 combine row and a packed BF16 dispatch row (x + fp32 weights + int64
+    ``topk_idx`` + int64 token index)."""
+    from ptxtrain.moe.dispatch import Buffer
+
+    world = dist.get_world_size()
+    return Buffer.nvl_bytes_hint(tokens, 2 * hidden + 12 * topk + 8, world)
+
+
 def _time(fn, repeats: int, warmup: int) -> list[float]:
     """µs per call: barrier + sync before each, CUDA events around it."""
     for _ in range(warmup):
@@ -72,6 +93,68 @@ def _time(fn, repeats: int, warmup: int) -> list[float]:
         torch.cuda.synchronize()
         times.append(event_us(fn))
     return times
+
+
+def make_inputs(tokens: int, hidden: int, experts: int, topk: int, seed: int) -> dict:
+    """This rank's benchmark inputs on the current CUDA device: uniform random top-k routing,
+    BF16 activations and their FP8 cast (``x_fp8 = (fp8 [T, H], sf [T, ⌈H/128⌉])``), weights."""
+    from ptxtrain.quant.ref import per_token_cast_to_fp8
+
+    rank = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(seed + rank)
+    scores = torch.rand(tokens, experts, generator=g, device=dev)
+    topk_idx = scores.topk(topk, dim=1).indices  # uniform random top-k
+    topk_w = torch.rand(tokens, topk, generator=g, device=dev)
+    x = torch.randn(tokens, hidden, generator=g, device=dev).bfloat16()
+    return dict(
+        x_fp8=per_token_cast_to_fp8(x.float()),
+        topk_idx=topk_idx,
+        topk_w=topk_w,
+        experts=experts,
+        hidden=hidden,
+        generator=g,
+    )
+
+
+def time_buffer(buf, inputs: dict, repeats: int, warmup: int) -> list[dict]:
+    """Times the four operations of ``_OPS`` on ``buf``; one row per op with every rank's median
+    µs and GB/s (collective: every rank calls it with its own inputs)."""
+    from ptxtrain.moe.dispatch import _dispatch_rows, _move
+
+    world = dist.get_world_size()
+    x_fp8, topk_idx, topk_w = inputs["x_fp8"], inputs["topk_idx"], inputs["topk_w"]
+    experts, hidden = inputs["experts"], inputs["hidden"]
+    _, _, _, _, handle = buf.dispatch(x_fp8, topk_idx, topk_w, experts)
+    n_recv = handle.num_recv_tokens
+    dev = topk_idx.device
+    y = torch.randn(n_recv, hidden, generator=inputs["generator"], device=dev).bfloat16()
+    packed = torch.cat(
+        [x_fp8[0].view(torch.uint8), x_fp8[1].view(torch.uint8)], dim=1
+    )  # the FP8 rows + scales alone (the full call also packs weights, topk_idx, token index)
+    fns = {
+        "dispatch": lambda: buf.dispatch(x_fp8, topk_idx, topk_w, experts),
+        "dispatch_payload": lambda: _dispatch_rows(packed, handle),
+        "combine": lambda: buf.combine(y, handle),
+        "combine_payload": lambda: _move([y], handle, combine=True),
+    }
+    rows = []
+    for op, fn in fns.items():
+        us = statistics.median(_time(fn, repeats, warmup))
+        gbs = logical_bytes(op, n_recv, hidden) / (us * 1e-6) / 1e9
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, (us, gbs, n_recv))
+        rows.append(
+            {
+                "op": op,
+                "us": [p[0] for p in per_rank],
+                "gbs": [p[1] for p in per_rank],
+                "recv_tokens": [p[2] for p in per_rank],
+                "us_max": max(p[0] for p in per_rank),
+                "gbs_mean": statistics.fmean(p[1] for p in per_rank),
+            }
+        )
+    return rows
 
 
 def bench_dispatch(
@@ -98,70 +181,35 @@ def bench_dispatch(
     Raises:
         ValueError: bad sizes; RuntimeError: no process group / CUDA.
     """
-    from ptxtrain.moe.dispatch import Buffer, _dispatch_rows
-    from ptxtrain.quant.ref import per_token_cast_to_fp8
+    from ptxtrain.moe.dispatch import Buffer
 
     if not dist.is_initialized() or not torch.cuda.is_available():
         raise RuntimeError("bench dispatch needs CUDA and torch.distributed (run it with torchrun)")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if experts % world or topk > experts:
         raise ValueError(
             f"experts must be a multiple of the {world} ranks and >= topk, got experts="
             f"{experts}, topk={topk}"
         )
-    dev = torch.device("cuda", torch.cuda.current_device())
-    g = torch.Generator(device=dev).manual_seed(seed + rank)
-    scores = torch.rand(tokens, experts, generator=g, device=dev)
-    topk_idx = scores.topk(topk, dim=1).indices  # uniform random top-k
-    topk_w = torch.rand(tokens, topk, generator=g, device=dev)
-    x = torch.randn(tokens, hidden, generator=g, device=dev).bfloat16()
-    x_fp8 = per_token_cast_to_fp8(x.float())
+    inputs = make_inputs(tokens, hidden, experts, topk, seed)
 
     backends = {"all_to_all": {}}
     skipped = {}
     why = _nvlink_possible()
     if why is None:
-        # Every rank may receive all tokens of every rank: bf16 combine rows are the largest.
-        nvl_bytes = Buffer.nvl_bytes_hint(tokens, 2 * hidden, world)
-        backends["nvlink"] = dict(num_sms=num_sms, num_nvl_bytes=nvl_bytes)
+        backends["nvlink"] = dict(num_sms=num_sms, num_nvl_bytes=nvl_bytes(tokens, hidden, topk))
     else:
         skipped["nvlink"] = why
     rows = []
     for name, kw in backends.items():
         buf = Buffer(backend=name, **kw)
-        recv, _, _, _, handle = buf.dispatch(x_fp8, topk_idx, topk_w, experts)
-        n_recv = handle.num_recv_tokens
-        y = torch.randn(n_recv, hidden, generator=g, device=dev).bfloat16()
-        packed = torch.cat(
-            [x_fp8[0].view(torch.uint8), x_fp8[1].view(torch.uint8)], dim=1
-        )  # as dispatch packs FP8 rows
-        fns = {
-            "dispatch": lambda buf=buf: buf.dispatch(x_fp8, topk_idx, topk_w, experts),
-            "dispatch_payload": lambda h=handle, p=packed: _dispatch_rows(p, h),
-            "combine": lambda buf=buf, h=handle, y=y: buf.combine(y, h),
-        }
-        for op, fn in fns.items():
-            us = statistics.median(_time(fn, repeats, warmup))
-            gbs = logical_bytes(op, n_recv, hidden) / (us * 1e-6) / 1e9
-            per_rank = [None] * world
-            dist.all_gather_object(per_rank, (us, gbs, n_recv))
-            rows.append(
-                {
-                    "backend": name,
-                    "op": op,
-                    "num_sms": kw.get("num_sms"),
-                    "us": [p[0] for p in per_rank],
-                    "gbs": [p[1] for p in per_rank],
-                    "recv_tokens": [p[2] for p in per_rank],
-                    "us_max": max(p[0] for p in per_rank),
-                    "gbs_mean": statistics.fmean(p[1] for p in per_rank),
-                }
-            )
+        for row in time_buffer(buf, inputs, repeats, warmup):
+            rows.append({"backend": name, "num_sms": kw.get("num_sms"), **row})
         if name == "nvlink":
             buf.check_errors()
         torch.cuda.synchronize()
         dist.barrier()
-        del buf, recv, handle
+        del buf
     return {
         "bench": "dispatch",
         "env": environment(),

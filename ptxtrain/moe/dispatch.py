@@ -22,10 +22,20 @@ Layouts.
 - FP8 dispatch: ``(x_fp8 [T, H] e4m3, sf [T, ⌈H/128⌉] fp32)`` travels as one ``uint8`` message
   per row (the FP8 bytes followed by the scale bytes): bit-exact, and gloo carries no FP8 dtype.
 
-Messages per dispatch: one ``all_to_all_single`` of the per-rank token counts (so every rank
-knows its receive sizes), one of ``[source token index, topk_idx]`` (int64), one of the weights
-and one of the activations. ``combine`` is one ``all_to_all_single`` with the splits swapped,
-then an ``index_add`` per source token accumulated in fp32 (fp64 for fp64 inputs).
+Messages per dispatch: two. (1) One small ``all_to_all_single`` of per-peer int64 counts (rows
+for the peer, this rank's largest per-peer count, the number of invalid ids, the tokens for
+each of the peer's experts), followed by the call's **only host sync**: one device-to-host copy
+of what the host needs (receive counts to size the outputs, the send counts, the capacity
+bound, the per-expert receive counts it returns, the validity flags). The id-range check of
+``topk_idx`` rides on this message, so an invalid id raises ValueError on every rank alike.
+(2) ONE payload message: every sent row packs, side by side as bytes, the activations (or FP8
+bytes + scales), the gate weights, the global ``topk_idx`` and the source token index, moved by
+one ``all_to_all_single`` (or one nvlink kernel launch). Layout, send order and every index
+vector are built with device ops (no ``nonzero`` / ``bincount`` / ``.tolist()`` beyond the one
+copy). ``combine`` is one message with the splits swapped and no layout exchange (the handle
+knows everything), then an ``index_add`` per source token accumulated in fp32 (fp64 for fp64
+inputs); the backward of dispatch combines the gradients of activations and weights in one
+message too.
 
 The :class:`DispatchHandle` keeps the layout (counts per peer, the token index of every sent and
 received row, ``is_token_in_rank``) so that ``combine`` and the backward passes replay it with no
@@ -34,12 +44,11 @@ backward of combine is a dispatch of the gradient with the handle.
 
 Backends. ``"all_to_all"`` (default; the only one on CPU) moves everything with
 ``all_to_all_single``. ``"nvlink"`` (one node of NVLink-connected GPUs, NCCL group) keeps the
-count / metadata exchange above but moves the payload rows (activations, FP8 bytes + scales,
-weights, combine rows and all the autograd counterparts) with a JIT kernel writing straight into
-the peers' symmetric-memory buffers on ``num_sms`` SMs (:mod:`ptxtrain.moe.nvlink` has its
-design note); the receive order, the handle and the sums are the same, so both backends give
-bit-identical results. The count exchange also carries every rank's largest per-peer count, so
-every rank knows ``handle.max_rows_per_pair`` and a capacity overflow raises on all ranks alike.
+count exchange above but moves the payload message (and the combine rows and the autograd
+counterparts) with a JIT kernel writing straight into the peers' symmetric-memory buffers on
+``num_sms`` SMs (:mod:`ptxtrain.moe.nvlink` has its design note); its index vectors are built
+on the device from the device copies of the counts and cached in the handle. The receive
+order, the handle and the sums are the same, so both backends give bit-identical results.
 
 Async mode (DeepEP's ``async_finish``): ``dispatch(..., async_finish=True)`` and
 ``combine(..., async_finish=True)`` run on a side CUDA stream (after waiting for the current
@@ -55,7 +64,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -92,6 +101,31 @@ def _check_experts(num_experts: object, num_ranks: int) -> int:
     return num_experts
 
 
+def _layout(
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`get_dispatch_layout` without validation and without host syncs (device ops only).
+
+    Ids outside ``[0, E)`` are treated as ``-1``; the fourth result is a 0-d int64 tensor, the
+    number of ids outside ``[-1, E)`` (checked after the count exchange).
+    """
+    n_tokens = topk_idx.shape[0]
+    experts_per_rank = num_experts // num_ranks
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)  # [T, k]
+    n_bad = ((topk_idx < -1) | (topk_idx >= num_experts)).sum()
+    # Invalid slots point at a spill column (R for ranks, E for experts) dropped afterwards.
+    dest = torch.where(valid, topk_idx // experts_per_rank, num_ranks)  # [T, k]
+    is_token_in_rank = torch.zeros(
+        n_tokens, num_ranks + 1, dtype=torch.bool, device=topk_idx.device
+    ).scatter_(1, dest, True)[:, :num_ranks]  # [T, R]
+    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int64)  # [R]
+    spill = torch.where(valid, topk_idx, num_experts).reshape(-1)
+    num_tokens_per_expert = torch.zeros(
+        num_experts + 1, dtype=torch.int64, device=topk_idx.device
+    ).scatter_add_(0, spill, torch.ones_like(spill))[:num_experts]  # [E] (no bincount sync)
+    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank.contiguous(), n_bad
+
+
 def get_dispatch_layout(
     topk_idx: torch.Tensor, num_experts: int, num_ranks: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,17 +155,10 @@ def get_dispatch_layout(
     check_positive_int("num_ranks", num_ranks)
     _check_experts(num_experts, num_ranks)
     _check_topk_idx(topk_idx, num_experts)
-    n_tokens = topk_idx.shape[0]
-    experts_per_rank = num_experts // num_ranks
-    valid = topk_idx >= 0  # [T, k]
-    # Invalid slots point at a spill column R that is dropped afterwards.
-    dest = torch.where(valid, topk_idx // experts_per_rank, num_ranks)  # [T, k]
-    is_token_in_rank = torch.zeros(
-        n_tokens, num_ranks + 1, dtype=torch.bool, device=topk_idx.device
-    ).scatter_(1, dest, True)[:, :num_ranks]  # [T, R]
-    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int64)  # [R]
-    num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts)  # [E]
-    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank.contiguous()
+    num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, _ = _layout(
+        topk_idx, num_experts, num_ranks
+    )
+    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,22 +217,30 @@ def _exchange(
 
 
 def _nvl_index(handle: DispatchHandle, combine: bool) -> tuple[torch.Tensor, ...]:
-    """(send_row, send_dst, send_slot, recv_src, recv_slot) of the nvlink kernel, cached.
+    """(send_row, send_dst, send_slot, recv_src, recv_slot, send_off, recv_off) of the nvlink
+    kernel, cached.
 
     Dispatch: send row ``i`` = token ``send_src_idx[i]`` to rank ``dst`` at place ``i - first
     row for dst``; receive row ``n`` = place ``n - first row from src`` of ``recv_src_rank[n]``.
-    Combine swaps the two sides (and sends the received rows in order).
+    Combine swaps the two sides (and sends the received rows in order). Built from the device
+    copies of the counts that ``dispatch`` leaves in the cache (key ``"counts"``): device ops
+    only, no host sync and no host-to-device copy.
     """
     key = "combine" if combine else "dispatch"
     if key not in handle._nvl_index:
         dev = handle.send_src_idx.device
+        if "counts" in handle._nvl_index:
+            sc, rc = handle._nvl_index["counts"]
+        else:  # a handle built elsewhere: small host-to-device copies
+            sc = torch.tensor(handle.send_counts, dtype=torch.int64, device=dev)
+            rc = torch.tensor(handle.recv_counts, dtype=torch.int64, device=dev)
         r = torch.arange(handle.num_ranks, device=dev)
-        sc = torch.tensor(handle.send_counts, dtype=torch.int64, device=dev)
-        rc = torch.tensor(handle.recv_counts, dtype=torch.int64, device=dev)
         send_dst = torch.repeat_interleave(r, sc, output_size=handle.send_src_idx.numel())
         send_slot = torch.arange(send_dst.numel(), device=dev) - (sc.cumsum(0) - sc)[send_dst]
         recv_src = handle.recv_src_rank  # [N]
         recv_slot = torch.arange(recv_src.numel(), device=dev) - (rc.cumsum(0) - rc)[recv_src]
+        zero = sc.new_zeros(1)
+        send_off, recv_off = torch.cat([zero, sc.cumsum(0)]), torch.cat([zero, rc.cumsum(0)])
         i32 = torch.int32
         handle._nvl_index["dispatch"] = (
             handle.send_src_idx.contiguous(),
@@ -213,6 +248,8 @@ def _nvl_index(handle: DispatchHandle, combine: bool) -> tuple[torch.Tensor, ...
             send_slot.to(i32),
             recv_src.to(i32),
             recv_slot.to(i32),
+            send_off,
+            recv_off,
         )
         handle._nvl_index["combine"] = (
             torch.arange(recv_src.numel(), device=dev),
@@ -220,17 +257,70 @@ def _nvl_index(handle: DispatchHandle, combine: bool) -> tuple[torch.Tensor, ...
             recv_slot.to(i32),
             send_dst.to(i32),
             send_slot.to(i32),
+            recv_off,
+            send_off,
         )
     return handle._nvl_index[key]
 
 
-def _nvl_move(t: torch.Tensor, handle: DispatchHandle, combine: bool) -> torch.Tensor:
-    """The nvlink kernel on the rows of ``t`` viewed as bytes (rows padded to 16 bytes)."""
-    transport = handle.transport
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[M, ...]`` -> ``[M, row bytes]`` uint8 view (contiguous)."""
     t = t.contiguous()
-    rows = t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)  # [M, row_bytes]
-    row_bytes = rows.shape[1]
-    padded = max(16, ceil_div(row_bytes, 16) * 16)
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+
+
+def _pack(parts: list[torch.Tensor], width: int, rows: torch.Tensor | None) -> torch.Tensor:
+    """The rows of ``parts`` side by side as one ``[M, width]`` uint8 matrix (one message).
+
+    ``rows`` (int64) selects and orders the rows (``None``: all). Bytes past the parts (padding
+    to ``width``) are left uninitialized: they travel but are never read.
+    """
+    views = [_as_bytes(p) for p in parts]
+    if len(views) == 1 and views[0].shape[1] == width:  # nothing to pack: no copy
+        v = views[0]
+        if rows is not None:
+            return v.index_select(0, rows)
+        return v.clone() if v.data_ptr() % 16 else v  # the kernel loads 16-byte words
+    n = views[0].shape[0] if rows is None else rows.numel()
+    out = torch.empty(n, width, dtype=torch.uint8, device=views[0].device)
+    off = 0
+    for v in views:
+        w = v.shape[1]
+        out[:, off : off + w].copy_(v if rows is None else v.index_select(0, rows))
+        off += w
+    return out
+
+
+def _unpack(rows: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`_pack` on the moved ``[K, width]`` rows: ``[K, ...]`` per part."""
+    out, off, n = [], 0, rows.shape[0]
+    for p in parts:
+        w = _row_bytes(p)
+        piece = rows[:, off : off + w]
+        if w != rows.shape[1] or piece.storage_offset() % p.element_size():
+            piece = piece.clone(memory_format=torch.contiguous_format)  # offset 0, aligned
+        out.append(piece.view(p.dtype).reshape(n, *p.shape[1:]))
+        off += w
+    return out
+
+
+def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> list[torch.Tensor]:
+    """Token rows ``[T, ...]`` -> received rows ``[N, ...]`` of every part (``combine``: the
+    reverse, received rows -> sent rows ``[S, ...]``), in ONE message: the parts' rows are
+    packed side by side into one byte matrix, moved by one ``all_to_all_single`` or one nvlink
+    kernel launch, and unpacked (bit-exact, any dtypes)."""
+    width = sum(_row_bytes(p) for p in parts)
+    transport = handle.transport
+    if transport is None:
+        send = _pack(parts, width, None if combine else handle.send_src_idx)
+        splits = (handle.send_counts, handle.recv_counts)
+        moved = _exchange(send, *(splits[::-1] if combine else splits), handle.group)
+        return _unpack(moved, parts)
+    padded = max(16, ceil_div(width, 16) * 16)
     cap = transport.capacity_rows(padded)
     if handle.max_rows_per_pair > cap:
         raise ValueError(
@@ -240,33 +330,27 @@ def _nvl_move(t: torch.Tensor, handle: DispatchHandle, combine: bool) -> torch.T
             f"create the Buffer with num_nvl_bytes >= "
             f"{handle.max_rows_per_pair * padded * transport.num_ranks}"
         )
-    if padded != row_bytes:
-        rows = torch.nn.functional.pad(rows, (0, padded - row_bytes))
-    elif rows.data_ptr() % 16 != 0:  # a view at an odd offset: the kernel loads 16 bytes
-        rows = rows.clone()
-    out = transport.exchange(rows.contiguous(), *_nvl_index(handle, combine))  # [K, padded]
-    n_out = out.shape[0]
-    return out[:, :row_bytes].contiguous().view(t.dtype).reshape(n_out, *t.shape[1:])
+    send = _pack(parts, padded, None)
+    moved = transport.exchange(send, *_nvl_index(handle, combine))  # [K, padded]
+    return _unpack(moved, parts)
+
+
+def _combine_sum(back: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Sent-order rows ``[S, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation)."""
+    acc = torch.float64 if back.dtype == torch.float64 else torch.float32
+    out = torch.zeros((handle.num_tokens, *back.shape[1:]), dtype=acc, device=back.device)
+    out.index_add_(0, handle.send_src_idx, back.to(acc))  # [T, ...]
+    return out.to(back.dtype)
 
 
 def _dispatch_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Token rows ``[T, ...]`` -> received rows ``[N, ...]`` (no gradient tracking)."""
-    if handle.transport is not None:
-        return _nvl_move(t, handle, combine=False)
-    send = t.index_select(0, handle.send_src_idx)  # [S, ...]
-    return _exchange(send, handle.send_counts, handle.recv_counts, handle.group)
+    return _move([t], handle, combine=False)[0]
 
 
 def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Received rows ``[N, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation)."""
-    if handle.transport is not None:
-        back = _nvl_move(t, handle, combine=True)  # [S, ...]
-    else:
-        back = _exchange(t, handle.recv_counts, handle.send_counts, handle.group)  # [S, ...]
-    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    out = torch.zeros((handle.num_tokens, *t.shape[1:]), dtype=acc, device=t.device)
-    out.index_add_(0, handle.send_src_idx, back.to(acc))  # [T, ...]
-    return out.to(t.dtype)
+    return _combine_sum(_move([t], handle, combine=True)[0], handle)
 
 
 class EventOverlap:
@@ -309,16 +393,41 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 
 class _DispatchFn(torch.autograd.Function):
-    """Differentiable dispatch of token rows; backward = combine of the gradient."""
+    """Differentiable dispatch of several token-row tensors in one message; backward = one
+    combine of all the floating-point gradients (one message too)."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def forward(ctx, handle: DispatchHandle, *parts: torch.Tensor):
         ctx.handle = handle
-        return _dispatch_rows(t, handle)
+        ctx.set_materialize_grads(False)
+        outs = _move(list(parts), handle, combine=False)
+        ctx.outs = [(o.shape, o.dtype) for o in outs]
+        ctx.device = parts[0].device
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _combine_rows(grad, ctx.handle), None
+    def backward(ctx, *grads):
+        # Every floating-point input that needs a gradient is combined (a zero gradient where
+        # the output was unused), so the message depends only on what requires grad: the same
+        # on every rank.
+        want = [
+            i
+            for i, (shape, dtype) in enumerate(ctx.outs)
+            if ctx.needs_input_grad[i + 1] and dtype.is_floating_point
+        ]
+        result = [None] * len(grads)
+        if want:
+            gs = [
+                grads[i].contiguous()
+                if grads[i] is not None
+                else torch.zeros(ctx.outs[i][0], dtype=ctx.outs[i][1], device=ctx.device)
+                for i in want
+            ]
+            back = _move(gs, ctx.handle, combine=True)
+            for i, b in zip(want, back, strict=True):
+                result[i] = _combine_sum(b, ctx.handle)
+        return None, *result
 
 
 class _CombineFn(torch.autograd.Function):
@@ -352,16 +461,23 @@ class Buffer:
         aggressive_ptx: compile the nvlink kernel with ``PTXTRAIN_AGGRESSIVE_PTX`` (DeepEP's
             ``ld.global.nc.L1::no_allocate.L2::256B`` loads of peer-written data; default off).
         timeout_s: bound on every flag wait of the nvlink kernel (then RuntimeError, no hang).
+        nvl_threads / nvl_unroll / nvl_pipeline: the nvlink kernel's tuning knobs, threads per
+            block (a multiple of 32, at most 1024), 16-byte loads in flight per lane (1, 2, 4 or
+            8) and the per-block-flag pipelined variant (bool); validated for every backend,
+            used by ``"nvlink"``
+            (:func:`ptxtrain.moe.nvlink.compile_kernel`).
 
     Every rank of the group must construct the buffer with the same arguments and call
     ``dispatch`` / ``combine`` (and their backward passes) in the same order, as with any
     collective.
 
     Raises:
-        TypeError: ``num_sms`` / ``num_nvl_bytes`` not ints, ``timeout_s`` not a number.
+        TypeError: ``num_sms`` / ``num_nvl_bytes`` / ``nvl_threads`` / ``nvl_unroll`` not ints,
+            ``nvl_pipeline`` not a bool, ``timeout_s`` not a number.
         ValueError: unknown ``backend``, a non-positive ``num_sms`` / ``num_nvl_bytes`` /
-            ``timeout_s``, ``num_sms`` above the device's SM count, ``"nvlink"`` without CUDA,
-            or the default group is not initialized.
+            ``timeout_s``, bad ``nvl_threads`` / ``nvl_unroll``, ``num_sms`` above the
+            device's SM count, ``"nvlink"`` without CUDA, or the default group is not
+            initialized.
 
     Source: DeepEP V1 ``Buffer`` (ANCHORS §2); DESIGN §4.
     """
@@ -375,6 +491,9 @@ class Buffer:
         *,
         aggressive_ptx: bool = False,
         timeout_s: float = 30.0,
+        nvl_threads: int = 512,
+        nvl_unroll: int = 4,
+        nvl_pipeline: bool = False,
     ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -384,6 +503,11 @@ class Buffer:
             raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        from ptxtrain.moe.nvlink import check_knobs
+
+        check_knobs(nvl_threads, nvl_unroll)
+        if not isinstance(nvl_pipeline, bool):
+            raise TypeError(f"nvl_pipeline must be a bool, got {nvl_pipeline!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "Buffer needs an initialized torch.distributed process group "
@@ -407,14 +531,24 @@ class Buffer:
             from ptxtrain.moe.nvlink import NvlinkTransport
 
             self._transport = NvlinkTransport(
-                group, num_sms, num_nvl_bytes, aggressive_ptx=aggressive_ptx, timeout_s=timeout_s
+                group,
+                num_sms,
+                num_nvl_bytes,
+                aggressive_ptx=aggressive_ptx,
+                timeout_s=timeout_s,
+                threads=nvl_threads,
+                unroll=nvl_unroll,
+                pipeline=nvl_pipeline,
             )
 
     @staticmethod
     def nvl_bytes_hint(num_max_tokens: int, row_bytes: int, num_ranks: int) -> int:
         """``num_nvl_bytes`` for up to ``num_max_tokens`` rows of ``row_bytes`` from each rank.
 
-        ``row_bytes`` is the largest payload row: ``2·H`` for BF16 combine, ``4·H`` for float32.
+        ``row_bytes`` is the largest message row: ``2·H`` for BF16 combine, ``4·H`` for float32;
+        a dispatch row also carries the weights, ``topk_idx`` and the token index: ``x``'s row
+        bytes + ``12·k + 8`` (fp32 weights; ``16·k + 8`` for fp64), e.g. ``H + 4·⌈H/128⌉ +
+        12·k + 8`` for FP8.
         """
         check_positive_int("num_max_tokens", num_max_tokens)
         check_positive_int("row_bytes", row_bytes)
@@ -444,7 +578,8 @@ class Buffer:
         else:
             check_tensor("x", x, dtypes=_X_DTYPES, ndim=2)
             n_tokens, device = x.shape[0], x.device
-        _check_topk_idx(topk_idx, num_experts)
+        # The id range is checked on the device and reported with the count exchange (no sync).
+        check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
         if topk_idx.shape[0] != n_tokens:
             raise ValueError(
                 f"topk_idx must be [T={n_tokens}, k] like x, got {tuple(topk_idx.shape)}"
@@ -503,9 +638,11 @@ class Buffer:
         Raises:
             TypeError: a wrong dtype or a non-tensor argument (the message names it).
             ValueError: wrong shapes, ids outside ``[-1, E)``, ``E`` not a multiple of the
-                group size, tensors on different devices (or not on the nvlink buffer's GPU).
-                Raised before any communication. ``"nvlink"``: rows from one rank to another
-                over the buffer's capacity (raised on every rank, after the count exchange).
+                group size, tensors on different devices (or not on the nvlink buffer's GPU):
+                raised before any communication, except ids outside ``[-1, E)`` (any rank's),
+                raised on every rank after the count exchange, before the payload moves.
+                ``"nvlink"``: rows from one rank to another over the buffer's capacity (raised
+                on every rank, after the count exchange).
             RuntimeError: ``"nvlink"``: an earlier kernel timed out waiting for a peer.
 
         Source: DeepEP ``Buffer.dispatch`` (ANCHORS §2); DESIGN §4.
@@ -519,29 +656,23 @@ class Buffer:
         )
 
     def _dispatch(self, x, topk_idx, topk_weights, num_experts):
-        handle, recv_topk_idx = self._make_handle(topk_idx, num_experts)
-        local = recv_topk_idx >= 0  # [N, k]
+        handle, num_recv_tokens_per_expert = self._make_handle(topk_idx, num_experts)
+        tokens = torch.arange(topk_idx.shape[0], dtype=torch.int64, device=topk_idx.device)
+        meta = [topk_weights, topk_idx, tokens.unsqueeze(1)]  # travel with the payload rows
+        fp8 = isinstance(x, (tuple, list))
+        # ONE message per dispatch: payload + weights + topk_idx + source index, packed per row.
+        # FP8 rows are bytes (as before, no gradient flows to the pair; weights still get one).
+        head = [x[0].view(torch.uint8), x[1].detach()] if fp8 else [x]
+        outs = _DispatchFn.apply(handle, *head, *meta)
+        recv_w, recv_global, recv_src = outs[-3:]
+        handle = replace(handle, recv_src_idx=recv_src[:, 0].contiguous())
+        recv_x = (outs[0].view(FP8_DTYPE), outs[1]) if fp8 else outs[0]
 
-        if isinstance(x, (tuple, list)):
-            x_fp8, sf = x
-            hidden = x_fp8.shape[1]
-            packed = torch.cat(
-                [x_fp8.contiguous().view(torch.uint8), sf.contiguous().view(torch.uint8)], dim=1
-            )  # [T, H + 4·⌈H/128⌉] bytes
-            recv = _dispatch_rows(packed, handle)  # [N, H + 4·⌈H/128⌉]
-            recv_x = (
-                recv[:, :hidden].contiguous().view(FP8_DTYPE),
-                recv[:, hidden:].contiguous().view(torch.float32),
-            )
-        else:
-            recv_x = _DispatchFn.apply(x, handle)  # [N, H]
-
-        recv_w = _DispatchFn.apply(topk_weights, handle)  # [N, k]
-        recv_topk_weights = torch.where(local, recv_w, torch.zeros_like(recv_w))
         experts_per_rank = num_experts // self.num_ranks
-        num_recv_tokens_per_expert = torch.bincount(
-            recv_topk_idx[local], minlength=experts_per_rank
-        ).tolist()
+        first = self.rank * experts_per_rank
+        local = (recv_global >= first) & (recv_global < first + experts_per_rank)  # [N, k]
+        recv_topk_idx = torch.where(local, recv_global - first, -1)  # [N, k]
+        recv_topk_weights = torch.where(local, recv_w, torch.zeros_like(recv_w))
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle
 
     def combine(
@@ -617,53 +748,78 @@ class Buffer:
     # ------------------------------------------------------------------ internals
     def _make_handle(
         self, topk_idx: torch.Tensor, num_experts: int
-    ) -> tuple[DispatchHandle, torch.Tensor]:
-        """Layout + count exchange + exchange of (source index, topk_idx); local recv ids."""
-        n_ranks, group = self.num_ranks, self.group
-        num_tokens_per_rank, _, is_token_in_rank = get_dispatch_layout(
-            topk_idx, num_experts, n_ranks
-        )
-        # (rank, token) pairs in rank-major, token-ascending order: the send order.
-        send_src_idx = is_token_in_rank.t().nonzero()[:, 1].contiguous()  # [S]
-        # Row r to rank r: (count for r, this rank's largest count), so every rank learns the
-        # largest count between any two ranks (the nvlink capacity check agrees everywhere).
-        counts = torch.stack(
-            [num_tokens_per_rank, num_tokens_per_rank.max().expand(n_ranks)], dim=1
-        )  # [R, 2]
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts.contiguous(), group=group)
-        recv_counts_t = recv[:, 0].contiguous()
-        send_counts = tuple(num_tokens_per_rank.tolist())
-        recv_counts = tuple(recv_counts_t.tolist())
-        max_rows_per_pair = int(recv[:, 1].max())
+    ) -> tuple[DispatchHandle, list[int]]:
+        """Layout + the one count exchange + the one host sync of a dispatch.
 
-        tokens = torch.arange(topk_idx.shape[0], dtype=torch.int64, device=topk_idx.device)
-        meta = torch.cat([tokens.unsqueeze(1), topk_idx], dim=1)  # [T, 1 + k]
-        recv_meta = _exchange(meta.index_select(0, send_src_idx), send_counts, recv_counts, group)
-        recv_src_idx = recv_meta[:, 0].contiguous()  # [N]
-        recv_global = recv_meta[:, 1:]  # [N, k]
-        recv_src_rank = torch.repeat_interleave(
-            torch.arange(n_ranks, device=topk_idx.device), recv_counts_t.to(topk_idx.device)
-        )  # [N]
-
+        Row ``r`` of the count message goes to rank ``r``: (rows for ``r``, this rank's largest
+        count, this rank's number of ids outside ``[-1, E)``, the tokens for each of ``r``'s
+        experts). So every rank learns its receive counts, the largest count between any two
+        ranks (the nvlink capacity check agrees everywhere), whether any rank's ids are invalid
+        (every rank raises alike) and its per-expert receive counts, in one small
+        ``all_to_all_single`` and one device-to-host copy. The send order is built on the
+        device meanwhile. Returns the handle (its ``recv_src_idx`` still empty: it travels with
+        the payload) and ``num_recv_tokens_per_expert``.
+        """
+        n_ranks, group, dev = self.num_ranks, self.group, topk_idx.device
+        n_tokens = topk_idx.shape[0]
         experts_per_rank = num_experts // n_ranks
-        first = self.rank * experts_per_rank
-        is_local = (recv_global >= first) & (recv_global < first + experts_per_rank)
-        recv_topk_idx = torch.where(is_local, recv_global - first, -1)  # [N, k]
+        per_rank, per_expert, in_rank, n_bad = _layout(topk_idx, num_experts, n_ranks)
+        width = 3 + experts_per_rank
+        msg = torch.cat(
+            [
+                per_rank.unsqueeze(1),
+                per_rank.max().expand(n_ranks, 1),
+                n_bad.expand(n_ranks, 1),
+                per_expert.view(n_ranks, experts_per_rank),
+            ],
+            dim=1,
+        )  # [R, 3 + E/R]
+        recv = torch.empty_like(msg)
+        dist.all_to_all_single(recv, msg, group=group)
+        # Send order (rank-major, ascending tokens) without nonzero (a sync): the place of each
+        # (rank, token) pair is the running count of pairs before it; others go to a spill slot.
+        flat = in_rank.t().reshape(-1)  # [R·T]
+        n_pairs = flat.numel()
+        place = torch.where(flat, flat.cumsum(0) - 1, n_pairs)
+        token_of = torch.arange(n_pairs, dtype=torch.int64, device=dev) % max(n_tokens, 1)
+        order = torch.empty(n_pairs + 1, dtype=torch.int64, device=dev).scatter_(0, place, token_of)
+        host = torch.cat([recv.reshape(-1), per_rank]).tolist()  # the one host sync
 
+        rows = [host[s * width : (s + 1) * width] for s in range(n_ranks)]
+        bad = [s for s, row in enumerate(rows) if row[2]]
+        if bad:
+            if self.rank in bad:
+                lo, hi = int(topk_idx.min()), int(topk_idx.max())
+                got = f"got values in [{lo}, {hi}]"
+            else:
+                got = f"rank(s) {bad} passed others (raised on every rank)"
+            raise ValueError(
+                f"topk_idx must hold expert ids in [0, num_experts={num_experts}) or -1, {got}"
+            )
+        send_counts = tuple(host[n_ranks * width :])
+        recv_counts = tuple(row[0] for row in rows)
+        max_rows_per_pair = max(row[1] for row in rows)
+        num_recv_tokens_per_expert = [
+            sum(row[3 + e] for row in rows) for e in range(experts_per_rank)
+        ]
+        recv_counts_t = recv[:, 0].contiguous()
+        recv_src_rank = torch.repeat_interleave(
+            torch.arange(n_ranks, device=dev), recv_counts_t, output_size=sum(recv_counts)
+        )  # [N]
         handle = DispatchHandle(
             rank=self.rank,
             num_ranks=n_ranks,
             num_experts=num_experts,
-            num_tokens=topk_idx.shape[0],
+            num_tokens=n_tokens,
             send_counts=send_counts,
             recv_counts=recv_counts,
-            send_src_idx=send_src_idx,
+            send_src_idx=order[: sum(send_counts)],
             recv_src_rank=recv_src_rank,
-            recv_src_idx=recv_src_idx,
-            is_token_in_rank=is_token_in_rank,
+            recv_src_idx=recv_src_rank.new_empty(0),
+            is_token_in_rank=in_rank,
             group=group,
             max_rows_per_pair=max_rows_per_pair,
             transport=self._transport,
+            _nvl_index={"counts": (per_rank, recv_counts_t)} if self._transport else {},
         )
-        return handle, recv_topk_idx
+        return handle, num_recv_tokens_per_expert

@@ -2,10 +2,11 @@
 
 Design note (DeepSeek-V3 report §3.2.2; DESIGN §3-4; DeepEP's intranode kernels, ANCHORS §2).
 
-What moves where. The layout (counts per rank, the source index and ``topk_idx`` of every row)
-is still exchanged by the ``all_to_all`` path of ``dispatch.py`` (small int64 messages); the
-NVLink kernel moves the *payload rows* (activations, FP8 bytes + scales, gate weights, combine
-rows). A payload is a ``[M, B]`` byte matrix (rows padded to a multiple of 16 bytes); one kernel
+What moves where. The per-peer counts are exchanged by one small ``all_to_all_single`` in
+``dispatch.py``; the NVLink kernel moves the *message rows*: for dispatch one packed row per
+token and destination (activations or FP8 bytes + scales, gate weights, ``topk_idx``, source
+token index: one launch per dispatch), for combine the rows to sum. A message is a ``[M, B]``
+byte matrix (rows padded to a multiple of 16 bytes); one kernel
 is a variable all-to-all ``out[k] = rows_of(src_k)[slot_k]`` driven by four index vectors, so
 dispatch and combine are the same kernel with the roles of the index vectors swapped:
 
@@ -27,15 +28,15 @@ Memory. Every rank allocates one PyTorch symmetric-memory buffer (``symm_mem.emp
 with ``G = num_sms`` blocks. Region ``s`` of rank ``r``'s data holds the rows rank ``s`` sends
 to ``r`` (``cap = num_nvl_bytes // (R · B)`` rows of ``B`` bytes each).
 
-The kernel (one launch per payload, ``G`` blocks of 512 threads; every rank launches it once per
-operation, in the same order, as with any collective):
+The kernel (one launch per message, ``G`` blocks of ``threads`` threads, 512 by default; every
+rank launches it once per operation, in the same order, as with any collective):
 
 1. Wait until every block of every peer has released ``freed[peer][b] ≥ epoch - 1`` in this
    rank's flags: the peer has finished reading the previous operation's rows out of *its*
    buffer, so overwriting them is safe (write-after-read across GPUs).
-2. Each warp copies whole rows (16-byte ``ld_nc_v4`` loads, four in flight per lane, then
-   ``st_na_v4`` stores) from the local input straight into the destination rank's region over
-   NVLink.
+2. Each warp copies whole rows (16-byte ``ld_nc_v4`` loads, ``unroll`` (default 4) in flight
+   per lane, then ``st_na_v4`` stores) from the local input straight into the destination
+   rank's region over NVLink.
 3. ``__syncthreads``, then per peer a ``fence.acq_rel.sys`` + ``st.release.sys`` of
    ``ready[this rank][b] = epoch`` into that peer's flags.
 4. Wait for ``ready[src][b] ≥ epoch`` for every source rank and block (relaxed polling, then a
@@ -61,6 +62,31 @@ Deadlock freedom: a block only waits for flags released by (a) blocks of the pre
 operation, which have run to completion on every GPU, or (b) the send phase of this operation's
 blocks, which waits for nothing but (a). Blocks that are not yet resident (SMs busy with compute
 kernels) delay the others, never block them forever.
+
+Pipelined variant (``pipeline=True``, compile-time; default off until timed on GPUs). Phase 4
+above waits for *all* ``R·G`` ready flags, so no block copies out before the slowest block of
+any rank has sent. The variant removes that global barrier by making block ``b`` of every rank
+the only writer of the slots that block ``b`` of the receiver reads:
+
+2'. The send list is grouped by destination (``send_off[d]..send_off[d+1]``, places ``0, 1,
+    ...``); for each destination, warp ``w`` of the grid (``w = b·warps + warp``) sends the
+    places ``j ≡ w (mod G·warps)``.
+4'. The output is grouped by source (``recv_off[s]..recv_off[s+1]``, places ``0, 1, ...``);
+    for each source ``s`` (this rank first: its rows are written by local blocks), block ``b``
+    waits for ``ready[s][b] ≥ epoch`` only, then copies out places ``j ≡ w (mod G·warps)`` of
+    ``s``, which are exactly the places block ``b`` of ``s`` wrote (same ``G`` and threads on
+    every rank: the buffer is built collectively with the same knobs).
+
+So a block copies out while other blocks (of every rank) are still sending, and polls ``R``
+flags instead of ``R·G``. Visibility is the same release/acquire pair as above (the writer
+block's ``__syncthreads`` + ``fence.acq_rel.sys`` + ``st.release.sys``; the reader's poll +
+``fence.acq_rel.sys`` + ``__syncthreads``). Phase 1 still waits for all freed flags: the
+previous operation may have had another row size, so its places map to other bytes. Deadlock
+freedom is unchanged: a wait in 4' is for a flag released by the send phase of a block of this
+operation (which waits only for (a)), and a wait in 1 is (a); no block waits for a block of its
+own GPU that could be waiting for it. Both groupings are what ``dispatch.py`` builds (dispatch:
+sends by destination, output by source; combine: the reverse) and are asserted by the gloo
+emulation of the kernel's contract in the tests.
 """
 
 from __future__ import annotations
@@ -73,10 +99,21 @@ import torch.distributed as dist
 
 from ptxtrain._checks import ceil_div
 
-__all__ = ["KERNEL_NAME", "NvlinkTransport", "compile_kernel", "kernel_source"]
+__all__ = [
+    "DEFAULT_THREADS",
+    "DEFAULT_UNROLL",
+    "KERNEL_NAME",
+    "UNROLLS",
+    "NvlinkTransport",
+    "check_knobs",
+    "compile_kernel",
+    "kernel_source",
+]
 
 KERNEL_NAME = "nvl_all_to_all_v"
-_THREADS = 512
+DEFAULT_THREADS = 512  # threads per block
+DEFAULT_UNROLL = 4  # 16-byte loads in flight per lane
+UNROLLS = (1, 2, 4, 8)
 _FLAG_ALIGN = 256
 # Error codes written by the kernel (the host message names them).
 _ERRORS = {1: "waiting for peers to free their buffers", 2: "waiting for peers' rows"}
@@ -103,25 +140,38 @@ __device__ __forceinline__ void wait_flags(const int* flags, int n, int target,
   __syncthreads();
 }
 
-// One warp copies one row of n int4: four 16-byte loads in flight per lane before their stores.
+// Tuning knobs (compile-time, see compile_kernel): threads per block and 16-byte loads in flight
+// per lane of a row copy.
+#ifndef PTXTRAIN_NVL_THREADS
+#define PTXTRAIN_NVL_THREADS 512
+#endif
+#ifndef PTXTRAIN_NVL_UNROLL
+#define PTXTRAIN_NVL_UNROLL 4
+#endif
+#ifndef PTXTRAIN_NVL_PIPELINE  // 1: per-block flags, copy-out overlaps other blocks' sends
+#define PTXTRAIN_NVL_PIPELINE 0
+#endif
+
+// One warp copies one row of n int4: U 16-byte loads in flight per lane before their stores.
+template <int U>
 __device__ __forceinline__ void copy_row(int4* d, const int4* s, int n, int lane) {
   int j = lane;
-  for (; j + 96 < n; j += 128) {
-    const int4 a = ld_nc_v4(s + j), b = ld_nc_v4(s + j + 32);
-    const int4 c = ld_nc_v4(s + j + 64), e = ld_nc_v4(s + j + 96);
-    st_na_v4(d + j, a);
-    st_na_v4(d + j + 32, b);
-    st_na_v4(d + j + 64, c);
-    st_na_v4(d + j + 96, e);
+  for (; j + 32 * (U - 1) < n; j += 32 * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = ld_nc_v4(s + j + 32 * u);
+#pragma unroll
+    for (int u = 0; u < U; ++u) st_na_v4(d + j + 32 * u, v[u]);
   }
   for (; j < n; j += 32) st_na_v4(d + j, ld_nc_v4(s + j));
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) nvl_all_to_all_v(
+extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to_all_v(
     const int4* __restrict__ src, const long long* __restrict__ send_row,
     const int* __restrict__ send_dst, const int* __restrict__ send_slot, int num_send,
     int4* __restrict__ out, const int* __restrict__ recv_src, const int* __restrict__ recv_slot,
-    int num_recv, const long long* __restrict__ peer_bases, int rank, int num_ranks,
+    int num_recv, const long long* __restrict__ send_off, const long long* __restrict__ recv_off,
+    const long long* __restrict__ peer_bases, int rank, int num_ranks,
     int stride16, long long cap_rows, long long data_offset, int epoch, long long timeout,
     int* __restrict__ error) {
   const int num_blocks = gridDim.x;
@@ -136,13 +186,26 @@ extern "C" __global__ void __launch_bounds__(512, 1) nvl_all_to_all_v(
   // 1. Peers have finished reading the previous operation's rows.
   wait_flags(my_flags + nflags, nflags, epoch - 1, timeout, error, 1);
 
+#if PTXTRAIN_NVL_PIPELINE
+  // 2. (pipelined) Per destination, warp w takes the slots j = w, w + gstep, ...: block b of
+  // every rank writes exactly the slots that block b of the destination copies out in 4.
+  for (int dst = 0; dst < num_ranks; ++dst) {
+    const long long first = send_off[dst], count = send_off[dst + 1] - first;
+    int4* region = reinterpret_cast<int4*>(peer_bases[dst] + data_offset) +
+                   (long long)rank * cap_rows * stride16;
+    for (long long j = gwarp; j < count; j += gstep)
+      copy_row<PTXTRAIN_NVL_UNROLL>(region + j * stride16, src + send_row[first + j] * stride16,
+                                    stride16, lane);
+  }
+#else
   // 2. Rows straight into the destination's region for this rank.
   for (long long i = gwarp; i < num_send; i += gstep) {
     const int4* s = src + send_row[i] * stride16;
     int4* d = reinterpret_cast<int4*>(peer_bases[send_dst[i]] + data_offset) +
               ((long long)rank * cap_rows + send_slot[i]) * stride16;
-    copy_row(d, s, stride16, lane);
+    copy_row<PTXTRAIN_NVL_UNROLL>(d, s, stride16, lane);
   }
+#endif
 
   // 3. This block's rows are written: release ready[rank][block] in every peer.
   __syncthreads();
@@ -151,14 +214,28 @@ extern "C" __global__ void __launch_bounds__(512, 1) nvl_all_to_all_v(
     st_release_sys(reinterpret_cast<int*>(peer_bases[p]) + rank * num_blocks + blockIdx.x, epoch);
   }
 
+  const int4* mine = reinterpret_cast<const int4*>(peer_bases[rank] + data_offset);
+#if PTXTRAIN_NVL_PIPELINE
+  // 4. (pipelined) Per source, this rank first: wait for that source's block with this block's
+  // index only (it wrote exactly the slots this block reads), then copy its rows out.
+  for (int i = 0; i < num_ranks; ++i) {
+    const int s = (rank + i) % num_ranks;
+    wait_flags(my_flags + s * num_blocks + blockIdx.x, 1, epoch, timeout, error, 2);
+    const long long first = recv_off[s], count = recv_off[s + 1] - first;
+    const int4* region = mine + (long long)s * cap_rows * stride16;
+    for (long long j = gwarp; j < count; j += gstep)
+      copy_row<PTXTRAIN_NVL_UNROLL>(out + (first + j) * stride16, region + j * stride16, stride16,
+                                    lane);
+  }
+#else
   // 4. Every source's rows have arrived: copy them out in the receive order.
   wait_flags(my_flags, nflags, epoch, timeout, error, 2);
-  const int4* mine = reinterpret_cast<const int4*>(peer_bases[rank] + data_offset);
   for (long long k = gwarp; k < num_recv; k += gstep) {
     const int4* s = mine + ((long long)recv_src[k] * cap_rows + recv_slot[k]) * stride16;
     int4* d = out + k * stride16;
-    copy_row(d, s, stride16, lane);
+    copy_row<PTXTRAIN_NVL_UNROLL>(d, s, stride16, lane);
   }
+#endif
 
   // 5. This block is done reading: release freed[rank][block] in every peer.
   __syncthreads();
@@ -176,16 +253,50 @@ def kernel_source() -> str:
     return _SOURCE
 
 
-def compile_kernel(aggressive_ptx: bool = False, arch: str = "sm_90a", keep_ptx: bool = False):
+def check_knobs(threads: object, unroll: object) -> tuple[int, int]:
+    """Validates the kernel's tuning knobs; returns ``(threads, unroll)``.
+
+    Raises TypeError (not ints) or ValueError (``threads`` not a multiple of 32 in
+    ``[32, 1024]``; ``unroll`` not in ``UNROLLS``), the message naming the argument.
+    """
+    from ptxtrain._checks import check_positive_int
+
+    check_positive_int("threads", threads)
+    check_positive_int("unroll", unroll)
+    if threads % 32 or threads > 1024:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    if unroll not in UNROLLS:
+        raise ValueError(f"unroll must be one of {UNROLLS}, got {unroll}")
+    return threads, unroll
+
+
+def compile_kernel(
+    aggressive_ptx: bool = False,
+    arch: str = "sm_90a",
+    keep_ptx: bool = False,
+    *,
+    threads: int = DEFAULT_THREADS,
+    unroll: int = DEFAULT_UNROLL,
+    pipeline: bool = False,
+):
     """Compiles the kernel through :func:`ptxtrain.jit.compile_cuda` (NVRTC; no GPU needed).
 
     ``aggressive_ptx`` adds ``-DPTXTRAIN_AGGRESSIVE_PTX`` (the ``ld.global.nc`` loads);
-    ``keep_ptx`` keeps the PTX text on the result. Returns a :class:`ptxtrain.jit.CompiledKernel`;
-    raises :class:`ptxtrain.jit.JitCompileError` / RuntimeError as ``compile_cuda`` does.
+    ``keep_ptx`` keeps the PTX text on the result. Tuning knobs (compile-time):
+    ``threads`` per block (the launch must use the same; a multiple of 32, at most 1024) and
+    ``unroll``, 16-byte loads in flight per lane in a row copy (one of ``UNROLLS``);
+    ``pipeline`` (bool) selects the per-block flags of the design note. Returns a
+    :class:`ptxtrain.jit.CompiledKernel`; raises TypeError / ValueError for bad knobs and
+    :class:`ptxtrain.jit.JitCompileError` / RuntimeError as ``compile_cuda`` does.
     """
     from ptxtrain.jit import compile_cuda
 
+    threads, unroll = check_knobs(threads, unroll)
+    if not isinstance(pipeline, bool):
+        raise TypeError(f"pipeline must be a bool, got {pipeline!r}")
     flags = ("-DPTXTRAIN_AGGRESSIVE_PTX",) if aggressive_ptx else ()
+    flags += (f"-DPTXTRAIN_NVL_THREADS={threads}", f"-DPTXTRAIN_NVL_UNROLL={unroll}")
+    flags += (f"-DPTXTRAIN_NVL_PIPELINE={int(pipeline)}",)
     return compile_cuda(_SOURCE, name=KERNEL_NAME, arch=arch, flags=flags, keep_ptx=keep_ptx)
 
 
@@ -203,6 +314,7 @@ class NvlinkTransport:
         num_sms: ``G``, thread blocks of the kernel (one per SM).
         num_nvl_bytes: bytes of the data region of each rank's symmetric buffer.
         aggressive_ptx: compile with ``PTXTRAIN_AGGRESSIVE_PTX`` (``ld.global.nc`` loads).
+        threads / unroll / pipeline: the kernel's tuning knobs (:func:`compile_kernel`).
         timeout_s: bound on every flag wait (SM clock cycles at the device's clock rate).
 
     Collective: every rank must construct it with the same arguments.
@@ -216,11 +328,15 @@ class NvlinkTransport:
         *,
         aggressive_ptx: bool = False,
         timeout_s: float = 30.0,
+        threads: int = DEFAULT_THREADS,
+        unroll: int = DEFAULT_UNROLL,
+        pipeline: bool = False,
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from ptxtrain.jit import load_kernel
 
+        self.threads, self.unroll = check_knobs(threads, unroll)
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -256,7 +372,11 @@ class NvlinkTransport:
         props = torch.cuda.get_device_properties(self.device)
         clock_khz = getattr(props, "clock_rate", 0) or 2_000_000
         self.timeout_cycles = int(timeout_s * clock_khz * 1e3)
-        self.kernel = load_kernel(compile_kernel(aggressive_ptx))
+        self.kernel = load_kernel(
+            compile_kernel(
+                aggressive_ptx, threads=self.threads, unroll=self.unroll, pipeline=pipeline
+            )
+        )
 
     def capacity_rows(self, row_bytes: int) -> int:
         """Rows of ``row_bytes`` (padded to 16) one rank may send to another per operation."""
@@ -290,6 +410,8 @@ class NvlinkTransport:
         send_slot: torch.Tensor,
         recv_src: torch.Tensor,
         recv_slot: torch.Tensor,
+        send_off: torch.Tensor,
+        recv_off: torch.Tensor,
     ) -> torch.Tensor:
         """One variable all-to-all of byte rows on NVLink: ``out[k]`` = the row that rank
         ``recv_src[k]`` sent to this rank with ``send_slot == recv_slot[k]``.
@@ -299,6 +421,10 @@ class NvlinkTransport:
             send_row: ``[S]`` int64 rows of ``rows`` to send; ``send_dst`` / ``send_slot``:
                 ``[S]`` int32 destination rank and place among this rank's rows there.
             recv_src / recv_slot: ``[K]`` int32 source rank and place of every output row.
+            send_off / recv_off: ``[R + 1]`` int64 offsets: the send list is grouped by
+                destination (rows ``send_off[d]..send_off[d+1]`` go to ``d``, their places
+                ``0, 1, ...``), the output by source (rows ``recv_off[s]..recv_off[s+1]``,
+                places ``0, 1, ...``); the pipelined kernel relies on these groupings.
 
         Returns:
             ``[K, B]`` uint8. Launched on the current stream; the caller checks capacity.
@@ -312,7 +438,7 @@ class NvlinkTransport:
         launch(
             self.kernel,
             self.num_sms,
-            _THREADS,
+            self.threads,
             [
                 rows,
                 send_row,
@@ -323,6 +449,8 @@ class NvlinkTransport:
                 recv_src,
                 recv_slot,
                 int(recv_src.shape[0]),
+                send_off,
+                recv_off,
                 self.peer_bases,
                 self.rank,
                 self.num_ranks,

@@ -243,11 +243,22 @@ class GlooTransport:
         self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_nvl_bytes
         self.device = torch.device("cpu")
         self.row_bytes_seen = set()
+        self.calls = 0
 
     def capacity_rows(self, row_bytes):
         return self.num_nvl_bytes // (self.num_ranks * row_bytes)
 
-    def exchange(self, rows, send_row, send_dst, send_slot, recv_src, recv_slot):
+    def exchange(
+        self, rows, send_row, send_dst, send_slot, recv_src, recv_slot, send_off, recv_off
+    ):
+        self.calls += 1
+        # The groupings the pipelined kernel relies on: sends by destination, outputs by
+        # source, places 0, 1, ... within each group.
+        for idx, slot, off in ((send_dst, send_slot, send_off), (recv_src, recv_slot, recv_off)):
+            assert off.dtype == torch.int64 and off.shape == (self.num_ranks + 1,)
+            counts = off.diff()
+            assert torch.equal(idx.long(), torch.repeat_interleave(counts)), "not grouped"
+            assert torch.equal(slot.long(), torch.arange(idx.numel()) - off[idx.long()])
         assert rows.dtype == torch.uint8 and rows.shape[1] % 16 == 0 and rows.is_contiguous()
         assert send_dst.dtype == recv_src.dtype == torch.int32
         self.row_bytes_seen.add(rows.shape[1])
@@ -293,6 +304,46 @@ def _check_capacity(rank, world, num_experts):
         buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
 
 
+def _check_message_counts(rank, world, num_experts):
+    """One dispatch = one count exchange + ONE payload message (x, weights, topk_idx and source
+    index packed per row); one combine = one message; each backward = one message."""
+    calls = []
+    real = dist.all_to_all_single
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    xs, idxs, ws = _scenario(world, 23, [7, 5, 9, 4][:world], 16, 3, num_experts)
+    for nvl in (False, True):
+        buf = Buffer()
+        if nvl:
+            buf._transport = GlooTransport(rank, world, num_nvl_bytes=1 << 20)
+        x = xs[rank].clone().requires_grad_()
+        w = ws[rank].clone().requires_grad_()
+        dist.all_to_all_single = counting
+        try:
+            steps = []
+            res = buf.dispatch(x, idxs[rank], w, num_experts)
+            steps.append(len(calls))
+            out = buf.combine(res[0] * 2, res[4])
+            steps.append(len(calls))
+            (out.sum() + res[2].sum()).backward()
+            steps.append(len(calls))
+        finally:
+            dist.all_to_all_single = real
+        moved = buf._transport.calls if nvl else 0
+        calls.clear()
+        # all_to_all: counts + payload, combine, backward of combine (a dispatch of the
+        # gradient) + backward of dispatch (x and w gradients in one combine message).
+        # nvlink: only the counts on all_to_all_single, the rest through the transport.
+        assert steps == ([1, 1, 1] if nvl else [2, 3, 5]), (nvl, steps)
+        assert moved == (4 if nvl else 0), moved
+        # d(sum combine(2·recv_x))/dx = 2 · (ranks the token went to), summed exactly.
+        n_ranks = res[4].is_token_in_rank.sum(1, keepdim=True).to(x.dtype)
+        _check_exact(f"dx (nvl={nvl})", x.grad, (2 * n_ranks).expand_as(x))
+
+
 def _worker(rank: int, world: int) -> None:
     buf = Buffer()
     assert (buf.rank, buf.num_ranks) == (rank, world)
@@ -305,9 +356,13 @@ def _worker(rank: int, world: int) -> None:
     nvl = Buffer()
     nvl._transport = GlooTransport(rank, world, num_nvl_bytes=1 << 20)
     _run_checks(nvl, rank, world)
-    # fp32 [.,16] = 64 B, fp64 [.,12] = 96 B, weights [.,3]/[.,4] fp32 = 12/16 B -> 16 (padded),
-    # fp8 200 B + 8 B scales = 208 B, bf16 [.,24] = 48 B: every payload went through it.
-    assert {16, 48, 64, 96, 208} <= nvl._transport.row_bytes_seen, nvl._transport.row_bytes_seen
+    # Dispatch rows carry payload + weights + topk_idx + source index (k·4 or k·8 + k·8 + 8 B),
+    # padded to 16: fp32 [.,16] top-3/top-4 -> 108/120 -> 112/128 B, fp64 [.,12] top-3 -> 152
+    # -> 160, fp8 200 + 8 B scales top-2 -> 240 B, bf16 [.,24] top-3 -> 96; combine rows: bf16
+    # [.,24] = 48 B, fp64 [.,12] = 96 B, fp64 grads of x and w packed: 96 + 24 = 120 -> 128 B.
+    want = {48, 96, 112, 128, 160, 240}
+    assert want <= nvl._transport.row_bytes_seen, nvl._transport.row_bytes_seen
+    _check_message_counts(rank, world, 3 * world)
     dist.barrier()
 
 
@@ -361,6 +416,10 @@ def test_buffer_argument_validation_single_process():
         (TypeError, "num_nvl_bytes", dict(num_nvl_bytes="1G")),
         (ValueError, "timeout_s", dict(timeout_s=0.0)),
         (TypeError, "timeout_s", dict(timeout_s=True)),
+        (ValueError, "threads", dict(nvl_threads=100)),
+        (TypeError, "threads", dict(nvl_threads=None)),
+        (ValueError, "unroll", dict(nvl_unroll=3)),
+        (TypeError, "pipeline", dict(nvl_pipeline=1)),
     ]
     for exc, word, kw in bad:
         with pytest.raises(exc, match=word):

@@ -1,5 +1,6 @@
 """The nvlink backend of ``ptxtrain.moe.Buffer``: its kernel's NVRTC build (CPU) and, on 2+ GPUs,
-bit-exact agreement with the ``all_to_all`` backend, stale reads, async mode, capacity, timeouts.
+bit-exact agreement with the ``all_to_all`` backend (default and pipelined kernels, other knobs),
+stale reads, one host sync per dispatch and none per combine, async mode, capacity, timeouts.
 
 GPU tests (``multigpu``) spawn 2 NCCL processes, one GPU each:
 
@@ -15,6 +16,7 @@ sending nothing, several experts of a token on one rank).
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -22,7 +24,14 @@ import torch.distributed as dist
 
 from ptxtrain.jit import nvrtc_available
 from ptxtrain.moe.dispatch import Buffer, EventOverlap
-from ptxtrain.moe.nvlink import KERNEL_NAME, compile_kernel, kernel_source
+from ptxtrain.moe.nvlink import (
+    DEFAULT_THREADS,
+    DEFAULT_UNROLL,
+    KERNEL_NAME,
+    UNROLLS,
+    compile_kernel,
+    kernel_source,
+)
 from ptxtrain.quant.ref import per_token_cast_to_fp8
 from tests.moe._dist import init_nccl, run_dist
 from tests.moe.test_dispatch import _check_exact, _expected, _scenario
@@ -52,6 +61,34 @@ def test_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
         assert (NC_LOAD in k.ptx) == aggressive
         assert ("ld.relaxed.gpu.global.v4" in k.ptx) == (not aggressive)
     assert builds[False].key != builds[True].key
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-bindings) missing")
+def test_kernel_knobs_compile(tmp_path, monkeypatch):
+    # Every knob combination the sweep (benchmarks/sweep_nvlink.py) may use builds (~0.1 s each).
+    monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path))
+    keys = set()
+    for threads in (128, 256, 512, 1024):
+        for unroll in UNROLLS:
+            for pipeline in (False, True):
+                k = compile_kernel(threads=threads, unroll=unroll, pipeline=pipeline, keep_ptx=True)
+                assert f".maxntid {threads}" in k.ptx, (threads, unroll)
+                assert k.symbol() == KERNEL_NAME
+                keys.add(k.key)
+    assert len(keys) == 4 * len(UNROLLS) * 2  # every knob reaches the build
+    with pytest.raises(TypeError, match="pipeline"):
+        compile_kernel(pipeline=1)
+    assert (DEFAULT_THREADS, DEFAULT_UNROLL) == (512, 4)  # the tuned-before values stay default
+    bad = [
+        (500, 4, ValueError, "threads"),
+        (2048, 4, ValueError, "threads"),
+        (512.0, 4, TypeError, "threads"),
+        (512, 3, ValueError, "unroll"),
+        (512, 0, ValueError, "unroll"),
+    ]
+    for threads, unroll, exc, word in bad:
+        with pytest.raises(exc, match=word):
+            compile_kernel(threads=threads, unroll=unroll)
 
 
 # --------------------------------------------------------------------------- GPU checks
@@ -186,8 +223,35 @@ def _check_capacity(rank, world):
     _check_exact("after overflow", got[0].cpu(), exp_x)
 
 
-def _check_timeout(rank, world):
-    buf = Buffer(backend="nvlink", num_sms=2, num_nvl_bytes=1 << 16, timeout_s=0.5)
+def _check_host_syncs(buf, rank, world):
+    """One dispatch = ONE host sync (the copy of the exchanged counts); combine = none."""
+    e = 8 * world
+    g = torch.Generator(device="cuda").manual_seed(40 + rank)
+    idx = torch.rand(256, e, generator=g, device="cuda").topk(4, dim=1).indices
+    w = torch.rand(256, 4, generator=g, device="cuda")
+    x = torch.randn(256, 512, generator=g, device="cuda").bfloat16()
+    q = per_token_cast_to_fp8(x.float())
+    buf.dispatch(q, idx, w, e)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = buf.dispatch(q, idx, w, e)
+            n_dispatch = len(caught)
+            buf.combine(res[0][0].float().bfloat16(), res[4])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = ["synchroniz" in str(c.message) for c in caught]  # other warnings do not count
+    assert (sum(syncs[:n_dispatch]), sum(syncs[n_dispatch:])) == (1, 0), [
+        str(c.message)[:200] for c in caught
+    ]
+
+
+def _check_timeout(rank, world, pipeline):
+    buf = Buffer(
+        backend="nvlink", num_sms=2, num_nvl_bytes=1 << 16, timeout_s=0.5, nvl_pipeline=pipeline
+    )
     if rank == 0:  # the peers never take part: the kernel must give up, and the host raise
         t = buf._transport
         rows = torch.zeros(0, 16, dtype=torch.uint8, device="cuda")
@@ -195,7 +259,8 @@ def _check_timeout(rank, world):
             torch.zeros(0, dtype=torch.int64, device="cuda"),
             torch.zeros(0, dtype=torch.int32, device="cuda"),
         )
-        t.exchange(rows, i64, i32, i32, i32, i32)
+        off = torch.zeros(world + 1, dtype=torch.int64, device="cuda")
+        t.exchange(rows, i64, i32, i32, i32, i32, off, off)
         with pytest.raises(RuntimeError, match="timed out"):
             buf.check_errors()
     dist.barrier()
@@ -205,19 +270,29 @@ def _gpu_worker(rank: int, world: int) -> None:
     ref = Buffer(backend="all_to_all")
     with pytest.raises(ValueError, match="num_sms"):
         Buffer(backend="nvlink", num_sms=10_000)
-    for num_sms, aggressive in ((1, False), (24, False), (24, True)):
+    # Default knobs, then the pipelined variant with other knobs (1 SM: one block per rank).
+    configs = [(1, False, {}), (24, False, {}), (24, True, {})]
+    configs += [(1, False, dict(nvl_pipeline=True)), (24, False, dict(nvl_pipeline=True))]
+    configs += [(16, False, dict(nvl_pipeline=True, nvl_threads=256, nvl_unroll=8))]
+    for num_sms, aggressive, knobs in configs:
         buf = Buffer(
-            backend="nvlink", num_sms=num_sms, num_nvl_bytes=64 << 20, aggressive_ptx=aggressive
+            backend="nvlink",
+            num_sms=num_sms,
+            num_nvl_bytes=64 << 20,
+            aggressive_ptx=aggressive,
+            **knobs,
         )
         _check_scenarios(ref, buf, rank, world)
         _check_stale_reads(ref, buf, rank, world)
+        _check_host_syncs(buf, rank, world)
         buf.check_errors()  # waits for the last kernel
         dist.barrier()  # no rank frees a buffer a peer still writes to
     _check_async(ref, buf, rank, world)
     _check_async(ref, ref, rank, world)  # async all_to_all on NCCL too
     _check_capacity(rank, world)
     buf.check_errors()
-    _check_timeout(rank, world)
+    _check_timeout(rank, world, pipeline=False)
+    _check_timeout(rank, world, pipeline=True)
     dist.barrier()
 
 
