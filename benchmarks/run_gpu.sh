@@ -2,7 +2,7 @@
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [train] [sweep]
-# Stages for 2 GPUs (nvidia-h200-x2): [multigpu] [p2p] [pp] [dispatch] [ep]
+# Stages for 2 GPUs (nvidia-h200-x2): [multigpu] [p2p] [pp] [dispatch] [nvlsweep] [ep]
 # STEPS (default 60) sets the training steps of the train / pp / ep stages.
 # Results (JSON, logs, PNGs) are written under $OUT (the device tool brings them back).
 set -uo pipefail
@@ -72,8 +72,14 @@ for stage in $stages; do
     dispatch)
       torchrun --nproc-per-node 2 -m ptxtrain bench dispatch --json "$OUT/$(date -u +%Y%m%d)-dispatch.json" 2>&1 | tail -30 || status=1
       ;;
+    nvlsweep)
+      # NVL_ARGS narrows the grid (e.g. "--threads 512 1024 --num-sms 24 32").
+      torchrun --nproc-per-node 2 -m benchmarks.sweep_nvlink ${NVL_ARGS:-} \
+        --out "$OUT/sweep_nvlink_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" || status=1
+      ;;
     ep)
-      common="--preset small --no-mtp --steps ${STEPS:-60} --no-progress --overwrite"
+      # PRECISION=fp8 runs the experts in FP8 and, under --ep, dispatches FP8.
+      common="--preset small --no-mtp --steps ${STEPS:-60} --no-progress --overwrite --precision ${PRECISION:-bf16}"
       python3 -m ptxtrain train $common --out /tmp/ep-1gpu > "$OUT/train-ep1.log" 2>&1 || status=1
       grep -E "throughput|train loss|val" "$OUT/train-ep1.log"
       echo "--- ep2"
