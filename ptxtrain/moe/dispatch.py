@@ -491,7 +491,7 @@ class Buffer:
         *,
         aggressive_ptx: bool = False,
         timeout_s: float = 30.0,
-        nvl_threads: int = 512,
+        nvl_threads: int = 1024,
         nvl_unroll: int = 4,
         nvl_pipeline: bool = False,
     ):

@@ -111,7 +111,9 @@ __all__ = [
 ]
 
 KERNEL_NAME = "nvl_all_to_all_v"
-DEFAULT_THREADS = 512  # threads per block
+# threads per block: 1024 moved 1.5x (dispatch) / 1.3x (combine) the payload bytes of 512 at 24
+# SMs on 2 x H200 (benchmarks/results/2026-11-22-s4-2xh200/sweep_nvlink_9edeed0.json)
+DEFAULT_THREADS = 1024
 DEFAULT_UNROLL = 4  # 16-byte loads in flight per lane
 UNROLLS = (1, 2, 4, 8)
 _FLAG_ALIGN = 256

@@ -15,6 +15,7 @@ sending nothing, several experts of a token on one rank).
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 
@@ -78,7 +79,9 @@ def test_kernel_knobs_compile(tmp_path, monkeypatch):
     assert len(keys) == 4 * len(UNROLLS) * 2  # every knob reaches the build
     with pytest.raises(TypeError, match="pipeline"):
         compile_kernel(pipeline=1)
-    assert (DEFAULT_THREADS, DEFAULT_UNROLL) == (512, 4)  # the tuned-before values stay default
+    # Buffer's defaults are the kernel's (one tuned value, sweep_nvlink_9edeed0.json).
+    assert inspect.signature(Buffer).parameters["nvl_threads"].default == DEFAULT_THREADS
+    assert inspect.signature(Buffer).parameters["nvl_unroll"].default == DEFAULT_UNROLL
     bad = [
         (500, 4, ValueError, "threads"),
         (2048, 4, ValueError, "threads"),
@@ -211,8 +214,10 @@ def _check_async(ref, buf, rank, world):
 
 
 def _check_capacity(rank, world):
-    # fp32 rows of 16 values = 64 B: 4 rows per peer fit.
-    small = Buffer(backend="nvlink", num_sms=2, num_nvl_bytes=4 * world * 64)
+    # Dispatch rows: 16 fp32 values (64 B) + top-2 weights, topk_idx and the token index
+    # (12·2 + 8 B) = 96 B: 4 rows per peer fit.
+    row = 16 * 4 + 12 * 2 + 8
+    small = Buffer(backend="nvlink", num_sms=2, num_nvl_bytes=Buffer.nvl_bytes_hint(4, row, world))
     xs, idxs, ws = _scenario(world, 30, [12] * world, 16, 2, 3 * world)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         small.dispatch(_cuda(xs[rank]), _cuda(idxs[rank]), _cuda(ws[rank]), 3 * world)
