@@ -25,7 +25,7 @@ from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_WGRAD_MN
 
 
 def _candidates(
-    kind: str, m: int, n: int, unrolls=(2,), doubles=(False,), tmas=(False,)
+    kind: str, m: int, n: int, unrolls=(2,), doubles=(False,), tmas=(False,), epi_boxes=(0,)
 ) -> list[ptx.PtxConfig]:
     out = []
     out_dtype = torch.bfloat16 if kind == "1d2d" else torch.float32
@@ -35,15 +35,15 @@ def _candidates(
             for cluster, tma in itertools.product((1, 2), tmas):
                 if tma and not ptx.tma_store_fits(bn, n, out_dtype):
                     continue
-                epi = ptx.epilogue_bytes(bm, bn, out_dtype) if tma else 0
-                stages = 8
-                while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind, epi) > 227 * 1024:
-                    stages -= 1
-                for u in unrolls:
-                    for dbl in doubles:
+                for eb in epi_boxes if tma else (0,):
+                    epi = ptx.epilogue_bytes(bm, bn, out_dtype, eb) if tma else 0
+                    stages = 8
+                    while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind, epi) > 227 * 1024:
+                        stages -= 1
+                    for u, dbl in itertools.product(unrolls, doubles):
                         if dbl and (bm == 256 or bn > 128):
                             continue
-                        out.append(ptx.PtxConfig(bm, bn, stages, cluster, u, dbl, tma))
+                        out.append(ptx.PtxConfig(bm, bn, stages, cluster, u, dbl, tma, eb))
     return out
 
 
@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--only", nargs="+", default=None, help="configs BMxBNcC, e.g. 256x128c2")
     p.add_argument("--double", type=int, nargs="+", default=[0], help="double accumulators 0/1")
     p.add_argument("--tma", type=int, nargs="+", default=[1], help="TMA-store epilogue 0/1")
+    p.add_argument("--epi-boxes", type=int, nargs="+", default=[0], help="staged boxes (0 = all)")
     args = p.parse_args()
     timer = GpuTimer(repeats=args.repeats)
     rows = []
@@ -79,7 +80,10 @@ def main() -> None:
         best = None
         doubles = tuple(bool(d) for d in args.double)
         tmas = tuple(bool(t) for t in args.tma)
-        for cfg in _candidates(args.kind, m, n, tuple(args.unroll), doubles, tmas):
+        cands = _candidates(
+            args.kind, m, n, tuple(args.unroll), doubles, tmas, tuple(args.epi_boxes)
+        )
+        for cfg in cands:
             tag = f"{cfg.block_m}x{cfg.block_n}c{cfg.cluster}"
             if args.only and tag not in args.only:
                 continue
@@ -97,7 +101,9 @@ def main() -> None:
                 compiled, expr = ptx.compile_gemm(args.kind, cfg, n, k, out_dtype, False)
                 # (the sweep's D is fresh and aligned, so cfg runs as given)
                 epi = (
-                    ptx.epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype) if cfg.tma_store else 0
+                    ptx.epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype, cfg.epi_boxes)
+                    if cfg.tma_store
+                    else 0
                 )
                 smem = ptx.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, args.kind, epi)
                 resident = max_active_clusters(
@@ -120,7 +126,7 @@ def main() -> None:
             print(
                 f"{m:>5} {n:>6} {k:>6} {cfg.block_m:>4}x{cfg.block_n:<4} s{cfg.num_stages} "
                 f"c{cfg.cluster} u{cfg.unroll_k}{'d' if cfg.double_acc else ' '}"
-                f"{'t' if cfg.tma_store else ' '} {us:9.1f} µs "
+                f"{f't{cfg.epi_boxes}' if cfg.tma_store else '  '} {us:9.1f} µs "
                 f"{row['tflops']:6.0f} TFLOPS "
                 f"{row['x_cublas']:5.2f}x cuBLAS{'  <- heuristic' if row['picked'] else ''}"
                 f"{f'  ({resident} clusters resident)' if resident else ''}"

@@ -54,7 +54,9 @@ class PtxConfig:
     accumulators: block k + 1's MMAs run while block k is promoted; one wave, block_n <= 128),
     ``tma_store`` (the epilogue stages the tile in shared memory and writes it with TMA stores,
     or TMA reductions for ``accumulate``; needs ``block_n`` a multiple of 64 (bf16 D) or 32 (fp32
-    D), 16-byte D rows and a 16-byte-aligned D, else the launch falls back to direct stores)."""
+    D), 16-byte D rows and a 16-byte-aligned D, else the launch falls back to direct stores),
+    ``epi_boxes`` (TMA store: 64-row x 128-byte boxes of D staged per math warpgroup at once;
+    0 = the whole tile; fewer write the tile in rounds and leave shared memory to the stages)."""
 
     block_m: int
     block_n: int
@@ -63,6 +65,7 @@ class PtxConfig:
     unroll_k: int = 2
     double_acc: bool = False
     tma_store: bool = False
+    epi_boxes: int = 0
 
     @property
     def num_threads(self) -> int:
@@ -74,10 +77,16 @@ def _out_bytes(out_dtype: torch.dtype) -> int:
     return 2 if out_dtype == torch.bfloat16 else 4
 
 
-def epilogue_bytes(block_m: int, block_n: int, out_dtype: torch.dtype) -> int:
-    """Shared memory of the TMA-store epilogue's staging tiles: 64 rows x ``block_n`` of D per
-    math warpgroup (mirrors ``EpiShape`` in fp8_gemm.cuh)."""
-    return min(block_m, 128) * block_n * _out_bytes(out_dtype)
+def _tile_boxes(block_n: int, out_dtype: torch.dtype) -> int:
+    return block_n * _out_bytes(out_dtype) // 128
+
+
+def epilogue_bytes(block_m: int, block_n: int, out_dtype: torch.dtype, epi_boxes: int = 0) -> int:
+    """Shared memory of the TMA-store epilogue's staging boxes: ``epi_boxes`` (0 = all) boxes of
+    64 rows x 128 bytes of D per math warpgroup (mirrors ``EpiShape`` in fp8_gemm.cuh)."""
+    boxes = _tile_boxes(block_n, out_dtype)
+    boxes = min(epi_boxes, boxes) if epi_boxes else boxes
+    return (2 if block_m > 64 else 1) * boxes * 64 * 128
 
 
 def tma_store_fits(block_n: int, n: int, out_dtype: torch.dtype) -> bool:
@@ -101,7 +110,7 @@ def _default_out(kind: str) -> torch.dtype:
 
 
 def _config_smem(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
-    epi = epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype) if cfg.tma_store else 0
+    epi = epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype, cfg.epi_boxes) if cfg.tma_store else 0
     return smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind, epi)
 
 
@@ -173,7 +182,10 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     # TMA-store epilogue (the tile drains from shared memory while the next one computes) where
     # whole boxes fit the tile, sized for the kind's usual D (bf16 1D2D, fp32 1D1D).
     tma_store = _TMA_STORE and tma_store_fits(bn, n, _default_out(kind))
-    epi = epilogue_bytes(bm, bn, _default_out(kind)) if tma_store else 0
+    # 256-row tiles stage one box per warpgroup at a time: the whole tile's boxes would cost
+    # one of their four K stages.
+    epi_boxes = 1 if bm == 256 else 0
+    epi = epilogue_bytes(bm, bn, _default_out(kind), epi_boxes) if tma_store else 0
     stages = _MAX_STAGES
     while stages > 2 and smem_bytes(bm, bn, stages, kind, epi) > _SMEM_BYTES:
         stages -= 1
@@ -190,7 +202,9 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     # Two wgmma accumulators (the next block's MMAs overlap this block's promotion) fit in the
     # registers up to 64 x 128 per math warpgroup (3 x 64 + 32 for 1D1D's scales of B).
     double_acc = bm <= 128 and bn <= 128
-    return PtxConfig(bm, bn, stages, cluster, _UNROLL_K, double_acc, tma_store)
+    return PtxConfig(
+        bm, bn, stages, cluster, _UNROLL_K, double_acc, tma_store, epi_boxes if tma_store else 0
+    )
 
 
 def _wgmma_struct(block_n: int) -> str:
@@ -217,6 +231,14 @@ def _wgmma_struct(block_n: int) -> str:
 _OUT_CODE = {torch.bfloat16: 0, torch.float32: 1}
 
 
+def _epi_boxes(cfg: PtxConfig, out_dtype: torch.dtype) -> int:
+    """The kernel's kEpiBoxes: 0 = direct stores, else staged boxes per warpgroup."""
+    if not cfg.tma_store:
+        return 0
+    boxes = _tile_boxes(cfg.block_n, out_dtype)
+    return min(cfg.epi_boxes, boxes) if cfg.epi_boxes else boxes
+
+
 def kernel_source(
     kind: str, cfg: PtxConfig, n: int, k: int, out_dtype: torch.dtype, accumulate: bool
 ) -> tuple[str, str]:
@@ -227,7 +249,7 @@ def kernel_source(
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
         f"{n}, {k}, {'true' if kind == '1d1d' else 'false'}, {_OUT_CODE[out_dtype]}, "
         f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
-        f"{'true' if cfg.double_acc else 'false'}, {'true' if cfg.tma_store else 'false'}>"
+        f"{'true' if cfg.double_acc else 'false'}, {_epi_boxes(cfg, out_dtype)}>"
     )
     return src, expr
 
@@ -252,7 +274,7 @@ def compile_gemm(
     src, expr = kernel_source(kind, cfg, n, k, out_dtype, accumulate)
     name = (
         f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}"
-        f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}{'t' if cfg.tma_store else ''}_n{n}_k{k}"
+        f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}e{_epi_boxes(cfg, out_dtype)}_n{n}_k{k}"
     )
     compiled = compile_cuda(src, name=name, name_expressions=(expr,))
     return compiled, expr

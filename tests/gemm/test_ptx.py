@@ -240,7 +240,8 @@ def test_gpu_bad_k_raises_before_launch():
         ptx.PtxConfig(256, 64, 5, 1),
         ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True),
         ptx.PtxConfig(64, 64, 8, 1, double_acc=True, tma_store=True),
-        ptx.PtxConfig(256, 128, 3, 2, tma_store=True),
+        ptx.PtxConfig(256, 128, 4, 2, tma_store=True, epi_boxes=1),
+        ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, epi_boxes=2),
     ],
     ids=str,
 )
@@ -277,11 +278,16 @@ def test_gpu_tma_store_epilogue_equals_direct_stores(kind, out_dtype, accumulate
     qb = per_block_cast_to_fp8(w) if kind == "1d2d" else per_token_cast_to_fp8(w)
     base = torch.randn(m, n, device="cuda").to(out_dtype) if accumulate else None
     got = {}
-    for tma in (True, False):
-        cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=tma)
+    # (tma_store, epi_boxes): direct stores, the whole tile staged, one box at a time (rounds).
+    for tma, boxes in ((False, 0), (True, 0), (True, 1)):
+        cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=tma, epi_boxes=boxes)
         out = base.clone() if accumulate else None
-        got[tma] = ptx.run_with_config(kind, qa, qb, cfg, out_dtype, out=out, accumulate=accumulate)
-    torch.testing.assert_close(got[True], got[False], rtol=0, atol=0)
+        got[tma, boxes] = ptx.run_with_config(
+            kind, qa, qb, cfg, out_dtype, out=out, accumulate=accumulate
+        )
+    for key in ((True, 0), (True, 1)):
+        torch.testing.assert_close(got[key], got[False, 0], rtol=0, atol=0)
+    got[True] = got[True, 0]
     want = x.double() @ w.double().t() + (base.double() if accumulate else 0)
     _check(got[True], want, m, n, k, f"{kind} tma store")
     # A contiguous D at a 2- or 4-byte offset (misaligned for the epilogues' vector stores) is

@@ -131,79 +131,93 @@ struct MathShape {
   static constexpr int kWaves = kBlockM / (64 * kWarpgroups);
 };
 
-// TMA-store epilogue geometry (kTmaStore): each math warpgroup stages its 64 x BLOCK_N part of
-// the output tile in shared memory as boxes of 64 rows x 128 bytes (64 bf16 or 32 fp32 columns,
-// 128-byte swizzle: the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so the eight rows a
-// warp writes at once fall in different banks), then one thread stores the boxes with TMA (or
-// adds them, for accumulate) and the warpgroup goes on to its next tile while they drain.
-template <int kBlockM, int kBlockN, int kOut, bool kTmaStore>
+// TMA-store epilogue geometry (kEpiBoxes > 0): each math warpgroup stages its 64 x BLOCK_N part
+// of the output tile in shared memory as boxes of 64 rows x 128 bytes (64 bf16 or 32 fp32
+// columns, 128-byte swizzle: the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so the eight
+// rows a warp writes at once fall in different banks), then one thread stores the boxes with TMA
+// (or adds them, for accumulate) and the warpgroup goes on to its next tile while they drain.
+// kEpiBoxes boxes per warpgroup are staged at once; fewer than the tile's kBoxes write it in
+// rounds (each waits for the previous round's reads), leaving shared memory to the K stages.
+template <int kBlockM, int kBlockN, int kOut, int kEpiBoxes>
 struct EpiShape {
   static constexpr int kElem = kOut == 0 ? 2 : 4;
   static constexpr int kBoxCols = 128 / kElem;
   static constexpr int kBoxes = kBlockN / kBoxCols;
+  static constexpr int kGroupsPerBox = kBoxCols / 8;  // 8-column accumulator groups per box
   static constexpr u32 kBoxBytes = 64 * 128;
-  static constexpr u32 kWgBytes = kBoxes * kBoxBytes;
-  static constexpr int kBytes = kTmaStore ? MathShape<kBlockM>::kWarpgroups * kWgBytes : 0;
-  static_assert(!kTmaStore || kBlockN % kBoxCols == 0, "TMA store: BLOCK_N % box columns != 0");
+  static constexpr u32 kWgBytes = kEpiBoxes * kBoxBytes;
+  static constexpr int kBytes = MathShape<kBlockM>::kWarpgroups * kWgBytes;
+  static_assert(kEpiBoxes == 0 || kBlockN % kBoxCols == 0,
+                "TMA store: BLOCK_N must be a multiple of the box columns");
+  static_assert(kEpiBoxes >= 0 && kEpiBoxes <= kBoxes, "TMA store: 0 <= kEpiBoxes <= boxes");
 };
 
 // Stores one wave's FP32 results `fin` (rows row_base.. of this warpgroup, columns n0..) through
 // this warpgroup's staging boxes `stage` (see EpiShape). Rows >= M and columns >= N are clipped
 // by TMA. `leader` (thread 0 of the warpgroup) issues the stores and owns their bulk group.
-template <int kBlockN, int kOut, bool kAccumulate, int kN>
+template <int kBlockN, int kOut, bool kAccumulate, int kN, int kEpiBoxes>
 __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
                                                unsigned char* stage, const TmaDescriptor* tma_d,
                                                int row_base, int n0, int wg, bool leader) {
-  using Epi = EpiShape<64, kBlockN, kOut, true>;
+  using Epi = EpiShape<64, kBlockN, kOut, kEpiBoxes>;
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  // The previous tile's stores have finished reading the staging boxes.
-  if (leader) tma_store_wait_read<0>();
-  named_barrier_sync(1 + wg, 128);
-  if constexpr (kOut == 0) {
-    // stmatrix x4 per pair of 8-column groups (j, j + 1): matrix q = lane / 8 is rows
-    // 8 (q % 2).. of group j + q / 2; lane gives the address of its row i = lane % 8.
-    const int q = lane / 8, i = lane % 8;
-    const int r = warp * 16 + 8 * (q % 2) + i;
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; j += 2) {
-      const int jj = j + q / 2;
-      const u32 addr = smem_addr(stage + (jj / 8) * Epi::kBoxBytes + r * 128 +
-                                 (((jj % 8) ^ i) * 16));
-      stmatrix_x4(addr, cvt_bf16x2(fin[4 * j + 0], fin[4 * j + 1]),
-                  cvt_bf16x2(fin[4 * j + 2], fin[4 * j + 3]),
-                  cvt_bf16x2(fin[4 * j + 4], fin[4 * j + 5]),
-                  cvt_bf16x2(fin[4 * j + 6], fin[4 * j + 7]));
-    }
-  } else {
-    // fp32: 8 bytes per (row, pair of columns); 32 columns per box, so group j is in box j / 4,
-    // 16-byte chunk 2 (j % 4) + (lane % 4) / 2, 8-byte half lane % 2.
+  for (int b0 = 0; b0 < Epi::kBoxes; b0 += kEpiBoxes) {
+    // Boxes b0 .. b0 + kEpiBoxes - 1 in staging slots 0.., i.e. 8-column groups g0 .. g1 - 1.
+    constexpr int kRoundGroups = kEpiBoxes * Epi::kGroupsPerBox;
+    const int g0 = b0 * Epi::kGroupsPerBox;
+    // The previous round's (or tile's) stores have finished reading the staging boxes.
+    if (leader) tma_store_wait_read<0>();
+    named_barrier_sync(1 + wg, 128);
+    if constexpr (kOut == 0) {
+      // stmatrix x4 per pair of 8-column groups (j, j + 1): matrix q = lane / 8 is rows
+      // 8 (q % 2).. of group j + q / 2; lane gives the address of its row i = lane % 8.
+      const int q = lane / 8, i = lane % 8;
+      const int r = warp * 16 + 8 * (q % 2) + i;
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) {
+      for (int jr = 0; jr < kRoundGroups && g0 + jr < kBlockN / 8; jr += 2) {
+        const int j = g0 + jr;
+        const int jj = jr + q / 2;  // group within the round
+        const u32 addr = smem_addr(stage + (jj / 8) * Epi::kBoxBytes + r * 128 +
+                                   (((jj % 8) ^ i) * 16));
+        stmatrix_x4(addr, cvt_bf16x2(fin[4 * j + 0], fin[4 * j + 1]),
+                    cvt_bf16x2(fin[4 * j + 2], fin[4 * j + 3]),
+                    cvt_bf16x2(fin[4 * j + 4], fin[4 * j + 5]),
+                    cvt_bf16x2(fin[4 * j + 6], fin[4 * j + 7]));
+      }
+    } else {
+      // fp32: 8 bytes per (row, pair of columns); 32 columns per box, so group jr of the round
+      // is in slot jr / 4, 16-byte chunk 2 (jr % 4) + (lane % 4) / 2, 8-byte half lane % 2.
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + lane / 4 + 8 * h;
-        const int chunk = 2 * (j % 4) + (lane % 4) / 2;
-        float2* p = reinterpret_cast<float2*>(stage + (j / 4) * Epi::kBoxBytes + r * 128 +
-                                              ((chunk ^ (r % 8)) * 16) + (lane % 2) * 8);
-        *p = make_float2(fin[4 * j + 2 * h], fin[4 * j + 2 * h + 1]);
+      for (int jr = 0; jr < kRoundGroups && g0 + jr < kBlockN / 8; ++jr) {
+        const int j = g0 + jr;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = warp * 16 + lane / 4 + 8 * h;
+          const int chunk = 2 * (jr % 4) + (lane % 4) / 2;
+          float2* p = reinterpret_cast<float2*>(stage + (jr / 4) * Epi::kBoxBytes + r * 128 +
+                                                ((chunk ^ (r % 8)) * 16) + (lane % 2) * 8);
+          *p = make_float2(fin[4 * j + 2 * h], fin[4 * j + 2 * h + 1]);
+        }
       }
     }
-  }
-  // Generic-proxy writes -> visible to the TMA unit, then every thread's part is in place.
-  fence_proxy_async_shared_cta();
-  named_barrier_sync(1 + wg, 128);
-  if (leader) {
+    // Generic-proxy writes -> visible to the TMA unit, then every thread's part is in place.
+    fence_proxy_async_shared_cta();
+    named_barrier_sync(1 + wg, 128);
+    if (leader) {
 #pragma unroll
-    for (int b = 0; b < Epi::kBoxes; ++b) {
-      if (n0 + b * Epi::kBoxCols >= kN) break;
-      if constexpr (kAccumulate) {
-        tma_reduce_add_2d(tma_d, stage + b * Epi::kBoxBytes, n0 + b * Epi::kBoxCols, row_base);
-      } else {
-        tma_store_2d(tma_d, stage + b * Epi::kBoxBytes, n0 + b * Epi::kBoxCols, row_base);
+      for (int b = 0; b < kEpiBoxes; ++b) {
+        const int col = n0 + (b0 + b) * Epi::kBoxCols;
+        if (b0 + b >= Epi::kBoxes || col >= kN) break;
+        if constexpr (kAccumulate) {
+          tma_reduce_add_2d(tma_d, stage + b * Epi::kBoxBytes, col, row_base);
+        } else {
+          tma_store_2d(tma_d, stage + b * Epi::kBoxBytes, col, row_base);
+        }
       }
+      tma_store_commit_group();
     }
-    tma_store_commit_group();
   }
 }
 
@@ -222,14 +236,14 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
 
 // The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment and the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, bool kTmaStore>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
                                               const float* sf_b, const TmaDescriptor* tma_d,
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank) {
-  using Epi = EpiShape<kBlockM, kBlockN, kOut, kTmaStore>;
+  using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kWaves = MathShape<kBlockM>::kWaves;
@@ -369,10 +383,10 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }
 
     // ---- epilogue ------------------------------------------------------------------------
-    if constexpr (kTmaStore) {
+    if constexpr (kEpiBoxes > 0) {
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
-        store_tile_tma<kBlockN, kOut, kAccumulate, kN>(
+        store_tile_tma<kBlockN, kOut, kAccumulate, kN, kEpiBoxes>(
             fin[w], smem_d + wg * Epi::kWgBytes, tma_d, m0 + w * 64 * kNumMathWG + wg * 64, n0,
             wg, threadIdx.x % 128 == 0);
       }
@@ -417,7 +431,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }
   }
   // The staging boxes stay valid (and the kernel alive) until the last stores completed.
-  if constexpr (kTmaStore) {
+  if constexpr (kEpiBoxes > 0) {
     if (threadIdx.x % 128 == 0) tma_store_wait<0>();
   }
 }
@@ -427,11 +441,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ. kUnrollK: unroll factor of the
 // math warpgroups' K loop. kDoubleAcc (one wave only): two wgmma accumulators, so the next
 // 128-K block's wgmmas run while this block is promoted (wgmma.wait_group 1 instead of 0).
-// kTmaStore: the epilogue stages the tile in shared memory and writes it with TMA stores (TMA
-// reductions for accumulate) through `tma_d`, a descriptor of D with 64-row x 128-byte boxes
-// and 128-byte swizzle (see EpiShape); otherwise `out` is written directly from registers.
+// kEpiBoxes > 0: the epilogue stages the tile in shared memory (kEpiBoxes boxes per warpgroup at
+// a time) and writes it with TMA stores (TMA reductions for accumulate) through `tma_d`, a
+// descriptor of D with 64-row x 128-byte boxes and 128-byte swizzle (see EpiShape); 0: `out` is
+// written directly from registers.
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, bool kTmaStore>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes>
 __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
@@ -439,7 +454,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
                        int m) {
-  using Epi = EpiShape<kBlockM, kBlockN, kOut, kTmaStore>;
+  using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kNumKBlocks = (kK + 127) / 128;
@@ -497,7 +512,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
       tma_prefetch_desc(&tma_b);
       tma_prefetch_desc(&tma_sfa);
       if constexpr (k1D1D) tma_prefetch_desc(&tma_sfb);
-      if constexpr (kTmaStore) tma_prefetch_desc(&tma_d);
+      if constexpr (kEpiBoxes > 0) tma_prefetch_desc(&tma_d);
       u32 it = 0;
       for (int unit = first_unit; unit < num_units; unit += unit_stride) {
         int mg, nb;
@@ -526,7 +541,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK, kDoubleAcc, kTmaStore>(
+                  kUnrollK, kDoubleAcc, kEpiBoxes>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank);
   }
