@@ -1,9 +1,19 @@
-"""Sweep the Triton quantizers' tile configs on a GPU: GB/s and fraction of copy bandwidth.
+"""Sweep the quantizers' kernel configs on a GPU: GB/s and fraction of copy bandwidth.
 
-    python3 -m benchmarks.sweep_quant [--json OUT.json]
+    python3 -m benchmarks.sweep_quant [--json OUT.json]           # Triton tile configs
+    python3 -m benchmarks.sweep_quant --cuda [--json OUT.json]    # CUDA kernel variants
 
-Each config's output is checked bit-exact against the default config's before it is timed. The
-result picks the defaults of ``ptxtrain.quant.triton._config_1x`` (rules quoted there).
+Triton: each config's output is checked bit-exact against the default config's before it is
+timed; the result picks the defaults of ``ptxtrain.quant.triton._config_1x`` (rules quoted
+there).
+
+CUDA (``--cuda``): every op x ``ptxtrain.quant.cuda.VARIANTS`` entry x shape (4096x7168,
+7168x4096, 16384x7168 bf16; ``--variants a,b`` and ``--shapes 4096x7168,...`` narrow it,
+``--pow2`` times power-of-two scales). Each variant's output is checked bit-exact against the
+default variant's (itself checked against the reference by the GPU tests) before it is timed;
+the last lines name the fastest variant per op (best worst-case fraction of copy bandwidth over
+the shapes), to copy into ``ptxtrain.quant.cuda.SELECT``. Bytes = input read + FP8 and scales
+written, as ``ptxtrain bench quant``.
 """
 
 from __future__ import annotations
@@ -75,14 +85,90 @@ def _sweep_shape(m: int, k: int, timer: GpuTimer, rows: list) -> None:
             record(op, f"num_warps={warps}", fn, want, _bytes(op, m, k))
 
 
+def _token(row: bool, col: bool):
+    def run(cq, x, variant, pow2):
+        return cq._quant_token(x, pow2, "row", row=row, col=col, variant=variant)
+
+    return run
+
+
+def _block(transposed: bool):
+    def run(cq, x, variant, pow2):
+        return cq._quant_block(x, pow2, transposed=transposed, variant=variant)
+
+    return run
+
+
+# sweep op (also ptxtrain.bench.quant's op name, for the byte count) -> runner of the cuda backend
+_CUDA_OPS = {
+    "per_token": _token(True, False),
+    "per_token_t": _token(False, True),
+    "both": _token(True, True),
+    "per_block": _block(False),
+    "per_block_both": _block(True),
+}
+
+
+def _sweep_cuda(shapes, names, timer, rows: list, *, pow2: bool = False, device="cuda") -> None:
+    from ptxtrain.quant import cuda as cq
+
+    for m, k in shapes:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        copy_gbs = 4 * m * k / (timer(lambda x=x, y=y: y.copy_(x)) * 1e-6) / 1e9
+        for op, run in _CUDA_OPS.items():
+            want = run(cq, x, cq.DEFAULT_VARIANT, pow2)
+            for name in names:
+                variant = cq.VARIANTS[name]
+                got = run(cq, x, variant, pow2)
+                for g, w in zip(got, want, strict=True):
+                    assert_bitwise_equal(g, w, f"cuda {op} {name} {m}x{k}")
+                us = timer(lambda r=run, v=variant, x=x: r(cq, x, v, pow2))
+                gbs = _bytes(op, m, k) / (us * 1e-6) / 1e9
+                frac = gbs / copy_gbs
+                rows.append(dict(m=m, k=k, op=op, config=f"cuda:{name}", us=us, gbs=gbs,
+                                 frac=frac))  # fmt: skip
+                print(
+                    f"{m:>6} {k:>6} {op:>14} cuda:{name:<16} {us:8.1f} µs {gbs:6.0f} GB/s "
+                    f"{frac:5.2f} of copy ({copy_gbs:.0f})",
+                    flush=True,
+                )
+    print("\nfastest variant per op (worst fraction of copy over the shapes, higher is better):")
+    for op in _CUDA_OPS:
+        worst = {
+            n: min(r["frac"] for r in rows if r["op"] == op and r["config"] == f"cuda:{n}")
+            for n in names
+        }
+        best = max(worst, key=worst.get)
+        print(f"  {op:>14}: {best} ({worst[best]:.2f}; default {worst.get('default', 0):.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--cuda", action="store_true", help="sweep ptxtrain.quant.cuda.VARIANTS")
+    ap.add_argument("--variants", help="comma-separated VARIANTS names (with --cuda)")
+    ap.add_argument("--shapes", help="comma-separated MxK (with --cuda)")
+    ap.add_argument("--pow2", action="store_true", help="pow2_scale=True (with --cuda)")
     args = ap.parse_args()
     timer = GpuTimer(repeats=30)
     rows: list = []
-    for m, k in ((4096, 7168), (8192, 7168), (4096, 2112)):
-        _sweep_shape(m, k, timer, rows)
+    if args.cuda:
+        from ptxtrain.quant import cuda as cq
+
+        names = args.variants.split(",") if args.variants else list(cq.VARIANTS)
+        unknown = [n for n in names if n not in cq.VARIANTS]
+        if unknown:
+            raise SystemExit(f"--variants: unknown {unknown}; known {list(cq.VARIANTS)}")
+        if "default" not in names:
+            names.insert(0, "default")
+        shapes = ((4096, 7168), (7168, 4096), (16384, 7168))
+        if args.shapes:
+            shapes = tuple(tuple(int(d) for d in s.split("x")) for s in args.shapes.split(","))
+        _sweep_cuda(shapes, names, timer, rows, pow2=args.pow2)
+    else:
+        for m, k in ((4096, 7168), (8192, 7168), (4096, 2112)):
+            _sweep_shape(m, k, timer, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "sweep_quant", "env": environment(), "rows": rows}, f, indent=1)

@@ -23,6 +23,12 @@ host C++ (``kernels/host_emulation.hpp``: fibers for the threads, bounds and ali
 every global access) and runs it through this module's own launch arguments, bit for bit against
 the reference, on a CPU.
 
+Variants: the kernel's compile-time knobs (threads per CTA, tiles per CTA with a register
+prefetch of the next tile, one-multiply division for power-of-two scales, byte transpose for
+``W``/``Wᵀ``) are :class:`Variant` entries of ``VARIANTS``; ``SELECT`` names the one each public
+quantizer runs (all ``"default"``, the original kernel, until ``python -m benchmarks.sweep_quant
+--cuda`` on an H200 says otherwise). Every variant is bit-exact (host emulation tests).
+
 Only ``block == 128`` runs here; other block sizes go to the Triton backend (or the reference
 when Triton is missing). Inputs whose last dimension is not unit-stride are copied first; rows
 that are not 16-byte aligned take the kernel's element-wise load path, outputs whose rows are
@@ -37,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,8 +58,12 @@ if not nvrtc_available():  # backends() reports the module unavailable, with thi
 
 __all__ = [
     "AUTO_OPS",
+    "DEFAULT_VARIANT",
     "KERNEL_DIR",
+    "SELECT",
     "SF_LAYOUTS",
+    "VARIANTS",
+    "Variant",
     "compile_module",
     "per_block_cast_to_fp8",
     "per_block_cast_to_fp8_both",
@@ -71,8 +82,72 @@ AUTO_OPS = frozenset(
     {"per_token_cast_to_fp8_t", "per_token_cast_to_fp8_both", "per_block_cast_to_fp8_both"}
 )
 
+
+class Variant(NamedTuple):
+    """Compile-time knobs of the kernel (``ptxtrain_quant::Knobs`` in cast_transpose.cuh) and
+    its grid. Every variant is bit-identical to the reference; they differ in speed only.
+
+    Attributes:
+        threads: threads per CTA, 128, 256 or 512.
+        tiles_per_cta: 128x128 tiles one CTA walks (grid-stride: tile b, b + grid, ...); the
+            grid is ⌈tiles / tiles_per_cta⌉ CTAs. 0: a persistent grid of
+            ``SMs x CTAs per SM`` (from ``min_ctas``).
+        pipe: load the CTA's next tile while quantizing the current one (register prefetch).
+        mul_pow2: with ``pow2_scale`` divide by one exact multiply instead of the rcp + two
+            FMA corrections (exact for power-of-two scales; see ``quantize`` in the header).
+        byte_t: ``per_block_cast_to_fp8_both`` quantizes each element once and transposes the
+            FP8 bytes through shared memory (W and Wᵀ share the block scale, so the bytes are
+            the same) instead of quantizing the staged raw tile a second time.
+        amax16: 16-bit input: the amax reductions run on the raw 16-bit |x| bits, two per
+            ``max.u16x2`` (the same maximum: the bits order the magnitudes), instead of widening
+            every element to fp32 first.
+        fast_sf: ``sf = amax / 448`` by a multiply and one FMA correction instead of
+            ``div.rn`` (bit-exact: checked over every float in the clamped amax range).
+        min_ctas: ``__launch_bounds__`` minimum CTAs per SM for 16-bit input (fp32: 2/3 of it,
+            at least 1); 0 = 768 / threads for 16-bit input and 512 / threads for fp32 (80 /
+            128 registers per thread).
+    """
+
+    threads: int = 256
+    tiles_per_cta: int = 1
+    pipe: bool = False
+    mul_pow2: bool = False
+    min_ctas: int = 0
+    byte_t: bool = False
+    amax16: bool = False
+    fast_sf: bool = False
+
+    def ctas_per_sm(self, dtype: torch.dtype) -> int:
+        """The ``__launch_bounds__`` minimum CTAs per SM for input ``dtype``."""
+        if self.min_ctas > 0:
+            return self.min_ctas if dtype != torch.float32 else max(1, self.min_ctas * 2 // 3)
+        return max(1, (768 if dtype != torch.float32 else 512) // self.threads)
+
+
+# The variants ``benchmarks/sweep_quant.py`` times; "default" is the original kernel (one
+# 128x128 tile per CTA of 256 threads).
+DEFAULT_VARIANT = Variant()
+_FAST = dict(mul_pow2=True, byte_t=True, amax16=True, fast_sf=True)  # exact savings
+VARIANTS: dict[str, Variant] = {
+    "default": DEFAULT_VARIANT,
+    "lean": Variant(**_FAST),
+    "pipe4_occ2": Variant(tiles_per_cta=4, pipe=True, min_ctas=2, **_FAST),
+    "persist_occ2": Variant(tiles_per_cta=0, pipe=True, min_ctas=2, **_FAST),
+    "t512": Variant(threads=512, **_FAST),
+    "t512_pipe2": Variant(threads=512, tiles_per_cta=2, pipe=True, **_FAST),
+    "t128_occ4": Variant(threads=128, min_ctas=4, **_FAST),
+}
+# The variant each public quantizer runs (update from ``python -m benchmarks.sweep_quant
+# --cuda``: the fastest variant per op at 4096x7168, 7168x4096 and 16384x7168 bf16).
+SELECT: dict[str, str] = {
+    "per_token_cast_to_fp8": "default",
+    "per_token_cast_to_fp8_t": "default",
+    "per_token_cast_to_fp8_both": "default",
+    "per_block_cast_to_fp8": "default",
+    "per_block_cast_to_fp8_both": "default",
+}
+
 _TILE = 128
-_THREADS = 256
 _MN_ALIGN = 4
 _IN_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # (block mode, row output, column output) of each quantizer family.
@@ -80,29 +155,59 @@ _MODES = ((False, True, False), (False, False, True), (False, True, True), (True
           (True, True, True))  # fmt: skip
 
 
-def _expression(in_kind: int, block: bool, row: bool, col: bool, pow2: bool) -> str:
-    flags = ", ".join("true" if f else "false" for f in (block, row, col, pow2))
-    return f"ptxtrain_quant::cast_fp8<{in_kind}, {flags}>"
+def _b(f: bool) -> str:
+    return "true" if f else "false"
+
+
+def _expression(
+    in_kind: int, block: bool, row: bool, col: bool, pow2: bool, variant: Variant = DEFAULT_VARIANT
+) -> str:
+    flags = ", ".join(_b(f) for f in (block, row, col, pow2))
+    v = variant
+    loop = _b(v.tiles_per_cta != 1)
+    knobs = (
+        f"ptxtrain_quant::Knobs<{v.threads}, {loop}, {_b(v.pipe)}, {_b(v.mul_pow2)}, "
+        f"{v.min_ctas}, {_b(v.byte_t)}, {_b(v.amax16)}, {_b(v.fast_sf)}>"
+    )
+    return f"ptxtrain_quant::cast_fp8<{in_kind}, {flags}, {knobs}>"
+
+
+def _check_variant(variant: object) -> Variant:
+    if not isinstance(variant, Variant):
+        raise TypeError(f"variant must be a ptxtrain.quant.cuda.Variant, got {variant!r}")
+    if variant.threads not in (128, 256, 512):
+        raise ValueError(f"variant.threads must be 128, 256 or 512, got {variant.threads!r}")
+    for name in ("tiles_per_cta", "min_ctas"):
+        val = getattr(variant, name)
+        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+            raise ValueError(f"variant.{name} must be an int >= 0, got {val!r}")
+    return variant
 
 
 @functools.cache
-def compile_module(dtype: torch.dtype, arch: str = "sm_90a"):
+def compile_module(dtype: torch.dtype, arch: str = "sm_90a", variant: Variant = DEFAULT_VARIANT):
     """Compile (or fetch from the JIT cache) the quantizer module for input ``dtype``.
 
     Args:
         dtype: torch.float32, torch.bfloat16 or torch.float16.
         arch: NVRTC target (``sm_90a`` for Hopper).
+        variant: the kernel's compile-time knobs (:class:`Variant`; its grid fields do not
+            matter here).
 
     Returns:
         :class:`ptxtrain.jit.CompiledKernel` with the ten instantiations of
         ``ptxtrain_quant::cast_fp8`` as name expressions.
 
     Raises:
-        TypeError: ``dtype`` is not one of the three. ptxtrain.jit.JitCompileError: NVRTC failed.
+        TypeError: ``dtype`` is not one of the three, or ``variant`` not a Variant.
+        ValueError: a knob of ``variant`` is out of range.
+        ptxtrain.jit.JitCompileError: NVRTC failed.
     """
     if dtype not in _IN_KIND:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    exprs = [_expression(_IN_KIND[dtype], b, r, c, p) for b, r, c in _MODES for p in (False, True)]
+    variant = _check_variant(variant)
+    kind = _IN_KIND[dtype]
+    exprs = [_expression(kind, b, r, c, p, variant) for b, r, c in _MODES for p in (False, True)]
     return compile_cuda(
         "#include <cast_transpose.cuh>\n",
         name="ptxtrain_quant_cast_fp8",
@@ -177,14 +282,32 @@ def _vec_flags(x: torch.Tensor, m: int, k: int) -> int:
     return flags
 
 
-def _run(x, *, block_mode: bool, row: bool, col: bool, pow2: bool, q, sf, qt, sft) -> None:
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _grid(tiles: int, variant: Variant, x: torch.Tensor) -> int:
+    """CTAs for ``tiles`` tiles under ``variant`` (each CTA walks its tiles grid-stride)."""
+    if variant.tiles_per_cta > 0:
+        return ceil_div(tiles, variant.tiles_per_cta)
+    index = x.device.index
+    if index is None:
+        index = torch.cuda.current_device() if x.device.type == "cuda" else 0
+    return max(1, min(tiles, _sm_count(index) * variant.ctas_per_sm(x.dtype)))
+
+
+def _run(
+    x, *, block_mode: bool, row: bool, col: bool, pow2: bool, q, sf, qt, sft, variant: Variant
+) -> None:
     """Launch one instantiation over the ⌈M/128⌉·⌈K/128⌉ tiles of ``x`` (M, K > 0)."""
     m, k = x.shape
     k_tiles = ceil_div(k, _TILE)
     tiles = ceil_div(m, _TILE) * k_tiles
     if tiles >= 2**31:
         raise ValueError(f"x has too many 128x128 tiles for one launch ({tiles}), shape {(m, k)}")
-    smem = (_TILE * _TILE * x.element_size() if col else 0) + 4 * (_THREADS // 32)
+    tile_bytes = _TILE * _TILE * (1 if block_mode and variant.byte_t else x.element_size())
+    smem = (tile_bytes if col else 0) + 4 * (variant.threads // 32)
     args = [
         x,
         q if q is not None else x,  # unused pointers: never dereferenced
@@ -201,12 +324,16 @@ def _run(x, *, block_mode: bool, row: bool, col: bool, pow2: bool, q, sf, qt, sf
         k_tiles,
         _vec_flags(x, m, k),
     ]
-    _launch(x, (block_mode, row, col, bool(pow2)), tiles, smem, args)
+    mode = (block_mode, row, col, bool(pow2))
+    _launch(x, mode, variant, _grid(tiles, variant, x), smem, args)
 
 
-def _launch(x: torch.Tensor, variant: tuple, tiles: int, smem: int, args: list) -> None:
-    """Compile / load the instantiation ``variant`` = (block, row, col, pow2) for ``x.dtype``
-    and launch it on the current stream of ``x``'s device. ``args``: tensors, then the int64
+def _launch(
+    x: torch.Tensor, mode: tuple, variant: Variant, grid: int, smem: int, args: list
+) -> None:
+    """Compile / load the instantiation ``mode`` = (block, row, col, pow2) of ``variant`` for
+    ``x.dtype`` and launch ``grid`` CTAs of it on the current stream of ``x``'s device (the
+    kernel derives the tile count from M and k_tiles). ``args``: tensors, then the int64
     sizes and strides, then the int32 ``vec_flags`` (the kernel's parameter order).
 
     Raises:
@@ -219,14 +346,20 @@ def _launch(x: torch.Tensor, variant: tuple, tiles: int, smem: int, args: list) 
             f"the cuda quant backend runs on sm_90 GPUs with the CUDA driver; {x.device} has "
             f"compute capability {cap}; use PTXTRAIN_QUANT_BACKEND=triton or ref"
         )
-    kernel = load_kernel(compile_module(x.dtype), _expression(_IN_KIND[x.dtype], *variant))
+    module = compile_module(x.dtype, variant=variant)
+    kernel = load_kernel(module, _expression(_IN_KIND[x.dtype], *mode, variant))
     packed = [a if isinstance(a, torch.Tensor) else ctypes.c_int64(a) for a in args[:-1]]
     packed.append(ctypes.c_int32(args[-1]))
     with torch.cuda.device(x.device):
-        launch(kernel, tiles, _THREADS, packed, smem_bytes=smem)
+        launch(kernel, grid, variant.threads, packed, smem_bytes=smem)
 
 
-def _quant_token(x, pow2_scale, sf_layout, *, row: bool, col: bool) -> tuple[torch.Tensor, ...]:
+def _quant_token(
+    x, pow2_scale, sf_layout, *, row: bool, col: bool, variant: Variant | None = None
+) -> tuple[torch.Tensor, ...]:
+    if variant is None:
+        op = {(True, False): "", (False, True): "_t", (True, True): "_both"}[(row, col)]
+        variant = VARIANTS[SELECT["per_token_cast_to_fp8" + op]]
     m, k = x.shape
     dev = x.device
     q = sf = qt = sft = None
@@ -247,11 +380,16 @@ def _quant_token(x, pow2_scale, sf_layout, *, row: bool, col: bool) -> tuple[tor
             sf=sf if row else sft,
             qt=qt,
             sft=sft,
+            variant=variant,
         )
     return tuple(t for t in (q, sf, qt, sft) if t is not None)
 
 
-def _quant_block(w, pow2_scale, *, transposed: bool) -> tuple[torch.Tensor, ...]:
+def _quant_block(
+    w, pow2_scale, *, transposed: bool, variant: Variant | None = None
+) -> tuple[torch.Tensor, ...]:
+    if variant is None:
+        variant = VARIANTS[SELECT["per_block_cast_to_fp8" + ("_both" if transposed else "")]]
     n, k = w.shape
     dev = w.device
     q = torch.empty((n, k), dtype=FP8_DTYPE, device=dev)
@@ -268,6 +406,7 @@ def _quant_block(w, pow2_scale, *, transposed: bool) -> tuple[torch.Tensor, ...]
             sf=sf,
             qt=qt,
             sft=None,
+            variant=variant,
         )
     if transposed:
         return q, sf, qt, sf.t().contiguous()

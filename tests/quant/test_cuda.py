@@ -81,15 +81,15 @@ def _check_same(fn_name, x, pow2=False, **kw):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_every_variant_compiles_for_sm90a_without_spills(dtype_name, tmp_path, monkeypatch):
+def _compile_and_check_resources(dtype, variant, tmp_path, monkeypatch):
     monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path / "jit"))
     monkeypatch.delenv("PTXTRAIN_JIT_DISABLE_CACHE", raising=False)
-    dtype = DTYPES[dtype_name]
-    compiled = cq.compile_module.__wrapped__(dtype)  # a fresh compile, not the memoized one
+    compiled = cq.compile_module.__wrapped__(dtype, variant=variant)  # fresh, not memoized
     assert compiled.how == "compiled" and compiled.arch == "sm_90a"
     kind = cq._IN_KIND[dtype]
-    want = {cq._expression(kind, b, r, c, p) for b, r, c in cq._MODES for p in (False, True)}
+    want = {
+        cq._expression(kind, b, r, c, p, variant) for b, r, c in cq._MODES for p in (False, True)
+    }
     assert set(compiled.symbols) == want
     assert len(set(compiled.symbols.values())) == 10, compiled.symbols
 
@@ -105,11 +105,42 @@ def test_every_variant_compiles_for_sm90a_without_spills(dtype_name, tmp_path, m
     ).stdout
     funcs = re.findall(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage)
     assert {f for f, *_ in funcs} == set(compiled.symbols.values()), usage
+    # __launch_bounds__(threads, ctas): the registers fit `ctas` CTAs per SM (allocated in 8s).
+    reg_cap = min(255, 65536 // (variant.threads * variant.ctas_per_sm(dtype)) // 8 * 8)
     for sym, regs, stack, local in funcs:
         assert stack == "0" and local == "0", f"{sym}: stack {stack}, local {local} (spills)"
-        # __launch_bounds__: 3 CTAs/SM of 256 threads for 16-bit input (<= 80 registers), 2 for
-        # fp32 (<= 128), so at least two tiles per SM are in flight.
-        assert int(regs) <= (128 if dtype == torch.float32 else 80), f"{sym}: {regs} registers"
+        assert int(regs) <= reg_cap, f"{sym}: {regs} registers > {reg_cap}"
+    return tool, cubin
+
+
+def _variant_compile_cases():
+    """(variant, dtype) pairs besides the default, one per distinct compiled module (the grid
+    fields do not change the code): bf16 of each, and fp32 of the pipelined one (fp32 has the
+    most registers). NVRTC takes 2-7 s a module, so the other dtypes are left out here."""
+    if cq is None:
+        return []
+    seen = {cq._expression(1, True, True, True, True, cq.DEFAULT_VARIANT)}
+    cases = []
+    for name, v in cq.VARIANTS.items():
+        expr = cq._expression(1, True, True, True, True, v)
+        if expr in seen:
+            continue
+        seen.add(expr)
+        cases.append(pytest.param(name, "bf16", id=f"{name}-bf16"))
+        if v.pipe and v.threads == 256:
+            cases.append(pytest.param(name, "fp32", id=f"{name}-fp32"))
+    return cases
+
+
+@pytest.mark.parametrize("name,dtype_name", _variant_compile_cases())
+def test_other_variants_compile_without_spills(name, dtype_name, tmp_path, monkeypatch):
+    _compile_and_check_resources(DTYPES[dtype_name], cq.VARIANTS[name], tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_every_variant_compiles_for_sm90a_without_spills(dtype_name, tmp_path, monkeypatch):
+    dtype = DTYPES[dtype_name]
+    tool, cubin = _compile_and_check_resources(dtype, cq.DEFAULT_VARIANT, tmp_path, monkeypatch)
     sass = subprocess.run(
         [tool, "-sass", str(cubin)], capture_output=True, text=True, timeout=120
     ).stdout
@@ -125,44 +156,89 @@ def test_every_variant_compiles_for_sm90a_without_spills(dtype_name, tmp_path, m
 # ---------------------------------------------------------------------------------------------
 
 
+def _emu_key(variant) -> tuple:
+    """The knobs the host emulation is built with (launch bounds do not exist on the host)."""
+    return (
+        variant.threads,
+        variant.tiles_per_cta != 1,
+        variant.pipe,
+        variant.mul_pow2,
+        variant.byte_t,
+        variant.amax16,
+        variant.fast_sf,
+    )
+
+
 @pytest.fixture(scope="module")
-def emu_lib(tmp_path_factory):
+def emu_build(tmp_path_factory):
+    """variant -> the host emulation library built for its knobs (one g++ build per knob set)."""
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("no g++: the host emulation of the kernels can't be built")
-    out = tmp_path_factory.mktemp("quant-emu") / "emu.so"
-    src = cq.KERNEL_DIR / "host_emulation.cpp"
-    cmd = [gxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared"]
-    cmd += [f"-I{cq.KERNEL_DIR}", str(src), "-o", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    lib = ctypes.CDLL(str(out))
-    lib.emu_cast_fp8.restype = ctypes.c_int
-    return lib
+    libs = {}
+
+    def build(variant):
+        key = _emu_key(variant)
+        if key not in libs:
+            out = tmp_path_factory.mktemp("quant-emu") / "emu.so"
+            src = cq.KERNEL_DIR / "host_emulation.cpp"
+            cmd = [gxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared"]
+            cmd += [f"-I{cq.KERNEL_DIR}", str(src), "-o", str(out)]
+            cmd += [
+                f"-DPTXTRAIN_QUANT_EMU_{n}={int(v)}"
+                for n, v in zip(
+                    ("THREADS", "LOOP", "PIPE", "MUL_POW2", "BYTE_T", "AMAX16", "FAST_SF"), key
+                )
+            ]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert res.returncode == 0, res.stderr[-3000:]
+            lib = ctypes.CDLL(str(out))
+            lib.emu_cast_fp8.restype = ctypes.c_int
+            libs[key] = lib
+        return libs[key]
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def emu_lib(emu_build):
+    return emu_build(cq.DEFAULT_VARIANT)
 
 
 @pytest.fixture
-def emulated(emu_lib, monkeypatch):
+def emulated(emu_build, monkeypatch):
     """The cuda backend with its launch replaced by the host emulation (CPU tensors)."""
     calls = []
 
-    def launch(x, variant, tiles, smem, args):
-        calls.append((variant, tiles, smem))
+    def launch(x, mode, variant, grid, smem, args):
+        calls.append((mode, variant, grid, smem))
         assert smem <= 227 * 1024, smem  # sm_90's opt-in limit per CTA
-        mode = cq._MODES.index(tuple(variant[:3]))
         m, k, ldx, s0, s1, t0, t1, k_tiles, flags = args[5:]
-        assert tiles == -(-m // 128) * k_tiles and k_tiles == -(-k // 128)
+        tiles = -(-m // 128) * k_tiles
+        assert k_tiles == -(-k // 128) and 1 <= grid <= tiles
+        if variant.tiles_per_cta > 0:
+            assert grid == -(-tiles // variant.tiles_per_cta)
+        else:
+            assert grid == min(tiles, 2 * variant.ctas_per_sm(x.dtype))  # _sm_count below
         tensors = [t for t in args[:5]]
         ptrs = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
         spans = (ctypes.c_int64 * 5)(*[_span_bytes(t) for t in tensors])
         ints = [ctypes.c_int64(v) for v in (m, k, ldx, s0, s1, t0, t1)]
-        rc = emu_lib.emu_cast_fp8(
-            cq._IN_KIND[x.dtype], mode, int(variant[3]), *ptrs, *ints, ctypes.c_int(flags), spans
+        rc = emu_build(variant).emu_cast_fp8(
+            cq._IN_KIND[x.dtype],
+            cq._MODES.index(tuple(mode[:3])),
+            int(mode[3]),
+            *ptrs,
+            *ints,
+            ctypes.c_int(flags),
+            ctypes.c_int64(grid),
+            spans,
         )
         assert rc == 0, f"emulated kernel failed ({rc}): see the 'host emulation:' line on stderr"
 
     monkeypatch.setattr(cq, "_launch", launch)
     monkeypatch.setattr(cq, "_require_cuda", lambda name, x: None)
+    monkeypatch.setattr(cq, "_sm_count", lambda index: 2)  # persistent grids of a 2-SM "GPU"
     return calls
 
 
@@ -196,6 +272,15 @@ def test_emulated_e4m3_conversion_matches_torch(emu_lib):
     out = torch.empty(4, dtype=torch.uint8)
     emu_lib.emu_e4m3(ctypes.c_void_p(special.data_ptr()), ctypes.c_void_p(out.data_ptr()), 4)
     assert out.tolist() == [0x7E, 0xFE, 0x7E, 0x7F]  # satfinite; canonical NaN
+
+
+def test_fast_scale_division_is_exact_over_the_whole_amax_range(emu_lib):
+    # The FAST_SF knob's amax / 448 (multiply + one FMA correction) against IEEE division for
+    # every finite fp32 from the 1e-4 clamp up (1.19e9 values, ~3 s): a proof by exhaustion.
+    eps_bits = int(torch.tensor(1e-4, dtype=torch.float32).view(torch.int32))
+    emu_lib.emu_check_fast_sf.restype = ctypes.c_longlong
+    bad = emu_lib.emu_check_fast_sf(ctypes.c_uint(eps_bits), ctypes.c_uint(0x7F800000))
+    assert bad == 0, f"{bad} amax values where the fast scale differs from div.rn (see stderr)"
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -234,6 +319,28 @@ def test_emulated_special_values(emulated, dtype_name):
             _check_same(name, t)
         for name in ("per_token_cast_to_fp8_both", "per_block_cast_to_fp8_both"):
             _check_same(name, t, pow2=True)
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in cq.VARIANTS if n != "default"] if cq is not None else []
+)
+def test_emulated_variants_bit_exact(emulated, name, monkeypatch):
+    # Every variant through the public functions (SELECT pointed at it): multi-tile CTAs walk
+    # tails on both axes (129x300: 6 tiles; 300x260: 9), power-of-two scales take the
+    # one-multiply path where the variant has it, and a NaN / inf / zero tile ride along. bf16
+    # runs every quantizer; fp32 and fp16 (its own amax widening) the two fused ones (they hold
+    # every code path: row, column, block), to keep the emulation time down.
+    monkeypatch.setattr(cq, "SELECT", {f: name for f in FUNCS})
+    variant = cq.VARIANTS[name]
+    for dtype_name, (m, k) in (("bf16", (129, 300)), ("fp32", (300, 260)), ("fp16", (140, 136))):
+        x = _rand(m, k, DTYPES[dtype_name], seed=m + k)
+        x[5, 7] = float("nan")
+        x[130 % m, 200 % k] = float("inf")
+        x[:, :128] = 0.0 if dtype_name == "fp32" else x[:, :128]
+        for fn in FUNCS if dtype_name == "bf16" else FUNCS[2::2]:
+            for pow2 in (False, True):
+                _check_same(fn, x, pow2=pow2)
+    assert emulated and all(v == variant for _, v, _, _ in emulated)
 
 
 def test_emulated_strided_and_unaligned_inputs(emulated):

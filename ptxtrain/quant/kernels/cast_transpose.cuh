@@ -3,7 +3,9 @@
 // (block) quantization, bit-exact with ptxtrain/quant/ref.py. Compiled through NVRTC by
 // ptxtrain/quant/cuda.py (no CUDA toolkit headers: bf16 / fp16 are handled as raw bits).
 //
-// Layout of the work (one CTA = 256 threads = one 128x128 tile, tiles numbered K-fastest):
+// Layout of the work (default variant: one CTA = 256 threads = one 128x128 tile, tiles numbered
+// K-fastest; the Knobs above the kernel change the threads per CTA, let a CTA walk several
+// tiles with the next tile's loads in flight, and more):
 //   load    every thread issues PASSES 16-byte loads: chunk c = tid % CPR of rows
 //           tid / CPR + i * RPP (CPR = 16-byte chunks per tile row, RPP = rows per pass), so a
 //           warp reads whole 256 / 512-byte row segments. Out-of-range rows / columns read 0,
@@ -17,9 +19,10 @@
 //           a warp touches rows 16g + j (g = 0..7) of 4 consecutive word columns, and the swizzle
 //           spreads these over the 32 banks. The 8 lanes of a column reduce its amax with
 //           shuffles and each stores 16 FP8 bytes of the transposed row k: 128 contiguous bytes
-//           per column and warp.
-//   block   (BLOCK mode) one amax for the whole tile (warp shuffles, then 8 warp maxima through
-//           shared memory); the row and column outputs then use that one scale.
+//           per column and warp. The warps take word columns 4 * warp + 4 * warps * pass.
+//   block   (BLOCK mode) one amax for the whole tile (warp shuffles, then the warp maxima
+//           through shared memory); the row and column outputs then use that one scale (with
+//           the BYTE_T knob the column pass transposes the row pass's FP8 bytes instead).
 //
 // Scale and division, as ref.py: amax in fp32 from the integer bits of |x| (NaN above inf, so a
 // NaN anywhere gives the canonical NaN like torch.amax), clamped below at 1e-4, sf = amax / 448
@@ -31,9 +34,9 @@
 // gives -0. Tiles with a non-finite scale use div.rn directly (one branch per tile row/column). cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even.
 //
 // PTXTRAIN_QUANT_HOST_EMULATION: compile this file as host C++ (g++ -std=c++20) against the
-// shims of host_emulation.hpp, which run each CTA's 256 threads as OS threads (barriers for
+// shims of host_emulation.hpp, which run each CTA's threads as fibers (barriers for
 // __syncthreads and shuffles) and check the alignment of every vector access; the test suite
-// uses it to run these kernels bit for bit against ref.py without a GPU.
+// uses it to run these kernels (every variant) bit for bit against ref.py without a GPU.
 #pragma once
 
 #ifdef PTXTRAIN_QUANT_HOST_EMULATION
@@ -72,17 +75,24 @@ __device__ __forceinline__ void st_v4(void* ptr, uint4 v) {
                : "memory");
 }
 
+// Per-16-bit-lane unsigned max (PTX max.u16x2, sm_90).
+__device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
+  u32 r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 __device__ __forceinline__ void st_v2(void* ptr, uint2 v) { *static_cast<uint2*>(ptr) = v; }
 __device__ __forceinline__ void st_u32(void* ptr, u32 v) { *static_cast<u32*>(ptr) = v; }
 __device__ __forceinline__ void st_f32(float* ptr, float v) { *ptr = v; }
 __device__ __forceinline__ void st_u8(unsigned char* ptr, unsigned char v) { *ptr = v; }
 __device__ __forceinline__ void sts_v4(void* ptr, uint4 v) { *static_cast<uint4*>(ptr) = v; }
+__device__ __forceinline__ void sts_v2(void* ptr, uint2 v) { *static_cast<uint2*>(ptr) = v; }
 __device__ __forceinline__ u32 ld_u32(const void* ptr) { return *static_cast<const u32*>(ptr); }
 __device__ __forceinline__ u32 ld_u16(const void* ptr) { return *static_cast<const u16*>(ptr); }
 #endif
 
 constexpr int kTile = 128;     // tile edge (DeepSeek-V3's 128)
-constexpr int kThreads = 256;  // threads per CTA
 constexpr u32 kEpsBits = 0x38d1b717u;  // bits of fp32(1e-4)
 constexpr u32 kCanonicalNan = 0x7fc00000u;
 
@@ -137,12 +147,60 @@ __device__ __forceinline__ float unpack_word(u32 word, int e) {
 
 __device__ __forceinline__ u32 abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 
+// AMAX16: the amax of 16-bit inputs taken on the raw bits. |h| bits (h & 0x7fff) order bf16 and
+// fp16 values by magnitude, NaNs (above 0x7f80 / 0x7c00) above inf, as the fp32 |x| bits do, so
+// the max of the 16-bit |h| bits, widened once, gives the same amax bits as the max over the
+// widened values: two columns (the halves of a word) per max.u16x2. The widening of a 16-bit
+// |h|: bf16 bits << 16; fp16 through cvt.f32.f16 (a NaN stays a NaN: canonicalized later).
+template <int IN>
+__device__ __forceinline__ u32 widen_abs16(u32 h) {
+  if constexpr (IN == kBF16) {
+    return h << 16;
+  } else {
+    return abs_bits(f16_to_f32(static_cast<u16>(h)));
+  }
+}
+
+template <int WIDTH>
+__device__ __forceinline__ u32 warp_max_u16x2(u32 v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) v = max_u16x2(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// max over both 16-bit |h| of the words of a 16-byte chunk, in the low 16 bits.
+__device__ __forceinline__ u32 chunk_max16(const uint4& v) {
+  const u32 m = max_u16x2(max_u16x2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
+                          max_u16x2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu));
+  return max(m & 0xffffu, m >> 16);
+}
+
 // amax bits (max of |x| bits over a tile) -> fp32 dequantization factor, as ref.py.
-template <bool POW2>
+// FAST_SF: amax / 448 as q = amax * RN(1/448), then one exact-residual correction
+// q + (amax - 448 q) * RN(1/448) (two FMAs) instead of div.rn (its reciprocal, Newton steps and
+// range check). Bit-exact with div.rn for every finite amax >= fp32(1e-4), the clamped range,
+// by exhaustion over all 1,185,827,049 such floats (host_emulation.cpp's emu_check_fast_sf, run
+// by tests/quant/test_cuda.py); inf / NaN keep div.rn.
+constexpr u32 kInv448Bits = 0x3b124925u;  // RN(1 / 448)
+
+template <bool FAST_SF>
+__device__ __forceinline__ float div448(u32 amax_bits) {
+  const float a = __uint_as_float(amax_bits);
+  if constexpr (FAST_SF) {
+    if (amax_bits < 0x7f800000u) {
+      const float c = __uint_as_float(kInv448Bits);
+      const float q = __fmul_rn(a, c);
+      return __fmaf_rn(__fmaf_rn(-q, 448.0f, a), c, q);
+    }
+  }
+  return __fdiv_rn(a, 448.0f);
+}
+
+template <bool POW2, bool FAST_SF = false>
 __device__ __forceinline__ float scale_from_amax_bits(u32 amax_bits) {
   if (amax_bits > 0x7f800000u) amax_bits = kCanonicalNan;  // NaN: torch.amax's canonical NaN
   if (amax_bits < kEpsBits) amax_bits = kEpsBits;             // clamp(min=1e-4); NaN stays
-  float sf = __fdiv_rn(__uint_as_float(amax_bits), 448.0f);
+  float sf = div448<FAST_SF>(amax_bits);
   if constexpr (POW2) {
     const u32 bits = __float_as_uint(sf);
     if ((bits & 0x7f800000u) != 0x7f800000u) {
@@ -159,13 +217,24 @@ struct Scale {
   bool finite;
 };
 
-template <bool POW2>
+template <bool POW2, bool FAST_SF = false>
 __device__ __forceinline__ Scale make_scale(u32 amax_bits) {
   Scale s;
-  s.sf = scale_from_amax_bits<POW2>(amax_bits);
+  s.sf = scale_from_amax_bits<POW2, FAST_SF>(amax_bits);
   s.y = __frcp_rn(s.sf);
   s.finite = (__float_as_uint(s.sf) & 0x7f800000u) != 0x7f800000u;
   return s;
+}
+
+// The scale of one row / column: the tile's block scale (BLOCK mode), else from the amax bits
+// that `amax_bits()` reduces (called only then: it may hold warp shuffles).
+template <bool BLOCK, bool POW2, bool FAST_SF, class AmaxBits>
+__device__ __forceinline__ Scale tile_scale(const Scale& block_scale, AmaxBits amax_bits) {
+  if constexpr (BLOCK) {
+    return block_scale;
+  } else {
+    return make_scale<POW2, FAST_SF>(amax_bits());
+  }
 }
 
 // RN_fp32(x / sf) for a finite sf, bit-exact with IEEE division (see the file comment).
@@ -184,13 +253,21 @@ __device__ __forceinline__ u32 pack4(float a, float b, float c, float d) {
 
 // N values (N % 4 == 0) quantized with one scale into N / 4 words of E4M3 bytes. The branch on
 // the scale is taken once for all N (a non-finite scale, from an inf / NaN input, uses div.rn).
-template <int N>
+// MUL_POW2 (only with power-of-two scales): x / sf = x * y exactly-rounded in one multiply, since
+// sf = 2^e (e in [-22, 127]: amax >= 1e-4) and y = rcp.rn(sf) = 2^-e is exact (2^-127 is an fp32
+// subnormal), so RN(x * y) and RN(x / sf) round the same real number; -0 * y = -0.
+template <int N, bool MUL_POW2 = false>
 __device__ __forceinline__ void quantize(const float (&f)[N], const Scale& s, u32 (&out)[N / 4]) {
   if (s.finite) {
 #pragma unroll
     for (int j = 0; j < N / 4; ++j) {
-      out[j] = pack4(quotient(f[4 * j], s), quotient(f[4 * j + 1], s),
-                     quotient(f[4 * j + 2], s), quotient(f[4 * j + 3], s));
+      if constexpr (MUL_POW2) {
+        out[j] = pack4(__fmul_rn(f[4 * j], s.y), __fmul_rn(f[4 * j + 1], s.y),
+                       __fmul_rn(f[4 * j + 2], s.y), __fmul_rn(f[4 * j + 3], s.y));
+      } else {
+        out[j] = pack4(quotient(f[4 * j], s), quotient(f[4 * j + 1], s),
+                       quotient(f[4 * j + 2], s), quotient(f[4 * j + 3], s));
+      }
     }
   } else {
 #pragma unroll
@@ -208,8 +285,109 @@ __device__ __forceinline__ u32 warp_max(u32 v) {
   return v;
 }
 
+// Knobs of one compiled variant (template constants; ptxtrain/quant/cuda.py's VARIANTS table):
+//   NT        threads per CTA: 128, 256 (the original kernel) or 512.
+//   LOOP      a CTA walks tiles blockIdx.x, + gridDim.x, ... (the host picks the grid); without
+//             it (and without PIPE) a CTA does tile blockIdx.x only (grid = number of tiles).
+//   PIPE      software pipeline across the tiles of a CTA: the 16-byte chunks of the CTA's next
+//             tile are loaded into a thread's registers as soon as the current tile's chunk in
+//             those registers is dead (after its row quantization, or after it was staged in
+//             shared memory when there is no row output), so the next tile's loads are in
+//             flight during this tile's quantization. Without PIPE the next tile is loaded at
+//             the top of the loop. PIPE implies LOOP.
+//   MUL_POW2  power-of-two scales divide by one exact multiply (see quantize).
+//   BYTE_T    block mode with both outputs (W and Wᵀ share one scale, so the same bytes): the
+//             row pass also writes its FP8 bytes to shared memory ([128][32] words of 4 column
+//             bytes, word w of row r at r * 32 + (w ^ (((r >> 4) & 7) << 2))) and the column pass
+//             transposes bytes (a thread: 4 columns x 16 rows, 8 byte permutes per 4x4 block)
+//             instead of staging the raw tile and quantizing every element a second time.
+//   AMAX16    16-bit input: amax reductions on the raw 16-bit bits, two per max.u16x2 (see
+//             widen_abs16), instead of widening every element first.
+//   FAST_SF   sf = amax / 448 by a multiply and one FMA correction (see div448; exhaustively
+//             checked bit-exact) instead of div.rn.
+//   MIN_CTAS  __launch_bounds__ minimum CTAs per SM for 16-bit input, 2/3 of it for fp32 (at
+//             least 1; the registers are capped at 65536 / (NT * it));
+//             0: 768 / NT for 16-bit input, 512 / NT for fp32 (at least 1), i.e. the original
+//             80 / 128 registers per thread.
+template <int NT, bool LOOP, bool PIPE, bool MUL_POW2, int MIN_CTAS, bool BYTE_T = false,
+          bool AMAX16 = false, bool FAST_SF = false>
+struct Knobs {
+  static constexpr bool kFastSf = FAST_SF;
+  static constexpr bool kAmax16 = AMAX16;
+  static constexpr bool kByteT = BYTE_T;
+  static constexpr int kThreads = NT;
+  static constexpr bool kLoop = LOOP || PIPE;
+  static constexpr bool kPipe = PIPE;
+  static constexpr bool kMulPow2 = MUL_POW2;
+  static constexpr int kMinCtas = MIN_CTAS;
+};
+using DefaultKnobs = Knobs<256, false, false, false, 0>;  // the original kernel
+
+template <int IN, typename KN>
+struct MinCtas {
+  static constexpr int kDefault = (In<IN>::kBytes == 2 ? 768 : 512) / KN::kThreads;
+  static constexpr int kGiven = In<IN>::kBytes == 2 ? KN::kMinCtas : KN::kMinCtas * 2 / 3;
+  static constexpr int value =
+      KN::kMinCtas > 0 ? (kGiven > 0 ? kGiven : 1) : (kDefault > 0 ? kDefault : 1);
+};
+
+// Where one thread's chunks of a tile come from: pass i is row m0 + r_base + i * RPP, columns
+// col .. col + VEC - 1 of x; rows at or past M (also all rows of a tile index past the last
+// tile) and columns at or past K read zeros (the reference's padding inside the amax).
+struct ChunkSrc {
+  const char* p;  // the pass-0 chunk
+  i64 step;       // bytes from one pass to the next (RPP rows)
+  i64 col;
+  int rows;       // passes i with i * RPP < rows exist
+  bool vec;       // whole aligned chunk: one 16-byte load
+};
+
+template <int IN, int RPP>
+__device__ __forceinline__ ChunkSrc chunk_src(const char* xb, i64 M, i64 K, i64 ldx, i64 m0,
+                                              i64 col, int r_base, bool x_vec) {
+  constexpr int kBytes = In<IN>::kBytes;
+  ChunkSrc s;
+  const i64 row = m0 + r_base;
+  const i64 left = M - row;
+  s.rows = left <= 0 ? 0 : (left > kTile ? kTile : static_cast<int>(left));
+  s.p = xb + (row * ldx + col) * kBytes;
+  s.step = static_cast<i64>(RPP) * ldx * kBytes;
+  s.col = col;
+  s.vec = x_vec && col + 16 / kBytes <= K;
+  return s;
+}
+
+template <int IN, int RPP>
+__device__ __forceinline__ uint4 load_chunk(const ChunkSrc& s, i64 K, int i) {
+  constexpr int kBytes = In<IN>::kBytes;
+  constexpr int VEC = 16 / kBytes;
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (i * RPP < s.rows) {
+    const char* p = s.p + i * s.step;
+    if (s.vec) {
+      v = ld_stream_v4(p);
+    } else {
+      u32 w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        if (s.col + e < K) {
+          u32 bits;
+          if constexpr (kBytes == 4) {
+            bits = ld_u32(p + e * 4);
+          } else {
+            bits = ld_u16(p + e * 2);
+          }
+          w[e * kBytes / 4] |= bits << ((e * kBytes * 8) & 31);
+        }
+      }
+      v = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  return v;
+}
+
 // The kernel. IN: input kind; BLOCK: one scale per 128x128 tile (else 1x128 rows / 128x1
-// columns); ROW: write q [M, K]; COL: write qt [K, M]; POW2: power-of-two scales.
+// columns); ROW: write q [M, K]; COL: write qt [K, M]; POW2: power-of-two scales; KN: Knobs.
 //
 // Arguments: x (row stride ldx elements, unit column stride); q (row stride K) and its scales sf
 // (element (i, j) at sf[i * sf_s0 + j * sf_s1]); qt (row stride M) and sft (strides sft_s0,
@@ -217,180 +395,262 @@ __device__ __forceinline__ u32 warp_max(u32 v) {
 // 16-byte aligned with a 16-byte multiple row stride; bit 1 = q's rows allow 8 / 4-byte stores
 // (K % 8 == 0 for 16-bit input, K % 4 == 0 for fp32); bit 2 = qt's rows allow 16-byte stores
 // (M % 16 == 0). Pointers the mode does not use may be anything (never dereferenced).
-template <int IN, bool BLOCK, bool ROW, bool COL, bool POW2>
-__global__ void __launch_bounds__(kThreads, In<IN>::kBytes == 2 ? 3 : 2)
+// Dynamic shared memory: 128 * 128 * sizeof(input) bytes when COL, then NT / 32 words.
+template <int IN, bool BLOCK, bool ROW, bool COL, bool POW2, typename KN = DefaultKnobs>
+__global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     cast_fp8(const void* __restrict__ x_ptr, unsigned char* __restrict__ q, float* __restrict__ sf,
              unsigned char* __restrict__ qt, float* __restrict__ sft, i64 M, i64 K, i64 ldx,
              i64 sf_s0, i64 sf_s1, i64 sft_s0, i64 sft_s1, i64 k_tiles, int vec_flags) {
+  constexpr int kThreads = KN::kThreads;
+  constexpr bool kPipe = KN::kPipe;
+  constexpr bool kMul = POW2 && KN::kMulPow2;
+  constexpr int kWarps = kThreads / 32;
   constexpr int kBytes = In<IN>::kBytes;
   constexpr int VEC = 16 / kBytes;         // elements per 16-byte chunk
   constexpr int CPR = kTile / VEC;         // chunks per tile row: 16 or 32
-  constexpr int RPP = kThreads / CPR;      // rows per load pass: 16 or 8
-  constexpr int PASSES = kTile / RPP;      // 8 or 16
+  constexpr int RPP = kThreads / CPR;      // rows per load pass
+  constexpr int PASSES = kTile / RPP;      // load passes per tile
   constexpr int WPR = kTile * kBytes / 4;  // 32-bit words per tile row: 64 or 128
   constexpr int EPW = 4 / kBytes;          // elements per word: 2 or 1
+  static_assert(kThreads % CPR == 0 && kTile % RPP == 0, "threads must tile the 128 rows");
+  static_assert(WPR % (4 * kWarps) == 0, "the column pass needs WPR / (4 * warps) passes");
 
-  PTXTRAIN_DYNAMIC_SMEM(u32, smem);  // [128][WPR] when COL, then 8 warp maxima
-  u32* red = smem + (COL ? kTile * WPR : 0);
+  constexpr bool kByteT = BLOCK && ROW && COL && KN::kByteT;
+  constexpr bool kAmax16 = KN::kAmax16 && In<IN>::kBytes == 2;
+  constexpr bool kFastSf = KN::kFastSf;
+  // Shared memory: the raw tile [128][WPR] words for the column pass (or, with kByteT, its FP8
+  // bytes [128][32] words), then the warp maxima.
+  PTXTRAIN_DYNAMIC_SMEM(u32, smem);
+  u32* red = smem + (COL ? kTile * (kByteT ? kTile / 4 : WPR) : 0);
 
   const int tid = threadIdx.x;
-  const i64 tile = blockIdx.x;
-  const i64 mt = tile / k_tiles;
-  const i64 kt = tile - mt * k_tiles;
-  const i64 m0 = mt * kTile;
-  const i64 k0 = kt * kTile;
+  const i64 tiles = (M + kTile - 1) / kTile * k_tiles;
+  const i64 stride = gridDim.x;
   const bool x_vec = vec_flags & 1;
   const bool q_vec = vec_flags & 2;
   const bool qt_vec = vec_flags & 4;
-
-  // ---- load: 16-byte chunks, zeros outside [M, K] ----
-  const int c = tid % CPR;
-  const int r_base = tid / CPR;
-  const i64 col = k0 + c * VEC;
   const char* xb = static_cast<const char*>(x_ptr);
+  const int c = tid % CPR;  // 16-byte chunk column of this thread
+  const int r_base = tid / CPR;
+
   uint4 v[PASSES];
+  if constexpr (kPipe) {  // the first tile; later ones are prefetched during the previous one
+    const i64 t0 = blockIdx.x;
+    const i64 m0 = t0 / k_tiles * kTile;
+    const i64 col = (t0 - t0 / k_tiles * k_tiles) * kTile + c * VEC;
+    const ChunkSrc src = chunk_src<IN, RPP>(xb, M, K, ldx, m0, col, r_base, x_vec);
 #pragma unroll
-  for (int i = 0; i < PASSES; ++i) {
-    const i64 row = m0 + r_base + i * RPP;
-    v[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (row < M) {
-      const char* p = xb + (row * ldx + col) * kBytes;
-      if (x_vec && col + VEC <= K) {
-        v[i] = ld_stream_v4(p);
-      } else {
-        u32 w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          if (col + e < K) {
-            u32 bits;
-            if constexpr (kBytes == 4) {
-              bits = ld_u32(p + e * 4);
-            } else {
-              bits = ld_u16(p + e * 2);
-            }
-            w[e * kBytes / 4] |= bits << ((e * kBytes * 8) & 31);
-          }
-        }
-        v[i] = make_uint4(w[0], w[1], w[2], w[3]);
-      }
-    }
+    for (int i = 0; i < PASSES; ++i) v[i] = load_chunk<IN, RPP>(src, K, i);
   }
 
-  // ---- stage the raw tile in shared memory (swizzled) for the column pass ----
-  if constexpr (COL) {
-#pragma unroll
-    for (int i = 0; i < PASSES; ++i) {
-      const int r = r_base + i * RPP;
-      const int w = (c * 4) ^ (((r >> 4) & 7) << 2);
-      sts_v4(smem + r * WPR + w, v[i]);
-    }
-  }
-
-  Scale block_scale;
-  if constexpr (BLOCK) {
-    u32 amax = 0u;
-#pragma unroll
-    for (int i = 0; i < PASSES; ++i) {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) amax = max(amax, abs_bits(unpack<IN>(v[i], e)));
-    }
-    amax = warp_max<32>(amax);
-    if ((tid & 31) == 0) red[tid >> 5] = amax;
-    __syncthreads();
-    amax = red[0];
-#pragma unroll
-    for (int wi = 1; wi < kThreads / 32; ++wi) amax = max(amax, red[wi]);
-    block_scale = make_scale<POW2>(amax);
-    if (tid == 0) st_f32(sf + mt * sf_s0 + kt * sf_s1, block_scale.sf);
-  } else if constexpr (COL) {
-    __syncthreads();  // the column pass reads other threads' chunks
-  }
-
-  // ---- row pass (1x128 tiles, or the block scale) from registers ----
-  if constexpr (ROW) {
-#pragma unroll
-    for (int i = 0; i < PASSES; ++i) {
-      const i64 row = m0 + r_base + i * RPP;
-      float f[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) f[e] = unpack<IN>(v[i], e);
-      Scale s;
-      if constexpr (BLOCK) {
-        s = block_scale;
-      } else {
-        u32 amax = 0u;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) amax = max(amax, abs_bits(f[e]));
-        amax = warp_max<CPR>(amax);  // the CPR lanes of this row (aligned lane groups)
-        s = make_scale<POW2>(amax);
-        if (c == 0 && row < M) st_f32(sf + row * sf_s0 + kt * sf_s1, s.sf);
-      }
-      u32 packed[VEC / 4];
-      quantize<VEC>(f, s, packed);
-      if (row < M) {
-        unsigned char* dst = q + row * K + col;
-        if (q_vec && col + VEC <= K) {
-          if constexpr (VEC == 8) {
-            st_v2(dst, make_uint2(packed[0], packed[1]));
-          } else {
-            st_u32(dst, packed[0]);
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            if (col + e < K) st_u8(dst + e, static_cast<unsigned char>(packed[e / 4] >> (8 * (e % 4))));
-          }
-        }
-      }
-    }
-  }
-
-  // ---- column pass (128x1 tiles, or the block scale), stored transposed ----
-  if constexpr (COL) {
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const int g = lane & 7;  // row group: tile rows 16g .. 16g + 15
-    const i64 m = m0 + 16 * g;
 #pragma unroll 1
-    for (int pass = 0; pass < WPR / 32; ++pass) {
-      const int p = (lane >> 3) + 4 * (warp + 8 * pass);  // word column
-      float f[EPW][16];
+  for (i64 tile = blockIdx.x; tile < tiles; tile += stride) {
+    const i64 mt = tile / k_tiles;
+    const i64 kt = tile - mt * k_tiles;
+    const i64 m0 = mt * kTile;
+    const i64 k0 = kt * kTile;
+    const i64 col = k0 + c * VEC;
+    ChunkSrc next;  // the next tile of this CTA (past the end: its loads read nothing)
+    if constexpr (kPipe) {
+      const i64 nt = tile + stride;
+      const i64 n_col = (nt - nt / k_tiles * k_tiles) * kTile + c * VEC;
+      next = chunk_src<IN, RPP>(xb, M, K, ldx, nt / k_tiles * kTile, n_col, r_base, x_vec);
+    } else {
+      const ChunkSrc src = chunk_src<IN, RPP>(xb, M, K, ldx, m0, col, r_base, x_vec);
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int r = 16 * g + j;
-        const u32 word = smem[r * WPR + (p ^ (g << 2))];  // ((r >> 4) & 7) == g
+      for (int i = 0; i < PASSES; ++i) v[i] = load_chunk<IN, RPP>(src, K, i);
+    }
+    if constexpr (COL || BLOCK) {
+      // The previous tile's column pass (shared tile) and block amax (red) are done everywhere.
+      if (tile != blockIdx.x) __syncthreads();
+    }
+
+    // ---- stage the raw tile in shared memory (swizzled) for the column pass ----
+    if constexpr (COL && !kByteT) {
 #pragma unroll
-        for (int e = 0; e < EPW; ++e) f[e][j] = unpack_word<IN>(word, e);
+      for (int i = 0; i < PASSES; ++i) {
+        const int r = r_base + i * RPP;
+        const int w = (c * 4) ^ (((r >> 4) & 7) << 2);
+        sts_v4(smem + r * WPR + w, v[i]);
       }
+    }
+
+    Scale block_scale;
+    if constexpr (BLOCK) {
+      u32 amax = 0u;
 #pragma unroll
-      for (int e = 0; e < EPW; ++e) {
-        const i64 k = k0 + p * EPW + e;
-        Scale s;
-        if constexpr (BLOCK) {
-          s = block_scale;
+      for (int i = 0; i < PASSES; ++i) {
+        if constexpr (kAmax16) {
+          amax = max(amax, chunk_max16(v[i]));
         } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) amax = max(amax, abs_bits(unpack<IN>(v[i], e)));
+        }
+      }
+      if constexpr (kAmax16) amax = widen_abs16<IN>(amax);
+      amax = warp_max<32>(amax);
+      if ((tid & 31) == 0) red[tid >> 5] = amax;
+      __syncthreads();
+      amax = red[0];
+#pragma unroll
+      for (int wi = 1; wi < kWarps; ++wi) amax = max(amax, red[wi]);
+      block_scale = make_scale<POW2, kFastSf>(amax);
+      if (tid == 0) st_f32(sf + mt * sf_s0 + kt * sf_s1, block_scale.sf);
+    } else if constexpr (COL) {
+      __syncthreads();  // the column pass reads other threads' chunks
+    }
+    if constexpr (kPipe && !ROW) {  // the chunks are in shared memory: fetch the next tile
+#pragma unroll
+      for (int i = 0; i < PASSES; ++i) v[i] = load_chunk<IN, RPP>(next, K, i);
+    }
+
+    // ---- row pass (1x128 tiles, or the block scale) from registers ----
+    if constexpr (ROW) {
+#pragma unroll
+      for (int i = 0; i < PASSES; ++i) {
+        const i64 row = m0 + r_base + i * RPP;
+        float f[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) f[e] = unpack<IN>(v[i], e);
+        const uint4 v_cur = v[i];
+        if constexpr (kPipe) v[i] = load_chunk<IN, RPP>(next, K, i);
+        const Scale s = tile_scale<BLOCK, POW2, kFastSf>(block_scale, [&] {
+          if constexpr (kAmax16) return widen_abs16<IN>(warp_max<CPR>(chunk_max16(v_cur)));
           u32 amax = 0u;
 #pragma unroll
-          for (int j = 0; j < 16; ++j) amax = max(amax, abs_bits(f[e][j]));
-          amax = warp_max<8>(amax);  // the 8 lanes g = 0..7 of this word column
-          s = make_scale<POW2>(amax);
-          if (g == 0 && k < K) st_f32(sft + k * sft_s0 + mt * sft_s1, s.sf);
+          for (int e = 0; e < VEC; ++e) amax = max(amax, abs_bits(f[e]));
+          return warp_max<CPR>(amax);  // the CPR lanes of this row (aligned lane groups)
+        });
+        if (!BLOCK && c == 0 && row < M) st_f32(sf + row * sf_s0 + kt * sf_s1, s.sf);
+        u32 packed[VEC / 4];
+        quantize<VEC, kMul>(f, s, packed);
+        if constexpr (kByteT) {  // this chunk's bytes: words VEC / 4 * c .. of tile row r
+          const int r = r_base + i * RPP;
+          const int w = ((VEC / 4) * c) ^ (((r >> 4) & 7) << 2);
+          if constexpr (VEC == 8) {
+            sts_v2(smem + r * (kTile / 4) + w, make_uint2(packed[0], packed[1]));
+          } else {
+            smem[r * (kTile / 4) + w] = packed[0];
+          }
         }
-        u32 w[4];
-        quantize<16>(f[e], s, w);
-        if (k < K && m < M) {
-          unsigned char* dst = qt + k * M + m;
-          if (qt_vec && m + 16 <= M) {
-            st_v4(dst, make_uint4(w[0], w[1], w[2], w[3]));
+        if (row < M) {
+          unsigned char* dst = q + row * K + col;
+          if (q_vec && col + VEC <= K) {
+            if constexpr (VEC == 8) {
+              st_v2(dst, make_uint2(packed[0], packed[1]));
+            } else {
+              st_u32(dst, packed[0]);
+            }
           } else {
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-              if (m + j < M) st_u8(dst + j, static_cast<unsigned char>(w[j / 4] >> (8 * (j % 4))));
+            for (int e = 0; e < VEC; ++e) {
+              if (col + e < K) st_u8(dst + e, static_cast<unsigned char>(packed[e / 4] >> (8 * (e % 4))));
             }
           }
         }
       }
     }
+
+    // ---- column pass, kByteT: transpose the row pass's FP8 bytes ----
+    if constexpr (kByteT) {
+      __syncthreads();  // every row's bytes are in shared memory
+      const int lane = tid & 31;
+      const int g = lane & 7;  // tile rows 16g .. 16g + 15
+      const i64 m = m0 + 16 * g;
+#pragma unroll 1
+      for (int p = (lane >> 3) + 4 * (tid >> 5); p < kTile / 4; p += 4 * kWarps) {
+        u32 wd[16];  // wd[j]: columns 4p .. 4p + 3 of tile row 16g + j
+#pragma unroll
+        for (int j = 0; j < 16; ++j) wd[j] = smem[(16 * g + j) * (kTile / 4) + (p ^ (g << 2))];
+        u32 out[4][4];  // out[e][t]: column 4p + e, rows 16g + 4t .. 16g + 4t + 3
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const u32 lo_ab = __byte_perm(wd[4 * t], wd[4 * t + 1], 0x5140);  // a0 b0 a1 b1
+          const u32 hi_ab = __byte_perm(wd[4 * t], wd[4 * t + 1], 0x7362);  // a2 b2 a3 b3
+          const u32 lo_cd = __byte_perm(wd[4 * t + 2], wd[4 * t + 3], 0x5140);
+          const u32 hi_cd = __byte_perm(wd[4 * t + 2], wd[4 * t + 3], 0x7362);
+          out[0][t] = __byte_perm(lo_ab, lo_cd, 0x5410);  // a0 b0 c0 d0
+          out[1][t] = __byte_perm(lo_ab, lo_cd, 0x7632);  // a1 b1 c1 d1
+          out[2][t] = __byte_perm(hi_ab, hi_cd, 0x5410);
+          out[3][t] = __byte_perm(hi_ab, hi_cd, 0x7632);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const i64 k = k0 + 4 * p + e;
+          if (k < K && m < M) {
+            unsigned char* dst = qt + k * M + m;
+            if (qt_vec && m + 16 <= M) {
+              st_v4(dst, make_uint4(out[e][0], out[e][1], out[e][2], out[e][3]));
+            } else {
+#pragma unroll
+              for (int j = 0; j < 16; ++j) {
+                if (m + j < M) st_u8(dst + j, static_cast<unsigned char>(out[e][j / 4] >> (8 * (j % 4))));
+              }
+            }
+          }
+        }
+      }
+    }
+
+    // ---- column pass (128x1 tiles, or the block scale), stored transposed ----
+    if constexpr (COL && !kByteT) {
+      const int lane = tid & 31;
+      const int warp = tid >> 5;
+      const int g = lane & 7;  // row group: tile rows 16g .. 16g + 15
+      const i64 m = m0 + 16 * g;
+#pragma unroll 1
+      for (int pass = 0; pass < WPR / (4 * kWarps); ++pass) {
+        const int p = (lane >> 3) + 4 * (warp + kWarps * pass);  // word column
+        // Without PIPE the 16 words are read once for both 16-bit halves; with PIPE (the next
+        // tile's chunks hold registers) they are re-read per half, halving the live floats.
+        constexpr bool kSplit = kPipe && EPW > 1;
+        u32 wd[16];
+        if constexpr (!kSplit || (kAmax16 && !BLOCK)) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) wd[j] = smem[(16 * g + j) * WPR + (p ^ (g << 2))];
+        }
+        u32 amax2 = 0u;  // kAmax16: the |h| maxima of word column p's two columns, per half
+        if constexpr (kAmax16 && !BLOCK) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) amax2 = max_u16x2(amax2, wd[j] & 0x7fff7fffu);
+          amax2 = warp_max_u16x2<8>(amax2);  // the 8 lanes g = 0..7 of this word column
+        }
+#pragma unroll
+        for (int e = 0; e < EPW; ++e) {
+          constexpr bool kHaveWords = !kSplit || (kAmax16 && !BLOCK);  // wd read above
+          if (kSplit && (e > 0 || !kHaveWords)) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) wd[j] = smem[(16 * g + j) * WPR + (p ^ (g << 2))];
+          }
+          float fe[16];  // ((r >> 4) & 7) == g for tile rows r = 16g + j
+#pragma unroll
+          for (int j = 0; j < 16; ++j) fe[j] = unpack_word<IN>(wd[j], e);
+          const i64 k = k0 + p * EPW + e;
+          const Scale s = tile_scale<BLOCK, POW2, kFastSf>(block_scale, [&] {
+            if constexpr (kAmax16) return widen_abs16<IN>(e ? amax2 >> 16 : amax2 & 0xffffu);
+            u32 amax = 0u;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) amax = max(amax, abs_bits(fe[j]));
+            return warp_max<8>(amax);  // the 8 lanes g = 0..7 of this word column
+          });
+          if (!BLOCK && g == 0 && k < K) st_f32(sft + k * sft_s0 + mt * sft_s1, s.sf);
+          u32 w[4];
+          quantize<16, kMul>(fe, s, w);
+          if (k < K && m < M) {
+            unsigned char* dst = qt + k * M + m;
+            if (qt_vec && m + 16 <= M) {
+              st_v4(dst, make_uint4(w[0], w[1], w[2], w[3]));
+            } else {
+#pragma unroll
+              for (int j = 0; j < 16; ++j) {
+                if (m + j < M) st_u8(dst + j, static_cast<unsigned char>(w[j / 4] >> (8 * (j % 4))));
+              }
+            }
+          }
+        }
+      }
+    }
+    if constexpr (!KN::kLoop) break;  // one tile per CTA
   }
 }
 

@@ -1,12 +1,40 @@
 // ptxtrain/quant/kernels/host_emulation.cpp — a shared library exposing cast_transpose.cuh's
 // kernels, run on the CPU through host_emulation.hpp, to tests/quant/test_cuda.py (ctypes).
 // Build: g++ -std=c++20 -O1 -ffp-contract=off -fPIC -shared host_emulation.cpp -o emu.so
+// The kernel variant (ptxtrain_quant::Knobs) comes from -DPTXTRAIN_QUANT_EMU_THREADS=..., _LOOP,
+// _PIPE, _MUL_POW2, _BYTE_T, _AMAX16, _FAST_SF (defaults: the default variant), one shared library per variant.
 #define PTXTRAIN_QUANT_HOST_EMULATION 1
 #include "cast_transpose.cuh"
+
+#ifndef PTXTRAIN_QUANT_EMU_THREADS
+#define PTXTRAIN_QUANT_EMU_THREADS 256
+#endif
+#ifndef PTXTRAIN_QUANT_EMU_FAST_SF
+#define PTXTRAIN_QUANT_EMU_FAST_SF 0
+#endif
+#ifndef PTXTRAIN_QUANT_EMU_AMAX16
+#define PTXTRAIN_QUANT_EMU_AMAX16 0
+#endif
+#ifndef PTXTRAIN_QUANT_EMU_BYTE_T
+#define PTXTRAIN_QUANT_EMU_BYTE_T 0
+#endif
+#ifndef PTXTRAIN_QUANT_EMU_LOOP
+#define PTXTRAIN_QUANT_EMU_LOOP 0
+#endif
+#ifndef PTXTRAIN_QUANT_EMU_PIPE
+#define PTXTRAIN_QUANT_EMU_PIPE 0
+#endif
+#ifndef PTXTRAIN_QUANT_EMU_MUL_POW2
+#define PTXTRAIN_QUANT_EMU_MUL_POW2 0
+#endif
 
 namespace {
 
 using ptxtrain_quant::i64;
+constexpr int kThreads = PTXTRAIN_QUANT_EMU_THREADS;
+using Kn = ptxtrain_quant::Knobs<kThreads, PTXTRAIN_QUANT_EMU_LOOP != 0, PTXTRAIN_QUANT_EMU_PIPE != 0,
+                                 PTXTRAIN_QUANT_EMU_MUL_POW2 != 0, 0, PTXTRAIN_QUANT_EMU_BYTE_T != 0,
+                                 PTXTRAIN_QUANT_EMU_AMAX16 != 0, PTXTRAIN_QUANT_EMU_FAST_SF != 0>;
 
 struct Args {
   const void* x;
@@ -16,15 +44,15 @@ struct Args {
   float* sft;
   i64 m, k, ldx, sf_s0, sf_s1, sft_s0, sft_s1;
   int vec_flags;
+  i64 grid;
 };
 
 template <int IN, bool BLOCK, bool ROW, bool COL, bool POW2>
 int run(const Args& a) {
   const i64 k_tiles = (a.k + 127) / 128;
-  const i64 tiles = (a.m + 127) / 128 * k_tiles;
   const int bytes = IN == ptxtrain_quant::kF32 ? 4 : 2;
-  const std::size_t smem = (COL ? 128 * 128 * bytes : 0) + 32;
-  emu::launch(ptxtrain_quant::cast_fp8<IN, BLOCK, ROW, COL, POW2>, tiles, 256, smem, a.x, a.q,
+  const std::size_t smem = (COL ? 128 * 128 * bytes : 0) + 4 * (kThreads / 32);
+  emu::launch(ptxtrain_quant::cast_fp8<IN, BLOCK, ROW, COL, POW2, Kn>, a.grid, kThreads, smem, a.x, a.q,
               a.sf, a.qt, a.sft, a.m, a.k, a.ldx, a.sf_s0, a.sf_s1, a.sft_s0, a.sft_s1, k_tiles,
               a.vec_flags);
   return 0;
@@ -49,13 +77,13 @@ int with_mode(int mode, int pow2, const Args& a) {
 
 }  // namespace
 
-// The kernel's arguments (less k_tiles, derived here), then spans: the byte sizes of x's, q's,
+// The kernel's arguments (less k_tiles, derived here), the grid (CTAs), then spans: the byte sizes of x's, q's,
 // sf's, qt's and sft's storage from their pointers. Global accesses outside them, or misaligned,
 // are reported on stderr and make the call return 2; 1 is an unknown in_kind / mode.
 extern "C" int emu_cast_fp8(int in_kind, int mode, int pow2, const void* x, unsigned char* q,
                             float* sf, unsigned char* qt, float* sft, i64 m, i64 k, i64 ldx,
                             i64 sf_s0, i64 sf_s1, i64 sft_s0, i64 sft_s1, int vec_flags,
-                            const i64* spans) {
+                            i64 grid, const i64* spans) {
   const char* base = static_cast<const char*>(x);
   emu::readable = {base, base + spans[0]};
   emu::writable.clear();
@@ -65,7 +93,7 @@ extern "C" int emu_cast_fp8(int in_kind, int mode, int pow2, const void* x, unsi
     emu::writable.push_back({o, o + spans[i + 1]});
   }
   emu::error = false;
-  const Args a{x, q, sf, qt, sft, m, k, ldx, sf_s0, sf_s1, sft_s0, sft_s1, vec_flags};
+  const Args a{x, q, sf, qt, sft, m, k, ldx, sf_s0, sf_s1, sft_s0, sft_s1, vec_flags, grid};
   int rc = 1;
   switch (in_kind) {  // ptxtrain_quant::InKind
     case 0: rc = with_mode<0>(mode, pow2, a); break;
@@ -79,4 +107,20 @@ extern "C" int emu_cast_fp8(int in_kind, int mode, int pow2, const void* x, unsi
 // The e4m3 model of host_emulation.hpp on n floats (checked against torch's cast by the tests).
 extern "C" void emu_e4m3(const float* in, unsigned char* out, long long n) {
   for (long long i = 0; i < n; ++i) out[i] = ptxtrain::e4m3_rn_satfinite(in[i]);
+}
+
+// The FAST_SF scale division (ptxtrain_quant::div448<true>) against IEEE division for every
+// amax bit pattern in [lo_bits, hi_bits) (all finite floats >= fp32(1e-4): the clamped range);
+// returns the number of mismatches (the first few are printed on stderr).
+extern "C" long long emu_check_fast_sf(unsigned lo_bits, unsigned hi_bits) {
+  long long bad = 0;
+  for (unsigned b = lo_bits; b < hi_bits; ++b) {
+    const float want = ptxtrain_quant::div448<false>(b);
+    const float got = ptxtrain_quant::div448<true>(b);
+    if (__float_as_uint(want) != __float_as_uint(got)) {
+      if (bad < 5) std::fprintf(stderr, "fast sf: amax bits %08x: %a != %a\n", b, got, want);
+      ++bad;
+    }
+  }
+  return bad;
 }

@@ -70,6 +70,7 @@ struct Cta {
 
 inline thread_local EmuDim tl_thread{0};
 inline thread_local EmuDim tl_block{0};
+inline thread_local EmuDim tl_grid{0};
 inline thread_local Cta* tl_cta = nullptr;
 
 // A bad access is reported once on stderr and flagged (the caller returns an error); a bad load
@@ -153,6 +154,7 @@ void launch(Kernel kernel, long long grid, int threads, std::size_t smem_bytes, 
     cta.done.assign(threads, 0);
     tl_cta = &cta;
     tl_block.x = static_cast<unsigned>(b);
+    tl_grid.x = static_cast<unsigned>(grid);
     body = [&] { kernel(args...); };
     for (int t = 0; t < threads; ++t) {
       getcontext(&cta.ctx[t]);
@@ -182,6 +184,7 @@ void launch(Kernel kernel, long long grid, int threads, std::size_t smem_bytes, 
 
 #define threadIdx (emu::tl_thread)
 #define blockIdx (emu::tl_block)
+#define gridDim (emu::tl_grid)
 #define PTXTRAIN_DYNAMIC_SMEM(type, name) \
   type* name = reinterpret_cast<type*>(emu::tl_cta->smem.data())
 
@@ -210,6 +213,13 @@ inline unsigned __float_as_uint(float f) {
   return u;
 }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+// prmt.b32 (default mode): byte i of the result is byte (s >> 4i) & 7 of the pair {y:x}.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long pair = (static_cast<unsigned long long>(y) << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= ((pair >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+}
 inline float __frcp_rn(float a) { return 1.0f / a; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
@@ -292,6 +302,13 @@ inline void st_u8(unsigned char* ptr, unsigned char v) {
 }
 inline void sts_v4(void* ptr, uint4 v) {
   if (emu::aligned(ptr, 16, "misaligned 16-byte shared store")) std::memcpy(ptr, &v, 16);
+}
+inline unsigned max_u16x2(unsigned a, unsigned b) {
+  const unsigned lo = std::max(a & 0xffffu, b & 0xffffu), hi = std::max(a >> 16, b >> 16);
+  return lo | (hi << 16);
+}
+inline void sts_v2(void* ptr, uint2 v) {
+  if (emu::aligned(ptr, 8, "misaligned 8-byte shared store")) std::memcpy(ptr, &v, 8);
 }
 
 }  // namespace ptxtrain_quant
