@@ -32,7 +32,11 @@ bound, the per-expert receive counts it returns, the validity flags). The id-ran
 bytes + scales), the gate weights, the global ``topk_idx`` and the source token index, moved by
 one ``all_to_all_single`` (or one nvlink kernel launch). Layout, send order and every index
 vector are built with device ops (no ``nonzero`` / ``bincount`` / ``.tolist()`` beyond the one
-copy). ``combine`` is one message with the splits swapped and no layout exchange (the handle
+copy). The call is host-bound (every torch op costs host time and, after the sync, the GPU
+waits for each), so on CUDA the whole send layout is ONE Triton launch, the payload is packed
+and unpacked with one launch each and combine sums with one launch over a slot table
+(:mod:`ptxtrain.moe.layout`; CPU tensors take its torch twins, bit-identical).
+``combine`` is one message with the splits swapped and no layout exchange (the handle
 knows everything), then an ``index_add`` per source token accumulated in fp32 (fp64 for fp64
 inputs); the backward of dispatch combines the gradients of activations and weights in one
 message too.
@@ -70,6 +74,14 @@ import torch
 import torch.distributed as dist
 
 from ptxtrain._checks import ceil_div, check_positive_int, check_shape, check_tensor
+from ptxtrain.moe.layout import (
+    combine_sum,
+    pack_rows,
+    send_layout,
+    torch_combine_sum,
+    triton_usable,
+    unpack_rows,
+)
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE
 
 __all__ = ["Buffer", "DispatchHandle", "EventOverlap", "get_dispatch_layout"]
@@ -101,31 +113,6 @@ def _check_experts(num_experts: object, num_ranks: int) -> int:
     return num_experts
 
 
-def _layout(
-    topk_idx: torch.Tensor, num_experts: int, num_ranks: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`get_dispatch_layout` without validation and without host syncs (device ops only).
-
-    Ids outside ``[0, E)`` are treated as ``-1``; the fourth result is a 0-d int64 tensor, the
-    number of ids outside ``[-1, E)`` (checked after the count exchange).
-    """
-    n_tokens = topk_idx.shape[0]
-    experts_per_rank = num_experts // num_ranks
-    valid = (topk_idx >= 0) & (topk_idx < num_experts)  # [T, k]
-    n_bad = ((topk_idx < -1) | (topk_idx >= num_experts)).sum()
-    # Invalid slots point at a spill column (R for ranks, E for experts) dropped afterwards.
-    dest = torch.where(valid, topk_idx // experts_per_rank, num_ranks)  # [T, k]
-    is_token_in_rank = torch.zeros(
-        n_tokens, num_ranks + 1, dtype=torch.bool, device=topk_idx.device
-    ).scatter_(1, dest, True)[:, :num_ranks]  # [T, R]
-    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int64)  # [R]
-    spill = torch.where(valid, topk_idx, num_experts).reshape(-1)
-    num_tokens_per_expert = torch.zeros(
-        num_experts + 1, dtype=torch.int64, device=topk_idx.device
-    ).scatter_add_(0, spill, torch.ones_like(spill))[:num_experts]  # [E] (no bincount sync)
-    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank.contiguous(), n_bad
-
-
 def get_dispatch_layout(
     topk_idx: torch.Tensor, num_experts: int, num_ranks: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,9 +142,9 @@ def get_dispatch_layout(
     check_positive_int("num_ranks", num_ranks)
     _check_experts(num_experts, num_ranks)
     _check_topk_idx(topk_idx, num_experts)
-    num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, _ = _layout(
-        topk_idx, num_experts, num_ranks
-    )
+    is_token_in_rank, counts, _, _ = send_layout(topk_idx, num_experts, num_ranks)
+    num_tokens_per_rank = counts[0, :, 0].contiguous()
+    num_tokens_per_expert = counts[0, :, 3:].reshape(num_experts)
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
@@ -277,35 +264,23 @@ def _pack(parts: list[torch.Tensor], width: int, rows: torch.Tensor | None) -> t
     """The rows of ``parts`` side by side as one ``[M, width]`` uint8 matrix (one message).
 
     ``rows`` (int64) selects and orders the rows (``None``: all). Bytes past the parts (padding
-    to ``width``) are left uninitialized: they travel but are never read.
+    to ``width``) are left uninitialized: they travel but are never read. One Triton launch on
+    CUDA (:func:`ptxtrain.moe.layout.pack_rows`).
     """
-    views = [_as_bytes(p) for p in parts]
-    if len(views) == 1 and views[0].shape[1] == width:  # nothing to pack: no copy
-        v = views[0]
+    if len(parts) == 1 and _row_bytes(parts[0]) == width:  # nothing to pack: no copy
+        v = _as_bytes(parts[0])
         if rows is not None:
             return v.index_select(0, rows)
         return v.clone() if v.data_ptr() % 16 else v  # the kernel loads 16-byte words
-    n = views[0].shape[0] if rows is None else rows.numel()
-    out = torch.empty(n, width, dtype=torch.uint8, device=views[0].device)
-    off = 0
-    for v in views:
-        w = v.shape[1]
-        out[:, off : off + w].copy_(v if rows is None else v.index_select(0, rows))
-        off += w
-    return out
+    return pack_rows(parts, width, rows)
 
 
 def _unpack(rows: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Inverse of :func:`_pack` on the moved ``[K, width]`` rows: ``[K, ...]`` per part."""
-    out, off, n = [], 0, rows.shape[0]
-    for p in parts:
-        w = _row_bytes(p)
-        piece = rows[:, off : off + w]
-        if w != rows.shape[1] or piece.storage_offset() % p.element_size():
-            piece = piece.clone(memory_format=torch.contiguous_format)  # offset 0, aligned
-        out.append(piece.view(p.dtype).reshape(n, *p.shape[1:]))
-        off += w
-    return out
+    """Inverse of :func:`_pack` on the moved ``[K, width]`` rows: ``[K, ...]`` per part
+    (a view when one part fills the rows, else one Triton launch on CUDA)."""
+    if len(parts) == 1 and _row_bytes(parts[0]) == rows.shape[1]:
+        return [rows.view(parts[0].dtype).reshape(rows.shape[0], *parts[0].shape[1:])]
+    return unpack_rows(rows, parts)
 
 
 def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> list[torch.Tensor]:
@@ -336,11 +311,12 @@ def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> l
 
 
 def _combine_sum(back: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Sent-order rows ``[S, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation)."""
-    acc = torch.float64 if back.dtype == torch.float64 else torch.float32
-    out = torch.zeros((handle.num_tokens, *back.shape[1:]), dtype=acc, device=back.device)
-    out.index_add_(0, handle.send_src_idx, back.to(acc))  # [T, ...]
-    return out.to(back.dtype)
+    """Sent-order rows ``[S, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation):
+    one Triton launch over the handle's slot table where the layout kernel built one, else
+    ``index_add`` (:mod:`ptxtrain.moe.layout`)."""
+    if "slot" in handle._nvl_index and triton_usable(back):
+        return combine_sum(back, handle._nvl_index["slot"][0])
+    return torch_combine_sum(back, handle.send_src_idx, handle.num_tokens)
 
 
 def _dispatch_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -669,10 +645,10 @@ class Buffer:
         recv_x = (outs[0].view(FP8_DTYPE), outs[1]) if fp8 else outs[0]
 
         experts_per_rank = num_experts // self.num_ranks
-        first = self.rank * experts_per_rank
-        local = (recv_global >= first) & (recv_global < first + experts_per_rank)  # [N, k]
-        recv_topk_idx = torch.where(local, recv_global - first, -1)  # [N, k]
-        recv_topk_weights = torch.where(local, recv_w, torch.zeros_like(recv_w))
+        # Local iff the floor quotient is this rank (-1 // E/R = -1 never is).
+        local = torch.div(recv_global, experts_per_rank, rounding_mode="floor") == self.rank
+        recv_topk_idx = torch.where(local, recv_global - self.rank * experts_per_rank, -1)
+        recv_topk_weights = torch.where(local, recv_w, 0.0)  # [N, k]
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle
 
     def combine(
@@ -760,32 +736,16 @@ class Buffer:
         device meanwhile. Returns the handle (its ``recv_src_idx`` still empty: it travels with
         the payload) and ``num_recv_tokens_per_expert``.
         """
-        n_ranks, group, dev = self.num_ranks, self.group, topk_idx.device
+        n_ranks, group = self.num_ranks, self.group
         n_tokens = topk_idx.shape[0]
         experts_per_rank = num_experts // n_ranks
-        per_rank, per_expert, in_rank, n_bad = _layout(topk_idx, num_experts, n_ranks)
-        width = 3 + experts_per_rank
-        msg = torch.cat(
-            [
-                per_rank.unsqueeze(1),
-                per_rank.max().expand(n_ranks, 1),
-                n_bad.expand(n_ranks, 1),
-                per_expert.view(n_ranks, experts_per_rank),
-            ],
-            dim=1,
-        )  # [R, 3 + E/R]
-        recv = torch.empty_like(msg)
-        dist.all_to_all_single(recv, msg, group=group)
-        # Send order (rank-major, ascending tokens) without nonzero (a sync): the place of each
-        # (rank, token) pair is the running count of pairs before it; others go to a spill slot.
-        flat = in_rank.t().reshape(-1)  # [R·T]
-        n_pairs = flat.numel()
-        place = torch.where(flat, flat.cumsum(0) - 1, n_pairs)
-        token_of = torch.arange(n_pairs, dtype=torch.int64, device=dev) % max(n_tokens, 1)
-        order = torch.empty(n_pairs + 1, dtype=torch.int64, device=dev).scatter_(0, place, token_of)
-        host = torch.cat([recv.reshape(-1), per_rank]).tolist()  # the one host sync
+        # One Triton launch on CUDA: is_token_in_rank, the count message (counts[0]), the send
+        # order and the slot table; counts[1] receives the exchange, so ONE copy to the host
+        # carries both sides.
+        in_rank, counts, order, slot = send_layout(topk_idx, num_experts, n_ranks)
+        dist.all_to_all_single(counts[1], counts[0], group=group)
+        sent, rows = counts.tolist()  # the one host sync
 
-        rows = [host[s * width : (s + 1) * width] for s in range(n_ranks)]
         bad = [s for s, row in enumerate(rows) if row[2]]
         if bad:
             if self.rank in bad:
@@ -796,16 +756,20 @@ class Buffer:
             raise ValueError(
                 f"topk_idx must hold expert ids in [0, num_experts={num_experts}) or -1, {got}"
             )
-        send_counts = tuple(host[n_ranks * width :])
+        send_counts = tuple(row[0] for row in sent)
         recv_counts = tuple(row[0] for row in rows)
         max_rows_per_pair = max(row[1] for row in rows)
         num_recv_tokens_per_expert = [
             sum(row[3 + e] for row in rows) for e in range(experts_per_rank)
         ]
-        recv_counts_t = recv[:, 0].contiguous()
-        recv_src_rank = torch.repeat_interleave(
-            torch.arange(n_ranks, device=dev), recv_counts_t, output_size=sum(recv_counts)
-        )  # [N]
+        recv_counts_t = counts[1, :, 0]
+        # repeat_interleave(counts) = arange(R) repeated: the source rank of every row.
+        recv_src_rank = torch.repeat_interleave(recv_counts_t, output_size=sum(recv_counts))
+        cache = {}
+        if self._transport is not None:
+            cache["counts"] = (counts[0, :, 0], recv_counts_t)
+        if slot is not None:
+            cache["slot"] = (slot,)
         handle = DispatchHandle(
             rank=self.rank,
             num_ranks=n_ranks,
@@ -820,6 +784,6 @@ class Buffer:
             group=group,
             max_rows_per_pair=max_rows_per_pair,
             transport=self._transport,
-            _nvl_index={"counts": (per_rank, recv_counts_t)} if self._transport else {},
+            _nvl_index=cache,
         )
         return handle, num_recv_tokens_per_expert

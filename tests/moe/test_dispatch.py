@@ -21,6 +21,19 @@ from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.quant.ref import per_token_cast_to_fp8
 from tests.moe._dist import run_gloo
 
+
+def _interpreted() -> bool:
+    import ptxtrain.moe.layout as lay
+
+    if lay.triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(lay._layout_kernel, InterpretedFunction)
+
+
+_INTERPRETED = _interpreted()
+
 # --------------------------------------------------------------------------- input builders
 
 
@@ -344,7 +357,27 @@ def _check_message_counts(rank, world, num_experts):
         _check_exact(f"dx (nvl={nvl})", x.grad, (2 * n_ranks).expand_as(x))
 
 
-def _worker(rank: int, world: int) -> None:
+def _use_triton_kernels() -> bool:
+    """Spawned ranks: run ptxtrain.moe.layout's kernels on CPU tensors when they can be
+    interpreted (TRITON_INTERPRET=1 is inherited; the exact-cast patch is applied here, since
+    conftest does not run in the children)."""
+    import ptxtrain.moe.layout as lay
+
+    if not _interpreted():
+        return False
+    from ptxtrain.testing.triton_interp import apply_interpreter_patch
+
+    try:
+        apply_interpreter_patch()
+    except RuntimeError:  # another Triton version: keep the torch path
+        return False
+    lay._TRITON_ON_CPU = True
+    return True
+
+
+def _worker(rank: int, world: int, triton_kernels: bool) -> None:
+    if triton_kernels:
+        assert _use_triton_kernels(), "the Triton kernels could not be interpreted"
     buf = Buffer()
     assert (buf.rank, buf.num_ranks) == (rank, world)
     _check_validation(buf, rank)
@@ -382,9 +415,14 @@ def _run_checks(buf, rank, world):
     dist.barrier()
 
 
+@pytest.mark.parametrize("triton_kernels", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_dispatch_combine_gloo(world):
-    run_gloo(_worker, world, timeout=60.0)
+def test_dispatch_combine_gloo(world, triton_kernels):
+    """Every check on the torch path and on the Triton path (layout, packing, combine sum of
+    ptxtrain.moe.layout, interpreted on the CPU): the same expected results, bit for bit."""
+    if triton_kernels and not _INTERPRETED:
+        pytest.skip("needs Triton with TRITON_INTERPRET=1 (the kernels run on CPU tensors)")
+    run_gloo(_worker, world, triton_kernels, timeout=120.0)
 
 
 def test_get_dispatch_layout_single_process():
