@@ -48,6 +48,15 @@ def test_dispatch_validates_before_selecting(monkeypatch):
         quant.per_token_cast_to_fp8([[1.0]])
 
 
+def test_ptx_wins_rule():
+    # 1D2D only: decode-sized M with long K, large M with short K (bench_gemm.json, H200).
+    assert gemm.ptx_wins("1d2d", 64, 7168, 16384) and gemm.ptx_wins("1d2d", 128, 4096, 7168)
+    assert not gemm.ptx_wins("1d2d", 128, 7168, 2048)
+    assert gemm.ptx_wins("1d2d", 4096, 32768, 512) and gemm.ptx_wins("1d2d", 4096, 24576, 1536)
+    assert not gemm.ptx_wins("1d2d", 4096, 7168, 2048)
+    assert not gemm.ptx_wins("1d1d", 4096, 7168, 512)
+
+
 @pytest.mark.gpu
 def test_auto_on_hopper_uses_fast_backends(monkeypatch):
     monkeypatch.delenv("PTXTRAIN_GEMM_BACKEND", raising=False)
@@ -57,6 +66,9 @@ def test_auto_on_hopper_uses_fast_backends(monkeypatch):
         assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "cublas"
         assert gemm.select_backend("1d1d", 7168, 2048, 4096, dev) == "cublas"
         assert gemm.select_backend("1d2d", 128, 7168, 2048, dev) == "triton"  # decode: Triton won
+        # The PTX kernels where they measured fastest (see gemm.ptx_wins).
+        assert gemm.select_backend("1d2d", 4096, 32768, 512, dev) == "ptx"
+        assert gemm.select_backend("1d2d", 64, 7168, 16384, dev) == "ptx"
     assert gemm.select_backend("1d2d", 13, 200, 300, dev) == "triton"  # N, K not % 16: no cuBLAS
     assert gemm.select_backend("1d2d", 13, 256, 512, dev) == "triton"  # M % 4 != 0: no cuBLAS
     assert quant.select_backend(torch.ones(1, device=dev)) == "triton"

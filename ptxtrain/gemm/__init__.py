@@ -9,10 +9,11 @@ Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and thei
 - ``ptx``: hand-written sm_90a kernels (wgmma, TMA, mbarriers), NVRTC-compiled per shape
   (:mod:`ptxtrain.gemm.ptx`; K % 16 == 0).
 
-``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA, ``cublas`` for the
-shapes it runs correctly (:func:`ptxtrain.gemm.cublas.supports`) except decode-sized 1D2D
-(M <= 128, where the Triton kernel measured 1.15-1.24x faster), otherwise ``triton``, otherwise
-``ref``. ``PTXTRAIN_GEMM_BACKEND`` forces one.
+``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA, for 1D2D, ``ptx``
+where it measured fastest (:func:`ptx_wins`: decode-sized M with K >= 4096, large M with
+K <= 1536), then ``cublas`` for the shapes it runs correctly (:func:`ptxtrain.gemm.cublas.supports`)
+except decode-sized 1D2D (M <= 128, where the Triton kernel measured faster), otherwise
+``triton``, otherwise ``ref``. ``PTXTRAIN_GEMM_BACKEND`` forces one.
 """
 
 from __future__ import annotations
@@ -32,6 +33,21 @@ def backends() -> dict[str, str]:
     return _backend.availability(__name__, BACKENDS)
 
 
+def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
+    """Whether ``auto`` prefers the PTX kernels for this shape (pure rule, device not checked).
+
+    From ``ptxtrain bench gemm`` on an H200, all backends in one process
+    (benchmarks/results/2026-11-22-ptx-s4-h200/bench_gemm.json): 1D2D at M = 64 / 128 the PTX
+    kernel beat Triton, the faster of the others there, by 0.99-1.30x on the three V3 shapes with
+    K >= 7168 and lost (0.76-0.94x) on the three with K <= 2048; at M = 4096 it beat cuBLAS by
+    1.01x (K = 1536) and 1.14x (K = 512) and tied or lost (0.94-0.99x) at K >= 2048. 1D1D: cuBLAS
+    stays ahead (PTX 0.92-0.97x).
+    """
+    if kind != "1d2d":
+        return False
+    return k >= 4096 if m <= 128 else k <= 1536
+
+
 def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> str:
     """The backend ``auto`` (or ``PTXTRAIN_GEMM_BACKEND``) gives a ``kind`` ("1d2d" / "1d1d")
     GEMM of this shape on ``device``.
@@ -44,8 +60,10 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
         return forced
     if device.type != "cuda":
         return "ref"
-    from ptxtrain.gemm import cublas
+    from ptxtrain.gemm import cublas, ptx
 
+    if ptx_wins(kind, m, n, k) and ptx.supports(m, n, k, device=device):
+        return "ptx"
     # cuBLAS wins at M = 4096 for both kinds (benchmarks/results/2026-11-22-issue3-*); Triton
     # wins for decode-sized 1D2D (M <= 128) and takes every shape cuBLAS cannot run correctly.
     if cublas.supports(m, n, k, device=device) and (kind == "1d1d" or m > 128):
@@ -84,4 +102,4 @@ def fp8_gemm_nt_1d1d(
     return mod._fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
 
 
-__all__ = ["BACKENDS", "backends", "fp8_gemm_nt", "fp8_gemm_nt_1d1d", "select_backend"]
+__all__ = ["BACKENDS", "backends", "fp8_gemm_nt", "fp8_gemm_nt_1d1d", "ptx_wins", "select_backend"]

@@ -114,18 +114,19 @@ def _config_smem(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
     return smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind, epi)
 
 
-def _efficiency(bm: int, bn: int) -> float:
+def _efficiency(bm: int, bn: int, k: int) -> float:
     """Relative throughput per tile area, measured on an H200 at M = 4096 over the six DeepSeek-V3
-    shapes (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200/, sweep_*_8703b7e.json): 128-row
-    tiles with double accumulators (block_n <= 128) fastest on 4 of 6 shapes and 1D1D, 256x128
-    (one accumulator, two waves) on par (best at K = 16384), 128-row tiles wider than 128 (one
-    accumulator) ~0.75, narrower tiles proportionally slower (each wgmma re-reads A for fewer
-    columns), one math warpgroup (block_m = 64) ~0.6."""
+    shapes (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200/, sweep_*_8703b7e.json, and with
+    the TMA-store epilogue 2026-11-22-ptx-s4-h200/): 128-row tiles with double accumulators
+    (block_n <= 128) fastest on 5 of 6 shapes and 1D1D; 256x128 (one accumulator, two waves, B
+    multicast) 1.11x faster at K = 16384 (1311 vs 1180 TFLOPS), 0.98-0.99x at K = 2048-7168;
+    128-row tiles wider than 128 (one accumulator) ~0.75, narrower tiles proportionally slower
+    (each wgmma re-reads A for fewer columns), one math warpgroup (block_m = 64) ~0.6."""
     pow2 = bn & (bn - 1) == 0
     if bm == 64:
         base = 0.6
     elif bm == 256:
-        base = 1.0 if bn == 128 else 0.85
+        base = (1.1 if k >= 12288 else 0.97) if bn == 128 else 0.85
     else:
         base = 1.02 if bn <= 128 else 0.84
     return base * min(1.0, bn / 128) * (1.0 if pow2 else 0.9)
@@ -172,7 +173,7 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
             tiles = ceil_div(max(m, 1), bm) * ceil_div(n, bn)
             waves = ceil_div(tiles, num_sms)
             if large:
-                cost = waves * bm * bn / _efficiency(bm, bn)
+                cost = waves * bm * bn / _efficiency(bm, bn, k)
             else:
                 cost = waves * bm * (bn + _TILE_OVERHEAD_N)
             key = (cost, -bm, -bn)
@@ -353,18 +354,40 @@ def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
     return view
 
 
+@functools.lru_cache(maxsize=1024)
+def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index):
+    """(config, loaded kernel, grid, shared memory) of one launch geometry, cached so a repeated
+    shape costs one lookup of host time (``cfg=None``: the heuristic's)."""
+    from ptxtrain.jit import load_kernel, max_active_clusters
+
+    if cfg is None:
+        cfg = select_config(kind, m, n, k, _num_sms(device_index))
+    cfg = _resolve(cfg, kind, n, aligned, out_dtype)
+    compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
+    with torch.cuda.device(device_index):
+        kernel = load_kernel(compiled, expr)
+    units = ceil_div(ceil_div(m, cfg.block_m), cfg.cluster) * ceil_div(n, cfg.block_n)
+    smem = _config_smem(cfg, kind, out_dtype)
+    if cfg.cluster > 1:
+        # Only as many clusters as fit at once: a second wave of a persistent grid doubles the
+        # time (measured: 66 clusters of 2 on 132 SMs ran 2x slower than 132 single CTAs).
+        resident = max_active_clusters(kernel, cfg.cluster, cfg.num_threads, smem)
+        grid = min(units, max(resident, 1)) * cfg.cluster
+    else:
+        grid = min(units, _num_sms(device_index))
+    return cfg, kernel, grid, smem
+
+
 def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
-    from ptxtrain.jit import launch, load_kernel, make_tma_2d_desc, max_active_clusters
+    from ptxtrain.jit import launch, make_tma_2d_desc
 
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
-    device = a_fp8.device
-    if cfg is None:
-        cfg = select_config(kind, m, n, k, _num_sms(_index(device)))
-    cfg = _resolve(cfg, kind, n, out, out_dtype)
-    compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
-    kernel = load_kernel(compiled, expr)
+    aligned = out.data_ptr() % 16 == 0
+    cfg, kernel, grid, smem = _plan(
+        kind, m, n, k, out_dtype, accumulate, cfg, aligned, _index(a_fp8.device)
+    )
     a8 = _k_major(a_fp8.view(torch.uint8))
     b8 = _k_major(b_fp8.view(torch.uint8))
     sfa = _mn_major_padded(sf_a.float())
@@ -382,15 +405,6 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
         tma_d = make_tma_2d_desc(out, 64, 128 // out.element_size(), swizzle="128B")
     else:
         tma_d = tma_a  # unused with direct stores
-    units = ceil_div(ceil_div(m, cfg.block_m), cfg.cluster) * ceil_div(n, cfg.block_n)
-    smem = _config_smem(cfg, kind, out_dtype)
-    if cfg.cluster > 1:
-        # Only as many clusters as fit at once: a second wave of a persistent grid doubles the
-        # time (measured: 66 clusters of 2 on 132 SMs ran 2x slower than 132 single CTAs).
-        resident = max_active_clusters(kernel, cfg.cluster, cfg.num_threads, smem)
-        grid = min(units, max(resident, 1)) * cfg.cluster
-    else:
-        grid = min(units, _num_sms(_index(device)))
     launch(
         kernel,
         grid,
@@ -399,19 +413,15 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
         smem_bytes=smem,
         cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
     )
-    # The descriptors hold raw addresses: keep the (possibly temporary) operands alive until the
-    # kernel has read them.
-    stream = torch.cuda.current_stream(device)
-    for t in (a8, b8, sfa, sfb_ptr):
-        t.record_stream(stream)
+    # The descriptors hold raw addresses of possibly temporary operands (a K-major copy, the
+    # MN-major scales): freed now, their memory is only reused by work queued after this kernel
+    # on the same stream (PyTorch's caching allocator), as for any PyTorch op's temporaries.
 
 
-def _resolve(cfg: PtxConfig, kind: str, n: int, out: torch.Tensor, out_dtype: torch.dtype):
+def _resolve(cfg: PtxConfig, kind: str, n: int, aligned: bool, out_dtype: torch.dtype):
     """``cfg`` adapted to this D: direct stores where the TMA store cannot write it (box rule,
     16-byte rows or base), and fewer stages where a wider (fp32) staging tile needs the room."""
-    if cfg.tma_store and not (
-        tma_store_fits(cfg.block_n, n, out_dtype) and out.data_ptr() % 16 == 0
-    ):
+    if cfg.tma_store and not (tma_store_fits(cfg.block_n, n, out_dtype) and aligned):
         cfg = dataclasses.replace(cfg, tma_store=False)
     while cfg.num_stages > 2 and _config_smem(cfg, kind, out_dtype) > _SMEM_BYTES:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)

@@ -381,6 +381,12 @@ def max_active_clusters(kernel: LoadedKernel, cluster: int, block: int, smem_byt
 _max_clusters: dict[tuple, int] = {}
 
 
+# Launch configurations by (kernel, grid, block, smem, cluster, stream); kernels are cached for
+# the process's life (load_kernel), so their id() is a stable key.
+_configs: dict = {}
+_MAX_CONFIGS = 4096
+
+
 def launch(
     kernel: LoadedKernel,
     grid,
@@ -423,20 +429,30 @@ def launch(
         kernel.max_dynamic_smem = smem_bytes
     if stream is None:
         stream = torch.cuda.current_stream()
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid3
-    config.blockDimX, config.blockDimY, config.blockDimZ = block3
-    config.sharedMemBytes = smem_bytes
-    config.hStream = driver.CUstream(stream.cuda_stream)
-    attrs = []
-    if cluster3 is not None:
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster3
-        attrs.append(attr)
-    if attrs:  # assign once: re-assigning CUlaunchConfig.attrs double-frees (cuda-bindings 13.0.3)
-        config.attrs = attrs
-    config.numAttrs = len(attrs)
+    # The launch configuration is built once per (kernel, geometry, stream) and reused: building
+    # cuda-bindings objects costs tens of µs of host time per launch.
+    key = (id(kernel), grid3, block3, smem_bytes, cluster3, stream.cuda_stream)
+    config = _configs.get(key)
+    if config is None:
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid3
+        config.blockDimX, config.blockDimY, config.blockDimZ = block3
+        config.sharedMemBytes = smem_bytes
+        config.hStream = driver.CUstream(stream.cuda_stream)
+        attrs = []
+        if cluster3 is not None:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster3
+            attrs.append(attr)
+        if (
+            attrs
+        ):  # assign once: re-assigning CUlaunchConfig.attrs double-frees (cuda-bindings 13.0.3)
+            config.attrs = attrs
+        config.numAttrs = len(attrs)
+        if len(_configs) >= _MAX_CONFIGS:
+            _configs.clear()
+        _configs[key] = config
     pointers = (ctypes.c_void_p * max(len(packed), 1))(*[ctypes.addressof(p) for p in packed])
     _ok(
         driver,
