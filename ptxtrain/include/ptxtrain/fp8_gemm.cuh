@@ -284,11 +284,13 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     };
     auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1]) {
       if constexpr (k1D1D) {
-        const float* sfb = reinterpret_cast<const float*>(smem_sfb + s * Smem::kSlotSfb);
+        // col0 is even and the slot 128-B aligned: one 8-byte load per 8-column group.
+        const float2* sfb = reinterpret_cast<const float2*>(smem_sfb + s * Smem::kSlotSfb);
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
-          sb[2 * j] = sfb[8 * j + col0];
-          sb[2 * j + 1] = sfb[8 * j + col0 + 1];
+          const float2 v = sfb[4 * j + col0 / 2];
+          sb[2 * j] = v.x;
+          sb[2 * j + 1] = v.y;
         }
       }
     };
