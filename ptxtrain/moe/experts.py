@@ -14,7 +14,10 @@ Two paths:
   see the same parameter set every step.
 - FP8 (``fp8 = True``, set by :func:`ptxtrain.model.deepseek.convert_model_to_fp8_training`):
   the three projections run through ``ptxtrain.nn.fp8_grouped.fp8_grouped_linear`` (DeepSeek-V3's
-  1x128 activation / 128x128 weight FP8 recipe, report §3.3; grouped GEMMs on GPU).
+  1x128 activation / 128x128 weight FP8 recipe, report §3.3; grouped GEMMs on GPU), with one
+  padded layout per call, x quantized once for w1 and w3, and each weight's quantization kept
+  until the weight changes (``fp8_config.cache_weight_fp8``); bit-identical to three
+  ``fp8_grouped_linear`` calls.
 
 Expert parallelism: :meth:`Experts.keep_experts_` cuts the stacks down to a contiguous range of
 experts in place (rank ``r`` of ``R`` keeps ``[r·E/R, (r+1)·E/R)``, the split of
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptxtrain._checks import check_positive_int, check_tensor
+from ptxtrain._checks import HP_DTYPES, check_positive_int, check_tensor
 
 __all__ = ["Experts"]
 
@@ -116,6 +119,77 @@ class Experts(nn.Module):
         self.expert_offset += start
         self.num_local_experts = count
 
+    def _forward_fp8(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The FP8 path on validated inputs: the three projections through the grouped FP8
+        linear with one padded layout for the layer (one host→device copy of it, not three),
+        x quantized once for w1 and w3, and each weight's 128x128 quantization cached until the
+        weight changes (:meth:`_quantized_weight`). Bit-identical to three
+        ``fp8_grouped_linear`` calls.
+        """
+        from ptxtrain.nn import fp8_grouped as fg
+
+        cfg = fg._resolve_config(self.fp8_config)
+        weights = (self.w1, self.w3, self.w2)
+        if not cfg.any_fp8 or not (
+            x.dtype in HP_DTYPES
+            and all(w.dtype in HP_DTYPES and w.device == x.device for w in weights)
+        ):
+            # "bf16" recipe (per-expert high precision), or inputs fp8_grouped_linear rejects:
+            # its public calls (and their errors).
+            return self._forward_fp8_calls(x, counts, cfg)
+        layout = fg._Layout(counts, fg.gemm_ref.M_GROUPED_ALIGNMENT, x.device)
+        # x's quantization for w1 and w3 (same values, same tiles): made once. Which parts are
+        # needed follows the Function's rule (fprop: 1x128; wgrad of a weight that wants grad:
+        # 128x1); anything missing is made inside the call.
+        grad = torch.is_grad_enabled()
+        want_t = cfg.wgrad and grad and self.w1.requires_grad and self.w3.requires_grad
+        with torch.no_grad():
+            x_q = fg._quantize_input(
+                fg._autocast_input(x).detach(), layout, cfg.pow2_scale, cfg.fprop, want_t
+            )
+        run = fg._grouped_apply
+        h = F.silu(run(x, self.w1, layout, counts, cfg, self._quantized_weight("w1", cfg), x_q))
+        h = h * run(x, self.w3, layout, counts, cfg, self._quantized_weight("w3", cfg), x_q)
+        return run(h, self.w2, layout, counts, cfg, self._quantized_weight("w2", cfg))  # [N, D]
+
+    def _forward_fp8_calls(self, x, counts, cfg) -> torch.Tensor:
+        from ptxtrain.nn.fp8_grouped import fp8_grouped_linear
+
+        h = F.silu(fp8_grouped_linear(x, self.w1, counts, config=cfg))  # [N, I]
+        h = h * fp8_grouped_linear(x, self.w3, counts, config=cfg)
+        return fp8_grouped_linear(h, self.w2, counts, config=cfg)  # [N, D]
+
+    def _quantized_weight(self, name: str, cfg) -> tuple | None:
+        """``(w_fp8, sf, wt_fp8, sf_t)`` of parameter ``name``: each expert's 128x128 blocks of
+        W[e] and of W[e]ᵀ (None, None without dgrad), kept while the weight is unchanged so the
+        micro-batches of one step quantize it once (None: ``cfg.cache_weight_fp8`` is off).
+
+        The key holds the weight's storage address and in-place version counter (bumped by the
+        optimizer's in-place update and by ``load_state_dict``'s copy), its shape, dtype and
+        device, and the scale rule; a changed key requantizes. The entry holds an alias of the
+        quantized storage, so a storage swapped in later (``w.data = ...``, :meth:`keep_experts_`)
+        cannot reuse its address. (In-place writes through ``w.data`` bypass the version counter,
+        as for :class:`ptxtrain.nn.Fp8Linear`'s cache.)
+        """
+        if not cfg.cache_weight_fp8 or not (cfg.fprop or cfg.dgrad):
+            return None
+        w = getattr(self, name)
+        try:
+            version = w._version
+        except RuntimeError:  # inference tensors keep no version counter: don't cache
+            return None
+        key = (w.data_ptr(), version, tuple(w.shape), w.dtype, w.device, cfg.pow2_scale, cfg.dgrad)
+        cache = self.__dict__.setdefault("_fp8_weight_cache", {})
+        hit = cache.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        from ptxtrain.nn.fp8_grouped import _quantize_weight
+
+        with torch.no_grad():
+            q = _quantize_weight(w.detach(), True, cfg.dgrad, cfg.pow2_scale)
+        cache[name] = (key, q, w.detach())  # the alias keeps the storage (and address) alive
+        return q
+
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Apply expert ``e`` to its contiguous slice of rows, for every local expert.
 
@@ -148,12 +222,7 @@ class Experts(nn.Module):
                 f"tokens_per_expert must be >= 0 and sum to x's {x.shape[0]} rows, got {counts}"
             )
         if self.fp8:
-            from ptxtrain.nn.fp8_grouped import fp8_grouped_linear
-
-            cfg = self.fp8_config
-            h = F.silu(fp8_grouped_linear(x, self.w1, counts, config=cfg))  # [N, I]
-            h = h * fp8_grouped_linear(x, self.w3, counts, config=cfg)
-            return fp8_grouped_linear(h, self.w2, counts, config=cfg)  # [N, D]
+            return self._forward_fp8(x, counts)
         # unbind once: its backward stacks the E gradients into one tensor, where indexing
         # w[e] per expert made every expert's backward materialize a full [E, ...] gradient
         # (measured: the small preset trained 2.6x slower on an H200).

@@ -24,6 +24,12 @@ result equals, on the reference path bit for bit, running the dense Fp8Linear on
 When every count is already a multiple of ``align`` the layout is the identity and no copy is
 made.
 
+Host cost (the GPU's host issues every op of the small MoE layers): :class:`ptxtrain.moe.Experts`
+calls the unchecked ``_grouped_apply`` with one layout for its three projections, x's
+quantization shared by w1 and w3, and each weight's 128x128 quantization cached until the weight
+changes; W[g]ᵀ's blocks are strided views of the stacked quantization (no copy). All of it is
+bit-identical to separate :func:`fp8_grouped_linear` calls.
+
 Saved for backward: FP8 data and scales only (xᵀ's 128x1 quantization from the forward and
 W[g]ᵀ's 128x128 blocks), plus the int layout; a GEMM configured off by the config saves its
 high-precision operand instead, as Fp8Linear does.
@@ -166,9 +172,10 @@ def _quantize_weight(
         flat = weight.reshape(g * n_out, k)
         if need_wt:
             w_fp8, sf, wt_fp8, sf_t = quant.per_block_cast_to_fp8_both(flat, pow2_scale=pow2)
-            # wt_fp8 [K, G·N_out] → [G, K, N_out]; sf_t [⌈K/128⌉, G·Nb] → [G, ⌈K/128⌉, Nb].
-            wt_fp8 = wt_fp8.view(k, g, n_out).transpose(0, 1).contiguous()
-            sf_t = sf_t.view(kb, g, nb).transpose(0, 1).contiguous()
+            # wt_fp8 [K, G·N_out] → [G, K, N_out]; sf_t [⌈K/128⌉, G·Nb] → [G, ⌈K/128⌉, Nb]: views
+            # (last dim unit-stride), no copy — the grouped GEMMs read B and its scales by stride.
+            wt_fp8 = wt_fp8.view(k, g, n_out).transpose(0, 1)
+            sf_t = sf_t.view(kb, g, nb).transpose(0, 1)
         else:
             w_fp8, sf = quant.per_block_cast_to_fp8(flat, pow2_scale=pow2)
             wt_fp8 = sf_t = None
@@ -177,6 +184,23 @@ def _quantize_weight(
     parts = [quant.per_block_cast_to_fp8_both(weight[e], pow2_scale=pow2) for e in range(g)]
     w_fp8, sf, wt_fp8, sf_t = (torch.stack([p[i] for p in parts]) for i in range(4))
     return w_fp8, sf, (wt_fp8 if need_wt else None), (sf_t if need_wt else None)
+
+
+def _quantize_input(
+    x: torch.Tensor, layout: _Layout, pow2: bool, row: bool, col: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """x [N, K] scattered to the padded layout and quantized: ``(x_fp8 [R, K], sf [R, ⌈K/128⌉],
+    xt_fp8 [K, R], sf_t [K, ⌈R/128⌉])`` — 1x128 tiles (``row``, Fprop's A) and 128x1 tiles stored
+    transposed (``col``, Wgrad's B), one pass when both; None where not asked for.
+    """
+    if not (row or col):
+        return None, None, None, None
+    x_pad = layout.scatter(x)
+    if row and col:
+        return quant.per_token_cast_to_fp8_both(x_pad, pow2_scale=pow2)
+    if row:
+        return (*quant.per_token_cast_to_fp8(x_pad, pow2_scale=pow2), None, None)
+    return (None, None, *quant.per_token_cast_to_fp8_t(x_pad, pow2_scale=pow2))
 
 
 def _hp_grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], b_t: bool) -> torch.Tensor:
@@ -201,7 +225,9 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, layout, counts, config, grad_enabled):
+    def forward(
+        ctx, input_hp, weight_hp, layout, counts, config, grad_enabled, weight_q=None, input_q=None
+    ):
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         act_dtype = input_hp.dtype
@@ -210,22 +236,25 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         need_wt = need_dx and config.dgrad
         with _autocast_off(input_hp.device.type):
             # -- x in the padded layout [R, K]: 1x128 for fprop, 128x1 (transposed [K, R]) for
-            # wgrad; one pass when both.
-            input_fp8 = input_sf = input_t_fp8 = input_t_sf = None
-            if config.fprop or keep_xt_fp8:
-                x_pad = layout.scatter(input_hp)
-                if config.fprop and keep_xt_fp8:
-                    input_fp8, input_sf, input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_both(
-                        x_pad, pow2_scale=pow2
-                    )
-                elif config.fprop:
-                    input_fp8, input_sf = quant.per_token_cast_to_fp8(x_pad, pow2_scale=pow2)
-                else:
-                    input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_t(x_pad, pow2_scale=pow2)
-            # -- each expert's W 128x128, and W[g]ᵀ's blocks when dgrad will need them.
-            weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = _quantize_weight(
-                weight_hp, config.fprop, need_wt, pow2
-            )
+            # wgrad; one pass when both. ``input_q`` (from _quantize_input on these very values,
+            # shared by projections of one input) supplies the parts it holds.
+            input_fp8, input_sf, input_t_fp8, input_t_sf = input_q or (None,) * 4
+            want_row = config.fprop and input_fp8 is None
+            want_t = keep_xt_fp8 and input_t_fp8 is None
+            if want_row or want_t:
+                q = _quantize_input(input_hp, layout, pow2, want_row, want_t)
+                if want_row:
+                    input_fp8, input_sf = q[0], q[1]
+                if want_t:
+                    input_t_fp8, input_t_sf = q[2], q[3]
+            # -- each expert's W 128x128, and W[g]ᵀ's blocks when dgrad will need them (or the
+            # caller's cached copy, ``weight_q``, made by _quantize_weight from this weight).
+            if weight_q is not None and (weight_q[2] is not None or not need_wt):
+                weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = weight_q
+            else:
+                weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = _quantize_weight(
+                    weight_hp, config.fprop, need_wt, pow2
+                )
             # -- Fprop: y_pad [R, N_out] = x_pad · W[g]ᵀ per expert; padding rows come out zero.
             if config.fprop:
                 y_pad = _grouped_gemms()[0](
@@ -306,7 +335,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
                         dw[e] = dy[start : start + c].t() @ x_hp[start : start + c]
                     start += c
                 dw = dw.to(ctx.weight_dtype)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def fp8_grouped_linear(
@@ -371,9 +400,38 @@ def fp8_grouped_linear(
     align = _check_align(align)
     config = _resolve_config(config)
     counts = _check_counts(tokens_per_expert, g, n, x.device)
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):  # cast as autocast would for a matmul
-        x = x.to(torch.get_autocast_dtype(device_type))
     layout = _Layout(counts, align, x.device)
+    return _grouped_apply(x, weight, layout, counts, config)
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x cast to the autocast dtype when autocast is on (as a matmul would be), else x."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
+
+
+def _grouped_apply(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    layout: _Layout,
+    counts: list[int],
+    config: Fp8LinearConfig,
+    weight_q: tuple | None = None,
+    input_q: tuple | None = None,
+) -> torch.Tensor:
+    """:func:`fp8_grouped_linear` after validation, for callers that checked their arguments
+    and built ``layout`` from ``counts`` themselves (:class:`ptxtrain.moe.Experts` builds one
+    layout per MoE layer for its three projections).
+
+    ``weight_q``: ``_quantize_weight(weight, ...)``'s result for this weight's current values
+    (a cache), or None. ``input_q``: ``_quantize_input(_autocast_input(x), layout, ...)`` for
+    this x (shared by projections of one input), or None. Either is recomputed where it lacks a
+    part the call needs.
+    """
+    x = _autocast_input(x)
     grad = torch.is_grad_enabled()
-    return _Fp8GroupedLinearFunction.apply(x, weight, layout, counts, config, grad)
+    return _Fp8GroupedLinearFunction.apply(
+        x, weight, layout, counts, config, grad, weight_q, input_q
+    )

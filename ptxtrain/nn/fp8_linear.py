@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptxtrain import gemm, quant
+from ptxtrain import _backend, gemm, quant
 from ptxtrain._checks import HP_DTYPES, check_tensor
 
 RECIPES: tuple[str, ...] = ("deepseek", "deepseek_pow2", "deepseek_wgrad_bf16", "bf16")
@@ -143,6 +143,25 @@ def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+def _gemm_1d2d(a: tuple, b: tuple, out_dtype: torch.dtype) -> torch.Tensor:
+    """``gemm.fp8_gemm_nt`` minus its argument checks: the operands come straight from the
+    quantizers (shapes, dtypes, scale layouts and devices right by construction), so the
+    selected backend's unchecked ``_fp8_gemm_nt`` runs directly — the dispatcher's own path
+    after its validation, same backend choice, same result."""
+    m, k = a[0].shape
+    n = b[0].shape[0]
+    mod = _backend.load(gemm.__name__, gemm.select_backend("1d2d", m, n, k, a[0].device))
+    return mod._fp8_gemm_nt(a, b, None, out_dtype)
+
+
+def _gemm_1d1d(a: tuple, b: tuple, out_dtype: torch.dtype) -> torch.Tensor:
+    """``gemm.fp8_gemm_nt_1d1d`` minus its argument checks (see :func:`_gemm_1d2d`)."""
+    m, k = a[0].shape
+    n = b[0].shape[0]
+    mod = _backend.load(gemm.__name__, gemm.select_backend("1d1d", m, n, k, a[0].device))
+    return mod._fp8_gemm_nt_1d1d(a, b, None, False, out_dtype)
+
+
 def _autocast_off(device_type: str):
     """Disable autocast around the reference GEMMs (their fp32 matmuls must stay fp32)."""
     if torch.is_autocast_enabled(device_type):
@@ -192,9 +211,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # -- Fprop: y [M, N] = x [M, K] · Wᵀ; bias added in fp32, one rounding to act_dtype.
             if config.fprop:
                 out_dtype = _gemm_out_dtype(act_dtype) if bias_hp is None else torch.float32
-                y = gemm.fp8_gemm_nt(
-                    (input_fp8, input_sf), (weight_fp8, weight_sf), out_dtype=out_dtype
-                )
+                y = _gemm_1d2d((input_fp8, input_sf), (weight_fp8, weight_sf), out_dtype)
                 if bias_hp is not None:
                     y = y + bias_hp.float()
                 y = y.to(act_dtype)
@@ -243,9 +260,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # -- Dgrad: dx [M, K] = dy [M, N] · W [N, K]; B = Wᵀ [K, N] from W's blocks transposed.
             if fp8_dgrad:
                 weight_t = (saved["weight_t_fp8"], saved["weight_t_sf"])
-                dx = gemm.fp8_gemm_nt(
-                    (dy_fp8, dy_sf), weight_t, out_dtype=_gemm_out_dtype(ctx.act_dtype)
-                ).to(ctx.act_dtype)
+                dx = _gemm_1d2d((dy_fp8, dy_sf), weight_t, _gemm_out_dtype(ctx.act_dtype))
+                dx = dx.to(ctx.act_dtype)
             elif need_dx:
                 dx = dy @ saved["weight_hp"].to(dy.dtype)
             # -- Wgrad: dW [N, K] = dyᵀ [N, M] · x [M, K]; both operands 1x128 along M (1D1D).
@@ -253,7 +269,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 input_t = (saved["input_t_fp8"], saved["input_t_sf"])
                 # Written in the weight's dtype when the GEMM can (bf16 / fp32): no extra pass.
                 dw_dtype = _gemm_out_dtype(ctx.weight_dtype)
-                dw = gemm.fp8_gemm_nt_1d1d((dy_t_fp8, dy_t_sf), input_t, out_dtype=dw_dtype)
+                dw = _gemm_1d1d((dy_t_fp8, dy_t_sf), input_t, dw_dtype)
                 dw = dw.to(ctx.weight_dtype)
             elif need_dw:
                 dw = (dy.t() @ saved["input_hp"].to(dy.dtype)).to(ctx.weight_dtype)
@@ -307,14 +323,18 @@ class Fp8Linear(nn.Linear):
         self.config = _resolve_config(config)
         self._weight_fp8_key: tuple | None = None
         self._weight_fp8: tuple | None = None
+        self._weight_fp8_src: torch.Tensor | None = None
 
     def _quantized_weight(self) -> tuple | None:
         """``(w_fp8, sf, wt_fp8, sf_t)``: W's 128x128 quantization and Wᵀ's (None, None without
         dgrad), cached while the weight is unchanged (None: don't cache).
 
         The key is the weight's storage address, in-place version counter, shape, dtype and
-        device: an optimizer's in-place update bumps the version, assigning new data changes the
-        address or resets the version, so a stale copy is never used.
+        device: an optimizer's in-place update (and ``load_state_dict``'s copy) bumps the version,
+        assigning new data (``weight.data = ...``) changes the address — which cannot be the old
+        one, since the cache holds an alias of the quantized storage — so a stale copy is never
+        used. (In-place writes through ``weight.data`` bypass the version counter and are not
+        seen: don't combine them with the cache.)
         """
         cfg = self.config
         if not cfg.cache_weight_fp8 or not (cfg.fprop or cfg.dgrad):
@@ -335,6 +355,9 @@ class Fp8Linear(nn.Linear):
                     q, sf = quant.per_block_cast_to_fp8(w.detach(), pow2_scale=cfg.pow2_scale)
                     self._weight_fp8 = (q, sf, None, None)
             self._weight_fp8_key = key
+            # An alias of the quantized storage keeps it alive while cached, so a new storage
+            # swapped in through ``.data`` can never reuse its address and match the key.
+            self._weight_fp8_src = w.detach()
         return self._weight_fp8
 
     @classmethod
@@ -357,7 +380,7 @@ class Fp8Linear(nn.Linear):
             new = cls(linear.in_features, linear.out_features, bias=False, config=config)
         new.weight = linear.weight
         new.bias = linear.bias
-        new._weight_fp8_key = new._weight_fp8 = None
+        new._weight_fp8_key = new._weight_fp8 = new._weight_fp8_src = None
         new.train(linear.training)
         return new
 

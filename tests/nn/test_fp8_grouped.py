@@ -1,5 +1,6 @@
 """fp8_grouped_linear: the MoE experts' grouped FP8 linear with autograd (DeepSeek-V3 §3.3)."""
 
+import dataclasses
 import math
 import sys
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ptxtrain.nn import Fp8Linear
+from ptxtrain.nn import Fp8Linear, Fp8LinearConfig
 from ptxtrain.nn.fp8_grouped import fp8_grouped_linear
 from ptxtrain.testing import assert_bitwise_equal, calc_diff, sqnr_db
 from ptxtrain.testing.shapes import DSV3_DENSE_NK
@@ -313,3 +314,120 @@ def test_gpu_matches_cpu_reference():
     for name, a, b in zip(("y", "dx", "dW"), gpu, cpu):
         diff = calc_diff(a.cpu(), b)
         assert diff < KERNEL_MATCH_MAX, f"cuda vs cpu {name}: {diff=:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts' FP8 path: one layout per layer, x quantized once for w1/w3, cached weight quantization
+
+
+def _experts(e, d, i, dtype, seed):
+    from ptxtrain.moe.experts import Experts
+
+    torch.manual_seed(seed)
+    ex = Experts(e, d, i).to(dtype)
+    ex.fp8 = True
+    return ex
+
+
+def _experts_by_calls(ex, x, counts, dy):
+    """The three public fp8_grouped_linear calls on copies of ex's weights: (y, dx, dw1/3/2)."""
+    x = x.detach().clone().requires_grad_()
+    ws = [getattr(ex, n).detach().clone().requires_grad_() for n in ("w1", "w3", "w2")]
+    cfg = ex.fp8_config
+    h = F.silu(fp8_grouped_linear(x, ws[0], counts, config=cfg))
+    h = h * fp8_grouped_linear(x, ws[1], counts, config=cfg)
+    y = fp8_grouped_linear(h, ws[2], counts, config=cfg)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [w.grad for w in ws]
+
+
+def _experts_run(ex, x, counts, dy):
+    for p in ex.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_()
+    y = ex(x, torch.tensor(counts))
+    y.backward(dy)
+    return [y.detach(), x.grad, ex.w1.grad, ex.w3.grad, ex.w2.grad]
+
+
+@pytest.mark.parametrize("recipe", ["deepseek", "deepseek_pow2", "deepseek_wgrad_bf16"])
+@pytest.mark.parametrize("dtype,inter", [(torch.float32, 128), (torch.bfloat16, 100)], ids=str)
+def test_experts_fp8_path_equals_public_calls_bitwise(recipe, dtype, inter, ref_gemms):
+    # The shared layout, the shared x quantization, the cached weight blocks (stacked path at
+    # I = 128, per-expert path at I = 100) and the strided Wᵀ views change no bit.
+    ex = _experts(4, 256, inter, dtype, 31)
+    ex.fp8_config = recipe
+    counts = [130, 0, 1, 125]
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(256, 256, generator=g).to(dtype)
+    dy = torch.randn(256, 256, generator=g).to(dtype)
+    want = _experts_by_calls(ex, x, counts, dy)
+    for _ in range(2):  # the second run reads the cached weight quantization
+        got = _experts_run(ex, x, counts, dy)
+        for name, a, b in zip(("y", "dx", "dw1", "dw3", "dw2"), got, want):
+            assert_bitwise_equal(a, b, name)
+
+
+def _count_calls(monkeypatch, name):
+    import ptxtrain.quant
+
+    calls = []
+    real = getattr(ptxtrain.quant, name)
+    monkeypatch.setattr(ptxtrain.quant, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_experts_quantize_x_once_and_weights_once_per_change(monkeypatch, ref_gemms):
+    from ptxtrain.optim import AdamW
+
+    w_calls = _count_calls(monkeypatch, "per_block_cast_to_fp8_both")
+    x_calls = _count_calls(monkeypatch, "per_token_cast_to_fp8_both")
+    ex = _experts(4, 256, 128, torch.bfloat16, 33)
+    uncached = _experts(4, 256, 128, torch.bfloat16, 33)
+    uncached.fp8_config = dataclasses.replace(
+        Fp8LinearConfig.from_recipe_name("deepseek"), cache_weight_fp8=False
+    )
+    counts = torch.tensor([100, 28, 0, 128])
+    g = torch.Generator().manual_seed(34)
+    xs = [torch.randn(256, 256, generator=g).bfloat16() for _ in range(3)]
+    for x in xs:  # three micro-batches of one step
+        ex(x.requires_grad_(), counts).float().square().mean().backward()
+    assert len(w_calls) == 3, "each of w1, w3, w2 quantized once for the three micro-batches"
+    # Per forward: x once (shared by w1 and w3) and h once; per backward: dy of each projection.
+    assert len(x_calls) == 3 * (2 + 3)
+
+    def same_as_uncached(x, new_quantizations):
+        # ex's own weight quantizations in this forward, then its output vs quantizing afresh.
+        n = len(w_calls)
+        y = ex(x, counts)
+        assert len(w_calls) == n + new_quantizations
+        with torch.no_grad():
+            for name, p in uncached.named_parameters():
+                p.copy_(getattr(ex, name))
+        return torch.equal(y, uncached(x, counts))
+
+    y0 = ex(xs[0], counts)
+    opt = AdamW(ex.parameters(), lr=1e-2)
+    opt.step()  # in-place update: the version counters move
+    # The optimizer's in-place update must invalidate the cache (3 new quantizations).
+    assert same_as_uncached(xs[0], 3)
+    assert not torch.equal(ex(xs[0], counts), y0)
+    assert same_as_uncached(xs[0], 0)  # and the new quantization is kept again
+    # load_state_dict copies in place: invalidated too.
+    fresh = _experts(4, 256, 128, torch.bfloat16, 35)
+    ex.load_state_dict(fresh.state_dict())
+    assert same_as_uncached(xs[1], 3)
+    # New storage (assigning .data, or keep_experts_ for expert parallelism): invalidated.
+    with torch.no_grad():
+        ex.w2.data = torch.randn_like(ex.w2) / 16
+    assert same_as_uncached(xs[2], 1)
+    ex.keep_experts_(1, 2)
+    uncached.keep_experts_(1, 2)
+    x = xs[2][: int(counts[1:3].sum())]
+    with torch.no_grad():
+        for n_, p in uncached.named_parameters():
+            p.copy_(getattr(ex, n_))
+    n = len(w_calls)
+    y = ex(x, counts[1:3])
+    assert len(w_calls) == n + 3
+    assert torch.equal(y, uncached(x, counts[1:3]))

@@ -302,18 +302,19 @@ def test_non_finite_inputs_propagate_as_nan():
 
 
 class _Spy:
+    """Counts the FP8 GEMMs by kind at the dispatcher's backend choice (Fp8Linear calls the
+    chosen backend's unchecked entry point, skipping the public functions' re-validation)."""
+
     def __init__(self, monkeypatch):
         self.calls = {"fp8_gemm_nt": 0, "fp8_gemm_nt_1d1d": 0}
-        for name in self.calls:
-            real = getattr(ptxtrain.gemm, name)
-            monkeypatch.setattr(ptxtrain.gemm, name, self._wrap(name, real))
+        real = ptxtrain.gemm.select_backend
+        names = {"1d2d": "fp8_gemm_nt", "1d1d": "fp8_gemm_nt_1d1d"}
 
-    def _wrap(self, name, real):
-        def spy(*args, **kwargs):
-            self.calls[name] += 1
-            return real(*args, **kwargs)
+        def spy(kind, *args, **kwargs):
+            self.calls[names[kind]] += 1
+            return real(kind, *args, **kwargs)
 
-        return spy
+        monkeypatch.setattr(ptxtrain.gemm, "select_backend", spy)
 
 
 @pytest.mark.parametrize(
@@ -616,3 +617,46 @@ def test_weight_quantization_cached_until_the_weight_changes(monkeypatch):
     with torch.no_grad():
         lin.weight.mul_(2)  # any in-place change
     assert torch.equal(lin(xs[1]), uncached(xs[1]))
+
+
+def test_weight_quantization_cache_invalidated_by_load_state_dict_and_new_data(monkeypatch):
+    # load_state_dict copies into the Parameter in place (version bump); assigning .data swaps
+    # the storage (new address). Either way the next forward requantizes — W and, for dgrad, Wᵀ.
+    from ptxtrain import quant
+
+    calls = []
+    real = quant.per_block_cast_to_fp8_both
+    monkeypatch.setattr(
+        quant, "per_block_cast_to_fp8_both", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    torch.manual_seed(3)
+    lin = Fp8Linear(256, 256, bias=True, dtype=torch.bfloat16)
+    uncached = Fp8Linear.from_linear(
+        nn.Linear(256, 256, dtype=torch.bfloat16),
+        dataclasses.replace(lin.config, cache_weight_fp8=False),
+    )
+    x = torch.randn(96, 256, generator=_gen(40)).bfloat16()
+    dy = torch.randn(96, 256, generator=_gen(41)).bfloat16()
+
+    def fwd_bwd(mod):
+        xi = x.clone().requires_grad_()
+        mod.zero_grad()
+        y = mod(xi)
+        y.backward(dy)
+        return y.detach(), xi.grad, mod.weight.grad
+
+    fwd_bwd(lin)  # fills the cache
+    for change in ("load_state_dict", "data"):
+        new = nn.Linear(256, 256, dtype=torch.bfloat16)  # fresh random weights
+        if change == "load_state_dict":
+            lin.load_state_dict(new.state_dict())
+        else:
+            with torch.no_grad():
+                lin.weight.data = new.weight.detach().clone()
+                lin.bias.data = new.bias.detach().clone()
+        uncached.load_state_dict(new.state_dict())
+        n = len(calls)
+        got = fwd_bwd(lin)
+        assert len(calls) == n + 1, f"{change}: the cached quantization must be dropped"
+        for a, b in zip(got, fwd_bwd(uncached)):  # dx reads the new Wᵀ: checks the dgrad copy
+            assert_bitwise_equal(a, b, change)
