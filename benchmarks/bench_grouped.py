@@ -18,8 +18,9 @@ import json
 import torch
 
 from ptxtrain.bench.timing import GpuTimer, environment
-from ptxtrain.gemm import cublas, grouped
+from ptxtrain.gemm import cublas, grouped, ptx
 from ptxtrain.gemm import triton as tg
+from ptxtrain.gemm.heuristics import select_config
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing import calc_diff
 
@@ -57,12 +58,21 @@ def main() -> None:
         shape = (m, n, k)
         grp = _row(timer, "m_grouped_contiguous", lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
             qa, qb, m_indices, check_indices=False), flops, want, rows, shape)  # fmt: skip
+        tcfg = select_config(
+            m, n, k, "1d2d", torch.cuda.get_device_properties(0).multi_processor_count
+        )
+        grp_tri = _row(timer, "m_grouped_contiguous triton",
+                       lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
+                           qa, qb, m_indices, check_indices=False, config=tcfg),
+                       flops, want, rows, shape)  # fmt: skip
         dense_want = x @ w[0].t()
         qd = qws[0]
         tri = _row(timer, "dense triton", lambda: tg.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
                    shape)  # fmt: skip
         cub = _row(timer, "dense cublas", lambda: cublas.fp8_gemm_nt(qa, qd), flops, dense_want,
                    rows, shape)  # fmt: skip
+        dptx = _row(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
+                    shape)  # fmt: skip
         xm = x.view(G, ROWS, k)
         qam = per_token_cast_to_fp8(x)
         qa3 = (qam[0].view(G, ROWS, k), qam[1].view(G, ROWS, -1))
@@ -72,6 +82,8 @@ def main() -> None:
             qa3, qb, masked_m, ROWS), flops, want3, rows, shape)  # fmt: skip
         summary[f"grouped_over_dense_triton_{n}x{k}"] = grp / tri
         summary[f"grouped_over_dense_cublas_{n}x{k}"] = grp / cub
+        summary[f"grouped_over_dense_ptx_{n}x{k}"] = grp / dptx
+        summary[f"grouped_triton_over_dense_triton_{n}x{k}"] = grp_tri / tri
     # k-grouped wgrad: D[g] [M, N] = dy_gᵀ x_g over 8 experts of 512 tokens each.
     for mm, nn in ((4096, 7168), (7168, 2048)):
         kt = G * ROWS

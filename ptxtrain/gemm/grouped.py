@@ -26,10 +26,13 @@ K tails masked. Group offsets into B, sf_b and D are computed in int64. Only the
 kernel exists here: a ``GemmConfig`` chooses tiles, warps, stages and the L2 swizzle, its variant
 is ignored (no TMA / persistent grouped variant yet).
 
-Dispatch (per call): ``PTXTRAIN_GEMM_BACKEND=ref`` forces the reference; otherwise CUDA tensors
-run the Triton kernels, CPU tensors the reference unless the kernels run under Triton's
+Dispatch (per call): ``PTXTRAIN_GEMM_BACKEND=ref`` forces the reference; ``auto`` or ``ptx`` send
+the m-grouped contiguous GEMM with a K-major B on sm_90 to the PTX kernel
+(:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_contiguous`); otherwise CUDA tensors run the
+Triton kernels, CPU tensors the reference unless the kernels run under Triton's
 interpreter (``TRITON_INTERPRET=1`` set before import), where CPU tensors run them too. Any other
-forced backend name (``cublas``, ``triton``) runs Triton: cuBLAS has no grouped FP8 GEMM.
+forced backend name (``cublas``, ``triton``, ``ptx`` for the other two ops) runs Triton: cuBLAS
+has no grouped FP8 GEMM.
 """
 
 from __future__ import annotations
@@ -189,12 +192,31 @@ def _device_of(a: object) -> torch.device | None:
     return None
 
 
+_NAMES = ("ref", "cublas", "triton", "ptx")  # PTXTRAIN_GEMM_BACKEND values (as ptxtrain.gemm)
+
+
 def _use_triton(device: torch.device | None) -> bool:
     """The dispatch rule of the module docstring (None: malformed input, the reference raises)."""
-    forced = _backend.requested("PTXTRAIN_GEMM_BACKEND", ("ref", "cublas", "triton"))
+    forced = _backend.requested("PTXTRAIN_GEMM_BACKEND", _NAMES)
     if forced == "ref" or device is None:
         return False
     return device.type == "cuda" or (device.type == "cpu" and is_interpreted())
+
+
+def _use_ptx_contiguous(a: object, b: object, config: GemmConfig | None) -> bool:
+    """The PTX m-grouped kernel takes the call: ``auto`` or ``ptx`` forced, no Triton ``config``,
+    a K-major [G, N, K] B (a transposed view stays on Triton, which reads strides, instead of
+    being copied) and a shape :func:`ptxtrain.gemm.ptx.supports` (sm_90, K % 16 == 0)."""
+    if _backend.requested("PTXTRAIN_GEMM_BACKEND", _NAMES) not in ("auto", "ptx"):
+        return False
+    if config is not None or _device_of(a) is None or _device_of(b) is None:
+        return False
+    b_fp8 = b[0]
+    if b_fp8.dim() != 3 or not b_fp8.is_contiguous() or b_fp8.device.type != "cuda":
+        return False
+    from ptxtrain.gemm import ptx
+
+    return ptx.supports(a[0].shape[0], b_fp8.shape[1], b_fp8.shape[2], device=b_fp8.device)
 
 
 def _check_triton_device(device: torch.device) -> None:
@@ -328,7 +350,10 @@ def m_grouped_fp8_gemm_nt_contiguous(
     check_indices: bool = True,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """M-grouped ``D[r] = A[r] · B[m_indices[r]]ᵀ`` over expert-contiguous rows (Triton or ref).
+    """M-grouped ``D[r] = A[r] · B[m_indices[r]]ᵀ`` over expert-contiguous rows (PTX, Triton or
+    ref: on an sm_90 GPU the PTX kernel
+    (:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_contiguous`) for a K-major B when no Triton
+    ``config`` is given, else Triton).
 
     Contract, shapes, dtypes and errors:
     :func:`ptxtrain.gemm.ref.m_grouped_fp8_gemm_nt_contiguous_ref` (each group's rows padded to
@@ -347,6 +372,12 @@ def m_grouped_fp8_gemm_nt_contiguous(
 
     Source: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
     """
+    if _use_ptx_contiguous(a, b, config):
+        from ptxtrain.gemm import ptx
+
+        return ptx.m_grouped_fp8_gemm_nt_contiguous(
+            a, b, m_indices, out=out, out_dtype=out_dtype, check_indices=check_indices
+        )
     if _use_triton(_device_of(a)):
         return _contiguous_triton(a, b, m_indices, out, out_dtype, check_indices, config)
     return ref.m_grouped_fp8_gemm_nt_contiguous_ref(

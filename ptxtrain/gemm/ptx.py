@@ -11,6 +11,9 @@ operands, is generated here because asm operand lists cannot be written as a loo
 caches it per (kind, N, K, config, output), builds the TMA descriptors and launches on PyTorch's
 current stream.
 
+The same kernel serves the MoE experts' m-grouped contiguous GEMM
+(:func:`m_grouped_fp8_gemm_nt_contiguous`: each tile reads its group from ``m_indices``).
+
 Shape specialization: N and K are template constants, M a kernel argument. Requirements (else
 :func:`supports` is False and the dispatcher picks another backend; the public functions raise
 ``ValueError``): an sm_90 device, NVRTC + driver available, ``K % 16 == 0`` (TMA needs 16-byte
@@ -243,14 +246,16 @@ def _epi_boxes(cfg: PtxConfig, out_dtype: torch.dtype) -> int:
 def kernel_source(
     kind: str, cfg: PtxConfig, n: int, k: int, out_dtype: torch.dtype, accumulate: bool
 ) -> tuple[str, str]:
-    """The translation unit and the kernel's name expression for one specialization."""
+    """The translation unit and the kernel's name expression for one specialization (``kind``:
+    ``"1d2d"``, ``"1d1d"`` or ``"m_grouped"``, the 1D2D kernel over an m-grouped contiguous A)."""
     # The name expression instantiates the template (NVRTC's nvrtcAddNameExpression).
     src = f"#include <ptxtrain/fp8_gemm.cuh>\n{_wgmma_struct(cfg.block_n)}"
     expr = (
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
         f"{n}, {k}, {'true' if kind == '1d1d' else 'false'}, {_OUT_CODE[out_dtype]}, "
         f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
-        f"{'true' if cfg.double_acc else 'false'}, {_epi_boxes(cfg, out_dtype)}>"
+        f"{'true' if cfg.double_acc else 'false'}, {_epi_boxes(cfg, out_dtype)}, "
+        f"{'true' if kind == 'm_grouped' else 'false'}>"
     )
     return src, expr
 
@@ -360,7 +365,9 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index):
     shape costs one lookup of host time (``cfg=None``: the heuristic's)."""
     from ptxtrain.jit import load_kernel, max_active_clusters
 
-    if cfg is None:
+    if cfg is None and kind == "m_grouped":
+        cfg = grouped_config(m, n, k, _num_sms(device_index))
+    elif cfg is None:
         cfg = select_config(kind, m, n, k, _num_sms(device_index))
     cfg = _resolve(cfg, kind, n, aligned, out_dtype)
     compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
@@ -378,12 +385,20 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index):
     return cfg, kernel, grid, smem
 
 
-def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
+def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None):
+    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``."""
     from ptxtrain.jit import launch, make_tma_2d_desc
 
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     m, k = a_fp8.shape
-    n = b_fp8.shape[0]
+    num_groups = 0
+    m_indices = block_group = out  # unused pointers unless M-grouped
+    if grouped is not None:
+        num_groups, n = b_fp8.shape[0], b_fp8.shape[1]
+        b_fp8 = b_fp8.reshape(num_groups * n, k)  # [G, N, K] -> [G·N, K], group g at row g·N
+        m_indices, block_group = grouped
+    else:
+        n = b_fp8.shape[0]
     aligned = out.data_ptr() % 16 == 0
     cfg, kernel, grid, smem = _plan(
         kind, m, n, k, out_dtype, accumulate, cfg, aligned, _index(a_fp8.device)
@@ -409,13 +424,40 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None):
         kernel,
         grid,
         cfg.num_threads,
-        (tma_a, tma_b, tma_sfa, tma_sfb, tma_d, sfb_ptr, out, m),
+        (
+            tma_a,
+            tma_b,
+            tma_sfa,
+            tma_sfb,
+            tma_d,
+            sfb_ptr,
+            out,
+            m,
+            m_indices,
+            block_group,
+            num_groups,
+        ),
         smem_bytes=smem,
         cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
     )
     # The descriptors hold raw addresses of possibly temporary operands (a K-major copy, the
     # MN-major scales): freed now, their memory is only reused by work queued after this kernel
     # on the same stream (PyTorch's caching allocator), as for any PyTorch op's temporaries.
+
+
+def grouped_config(m: int, n: int, k: int, num_sms: int) -> PtxConfig:
+    """Block sizes of the m-grouped contiguous GEMM: :func:`select_config`'s 1D2D choice for the
+    total M, kept inside one 128-row group chunk (``block_m`` <= 128, no multicast: adjacent
+    M-blocks may belong to different groups)."""
+    cfg = select_config("1d2d", m, n, k, num_sms)
+    if cfg.block_m <= 128 and cfg.cluster == 1:
+        return cfg
+    bn = min(cfg.block_n, 128)
+    epi = epilogue_bytes(128, bn, torch.bfloat16) if cfg.tma_store else 0
+    stages = _MAX_STAGES
+    while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > _SMEM_BYTES:
+        stages -= 1
+    return PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0)
 
 
 def _resolve(cfg: PtxConfig, kind: str, n: int, aligned: bool, out_dtype: torch.dtype):
@@ -525,6 +567,58 @@ def fp8_gemm_nt(
     return _fp8_gemm_nt(a, b, out, out_dtype)
 
 
+def m_grouped_fp8_gemm_nt_contiguous(
+    a: ref.Operand,
+    b: ref.Operand,
+    m_indices: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    check_indices: bool = True,
+) -> torch.Tensor:
+    """PTX m-grouped contiguous GEMM (MoE Fprop / Dgrad) with the contract of
+    :func:`ptxtrain.gemm.ref.m_grouped_fp8_gemm_nt_contiguous_ref`: ``D[r] = A[r] · B[g(r)]ᵀ``,
+    A [M_total, K] e4m3 1x128-scaled with each group's rows padded to 128, ``m_indices``
+    [M_total] int32 (-1 = padding row, stored as zeros), B [G, N, K] e4m3 128x128-scaled, D
+    [M_total, N] bf16 / fp32.
+
+    The 1D2D kernel with the tile's group read per work unit (DeepGEMM's contiguous layout):
+    one launch, no host sync (``check_indices=False``; indices outside [-1, G) then give zero
+    tiles), all-padding tiles skip the main loop. B must be K-major (a transposed view is
+    copied first).
+
+    Raises:
+        TypeError / ValueError: as the reference, plus non-CUDA / non-sm_90 tensors or
+            ``K % 16 != 0``.
+        ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
+
+    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
+    """
+    m, n, k, g = ref.validate_m_grouped_contiguous(a, b, m_indices, out, out_dtype, check_indices)
+    return _m_grouped_contiguous(a, b, m_indices, out, out_dtype, (m, n, k, g))
+
+
+def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims):
+    """:func:`m_grouped_fp8_gemm_nt_contiguous` after validation (``dims`` = (M, N, K, G))."""
+    m, n, k, g = dims
+    a_fp8 = a[0]
+    dtype = out.dtype if out is not None else out_dtype
+    if out is None:
+        out = torch.empty(m, n, dtype=dtype, device=a_fp8.device)
+    if m == 0 or n == 0:
+        return out
+    if g == 0:
+        return out.zero_()
+    _check_runnable(a_fp8, n, k)
+    d, copy_back = _target(out, m, n, dtype, a_fp8.device, False)
+    # Per 64-row block, the largest index of its rows: the block's group (-1: all padding).
+    block_group = m_indices.view(-1, 64).amax(dim=1)
+    _launch("m_grouped", a, b, d, False, dtype, None, (m_indices, block_group))
+    if copy_back:
+        out.copy_(d)
+    return out
+
+
 def fp8_gemm_nt_1d1d(
     a: ref.Operand,
     b: ref.Operand,
@@ -550,7 +644,9 @@ __all__ = [
     "epilogue_bytes",
     "fp8_gemm_nt",
     "fp8_gemm_nt_1d1d",
+    "grouped_config",
     "kernel_source",
+    "m_grouped_fp8_gemm_nt_contiguous",
     "run_with_config",
     "select_config",
     "smem_bytes",

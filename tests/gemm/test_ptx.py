@@ -91,6 +91,9 @@ def _variants():
         k = DSV3_WGRAD_K[0]
         cfg = ptx.select_config("1d1d", m, n, k, H200_SMS)
         seen[("1d1d", cfg, n, k, torch.float32, True)] = None
+    for n, k in ((4096, 7168), (7168, 2048)):  # the MoE experts' m-grouped GEMMs
+        cfg = ptx.grouped_config(8192, n, k, H200_SMS)
+        seen[("m_grouped", cfg, n, k, torch.bfloat16, False)] = None
     return list(seen)
 
 
@@ -301,3 +304,60 @@ def test_gpu_tma_store_epilogue_equals_direct_stores(kind, out_dtype, accumulate
     ptx.run_with_config(kind, qa, qb, cfg, out_dtype, out=shifted, accumulate=accumulate)
     torch.testing.assert_close(shifted, got[True], rtol=0, atol=0)
     assert torch.isnan(flat[0]) and torch.isnan(flat[1 + m * n :]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "sizes,n,k,out_dtype",
+    [
+        ((0, 1, 127, 129, 700, 1024, 1000, 1114), 4096, 7168, torch.bfloat16),
+        ((0, 1, 127, 129, 700, 1024, 1000, 1114), 7168, 2048, torch.bfloat16),
+        ((3, 0, 129, 64), 300, 272, torch.bfloat16),  # N, K tails: direct-store epilogue
+        ((5, 200, 1), 576, 1536, torch.float32),
+    ],
+)
+def test_gpu_m_grouped_contiguous(sizes, n, k, out_dtype):
+    # The PTX m-grouped kernel against the dense product of each group's rows (fp64) and the
+    # reference on the same FP8 operands; padding rows (random garbage in A) must store zeros.
+    from ptxtrain.gemm import grouped as gg
+    from ptxtrain.moe.ref import grouped_layout_ref
+
+    g = torch.Generator().manual_seed(n + k)
+    counts = torch.tensor(sizes, dtype=torch.int64)
+    padded_rows, m_indices = grouped_layout_ref(counts, 128)
+    x = torch.randn(m_indices.numel(), k, generator=g) * 3  # padding rows: garbage
+    x[padded_rows] = torch.randn(int(counts.sum()), k, generator=g)
+    w = torch.randn(len(sizes), n, k, generator=g)
+    x, w, m_indices = x.cuda(), w.cuda(), m_indices.cuda()
+    qa = per_token_cast_to_fp8(x)
+    qb = [per_block_cast_to_fp8(w[i]) for i in range(len(sizes))]
+    qb = (torch.stack([q[0] for q in qb]), torch.stack([q[1] for q in qb]))
+    got = ptx.m_grouped_fp8_gemm_nt_contiguous(qa, qb, m_indices, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and got.shape == (m_indices.numel(), n)
+    mi = m_indices.long()
+    want = torch.zeros(got.shape, dtype=torch.float64, device="cuda")
+    for i in range(len(sizes)):
+        rows = (mi == i).nonzero().flatten()
+        want[rows] = x[rows].double() @ w[i].double().t()
+    _check(got, want, m_indices.numel(), n, k, f"m-grouped {sizes}")
+    assert bool((got[mi < 0] == 0).all()), "padding rows must be zeros"
+    # The dispatcher sends a K-major B here (same kernel: bitwise); a transposed-view B (not
+    # K-major) goes to Triton, still correct.
+    torch.testing.assert_close(
+        gg.m_grouped_fp8_gemm_nt_contiguous(qa, qb, m_indices, out_dtype=out_dtype),
+        got,
+        rtol=0,
+        atol=0,
+    )
+    # Without the index check, a chunk naming a group >= G is a zero tile, not a wild read.
+    bad = m_indices.clone()
+    first = int((mi >= 0).nonzero()[0])
+    chunk = first // 128 * 128
+    bad[chunk : chunk + 128] = torch.where(bad[chunk : chunk + 128] >= 0, len(sizes) + 5, -1)
+    res = ptx.m_grouped_fp8_gemm_nt_contiguous(
+        qa, qb, bad, out_dtype=out_dtype, check_indices=False
+    )
+    assert bool((res[chunk : chunk + 128] == 0).all())
+    keep = torch.ones(res.shape[0], dtype=torch.bool, device="cuda")
+    keep[chunk : chunk + 128] = False
+    torch.testing.assert_close(res[keep], got[keep], rtol=0, atol=0)  # other tiles unchanged

@@ -27,6 +27,14 @@
 // of B and multicasts it to both, halving B's L2 -> shared-memory traffic. A stage is free only
 // when the math warps of both CTAs released it (remote mbarrier arrivals).
 //
+// Epilogue (kEpiBoxes > 0): the tile goes registers -> stmatrix -> 128-byte-swizzled shared
+// boxes -> TMA stores (or TMA reduce-adds for accumulate), issued by one thread per warpgroup;
+// the warpgroup starts its next tile while they drain (see EpiShape / store_tile_tma).
+//
+// M-grouped (kGrouped, DeepGEMM's contiguous layout for the MoE experts): B is a [G, N, K]
+// stack, every tile takes its group from the rows' m_indices (tile_group), all-padding tiles
+// skip the main loop, padding rows store zeros.
+//
 // Tails. TMA zero-fills out-of-bounds rows and columns of A and B, so a K tail adds zeros, and
 // the epilogue masks rows >= M and columns >= N. The shape constants N and K are template
 // parameters (shape-specialized JIT); M is a kernel argument.
@@ -221,6 +229,17 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
   }
 }
 
+// M-grouped (kGrouped): the group of the tile at row m0 from `block_group` (per 64-row block,
+// the largest m_indices value of its rows: every non-padding row of an aligned 128-row chunk
+// names the same group, padding rows are -1); -1 (all padding, or an index outside
+// [0, num_groups)): the tile is not computed and stores zeros.
+template <int kBlockM>
+__device__ __forceinline__ int tile_group(const int* block_group, int m0, int num_groups) {
+  int g = __ldg(block_group + m0 / 64);
+  if constexpr (kBlockM == 128) g = max(g, __ldg(block_group + m0 / 64 + 1));
+  return g < num_groups ? g : -1;
+}
+
 // Work unit -> (M-group, N-block), rasterized in groups of kGroup M-groups so that the units
 // running at once share a few panels of A and of B in L2 (with M-groups fastest inside a group).
 template <int kGroup, int kNumNBlocks>
@@ -236,13 +255,16 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
 
 // The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment and the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
+          bool kGrouped>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
                                               const float* sf_b, const TmaDescriptor* tma_d,
                                               void* out, int m, int num_m_groups, int num_units,
-                                              int first_unit, int unit_stride, u32 rank) {
+                                              int first_unit, int unit_stride, u32 rank,
+                                              const int* m_indices, const int* block_group,
+                                              int num_groups) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -266,6 +288,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
     const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
     const int n0 = nb * kBlockN;
+    const int group = kGrouped ? tile_group<kBlockM>(block_group, m0, num_groups) : 0;
 #pragma unroll
     for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
@@ -276,10 +299,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const int split = 128 - n0 % 128;
     const bool has_hi = !k1D1D && split < kBlockN && sfb_block + 1 < kNumSfbBlocks;
     // 1D2D: B's scales of block kb (global, cached); 1D1D: per column from the stage.
+    // (M-grouped: group g's scales start at g * kNumSfbBlocks * kNumKBlocks.)
+    const float* sfb_g = sf_b + (kGrouped ? group * kNumSfbBlocks * kNumKBlocks : 0);
     auto load_sfb = [&](int kb, float& lo, float& hi) {
       if constexpr (!k1D1D) {
-        lo = __ldg(sf_b + sfb_block * kNumKBlocks + kb);
-        hi = has_hi ? __ldg(sf_b + (sfb_block + 1) * kNumKBlocks + kb) : lo;
+        lo = __ldg(sfb_g + sfb_block * kNumKBlocks + kb);
+        hi = has_hi ? __ldg(sfb_g + (sfb_block + 1) * kNumKBlocks + kb) : lo;
       }
     };
     auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1]) {
@@ -294,6 +319,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         }
       }
     };
+    if (group >= 0) {  // (always, unless an M-grouped tile is all padding)
     if constexpr (kDoubleAcc) {
       // Block kb's wgmmas are in flight in one accumulator while block kb + 1's are issued into
       // the other; wait_group 1 then retires kb alone, which is promoted while kb + 1 runs.
@@ -383,6 +409,22 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
     }
     }
+    }
+    if constexpr (kGrouped) {
+      // Padding rows (m_indices -1) of a computed tile store zeros, as the contract says.
+#pragma unroll
+      for (int wh = 0; wh < 2 * kWaves; ++wh) {
+        const int w = wh / 2, h = wh % 2;
+        const int row = m0 + w * 64 * kNumMathWG + row0 + 8 * h;
+        if (group >= 0 && row < m && __ldg(m_indices + row) < 0) {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j) {
+            fin[w][4 * j + 2 * h] = 0.0f;
+            fin[w][4 * j + 2 * h + 1] = 0.0f;
+          }
+        }
+      }
+    }
 
     // ---- epilogue ------------------------------------------------------------------------
     if constexpr (kEpiBoxes > 0) {
@@ -446,16 +488,20 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // kEpiBoxes > 0: the epilogue stages the tile in shared memory (kEpiBoxes boxes per warpgroup at
 // a time) and writes it with TMA stores (TMA reductions for accumulate) through `tma_d`, a
 // descriptor of D with 64-row x 128-byte boxes and 128-byte swizzle (see EpiShape); 0: `out` is
-// written directly from registers.
+// written directly from registers. kGrouped (DeepGEMM's m-grouped contiguous layout): B is the
+// [G, N, K] stack seen as [G * N, K], sf_b [G, ⌈N/128⌉, ⌈K/128⌉]; each tile takes its group from
+// `block_group` (see tile_group) and rows with m_indices -1 store zeros; otherwise the last three
+// arguments are unused.
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
-          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes>
+          int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
+          bool kGrouped>
 __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
                        const __grid_constant__ TmaDescriptor tma_sfa,
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
-                       int m) {
+                       int m, const int* m_indices, const int* block_group, int num_groups) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -468,6 +514,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                 "128-column scale blocks of B)");
   static_assert(kOut == 1 || !kAccumulate, "accumulate needs an fp32 output");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
+  static_assert(!kGrouped || (kCluster == 1 && kBlockM <= 128 && !k1D1D),
+                "M-grouped: 1D2D, BLOCK_M 64 or 128 (inside one 128-row chunk), no multicast");
   constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
 
   extern __shared__ unsigned char smem_raw[];
@@ -521,6 +569,10 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
         const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
         const int n0 = nb * kBlockN;
+        // M-grouped: B is [G * N, K], group g's rows start at g * N; all-padding tiles load
+        // nothing (the math warpgroups skip them too, so the stage ring stays in step).
+        const int group = kGrouped ? tile_group<kBlockM>(block_group, m0, num_groups) : 0;
+        if (group < 0) continue;
 #pragma unroll 1
         for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
           const u32 s = it % kNumStages;
@@ -534,7 +586,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                                   kb * 128, n0 + static_cast<int>(rank) * (kBlockN / kCluster),
                                   static_cast<u16>((1u << kCluster) - 1u));
           } else {
-            tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, n0);
+            tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, group * kN + n0);
           }
           tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], m0, kb);
           if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
@@ -543,9 +595,10 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK, kDoubleAcc, kEpiBoxes>(
+                  kUnrollK, kDoubleAcc, kEpiBoxes, kGrouped>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
-        num_m_groups, num_units, first_unit, unit_stride, rank);
+        num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
+        num_groups);
   }
   // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) {
