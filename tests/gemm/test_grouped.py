@@ -234,6 +234,11 @@ def test_dispatch(monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(gg.ref, "m_grouped_fp8_gemm_nt_contiguous_ref", boom)
         gg.m_grouped_fp8_gemm_nt_contiguous(qa, qb, m_indices)  # Triton path
+        # PTXTRAIN_GEMM_BACKEND=ptx (valid for ptxtrain.gemm) is accepted here too: the PTX
+        # kernel where it runs (sm_90, K-major B), Triton otherwise.
+        mp.setenv("PTXTRAIN_GEMM_BACKEND", "ptx")
+        gg.m_grouped_fp8_gemm_nt_contiguous(qa, qb, m_indices)
+        gg.k_grouped_fp8_gemm_nt_contiguous(qa, qa, [128])
     monkeypatch.setenv("PTXTRAIN_GEMM_BACKEND", "ref")
     monkeypatch.setattr(gg, "_contiguous_triton", boom)
     monkeypatch.setattr(gg, "_masked_triton", boom)
