@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
-#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [train] [sweep]
+#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [train] [sweep]
 # Stages for 2 GPUs (nvidia-h200-x2): [multigpu] [p2p] [pp] [dispatch] [nvlsweep] [ep]
 # STEPS (default 60) sets the training steps of the train / pp / ep stages.
 # Results (JSON, logs, PNGs) are written under $OUT (the device tool brings them back).
@@ -34,6 +34,9 @@ for stage in $stages; do
       ;;
     quant|gemm|linear)
       python3 -m ptxtrain bench "$stage" --json "$OUT/$(date -u +%Y%m%d)-$stage.json" || status=1
+      ;;
+    grouped)
+      python3 -m benchmarks.bench_grouped --json "$OUT/bench_grouped.json" || status=1
       ;;
     sweep)
       # The PTX GEMM's configs vs cuBLAS (SWEEP_ARGS adds e.g. "--only 128x128c1 --tma 0 1").
