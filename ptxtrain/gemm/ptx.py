@@ -612,7 +612,7 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims):
     _check_runnable(a_fp8, n, k)
     d, copy_back = _target(out, m, n, dtype, a_fp8.device, False)
     # Per 64-row block, the largest index of its rows: the block's group (-1: all padding).
-    block_group = m_indices.view(-1, 64).amax(dim=1)
+    block_group = m_indices.reshape(-1, 64).amax(dim=1)
     _launch("m_grouped", a, b, d, False, dtype, None, (m_indices, block_group))
     if copy_back:
         out.copy_(d)
