@@ -94,8 +94,15 @@ def main() -> None:
         sl = [slice(g * ROWS, (g + 1) * ROWS) for g in range(G)]
         want = torch.stack([a[:, s] @ b[:, s].t() for s in sl])
         flops = 2.0 * mm * nn * kt
-        _row(timer, "k_grouped_contiguous", lambda: grouped.k_grouped_fp8_gemm_nt_contiguous(
+        kp = _row(timer, "k_grouped_contiguous", lambda: grouped.k_grouped_fp8_gemm_nt_contiguous(
             qa, qb, ks), flops, want, rows, (mm, nn, kt))  # fmt: skip
+        kcfg = select_config(
+            mm, nn, ROWS, "1d1d", torch.cuda.get_device_properties(0).multi_processor_count
+        )
+        kt_ = _row(timer, "k_grouped_contiguous triton",
+                   lambda: grouped.k_grouped_fp8_gemm_nt_contiguous(qa, qb, ks, config=kcfg),
+                   flops, want, rows, (mm, nn, kt))  # fmt: skip
+        summary[f"k_grouped_over_triton_{mm}x{nn}"] = kp / kt_
     for key, val in summary.items():
         print(f"{key}: {val:.3f}")
     if args.json:

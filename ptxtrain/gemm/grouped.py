@@ -27,12 +27,13 @@ kernel exists here: a ``GemmConfig`` chooses tiles, warps, stages and the L2 swi
 is ignored (no TMA / persistent grouped variant yet).
 
 Dispatch (per call): ``PTXTRAIN_GEMM_BACKEND=ref`` forces the reference; ``auto`` or ``ptx`` send
-the m-grouped contiguous GEMM with a K-major B on sm_90 to the PTX kernel
-(:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_contiguous`); otherwise CUDA tensors run the
+the m-grouped contiguous GEMM with a K-major B and the k-grouped GEMM on sm_90 to the PTX kernels
+(:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_contiguous`,
+:func:`ptxtrain.gemm.ptx.k_grouped_fp8_gemm_nt_contiguous`); otherwise CUDA tensors run the
 Triton kernels, CPU tensors the reference unless the kernels run under Triton's
 interpreter (``TRITON_INTERPRET=1`` set before import), where CPU tensors run them too. Any other
-forced backend name (``cublas``, ``triton``, ``ptx`` for the other two ops) runs Triton: cuBLAS
-has no grouped FP8 GEMM.
+forced backend name (``cublas``, ``triton``, ``ptx`` for the masked op) runs Triton: cuBLAS has
+no grouped FP8 GEMM.
 """
 
 from __future__ import annotations
@@ -201,6 +202,21 @@ def _use_triton(device: torch.device | None) -> bool:
     if forced == "ref" or device is None:
         return False
     return device.type == "cuda" or (device.type == "cpu" and is_interpreted())
+
+
+def _use_ptx_k_grouped(a: object, b: object, config: GemmConfig | None) -> bool:
+    """The PTX k-grouped kernel takes the call: ``auto`` or ``ptx`` forced, no Triton ``config``,
+    CUDA operands of a shape :func:`ptxtrain.gemm.ptx.supports` (sm_90, ΣK a multiple of 16)."""
+    if _backend.requested("PTXTRAIN_GEMM_BACKEND", _NAMES) not in ("auto", "ptx"):
+        return False
+    if config is not None or _device_of(a) is None or _device_of(b) is None:
+        return False
+    a_fp8, b_fp8 = a[0], b[0]
+    if a_fp8.dim() != 2 or b_fp8.dim() != 2 or a_fp8.device.type != "cuda":
+        return False
+    from ptxtrain.gemm import ptx
+
+    return ptx.supports(a_fp8.shape[0], b_fp8.shape[0], a_fp8.shape[1], device=a_fp8.device)
 
 
 def _use_ptx_contiguous(a: object, b: object, config: GemmConfig | None) -> bool:
@@ -438,6 +454,10 @@ def k_grouped_fp8_gemm_nt_contiguous(
 
     Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
     """
+    if _use_ptx_k_grouped(a, b, config):
+        from ptxtrain.gemm import ptx
+
+        return ptx.k_grouped_fp8_gemm_nt_contiguous(a, b, ks, out=out, accumulate=accumulate)
     if _use_triton(_device_of(a)):
         return _k_grouped_triton(a, b, ks, out, accumulate, config)
     return ref.k_grouped_fp8_gemm_nt_contiguous_ref(a, b, ks, out=out, accumulate=accumulate)

@@ -45,6 +45,8 @@ _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of 
 _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 _TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
+_1D1D_KINDS = ("1d1d", "k_grouped")  # kernel kinds with per-column scales of B
+_GROUP_MODE = {"m_grouped": 1, "k_grouped": 2}  # the kernel's kGroupMode (0: dense)
 
 
 @dataclass(frozen=True)
@@ -103,13 +105,13 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str, epilogue:
     """Dynamic shared memory of one CTA (mirrors ``Fp8GemmSmem`` in fp8_gemm.cuh); ``epilogue``:
     bytes of the TMA-store staging tiles (:func:`epilogue_bytes`, 0 for direct stores)."""
     slot_sfa = ceil_div(block_m * 4, 128) * 128
-    slot_sfb = ceil_div(block_n * 4, 128) * 128 if kind == "1d1d" else 0
+    slot_sfb = ceil_div(block_n * 4, 128) * 128 if kind in _1D1D_KINDS else 0
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + slot_sfa + slot_sfb
     return epilogue + num_stages * per_stage + 2 * num_stages * 8 + 1024
 
 
 def _default_out(kind: str) -> torch.dtype:
-    return torch.float32 if kind == "1d1d" else torch.bfloat16
+    return torch.float32 if kind in _1D1D_KINDS else torch.bfloat16
 
 
 def _config_smem(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
@@ -247,15 +249,16 @@ def kernel_source(
     kind: str, cfg: PtxConfig, n: int, k: int, out_dtype: torch.dtype, accumulate: bool
 ) -> tuple[str, str]:
     """The translation unit and the kernel's name expression for one specialization (``kind``:
-    ``"1d2d"``, ``"1d1d"`` or ``"m_grouped"``, the 1D2D kernel over an m-grouped contiguous A)."""
+    ``"1d2d"``, ``"1d1d"``, ``"m_grouped"`` (the 1D2D kernel over an m-grouped contiguous A) or
+    ``"k_grouped"`` (the 1D1D kernel over groups of K; ``k`` is then unused))."""
     # The name expression instantiates the template (NVRTC's nvrtcAddNameExpression).
     src = f"#include <ptxtrain/fp8_gemm.cuh>\n{_wgmma_struct(cfg.block_n)}"
     expr = (
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
-        f"{n}, {k}, {'true' if kind == '1d1d' else 'false'}, {_OUT_CODE[out_dtype]}, "
+        f"{n}, {k}, {'true' if kind in _1D1D_KINDS else 'false'}, {_OUT_CODE[out_dtype]}, "
         f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
         f"{'true' if cfg.double_acc else 'false'}, {_epi_boxes(cfg, out_dtype)}, "
-        f"{'true' if kind == 'm_grouped' else 'false'}>"
+        f"{_GROUP_MODE.get(kind, 0)}>"
     )
     return src, expr
 
@@ -360,20 +363,25 @@ def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index):
+def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_groups=1):
     """(config, loaded kernel, grid, shared memory) of one launch geometry, cached so a repeated
     shape costs one lookup of host time (``cfg=None``: the heuristic's)."""
     from ptxtrain.jit import load_kernel, max_active_clusters
 
     if cfg is None and kind == "m_grouped":
         cfg = grouped_config(m, n, k, _num_sms(device_index))
+    elif cfg is None and kind == "k_grouped":
+        cfg = k_grouped_config(m, n, _num_sms(device_index))
     elif cfg is None:
         cfg = select_config(kind, m, n, k, _num_sms(device_index))
+    # K-grouped: a TMA box must not cross into the next group's rows of the [G·M, N] view.
+    aligned = aligned and (kind != "k_grouped" or m % cfg.block_m == 0)
     cfg = _resolve(cfg, kind, n, aligned, out_dtype)
     compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
     with torch.cuda.device(device_index):
         kernel = load_kernel(compiled, expr)
     units = ceil_div(ceil_div(m, cfg.block_m), cfg.cluster) * ceil_div(n, cfg.block_n)
+    units *= num_groups
     smem = _config_smem(cfg, kind, out_dtype)
     if cfg.cluster > 1:
         # Only as many clusters as fit at once: a second wave of a persistent grid doubles the
@@ -385,8 +393,10 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index):
     return cfg, kernel, grid, smem
 
 
-def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None):
-    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``."""
+def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
+    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``;
+    ``k_offsets`` (kind ``"k_grouped"``, ``out`` [G, M, N]): [G + 1] int32 prefix sums of the
+    groups' K / 128."""
     from ptxtrain.jit import launch, make_tma_2d_desc
 
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
@@ -399,9 +409,25 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None):
         m_indices, block_group = grouped
     else:
         n = b_fp8.shape[0]
+    k_tpl = k
+    if k_offsets is not None:
+        num_groups = out.shape[0]
+        out = out.view(num_groups * m, n)  # D[g] = rows g·M .. of the 2D view
+        k_tpl = BLOCK_K  # K is per group at run time; one compiled kernel for every ΣK
+    else:
+        k_offsets = out  # unused pointer
     aligned = out.data_ptr() % 16 == 0
     cfg, kernel, grid, smem = _plan(
-        kind, m, n, k, out_dtype, accumulate, cfg, aligned, _index(a_fp8.device)
+        kind,
+        m,
+        n,
+        k_tpl,
+        out_dtype,
+        accumulate,
+        cfg,
+        aligned,
+        _index(a_fp8.device),
+        max(num_groups, 1) if kind == "k_grouped" else 1,
     )
     a8 = _k_major(a_fp8.view(torch.uint8))
     b8 = _k_major(b_fp8.view(torch.uint8))
@@ -409,7 +435,7 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None):
     tma_a = make_tma_2d_desc(a8, cfg.block_m, BLOCK_K, swizzle="128B")
     tma_b = make_tma_2d_desc(b8, cfg.block_n // cfg.cluster, BLOCK_K, swizzle="128B")
     tma_sfa = make_tma_2d_desc(sfa, 1, cfg.block_m)
-    if kind == "1d1d":
+    if kind in _1D1D_KINDS:
         sfb_t = _mn_major_padded(sf_b.float())
         tma_sfb = make_tma_2d_desc(sfb_t, 1, cfg.block_n)
         sfb_ptr = sfb_t  # unused by the kernel; any valid pointer
@@ -436,6 +462,7 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None):
             m_indices,
             block_group,
             num_groups,
+            k_offsets,
         ),
         smem_bytes=smem,
         cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
@@ -458,6 +485,19 @@ def grouped_config(m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > _SMEM_BYTES:
         stages -= 1
     return PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0)
+
+
+def k_grouped_config(m: int, n: int, num_sms: int) -> PtxConfig:
+    """Block sizes of the k-grouped GEMM (per-group K known only at run time, so one
+    accumulator): 128-row tiles for M > 64 (one math warpgroup's 64 rows otherwise), ``block_n``
+    128, the TMA-store epilogue when D's rows allow it, as many stages as fit."""
+    bm = 64 if m <= 64 else 128
+    tma = _TMA_STORE and tma_store_fits(128, n, torch.float32)
+    epi = epilogue_bytes(bm, 128, torch.float32) if tma else 0
+    stages = _MAX_STAGES
+    while stages > 2 and smem_bytes(bm, 128, stages, "k_grouped", epi) > _SMEM_BYTES:
+        stages -= 1
+    return PtxConfig(bm, 128, stages, 1, _UNROLL_K, False, tma, 0)
 
 
 def _resolve(cfg: PtxConfig, kind: str, n: int, aligned: bool, out_dtype: torch.dtype):
@@ -619,6 +659,58 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims):
     return out
 
 
+def k_grouped_fp8_gemm_nt_contiguous(
+    a: ref.Operand,
+    b: ref.Operand,
+    ks: list[int],
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """PTX k-grouped GEMM (the MoE experts' wgrad) with the contract of
+    :func:`ptxtrain.gemm.ref.k_grouped_fp8_gemm_nt_contiguous_ref`: ``D[g] (+)= A[:, K_g] ·
+    B[:, K_g]ᵀ``, A [M, ΣK] and B [N, ΣK] e4m3 1x128-scaled along K, group g owning the K
+    columns ``[S_g, S_g + ks[g])`` (every ``ks[g]`` a multiple of 128), D [G, M, N] fp32.
+
+    The 1D1D kernel with each work unit's K range read at run time (one compiled kernel for any
+    ``ks``); a group with ``ks[g] = 0`` stores zeros (or adds nothing). One small host-to-device
+    copy of the K offsets per call.
+
+    Raises:
+        TypeError / ValueError: as the reference, plus non-CUDA / non-sm_90 tensors.
+        ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
+
+    Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
+    """
+    m, n, ks = ref.validate_k_grouped(a, b, ks, out, accumulate)
+    return _k_grouped_contiguous(a, b, ks, out, accumulate, m, n)
+
+
+def _k_grouped_contiguous(a, b, ks, out, accumulate, m, n):
+    """:func:`k_grouped_fp8_gemm_nt_contiguous` after validation."""
+    a_fp8 = a[0]
+    g = len(ks)
+    if out is None:
+        out = torch.empty((g, m, n), dtype=torch.float32, device=a_fp8.device)
+    if g == 0 or m == 0 or n == 0:
+        return out
+    k_total = a_fp8.shape[1]
+    if k_total == 0:  # every group empty: D = 0, or unchanged when accumulating
+        return out if accumulate else out.zero_()
+    _check_runnable(a_fp8, n, k_total)
+    offsets = [0]
+    for kg in ks:
+        offsets.append(offsets[-1] + kg // BLOCK_K)
+    k_offsets = torch.tensor(offsets, dtype=torch.int32).to(a_fp8.device, non_blocking=True)
+    d, copy_back = _target(out, g, m * n, torch.float32, a_fp8.device, accumulate)
+    if copy_back and not accumulate:
+        d = torch.empty((g, m, n), dtype=torch.float32, device=a_fp8.device)
+    _launch("k_grouped", a, b, d.view(g, m, n), accumulate, torch.float32, None, None, k_offsets)
+    if copy_back:
+        out.copy_(d.view(g, m, n))
+    return out
+
+
 def fp8_gemm_nt_1d1d(
     a: ref.Operand,
     b: ref.Operand,
@@ -645,6 +737,8 @@ __all__ = [
     "fp8_gemm_nt",
     "fp8_gemm_nt_1d1d",
     "grouped_config",
+    "k_grouped_config",
+    "k_grouped_fp8_gemm_nt_contiguous",
     "kernel_source",
     "m_grouped_fp8_gemm_nt_contiguous",
     "run_with_config",

@@ -94,6 +94,9 @@ def _variants():
     for n, k in ((4096, 7168), (7168, 2048)):  # the MoE experts' m-grouped GEMMs
         cfg = ptx.grouped_config(8192, n, k, H200_SMS)
         seen[("m_grouped", cfg, n, k, torch.bfloat16, False)] = None
+    for m, n in ((4096, 7168), (7168, 2048)):  # and their k-grouped wgrad (K from k_offsets)
+        cfg = ptx.k_grouped_config(m, n, H200_SMS)
+        seen[("k_grouped", cfg, n, 128, torch.float32, True)] = None
     return list(seen)
 
 
@@ -361,3 +364,45 @@ def test_gpu_m_grouped_contiguous(sizes, n, k, out_dtype):
     keep = torch.ones(res.shape[0], dtype=torch.bool, device="cuda")
     keep[chunk : chunk + 128] = False
     torch.testing.assert_close(res[keep], got[keep], rtol=0, atol=0)  # other tiles unchanged
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,n,ks",
+    [
+        (4096, 7168, [0, 128, 256, 512, 640, 1024, 768, 768]),  # dW of gate+up, 8 experts
+        (7168, 2048, [512] * 8),  # dW of down
+        (13, 300, [128, 0, 384]),  # M, N tails: direct-store epilogue for M % BLOCK_M != 0
+        (200, 576, [0, 0]),  # every group empty
+    ],
+)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gpu_k_grouped(m, n, ks, accumulate):
+    # The PTX k-grouped (wgrad) kernel against each group's fp64 product; accumulate adds to a
+    # random fp32 D; the dispatcher (ptxtrain.gemm.grouped) sends the call here on sm_90.
+    from ptxtrain.gemm import grouped as gg
+
+    total = sum(ks)
+    g = torch.Generator().manual_seed(m + n + total)
+    a = torch.randn(m, total, generator=g).cuda()
+    b = torch.randn(n, total, generator=g).cuda()
+    qa, qb = per_token_cast_to_fp8(a), per_token_cast_to_fp8(b)
+    base = torch.randn(len(ks), m, n, generator=g).cuda()
+    out = base.clone() if accumulate else None
+    got = ptx.k_grouped_fp8_gemm_nt_contiguous(qa, qb, ks, out=out, accumulate=accumulate)
+    assert got.shape == (len(ks), m, n) and got.dtype == torch.float32
+    start = 0
+    for i, kg in enumerate(ks):
+        want = a[:, start : start + kg].double() @ b[:, start : start + kg].double().t()
+        if accumulate:
+            want = want + base[i].double()
+        if kg == 0:
+            # An empty group: exactly zeros, or D unchanged when accumulating.
+            torch.testing.assert_close(got[i], base[i] if accumulate else torch.zeros_like(got[i]))
+        else:
+            _check(got[i], want, m, n, kg, f"k-grouped group {i}")
+        start += kg
+    again = gg.k_grouped_fp8_gemm_nt_contiguous(
+        qa, qb, ks, out=base.clone() if accumulate else None, accumulate=accumulate
+    )
+    torch.testing.assert_close(again, got, rtol=0, atol=0)  # same kernel through the dispatcher

@@ -31,9 +31,10 @@
 // boxes -> TMA stores (or TMA reduce-adds for accumulate), issued by one thread per warpgroup;
 // the warpgroup starts its next tile while they drain (see EpiShape / store_tile_tma).
 //
-// M-grouped (kGrouped, DeepGEMM's contiguous layout for the MoE experts): B is a [G, N, K]
+// M-grouped (kGroupMode 1, DeepGEMM's contiguous layout for the MoE experts): B is a [G, N, K]
 // stack, every tile takes its group from the rows' m_indices (tile_group), all-padding tiles
-// skip the main loop, padding rows store zeros.
+// skip the main loop, padding rows store zeros. K-grouped (kGroupMode 2, the experts' wgrad):
+// D[g] = A[:, K_g] · B[:, K_g]ᵀ per group over its own range of K blocks (group_unit).
 //
 // Tails. TMA zero-fills out-of-bounds rows and columns of A and B, so a K tail adds zeros, and
 // the epilogue masks rows >= M and columns >= N. The shape constants N and K are template
@@ -229,7 +230,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
   }
 }
 
-// M-grouped (kGrouped): the group of the tile at row m0 from `block_group` (per 64-row block,
+// M-grouped (kGroupMode 1): the group of the tile at row m0 from `block_group` (per 64-row block,
 // the largest m_indices value of its rows: every non-padding row of an aligned 128-row chunk
 // names the same group, padding rows are -1); -1 (all padding, or an index outside
 // [0, num_groups)): the tile is not computed and stores zeros.
@@ -253,10 +254,30 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
   n_block = r / size;
 }
 
+// A work unit's tile and K range. K-grouped (kGroupMode 2): unit = g · units_per_group + the
+// unit within D[g], whose K blocks are k_offsets[g] .. k_offsets[g + 1] - 1 (prefix sums of
+// the groups' K / 128); otherwise group 0 and all kNumKBlocks blocks.
+template <int kGroupMode, int kGroup, int kNumNBlocks, int kNumKBlocks>
+__device__ __forceinline__ void group_unit(int unit, int units_per_group, int num_m_groups,
+                                           const int* k_offsets, int& mg, int& nb, int& kg,
+                                           int& kb_begin, int& num_kb) {
+  if constexpr (kGroupMode == 2) {
+    kg = unit / units_per_group;
+    unit_coords<kGroup, kNumNBlocks>(unit % units_per_group, num_m_groups, mg, nb);
+    kb_begin = __ldg(k_offsets + kg);
+    num_kb = __ldg(k_offsets + kg + 1) - kb_begin;
+  } else {
+    kg = 0;
+    unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
+    kb_begin = 0;
+    num_kb = kNumKBlocks;
+  }
+}
+
 // The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment and the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          bool kGrouped>
+          int kGroupMode>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
@@ -264,7 +285,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank,
                                               const int* m_indices, const int* block_group,
-                                              int num_groups) {
+                                              int num_groups, const int* k_offsets) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -283,12 +304,14 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   float acc[kBlockN / 2];
   float fin[kWaves][kBlockN / 2];
   u32 it = 0;
+  const int units_per_group = num_m_groups * kNumNBlocks;
   for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-    int mg, nb;
-    unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
+    int mg, nb, kg, kb_begin, num_kb;
+    group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks>(
+        unit, units_per_group, num_m_groups, k_offsets, mg, nb, kg, kb_begin, num_kb);
     const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
     const int n0 = nb * kBlockN;
-    const int group = kGrouped ? tile_group<kBlockM>(block_group, m0, num_groups) : 0;
+    const int group = kGroupMode == 1 ? tile_group<kBlockM>(block_group, m0, num_groups) : 0;
 #pragma unroll
     for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
@@ -300,7 +323,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const bool has_hi = !k1D1D && split < kBlockN && sfb_block + 1 < kNumSfbBlocks;
     // 1D2D: B's scales of block kb (global, cached); 1D1D: per column from the stage.
     // (M-grouped: group g's scales start at g * kNumSfbBlocks * kNumKBlocks.)
-    const float* sfb_g = sf_b + (kGrouped ? group * kNumSfbBlocks * kNumKBlocks : 0);
+    const float* sfb_g = sf_b + (kGroupMode == 1 ? group * kNumSfbBlocks * kNumKBlocks : 0);
     auto load_sfb = [&](int kb, float& lo, float& hi) {
       if constexpr (!k1D1D) {
         lo = __ldg(sfb_g + sfb_block * kNumKBlocks + kb);
@@ -381,7 +404,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     // kUnrollK: how far the compiler may unroll the K loop (more overlaps one block's scale
     // loads and address math with the previous block's promotion; too much spills).
 #pragma unroll(kUnrollK)
-    for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
+    for (int kb = 0; kb < num_kb; ++kb, ++it) {
       const u32 s = it % kNumStages;
       const u32 phase = (it / kNumStages) & 1u;
       float sfb_lo = 1.0f, sfb_hi = 1.0f;
@@ -410,7 +433,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }
     }
     }
-    if constexpr (kGrouped) {
+    if constexpr (kGroupMode == 1) {
       // Padding rows (m_indices -1) of a computed tile store zeros, as the contract says.
 #pragma unroll
       for (int wh = 0; wh < 2 * kWaves; ++wh) {
@@ -430,9 +453,10 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     if constexpr (kEpiBoxes > 0) {
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
+        // (K-grouped: D[g] is rows g·M.. of the [G·M, N] view; M % BLOCK_M == 0 there.)
         store_tile_tma<kBlockN, kOut, kAccumulate, kN, kEpiBoxes>(
-            fin[w], smem_d + wg * Epi::kWgBytes, tma_d, m0 + w * 64 * kNumMathWG + wg * 64, n0,
-            wg, threadIdx.x % 128 == 0);
+            fin[w], smem_d + wg * Epi::kWgBytes, tma_d,
+            kg * m + m0 + w * 64 * kNumMathWG + wg * 64, n0, wg, threadIdx.x % 128 == 0);
       }
       continue;
     }
@@ -447,7 +471,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         const int col = n0 + 8 * j + col0;
         if (col >= kN) continue;
         const float v0 = fin[w][4 * j + 2 * h], v1 = fin[w][4 * j + 2 * h + 1];
-        const long long off = static_cast<long long>(row) * kN + col;
+        const long long off = (static_cast<long long>(kg) * m + row) * kN + col;
         if constexpr (kOut == 0) {
           u16* o = reinterpret_cast<u16*>(out) + off;
           if constexpr (kN % 2 == 0) {
@@ -488,20 +512,23 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // kEpiBoxes > 0: the epilogue stages the tile in shared memory (kEpiBoxes boxes per warpgroup at
 // a time) and writes it with TMA stores (TMA reductions for accumulate) through `tma_d`, a
 // descriptor of D with 64-row x 128-byte boxes and 128-byte swizzle (see EpiShape); 0: `out` is
-// written directly from registers. kGrouped (DeepGEMM's m-grouped contiguous layout): B is the
+// written directly from registers. kGroupMode 1 (DeepGEMM's m-grouped contiguous layout): B is the
 // [G, N, K] stack seen as [G * N, K], sf_b [G, ⌈N/128⌉, ⌈K/128⌉]; each tile takes its group from
 // `block_group` (see tile_group) and rows with m_indices -1 store zeros; otherwise the last three
-// arguments are unused.
+// arguments are unused. kGroupMode: 0 dense, 1 M-grouped (above), 2 K-grouped (the experts'
+// wgrad, 1D1D): D is [G, M, N] seen as [G·M, N], group g's K blocks are k_offsets[g] ..
+// k_offsets[g + 1] - 1 of A [M, ΣK] and B [N, ΣK] (group_unit); `m` is the per-group M.
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          bool kGrouped>
+          int kGroupMode>
 __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
                        const __grid_constant__ TmaDescriptor tma_sfa,
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
-                       int m, const int* m_indices, const int* block_group, int num_groups) {
+                       int m, const int* m_indices, const int* block_group, int num_groups,
+                       const int* k_offsets) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -514,8 +541,10 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                 "128-column scale blocks of B)");
   static_assert(kOut == 1 || !kAccumulate, "accumulate needs an fp32 output");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
-  static_assert(!kGrouped || (kCluster == 1 && kBlockM <= 128 && !k1D1D),
+  static_assert(kGroupMode != 1 || (kCluster == 1 && kBlockM <= 128 && !k1D1D),
                 "M-grouped: 1D2D, BLOCK_M 64 or 128 (inside one 128-row chunk), no multicast");
+  static_assert(kGroupMode != 2 || (kCluster == 1 && kBlockM <= 128 && k1D1D && !kDoubleAcc),
+                "K-grouped: 1D1D, BLOCK_M 64 or 128, no multicast, one accumulator (runtime K)");
   constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
 
   extern __shared__ unsigned char smem_raw[];
@@ -535,7 +564,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   // count) is computed on zero-filled A and not stored.
   const u32 rank = kCluster > 1 ? cluster_ctarank() : 0u;
   const int num_m_groups = (num_m_blocks + kCluster - 1) / kCluster;
-  const int num_units = num_m_groups * kNumNBlocks;
+  const int num_units = num_m_groups * kNumNBlocks * (kGroupMode == 2 ? num_groups : 1);
   const int first_unit = blockIdx.x / kCluster;
   const int unit_stride = gridDim.x / kCluster;
 
@@ -565,16 +594,19 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
       if constexpr (kEpiBoxes > 0) tma_prefetch_desc(&tma_d);
       u32 it = 0;
       for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-        int mg, nb;
-        unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
+        int mg, nb, kg, kb_begin, num_kb;
+        group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks>(
+            unit, num_m_groups * kNumNBlocks, num_m_groups, k_offsets, mg, nb, kg, kb_begin,
+            num_kb);
         const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
         const int n0 = nb * kBlockN;
         // M-grouped: B is [G * N, K], group g's rows start at g * N; all-padding tiles load
         // nothing (the math warpgroups skip them too, so the stage ring stays in step).
-        const int group = kGrouped ? tile_group<kBlockM>(block_group, m0, num_groups) : 0;
+        const int group = kGroupMode == 1 ? tile_group<kBlockM>(block_group, m0, num_groups) : 0;
         if (group < 0) continue;
 #pragma unroll 1
-        for (int kb = 0; kb < kNumKBlocks; ++kb, ++it) {
+        for (int kbi = 0; kbi < num_kb; ++kbi, ++it) {
+          const int kb = kb_begin + kbi;  // (K-grouped: this group's K blocks)
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
@@ -595,10 +627,10 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK, kDoubleAcc, kEpiBoxes, kGrouped>(
+                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
-        num_groups);
+        num_groups, k_offsets);
   }
   // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) {
