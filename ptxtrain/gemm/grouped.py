@@ -27,13 +27,13 @@ kernel exists here: a ``GemmConfig`` chooses tiles, warps, stages and the L2 swi
 is ignored (no TMA / persistent grouped variant yet).
 
 Dispatch (per call): ``PTXTRAIN_GEMM_BACKEND=ref`` forces the reference; ``auto`` or ``ptx`` send
-the m-grouped contiguous GEMM with a K-major B and the k-grouped GEMM on sm_90 to the PTX kernels
-(:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_contiguous`,
+the three GEMMs on sm_90 (the m-grouped ones with a K-major B, no Triton ``config``) to the PTX
+kernels (:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_contiguous`,
+:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_masked`,
 :func:`ptxtrain.gemm.ptx.k_grouped_fp8_gemm_nt_contiguous`); otherwise CUDA tensors run the
 Triton kernels, CPU tensors the reference unless the kernels run under Triton's
 interpreter (``TRITON_INTERPRET=1`` set before import), where CPU tensors run them too. Any other
-forced backend name (``cublas``, ``triton``, ``ptx`` for the masked op) runs Triton: cuBLAS has
-no grouped FP8 GEMM.
+forced backend name (``cublas``, ``triton``) runs Triton: cuBLAS has no grouped FP8 GEMM.
 """
 
 from __future__ import annotations
@@ -202,6 +202,14 @@ def _use_triton(device: torch.device | None) -> bool:
     if forced == "ref" or device is None:
         return False
     return device.type == "cuda" or (device.type == "cpu" and is_interpreted())
+
+
+def _use_ptx_masked(a: object, b: object, config: GemmConfig | None) -> bool:
+    """The PTX masked kernel takes the call: as :func:`_use_ptx_contiguous` for a [G, M_max, K]
+    A."""
+    if not _use_ptx_contiguous(a, b, config):
+        return False
+    return a[0].dim() == 3
 
 
 def _use_ptx_k_grouped(a: object, b: object, config: GemmConfig | None) -> bool:
@@ -426,6 +434,12 @@ def m_grouped_fp8_gemm_nt_masked(
 
     Source: DeepGEMM ``m_grouped_fp8_gemm_nt_masked``; DESIGN §2.
     """
+    if _use_ptx_masked(a, b, config):
+        from ptxtrain.gemm import ptx
+
+        return ptx.m_grouped_fp8_gemm_nt_masked(
+            a, b, masked_m, expected_m, out=out, out_dtype=out_dtype
+        )
     if _use_triton(_device_of(a)):
         return _masked_triton(a, b, masked_m, expected_m, out, out_dtype, config)
     return ref.m_grouped_fp8_gemm_nt_masked_ref(

@@ -46,7 +46,7 @@ _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 _TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
 _1D1D_KINDS = ("1d1d", "k_grouped")  # kernel kinds with per-column scales of B
-_GROUP_MODE = {"m_grouped": 1, "k_grouped": 2}  # the kernel's kGroupMode (0: dense)
+_GROUP_MODE = {"m_grouped": 1, "k_grouped": 2, "masked": 3}  # the kernel's kGroupMode (0: dense)
 
 
 @dataclass(frozen=True)
@@ -372,10 +372,13 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
         cfg = grouped_config(m, n, k, _num_sms(device_index))
     elif cfg is None and kind == "k_grouped":
         cfg = k_grouped_config(m, n, _num_sms(device_index))
+    elif cfg is None and kind == "masked":
+        cfg = grouped_config(max(m * num_groups, 1), n, k, _num_sms(device_index))
     elif cfg is None:
         cfg = select_config(kind, m, n, k, _num_sms(device_index))
-    # K-grouped: a TMA box must not cross into the next group's rows of the [G·M, N] view.
-    aligned = aligned and (kind != "k_grouped" or m % cfg.block_m == 0)
+    # K-grouped / masked: a TMA box must not cross into the next group's rows of the [G·M, N]
+    # view of D.
+    aligned = aligned and (kind not in ("k_grouped", "masked") or m % cfg.block_m == 0)
     cfg = _resolve(cfg, kind, n, aligned, out_dtype)
     compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
     with torch.cuda.device(device_index):
@@ -396,21 +399,28 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
 def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
     """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``;
     ``k_offsets`` (kind ``"k_grouped"``, ``out`` [G, M, N]): [G + 1] int32 prefix sums of the
-    groups' K / 128."""
+    groups' K / 128; (kind ``"masked"``, A [G, M_max, K], ``out`` [G, M_max, N]): masked_m."""
     from ptxtrain.jit import launch, make_tma_2d_desc
 
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
+    if kind == "masked":  # [G, M_max, K] -> [G·M_max, K], group g at row g·M_max
+        a_fp8 = a_fp8.reshape(-1, a_fp8.shape[-1])
+        sf_a = sf_a.reshape(-1, sf_a.shape[-1])
     m, k = a_fp8.shape
     num_groups = 0
     m_indices = block_group = out  # unused pointers unless M-grouped
-    if grouped is not None:
+    if grouped is not None or kind == "masked":
         num_groups, n = b_fp8.shape[0], b_fp8.shape[1]
         b_fp8 = b_fp8.reshape(num_groups * n, k)  # [G, N, K] -> [G·N, K], group g at row g·N
-        m_indices, block_group = grouped
+        if grouped is not None:
+            m_indices, block_group = grouped
     else:
         n = b_fp8.shape[0]
     k_tpl = k
-    if k_offsets is not None:
+    if kind == "masked":
+        num_groups, m = out.shape[0], out.shape[1]  # the kernel's M is M_max
+        out = out.view(num_groups * m, n)
+    elif k_offsets is not None:
         num_groups = out.shape[0]
         out = out.view(num_groups * m, n)  # D[g] = rows g·M .. of the 2D view
         k_tpl = BLOCK_K  # K is per group at run time; one compiled kernel for every ΣK
@@ -427,7 +437,7 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         cfg,
         aligned,
         _index(a_fp8.device),
-        max(num_groups, 1) if kind == "k_grouped" else 1,
+        max(num_groups, 1) if kind in ("k_grouped", "masked") else 1,
     )
     a8 = _k_major(a_fp8.view(torch.uint8))
     b8 = _k_major(b_fp8.view(torch.uint8))
@@ -711,6 +721,49 @@ def _k_grouped_contiguous(a, b, ks, out, accumulate, m, n):
     return out
 
 
+def m_grouped_fp8_gemm_nt_masked(
+    a: ref.Operand,
+    b: ref.Operand,
+    masked_m: torch.Tensor,
+    expected_m: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """PTX masked m-grouped GEMM (MoE decode) with the contract of
+    :func:`ptxtrain.gemm.ref.m_grouped_fp8_gemm_nt_masked_ref`: ``D[g, :masked_m[g]] =
+    A[g, :masked_m[g]] · B[g]ᵀ``, A [G, M_max, K] e4m3 1x128-scaled, B [G, N, K] e4m3
+    128x128-scaled, ``masked_m`` [G] int32 read on the device only (no host sync, CUDA-graph
+    safe), D [G, M_max, N] bf16 / fp32. Tiles at or past ``masked_m[g]`` are skipped; rows past
+    it inside a computed tile hold unspecified values (as in DeepGEMM). ``expected_m`` (rows per
+    group, a hint) picks the block sizes.
+
+    Raises:
+        TypeError / ValueError: as the reference (values of ``masked_m`` are not checked), plus
+            non-CUDA / non-sm_90 tensors or ``K % 16 != 0``.
+        ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
+
+    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_masked``; DESIGN §2.
+    """
+    g, m_max, n, k = ref.validate_m_grouped_masked(
+        a, b, masked_m, expected_m, out, out_dtype, check_masked_m=False
+    )
+    dtype = out.dtype if out is not None else out_dtype
+    if out is None:
+        out = torch.empty((g, m_max, n), dtype=dtype, device=a[0].device)
+    if g == 0 or m_max == 0 or n == 0:
+        return out
+    _check_runnable(a[0], n, k)
+    d, copy_back = _target(out, g, m_max * n, dtype, a[0].device, False)
+    if copy_back:
+        d = torch.empty((g, m_max, n), dtype=dtype, device=a[0].device)
+    masked = masked_m if masked_m.is_contiguous() else masked_m.contiguous()
+    _launch("masked", a, b, d.view(g, m_max, n), False, dtype, None, None, masked)
+    if copy_back:
+        out.copy_(d.view(g, m_max, n))
+    return out
+
+
 def fp8_gemm_nt_1d1d(
     a: ref.Operand,
     b: ref.Operand,
@@ -741,6 +794,7 @@ __all__ = [
     "k_grouped_fp8_gemm_nt_contiguous",
     "kernel_source",
     "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
     "run_with_config",
     "select_config",
     "smem_bytes",

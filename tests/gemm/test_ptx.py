@@ -97,6 +97,9 @@ def _variants():
     for m, n in ((4096, 7168), (7168, 2048)):  # and their k-grouped wgrad (K from k_offsets)
         cfg = ptx.k_grouped_config(m, n, H200_SMS)
         seen[("k_grouped", cfg, n, 128, torch.float32, True)] = None
+    for n, k in ((4096, 7168), (7168, 2048)):  # and the masked (decode) GEMM
+        cfg = ptx.grouped_config(8 * 256, n, k, H200_SMS)
+        seen[("masked", cfg, n, k, torch.bfloat16, False)] = None
     return list(seen)
 
 
@@ -406,3 +409,39 @@ def test_gpu_k_grouped(m, n, ks, accumulate):
         qa, qb, ks, out=base.clone() if accumulate else None, accumulate=accumulate
     )
     torch.testing.assert_close(again, got, rtol=0, atol=0)  # same kernel through the dispatcher
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "g,m_max,n,k,out_dtype",
+    [
+        (8, 256, 4096, 7168, torch.bfloat16),
+        (8, 256, 7168, 2048, torch.bfloat16),
+        (3, 100, 300, 272, torch.bfloat16),  # M_max, N, K tails: direct-store epilogue
+        (4, 128, 576, 1536, torch.float32),
+    ],
+)
+def test_gpu_m_grouped_masked(g, m_max, n, k, out_dtype):
+    # The PTX masked (decode) kernel: rows below masked_m[g] against each group's fp64 product
+    # (rows past it are unspecified); masked_m read on the device only; the dispatcher
+    # (ptxtrain.gemm.grouped) sends the call here on sm_90 (same kernel: bitwise).
+    from ptxtrain.gemm import grouped as gg
+
+    gen = torch.Generator().manual_seed(g * m_max + n + k)
+    counts = [0, 1, 64, 127, 128, 129, 200, 256][:g] if m_max == 256 else [m_max, 0, 37, 5][:g]
+    masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    x = torch.randn(g, m_max, k, generator=gen).cuda()
+    w = torch.randn(g, n, k, generator=gen).cuda()
+    qa = per_token_cast_to_fp8(x.view(-1, k))
+    qa = (qa[0].view(g, m_max, k), qa[1].view(g, m_max, -1))
+    qb = [per_block_cast_to_fp8(w[i]) for i in range(g)]
+    qb = (torch.stack([q[0] for q in qb]), torch.stack([q[1] for q in qb]))
+    got = ptx.m_grouped_fp8_gemm_nt_masked(qa, qb, masked_m, out_dtype=out_dtype)
+    assert got.shape == (g, m_max, n) and got.dtype == out_dtype
+    for i, c in enumerate(counts):
+        if c:
+            want = x[i, :c].double() @ w[i].double().t()
+            _check(got[i, :c], want, c, n, k, f"masked group {i}")
+    again = gg.m_grouped_fp8_gemm_nt_masked(qa, qb, masked_m, out_dtype=out_dtype)
+    for i, c in enumerate(counts):
+        torch.testing.assert_close(again[i, :c], got[i, :c], rtol=0, atol=0)

@@ -254,18 +254,24 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
   n_block = r / size;
 }
 
-// A work unit's tile and K range. K-grouped (kGroupMode 2): unit = g · units_per_group + the
-// unit within D[g], whose K blocks are k_offsets[g] .. k_offsets[g + 1] - 1 (prefix sums of
-// the groups' K / 128); otherwise group 0 and all kNumKBlocks blocks.
+// A work unit's tile and K range. K-grouped (kGroupMode 2) and masked (3): unit =
+// g · units_per_group + the unit within D[g]; K-grouped: group g's K blocks are group_info[g] ..
+// group_info[g + 1] - 1 (prefix sums of the groups' K / 128); otherwise all kNumKBlocks blocks
+// (and g = 0 for kGroupMode 0 / 1).
 template <int kGroupMode, int kGroup, int kNumNBlocks, int kNumKBlocks>
 __device__ __forceinline__ void group_unit(int unit, int units_per_group, int num_m_groups,
-                                           const int* k_offsets, int& mg, int& nb, int& kg,
+                                           const int* group_info, int& mg, int& nb, int& kg,
                                            int& kb_begin, int& num_kb) {
   if constexpr (kGroupMode == 2) {
     kg = unit / units_per_group;
     unit_coords<kGroup, kNumNBlocks>(unit % units_per_group, num_m_groups, mg, nb);
-    kb_begin = __ldg(k_offsets + kg);
-    num_kb = __ldg(k_offsets + kg + 1) - kb_begin;
+    kb_begin = __ldg(group_info + kg);
+    num_kb = __ldg(group_info + kg + 1) - kb_begin;
+  } else if constexpr (kGroupMode == 3) {
+    kg = unit / units_per_group;
+    unit_coords<kGroup, kNumNBlocks>(unit % units_per_group, num_m_groups, mg, nb);
+    kb_begin = 0;
+    num_kb = kNumKBlocks;
   } else {
     kg = 0;
     unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
@@ -285,7 +291,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank,
                                               const int* m_indices, const int* block_group,
-                                              int num_groups, const int* k_offsets) {
+                                              int num_groups, const int* group_info) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -308,10 +314,14 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   for (int unit = first_unit; unit < num_units; unit += unit_stride) {
     int mg, nb, kg, kb_begin, num_kb;
     group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks>(
-        unit, units_per_group, num_m_groups, k_offsets, mg, nb, kg, kb_begin, num_kb);
+        unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb);
     const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
     const int n0 = nb * kBlockN;
-    const int group = kGroupMode == 1 ? tile_group<kBlockM>(block_group, m0, num_groups) : 0;
+    // Masked: tiles at or past masked_m[g] (group_info) are neither computed nor stored.
+    if (kGroupMode == 3 && m0 >= __ldg(group_info + kg)) continue;
+    const int group = kGroupMode == 1   ? tile_group<kBlockM>(block_group, m0, num_groups)
+                      : kGroupMode == 3 ? kg
+                                        : 0;
 #pragma unroll
     for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
@@ -323,7 +333,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const bool has_hi = !k1D1D && split < kBlockN && sfb_block + 1 < kNumSfbBlocks;
     // 1D2D: B's scales of block kb (global, cached); 1D1D: per column from the stage.
     // (M-grouped: group g's scales start at g * kNumSfbBlocks * kNumKBlocks.)
-    const float* sfb_g = sf_b + (kGroupMode == 1 ? group * kNumSfbBlocks * kNumKBlocks : 0);
+    const float* sfb_g =
+        sf_b + (kGroupMode == 1 || kGroupMode == 3 ? group * kNumSfbBlocks * kNumKBlocks : 0);
     auto load_sfb = [&](int kb, float& lo, float& hi) {
       if constexpr (!k1D1D) {
         lo = __ldg(sfb_g + sfb_block * kNumKBlocks + kb);
@@ -453,7 +464,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     if constexpr (kEpiBoxes > 0) {
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
-        // (K-grouped: D[g] is rows g·M.. of the [G·M, N] view; M % BLOCK_M == 0 there.)
+        // (K-grouped / masked: D[g] is rows g·M.. of the [G·M, N] view (M = M_max when masked);
+        // TMA stores only where M % BLOCK_M == 0, so no box reaches the next group's rows.)
         store_tile_tma<kBlockN, kOut, kAccumulate, kN, kEpiBoxes>(
             fin[w], smem_d + wg * Epi::kWgBytes, tma_d,
             kg * m + m0 + w * 64 * kNumMathWG + wg * 64, n0, wg, threadIdx.x % 128 == 0);
@@ -516,8 +528,11 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // [G, N, K] stack seen as [G * N, K], sf_b [G, ⌈N/128⌉, ⌈K/128⌉]; each tile takes its group from
 // `block_group` (see tile_group) and rows with m_indices -1 store zeros; otherwise the last three
 // arguments are unused. kGroupMode: 0 dense, 1 M-grouped (above), 2 K-grouped (the experts'
-// wgrad, 1D1D): D is [G, M, N] seen as [G·M, N], group g's K blocks are k_offsets[g] ..
-// k_offsets[g + 1] - 1 of A [M, ΣK] and B [N, ΣK] (group_unit); `m` is the per-group M.
+// wgrad, 1D1D): D is [G, M, N] seen as [G·M, N], group g's K blocks are group_info[g] ..
+// group_info[g + 1] - 1 of A [M, ΣK] and B [N, ΣK] (group_unit); `m` is the per-group M. 3
+// masked (DeepGEMM's decode layout): A [G, M_max, K], B [G, N, K], D [G, M_max, N] seen as 2D,
+// `m` = M_max, group_info = masked_m; tiles at or past masked_m[g] are skipped (rows past it in
+// a computed tile are written, as the contract allows).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
           int kGroupMode>
@@ -528,7 +543,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
                        int m, const int* m_indices, const int* block_group, int num_groups,
-                       const int* k_offsets) {
+                       const int* group_info) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -545,6 +560,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                 "M-grouped: 1D2D, BLOCK_M 64 or 128 (inside one 128-row chunk), no multicast");
   static_assert(kGroupMode != 2 || (kCluster == 1 && kBlockM <= 128 && k1D1D && !kDoubleAcc),
                 "K-grouped: 1D1D, BLOCK_M 64 or 128, no multicast, one accumulator (runtime K)");
+  static_assert(kGroupMode != 3 || (kCluster == 1 && kBlockM <= 128 && !k1D1D),
+                "masked: 1D2D, BLOCK_M 64 or 128, no multicast");
   constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
 
   extern __shared__ unsigned char smem_raw[];
@@ -564,7 +581,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   // count) is computed on zero-filled A and not stored.
   const u32 rank = kCluster > 1 ? cluster_ctarank() : 0u;
   const int num_m_groups = (num_m_blocks + kCluster - 1) / kCluster;
-  const int num_units = num_m_groups * kNumNBlocks * (kGroupMode == 2 ? num_groups : 1);
+  const int num_units = num_m_groups * kNumNBlocks * (kGroupMode >= 2 ? num_groups : 1);
   const int first_unit = blockIdx.x / kCluster;
   const int unit_stride = gridDim.x / kCluster;
 
@@ -596,14 +613,19 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
       for (int unit = first_unit; unit < num_units; unit += unit_stride) {
         int mg, nb, kg, kb_begin, num_kb;
         group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks>(
-            unit, num_m_groups * kNumNBlocks, num_m_groups, k_offsets, mg, nb, kg, kb_begin,
+            unit, num_m_groups * kNumNBlocks, num_m_groups, group_info, mg, nb, kg, kb_begin,
             num_kb);
         const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
         const int n0 = nb * kBlockN;
-        // M-grouped: B is [G * N, K], group g's rows start at g * N; all-padding tiles load
-        // nothing (the math warpgroups skip them too, so the stage ring stays in step).
-        const int group = kGroupMode == 1 ? tile_group<kBlockM>(block_group, m0, num_groups) : 0;
+        // M-grouped / masked: B is [G * N, K], group g's rows start at g * N; all-padding and
+        // masked-off tiles load nothing (the math warpgroups skip them too, so the stage ring
+        // stays in step). Masked: A is [G * M_max, K], group g's rows start at g * M_max.
+        if (kGroupMode == 3 && m0 >= __ldg(group_info + kg)) continue;
+        const int group = kGroupMode == 1   ? tile_group<kBlockM>(block_group, m0, num_groups)
+                          : kGroupMode == 3 ? kg
+                                            : 0;
         if (group < 0) continue;
+        const int a_row = (kGroupMode == 3 ? kg * m : 0) + m0;
 #pragma unroll 1
         for (int kbi = 0; kbi < num_kb; ++kbi, ++it) {
           const int kb = kb_begin + kbi;  // (K-grouped: this group's K blocks)
@@ -612,7 +634,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
           // The full tile of B arrives: this CTA's part plus the peers' multicast parts.
           mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
-          tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, m0);
+          tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, a_row);
           if constexpr (kCluster > 1) {
             tma_load_2d_multicast(smem_b + s * Smem::kBytesB + rank * kHalfB, &tma_b, &full[s],
                                   kb * 128, n0 + static_cast<int>(rank) * (kBlockN / kCluster),
@@ -620,7 +642,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           } else {
             tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, group * kN + n0);
           }
-          tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], m0, kb);
+          tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
           if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
         }
       }
@@ -630,7 +652,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                   kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
-        num_groups, k_offsets);
+        num_groups, group_info);
   }
   // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) {
