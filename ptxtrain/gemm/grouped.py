@@ -27,11 +27,11 @@ kernel exists here: a ``GemmConfig`` chooses tiles, warps, stages and the L2 swi
 is ignored (no TMA / persistent grouped variant yet).
 
 Dispatch (per call): ``PTXTRAIN_GEMM_BACKEND=ref`` forces the reference; ``auto`` or ``ptx`` send
-the three GEMMs on sm_90 (the m-grouped ones with a K-major B, no Triton ``config``) to the PTX
-kernels (:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_contiguous`,
-:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_masked`,
-:func:`ptxtrain.gemm.ptx.k_grouped_fp8_gemm_nt_contiguous`); otherwise CUDA tensors run the
-Triton kernels, CPU tensors the reference unless the kernels run under Triton's
+the m-grouped contiguous (K-major B) and k-grouped GEMMs on sm_90 without a Triton ``config`` to
+the PTX kernels (:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_contiguous`,
+:func:`ptxtrain.gemm.ptx.k_grouped_fp8_gemm_nt_contiguous`), and ``ptx`` alone the masked one
+(:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_masked`, not yet run on a GPU); otherwise CUDA
+tensors run the Triton kernels, CPU tensors the reference unless the kernels run under Triton's
 interpreter (``TRITON_INTERPRET=1`` set before import), where CPU tensors run them too. Any other
 forced backend name (``cublas``, ``triton``) runs Triton: cuBLAS has no grouped FP8 GEMM.
 """
@@ -205,11 +205,12 @@ def _use_triton(device: torch.device | None) -> bool:
 
 
 def _use_ptx_masked(a: object, b: object, config: GemmConfig | None) -> bool:
-    """The PTX masked kernel takes the call: as :func:`_use_ptx_contiguous` for a [G, M_max, K]
-    A."""
-    if not _use_ptx_contiguous(a, b, config):
+    """The PTX masked kernel takes the call only with ``PTXTRAIN_GEMM_BACKEND=ptx`` (it has not
+    yet run on a GPU, so ``auto`` keeps Triton), then as :func:`_use_ptx_contiguous` for a
+    [G, M_max, K] A."""
+    if _backend.requested("PTXTRAIN_GEMM_BACKEND", _NAMES) != "ptx":
         return False
-    return a[0].dim() == 3
+    return _use_ptx_contiguous(a, b, config) and a[0].dim() == 3
 
 
 def _use_ptx_k_grouped(a: object, b: object, config: GemmConfig | None) -> bool:

@@ -421,12 +421,14 @@ def test_gpu_k_grouped(m, n, ks, accumulate):
         (4, 128, 576, 1536, torch.float32),
     ],
 )
-def test_gpu_m_grouped_masked(g, m_max, n, k, out_dtype):
+def test_gpu_m_grouped_masked(g, m_max, n, k, out_dtype, monkeypatch):
     # The PTX masked (decode) kernel: rows below masked_m[g] against each group's fp64 product
-    # (rows past it are unspecified); masked_m read on the device only; the dispatcher
-    # (ptxtrain.gemm.grouped) sends the call here on sm_90 (same kernel: bitwise).
+    # (rows past it are unspecified); masked_m read on the device only; with
+    # PTXTRAIN_GEMM_BACKEND=ptx the dispatcher (ptxtrain.gemm.grouped) sends the call here
+    # (same kernel: bitwise).
     from ptxtrain.gemm import grouped as gg
 
+    monkeypatch.setenv("PTXTRAIN_GEMM_BACKEND", "ptx")
     gen = torch.Generator().manual_seed(g * m_max + n + k)
     counts = [0, 1, 64, 127, 128, 129, 200, 256][:g] if m_max == 256 else [m_max, 0, 37, 5][:g]
     masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
