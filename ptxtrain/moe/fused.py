@@ -47,7 +47,6 @@ import torch.nn.functional as F
 
 from ptxtrain import _backend
 from ptxtrain._checks import HP_DTYPES, check_tensor
-from ptxtrain.moe.ref import seq_balance_loss_ref
 
 __all__ = [
     "KERNEL_CHOICES",
@@ -232,16 +231,7 @@ def route_fused(router, x: torch.Tensor, *, seq_len: int | None = None):
         logits, router.bias, router.top_k, router.n_groups, router.n_limited_groups,
         router.route_scale,
     )  # fmt: skip
-    if router.training:
-        with torch.no_grad():
-            router.expert_counts += torch.bincount(topk_idx.flatten(), minlength=router.n_experts)
-    aux_loss = None
-    if router.training and router.seq_aux_loss_alpha > 0 and x.shape[0] > 0:
-        aux_loss = seq_balance_loss_ref(
-            scores, topk_idx, x.shape[0] if seq_len is None else seq_len,
-            router.seq_aux_loss_alpha,
-        )  # fmt: skip
-    return topk_idx, topk_weights, aux_loss
+    return topk_idx, topk_weights, router.account_routing(topk_idx, scores, seq_len)
 
 
 def permute_fused(

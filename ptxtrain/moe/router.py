@@ -155,18 +155,46 @@ class Router(nn.Module):
             n_limited_groups=self.n_limited_groups,
             route_scale=self.route_scale,
         )
+        aux_loss = self.account_routing(topk_idx, scores, seq_len, aux_loss=return_aux_loss)
+        if not return_aux_loss:
+            return topk_idx, topk_weights
+        return topk_idx, topk_weights, aux_loss
+
+    def account_routing(
+        self,
+        topk_idx: torch.Tensor,
+        scores: torch.Tensor,
+        seq_len: int | None = None,
+        *,
+        aux_loss: bool = True,
+    ) -> torch.Tensor | None:
+        """The bookkeeping of one routing of ``N`` tokens, shared by :meth:`forward` and the fused
+        kernel path (:func:`ptxtrain.moe.fused.route_fused`): in training mode, add the
+        selections to ``expert_counts`` and, with ``aux_loss``, return the sequence-wise balance
+        loss of ``scores``.
+
+        Args:
+            topk_idx: ``[N, k]`` int64 selected experts.
+            scores: ``[N, E]`` fp32 sigmoid affinities (differentiable; the loss's input).
+            seq_len: tokens per sequence (``None`` = all ``N`` tokens are one sequence).
+            aux_loss: compute the loss (False: counting only).
+
+        Returns:
+            fp32 scalar, or ``None`` (not training, ``seq_aux_loss_alpha == 0``, ``N == 0`` or
+            ``aux_loss`` False).
+
+        Raises:
+            ValueError: ``seq_len`` does not divide ``N`` (from the loss).
+        """
+        n_tokens = topk_idx.shape[0]
         if self.training:
             with torch.no_grad():
                 self.expert_counts += torch.bincount(topk_idx.flatten(), minlength=self.n_experts)
-        if not return_aux_loss:
-            return topk_idx, topk_weights
-        aux_loss = None
-        if self.training and self.seq_aux_loss_alpha > 0 and x.shape[0] > 0:
-            aux_loss = seq_balance_loss_ref(
-                scores, topk_idx, x.shape[0] if seq_len is None else seq_len,
-                self.seq_aux_loss_alpha,
-            )  # fmt: skip
-        return topk_idx, topk_weights, aux_loss
+        if not (aux_loss and self.training and self.seq_aux_loss_alpha > 0 and n_tokens > 0):
+            return None
+        return seq_balance_loss_ref(
+            scores, topk_idx, n_tokens if seq_len is None else seq_len, self.seq_aux_loss_alpha
+        )
 
     def load_stats(self) -> dict[str, float]:
         """Balance statistics of the counts since the last update (see :func:`load_stats`)."""
