@@ -562,14 +562,23 @@ def run_with_config(
     return _gemm(kind, a, b, out, accumulate, out_dtype, cfg)
 
 
-def _target(out, m, n, dtype, device, accumulate):
-    """The tensor the kernel writes: ``out`` itself when it is contiguous and 16-byte aligned (the
-    epilogues store 4- to 16-byte vectors), else a fresh one that is copied back."""
+def _write_into(out, shape, dtype, device, accumulate, run):
+    """Calls ``run(d)`` with the tensor the kernel writes and returns D: ``out`` itself when it
+    is contiguous and 16-byte aligned (the epilogues store 4- to 16-byte vectors); else a fresh
+    contiguous ``shape`` tensor (a copy of ``out`` when accumulating), copied back into ``out``
+    when one was given."""
     if out is not None and out.is_contiguous() and out.dtype == dtype and out.data_ptr() % 16 == 0:
-        return out, False
+        run(out)
+        return out
     if accumulate:
-        return out.clone(memory_format=torch.contiguous_format), True
-    return torch.empty(m, n, dtype=dtype, device=device), out is not None
+        d = out.clone(memory_format=torch.contiguous_format)
+    else:
+        d = torch.empty(shape, dtype=dtype, device=device)
+    run(d)
+    if out is None:
+        return d
+    out.copy_(d)
+    return out
 
 
 def _gemm(kind, a, b, out, accumulate, dtype, cfg=None):
@@ -580,12 +589,10 @@ def _gemm(kind, a, b, out, accumulate, dtype, cfg=None):
     if m == 0:
         return torch.empty(0, n, dtype=dtype, device=a_fp8.device) if out is None else out
     _check_runnable(a_fp8, n, k)
-    d, copy_back = _target(out, m, n, dtype, a_fp8.device, accumulate)
-    _launch(kind, a, b, d, accumulate, dtype, cfg)
-    if copy_back:
-        out.copy_(d)
-        return out
-    return d
+    return _write_into(
+        out, (m, n), dtype, a_fp8.device, accumulate,
+        lambda d: _launch(kind, a, b, d, accumulate, dtype, cfg),
+    )  # fmt: skip
 
 
 def _fp8_gemm_nt(a, b, out, out_dtype):
@@ -660,13 +667,12 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims):
     if g == 0:
         return out.zero_()
     _check_runnable(a_fp8, n, k)
-    d, copy_back = _target(out, m, n, dtype, a_fp8.device, False)
     # Per 64-row block, the largest index of its rows: the block's group (-1: all padding).
     block_group = m_indices.reshape(-1, 64).amax(dim=1)
-    _launch("m_grouped", a, b, d, False, dtype, None, (m_indices, block_group))
-    if copy_back:
-        out.copy_(d)
-    return out
+    return _write_into(
+        out, (m, n), dtype, a_fp8.device, False,
+        lambda d: _launch("m_grouped", a, b, d, False, dtype, None, (m_indices, block_group)),
+    )  # fmt: skip
 
 
 def k_grouped_fp8_gemm_nt_contiguous(
@@ -712,13 +718,10 @@ def _k_grouped_contiguous(a, b, ks, out, accumulate, m, n):
     for kg in ks:
         offsets.append(offsets[-1] + kg // BLOCK_K)
     k_offsets = torch.tensor(offsets, dtype=torch.int32).to(a_fp8.device, non_blocking=True)
-    d, copy_back = _target(out, g, m * n, torch.float32, a_fp8.device, accumulate)
-    if copy_back and not accumulate:
-        d = torch.empty((g, m, n), dtype=torch.float32, device=a_fp8.device)
-    _launch("k_grouped", a, b, d.view(g, m, n), accumulate, torch.float32, None, None, k_offsets)
-    if copy_back:
-        out.copy_(d.view(g, m, n))
-    return out
+    return _write_into(
+        out, (g, m, n), torch.float32, a_fp8.device, accumulate,
+        lambda d: _launch("k_grouped", a, b, d, accumulate, torch.float32, None, None, k_offsets),
+    )  # fmt: skip
 
 
 def m_grouped_fp8_gemm_nt_masked(
@@ -758,14 +761,11 @@ def m_grouped_fp8_gemm_nt_masked(
     if g == 0 or m_max == 0 or n == 0:
         return out
     _check_runnable(a[0], n, k)
-    d, copy_back = _target(out, g, m_max * n, dtype, a[0].device, False)
-    if copy_back:
-        d = torch.empty((g, m_max, n), dtype=dtype, device=a[0].device)
-    masked = masked_m if masked_m.is_contiguous() else masked_m.contiguous()
-    _launch("masked", a, b, d.view(g, m_max, n), False, dtype, None, None, masked)
-    if copy_back:
-        out.copy_(d.view(g, m_max, n))
-    return out
+    masked = masked_m.contiguous()
+    return _write_into(
+        out, (g, m_max, n), dtype, a[0].device, False,
+        lambda d: _launch("masked", a, b, d, False, dtype, None, None, masked),
+    )  # fmt: skip
 
 
 def fp8_gemm_nt_1d1d(
