@@ -230,15 +230,24 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
   }
 }
 
-// M-grouped (kGroupMode 1): the group of the tile at row m0 from `block_group` (per 64-row block,
-// the largest m_indices value of its rows: every non-padding row of an aligned 128-row chunk
-// names the same group, padding rows are -1); -1 (all padding, or an index outside
-// [0, num_groups)): the tile is not computed and stores zeros.
-template <int kBlockM>
-__device__ __forceinline__ int tile_group(const int* block_group, int m0, int num_groups) {
-  int g = __ldg(block_group + m0 / 64);
-  if constexpr (kBlockM == 128) g = max(g, __ldg(block_group + m0 / 64 + 1));
-  return g < num_groups ? g : -1;
+// The group of B (and of sf_b) the tile at row m0 of unit group kg multiplies; -1: nothing to
+// compute. M-grouped (kGroupMode 1): from `block_group` (per 64-row block, the largest m_indices
+// value of its rows: every non-padding row of an aligned 128-row chunk names the same group,
+// padding rows are -1); -1 for all padding or an index outside [0, num_groups) (the tile then
+// stores zeros). Masked (3): kg, or -1 at or past masked_m[kg] (`group_info`; nothing stored).
+// Dense and K-grouped: 0.
+template <int kGroupMode, int kBlockM>
+__device__ __forceinline__ int tile_group(const int* block_group, const int* group_info, int m0,
+                                          int kg, int num_groups) {
+  if constexpr (kGroupMode == 1) {
+    int g = __ldg(block_group + m0 / 64);
+    if constexpr (kBlockM == 128) g = max(g, __ldg(block_group + m0 / 64 + 1));
+    return g < num_groups ? g : -1;
+  } else if constexpr (kGroupMode == 3) {
+    return m0 < __ldg(group_info + kg) ? kg : -1;
+  } else {
+    return 0;
+  }
 }
 
 // Work unit -> (M-group, N-block), rasterized in groups of kGroup M-groups so that the units
@@ -317,11 +326,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb);
     const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
     const int n0 = nb * kBlockN;
-    // Masked: tiles at or past masked_m[g] (group_info) are neither computed nor stored.
-    if (kGroupMode == 3 && m0 >= __ldg(group_info + kg)) continue;
-    const int group = kGroupMode == 1   ? tile_group<kBlockM>(block_group, m0, num_groups)
-                      : kGroupMode == 3 ? kg
-                                        : 0;
+    const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
+    if (kGroupMode == 3 && group < 0) continue;  // masked off: neither computed nor stored
 #pragma unroll
     for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
@@ -620,10 +626,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         // M-grouped / masked: B is [G * N, K], group g's rows start at g * N; all-padding and
         // masked-off tiles load nothing (the math warpgroups skip them too, so the stage ring
         // stays in step). Masked: A is [G * M_max, K], group g's rows start at g * M_max.
-        if (kGroupMode == 3 && m0 >= __ldg(group_info + kg)) continue;
-        const int group = kGroupMode == 1   ? tile_group<kBlockM>(block_group, m0, num_groups)
-                          : kGroupMode == 3 ? kg
-                                            : 0;
+        const int group =
+            tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
         if (group < 0) continue;
         const int a_row = (kGroupMode == 3 ? kg * m : 0) + m0;
 #pragma unroll 1
