@@ -50,6 +50,8 @@ from ptxtrain.nn.fp8_linear import (
     _autocast_off,
     _gemm_out_dtype,
     _resolve_config,
+    _save_operands,
+    _saved_operands,
 )
 
 __all__ = ["fp8_grouped_linear"]
@@ -268,17 +270,13 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
             else:
                 y = _hp_grouped_mm(input_hp, weight_hp, counts, b_t=True)
 
-        saved: dict[str, torch.Tensor] = {}
-        if need_wt:
-            saved.update(weight_t_fp8=weight_t_fp8, weight_t_sf=weight_t_sf)
-        elif need_dx:
-            saved["weight_hp"] = weight_hp
-        if keep_xt_fp8:
-            saved.update(input_t_fp8=input_t_fp8, input_t_sf=input_t_sf)
-        elif need_dw:
-            saved["input_hp"] = input_hp
-        ctx.saved_names = tuple(saved)
-        ctx.save_for_backward(*saved.values())
+        _save_operands(
+            ctx,
+            weight_t=(weight_t_fp8, weight_t_sf) if need_wt else None,
+            weight_hp=weight_hp if need_dx else None,
+            input_t=(input_t_fp8, input_t_sf) if keep_xt_fp8 else None,
+            input_hp=input_hp if need_dw else None,
+        )
         ctx.layout = layout
         ctx.counts = counts
         ctx.config = config
@@ -291,7 +289,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         config, layout, counts = ctx.config, ctx.layout, ctx.counts
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        saved = _saved_operands(ctx)
         pow2 = config.pow2_scale
         dy = grad_output  # [N, N_out], y's dtype
         dx = dw = None

@@ -169,6 +169,29 @@ def _autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
+def _save_operands(ctx, *, weight_t, weight_hp, input_t, input_hp) -> None:
+    """Saves for backward the FP8 operands where the Dgrad / Wgrad GEMMs are FP8 (``weight_t``,
+    ``input_t``: ``(fp8, sf)`` pairs) and the high-precision tensor only where one is needed
+    without them; :func:`_saved_operands` gives them back by name (shared with
+    :mod:`ptxtrain.nn.fp8_grouped`)."""
+    saved: dict[str, torch.Tensor] = {}
+    if weight_t is not None:
+        saved.update(weight_t_fp8=weight_t[0], weight_t_sf=weight_t[1])
+    elif weight_hp is not None:
+        saved["weight_hp"] = weight_hp
+    if input_t is not None:
+        saved.update(input_t_fp8=input_t[0], input_t_sf=input_t[1])
+    elif input_hp is not None:
+        saved["input_hp"] = input_hp
+    ctx.saved_names = tuple(saved)
+    ctx.save_for_backward(*saved.values())
+
+
+def _saved_operands(ctx) -> dict[str, torch.Tensor]:
+    """The tensors :func:`_save_operands` saved, by name."""
+    return dict(zip(ctx.saved_names, ctx.saved_tensors))
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """``y = x·Wᵀ + b`` with the GEMMs chosen by an :class:`Fp8LinearConfig`.
 
@@ -221,17 +244,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         # -- Save for backward: FP8 data wherever the GEMM is FP8; high precision only where a
         # GEMM was configured off (the weight is a Parameter anyway, so saving it costs nothing).
-        saved: dict[str, torch.Tensor] = {}
-        if need_wt:
-            saved.update(weight_t_fp8=weight_t_fp8, weight_t_sf=weight_t_sf)
-        elif need_dx:
-            saved["weight_hp"] = weight_hp
-        if keep_xt_fp8:
-            saved.update(input_t_fp8=input_t_fp8, input_t_sf=input_t_sf)
-        elif need_dw:
-            saved["input_hp"] = input_hp
-        ctx.saved_names = tuple(saved)
-        ctx.save_for_backward(*saved.values())
+        _save_operands(
+            ctx,
+            weight_t=(weight_t_fp8, weight_t_sf) if need_wt else None,
+            weight_hp=weight_hp if need_dx else None,
+            input_t=(input_t_fp8, input_t_sf) if keep_xt_fp8 else None,
+            input_hp=input_hp if need_dw else None,
+        )
         ctx.config = config
         ctx.act_dtype = act_dtype
         ctx.weight_dtype = weight_hp.dtype
@@ -242,7 +261,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         config = ctx.config
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        saved = _saved_operands(ctx)
         pow2 = config.pow2_scale
         dy = grad_output  # [M, N], y's dtype (= the activation dtype)
         dx = dw = db = None
