@@ -2,8 +2,10 @@
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [train] [sweep]
-# Stages for 2 GPUs (nvidia-h200-x2): [multigpu] [p2p] [pp] [dispatch] [nvlsweep] [ep]
-# STEPS (default 60) sets the training steps of the train / pp / ep stages.
+# Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvlsweep]
+# [ep] [full]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
+# pipeline ranks of the pp stage. STEPS (default 60) sets the training steps of the train / ep
+# stages; pp and full take STEPS (default 40), BATCH (default 32) and SEQ (default 512).
 # Results (JSON, logs, PNGs) are written under $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +20,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 stages=${*:-env tests quant gemm linear train}
+NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 status=0
 for stage in $stages; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
@@ -55,29 +58,34 @@ for stage in $stages; do
       ;;
     p2p)
       # Variants run one after another (up to --timeout s each): stream the output, no tail.
-      torchrun --nproc-per-node 2 -m benchmarks.diag_p2p --timeout 60 --json "$OUT/diag_p2p.json" \
+      torchrun --nproc-per-node "$NPROC" -m benchmarks.diag_p2p --timeout 60 --json "$OUT/diag_p2p.json" \
         2>&1 | tee "$OUT/diag_p2p.log" | grep -v "^W" || status=1
       ;;
     pp)
-      common="--preset small --no-mtp --steps ${STEPS:-60} --no-progress --overwrite"
-      python3 -m ptxtrain train $common --out /tmp/pp-1gpu 2>&1 | grep -E "throughput|train loss|val" || status=1
+      # 1-GPU baseline, then 1F1B / DualPipe / DualPipeV on PP ranks; one JSON (pp_report).
+      pp=${PP:-$NPROC}
+      common="--preset small --no-mtp --steps ${STEPS:-40} --batch-size ${BATCH:-32} --seq-len ${SEQ:-512}"
+      common="$common --eval-every ${STEPS:-40} --sample-tokens 0 --no-progress --overwrite"
+      python3 -m ptxtrain train $common --out /tmp/pp-1gpu > "$OUT/train-1gpu.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|memory" "$OUT/train-1gpu.log"
+      runs="1gpu=/tmp/pp-1gpu"
       for sched in 1f1b dualpipe dualpipev; do
-        echo "--- pp2 $sched"
-        torchrun --nproc-per-node 2 -m ptxtrain train $common --pp 2 --schedule $sched --timeline \
-          --out /tmp/pp-$sched > "$OUT/train-pp2-$sched.log" 2>&1 || status=1
-        grep -E "throughput|train loss|val|Error|error" "$OUT/train-pp2-$sched.log" | head -8
-        python3 -m ptxtrain plot timeline /tmp/pp-$sched --out "$OUT/timeline-$sched.png" || status=1
-        for f in /tmp/pp-$sched/timeline_rank*.jsonl; do
-          [ -e "$f" ] && cp "$f" "$OUT/$(basename "${f%.jsonl}")-$sched.jsonl"
-        done
+        echo "--- pp$pp $sched"
+        torchrun --nproc-per-node "$pp" -m ptxtrain train $common --pp "$pp" --schedule $sched \
+          --timeline --out /tmp/pp-$sched > "$OUT/train-pp$pp-$sched.log" 2>&1 || status=1
+        grep -E "throughput|train loss|val|memory|Error|error" "$OUT/train-pp$pp-$sched.log" | head -8
+        python3 -m ptxtrain plot timeline /tmp/pp-$sched --out "$OUT/timeline-pp$pp-$sched.png" || status=1
+        runs="$runs pp$pp-$sched=/tmp/pp-$sched"
       done
+      python3 -m benchmarks.pp_report --json "$OUT/pp$pp-${PTXTRAIN_GIT_SHA:-local}.json" \
+        --command "ptxtrain train $common [--pp $pp --schedule S --timeline]" $runs || status=1
       ;;
     dispatch)
-      torchrun --nproc-per-node 2 -m ptxtrain bench dispatch --json "$OUT/$(date -u +%Y%m%d)-dispatch.json" 2>&1 | tail -30 || status=1
+      torchrun --nproc-per-node "$NPROC" -m ptxtrain bench dispatch --json "$OUT/dispatch-ep$NPROC-${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | tail -30 || status=1
       ;;
     nvlsweep)
       # NVL_ARGS narrows the grid (e.g. "--threads 512 1024 --num-sms 24 32").
-      torchrun --nproc-per-node 2 -m benchmarks.sweep_nvlink ${NVL_ARGS:-} \
+      torchrun --nproc-per-node "$NPROC" -m benchmarks.sweep_nvlink ${NVL_ARGS:-} \
         --out "$OUT/sweep_nvlink_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" || status=1
       ;;
     ep)
@@ -85,9 +93,25 @@ for stage in $stages; do
       common="--preset small --no-mtp --steps ${STEPS:-60} --no-progress --overwrite --precision ${PRECISION:-bf16}"
       python3 -m ptxtrain train $common --out /tmp/ep-1gpu > "$OUT/train-ep1.log" 2>&1 || status=1
       grep -E "throughput|train loss|val" "$OUT/train-ep1.log"
-      echo "--- ep2"
-      torchrun --nproc-per-node 2 -m ptxtrain train $common --ep 2 --out /tmp/ep-2 > "$OUT/train-ep2.log" 2>&1 || status=1
-      grep -E "throughput|train loss|val|Error|error" "$OUT/train-ep2.log" | head -8
+      echo "--- ep$NPROC"
+      torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --ep "$NPROC" --out /tmp/ep-n \
+        > "$OUT/train-ep$NPROC.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|Error|error" "$OUT/train-ep$NPROC.log" | head -8
+      ;;
+    full)
+      # FP8 + EP + DualPipe on every GPU (--pp 2 --ep NPROC/2) against the 1-GPU FP8 run.
+      ep=$((NPROC / 2))
+      common="--preset small --no-mtp --steps ${STEPS:-40} --batch-size ${BATCH:-32} --seq-len ${SEQ:-512}"
+      common="$common --eval-every ${STEPS:-40} --sample-tokens 0 --no-progress --overwrite --precision fp8"
+      python3 -m ptxtrain train $common --out /tmp/full-1gpu > "$OUT/train-full-1gpu.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|memory" "$OUT/train-full-1gpu.log"
+      echo "--- pp2 x ep$ep dualpipe fp8"
+      torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --pp 2 --ep "$ep" --schedule dualpipe \
+        --timeline --out /tmp/full-n > "$OUT/train-full-pp2-ep$ep.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|memory|Error|error" "$OUT/train-full-pp2-ep$ep.log" | head -8
+      python3 -m benchmarks.pp_report --json "$OUT/full-pp2-ep$ep-${PTXTRAIN_GIT_SHA:-local}.json" \
+        --command "ptxtrain train $common [--pp 2 --ep $ep --schedule dualpipe --timeline]" \
+        1gpu=/tmp/full-1gpu "pp2-ep$ep-dualpipe=/tmp/full-n" || status=1
       ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

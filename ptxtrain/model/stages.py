@@ -1,9 +1,10 @@
 """Pipeline stages of a :class:`~ptxtrain.model.deepseek.DeepSeekV3` (DESIGN §5, report §3.2).
 
-The decoder layers are cut into ``n_stages`` equal, consecutive slices; stage 0 also holds the
-embedding, the last stage the final norm and the output head. A stage *shares* its submodules with
-the model it was cut from (no copy), so a rank can build the whole model from the seed, exactly as
-the single-process run does, and hand its stages to a pipeline schedule.
+The decoder layers are cut into ``n_stages`` consecutive slices, as even as they go
+(:func:`split_layers`); stage 0 also holds the embedding, the last stage the final norm and the
+output head. A stage *shares* its submodules with the model it was cut from (no copy), so a rank
+can build the whole model from the seed, exactly as the single-process run does, and hand its
+stages to a pipeline schedule.
 
 Stage interface (what the schedules in :mod:`ptxtrain.parallel` pass between ranks):
 
@@ -66,28 +67,35 @@ __all__ = ["DeepSeekV3Stage", "check_stageable", "split_layers"]
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """The layer indices of each stage: ``n_stages`` consecutive ranges of equal length.
+    """The layer indices of each stage: ``n_stages`` consecutive, non-empty ranges.
+
+    The layers are split as evenly as they go; when ``n_stages`` does not divide ``n_layers`` the
+    first ``n_layers % n_stages`` stages take one layer more (12 layers in 8 stages:
+    2,2,2,2,1,1,1,1). Front-loading keeps the two-stage placements balanced: DualPipe puts stages
+    ``r`` and ``PP-1-r`` on rank ``r`` and DualPipeV stages ``r`` and ``2PP-1-r``, so every rank
+    gets the same number of layers (the first and last stages also hold the embedding and head).
 
     Raises:
-        ValueError: ``n_stages < 1`` or ``n_layers`` not divisible by ``n_stages`` (the message
-            names both).
+        ValueError: ``n_stages`` not an int >= 1, or more stages than layers (a stage would be
+            empty; the message names both numbers).
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise ValueError(f"n_stages must be an int >= 1, got {n_stages!r}")
-    if n_layers % n_stages:
+    if n_stages > n_layers:
         raise ValueError(
-            f"n_layers={n_layers} cannot be split into {n_stages} pipeline stages of equal size "
-            f"(n_layers must be a multiple of {n_stages})"
+            f"n_layers={n_layers} cannot be split into {n_stages} pipeline stages "
+            f"(every stage needs at least one layer: n_stages must be <= n_layers)"
         )
-    per = n_layers // n_stages
-    return [range(s * per, (s + 1) * per) for s in range(n_stages)]
+    per, extra = divmod(n_layers, n_stages)
+    bounds = [s * per + min(s, extra) for s in range(n_stages + 1)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
 
 
 def check_stageable(model_config, n_stages: int) -> None:
     """Raise ``ValueError`` if a model of ``model_config`` cannot be cut into ``n_stages`` stages.
 
-    Checks: no MTP module (``mtp_depth == 0``), untied embeddings, and ``n_layers`` divisible by
-    ``n_stages``.
+    Checks: no MTP module (``mtp_depth == 0``), untied embeddings, and at least one layer per
+    stage (``n_stages <= n_layers``).
     """
     if n_stages > 1 and model_config.mtp_depth != 0:
         raise ValueError(
@@ -106,7 +114,7 @@ class DeepSeekV3Stage(nn.Module):
     Args:
         model: the full model the stage is cut from.
         index: ``0 <= index < n_stages``.
-        n_stages: number of stages; must divide ``model.config.n_layers``.
+        n_stages: number of stages, at most ``model.config.n_layers``.
 
     Raises:
         TypeError: ``model`` is not a :class:`DeepSeekV3`.

@@ -952,6 +952,20 @@ class _PipeSetup:
             self._created = False
 
 
+def _peak_memory_per_rank(device: torch.device) -> list[int | None]:
+    """Peak CUDA memory allocated since the run started (bytes), one entry per rank of the
+    default process group in rank order (one entry without torchrun); None on CPU. Under torchrun
+    this is an ``all_gather_object``: every rank must call it."""
+    import torch.distributed as dist
+
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [peak]
+    peaks: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return peaks
+
+
 def train(
     args: TrainArgs,
     *,
@@ -980,8 +994,9 @@ def train(
         ``first_loss``, ``last_loss``, ``best_val_loss``, ``last_val_loss``,
         ``unigram_entropy`` (nats/byte), ``optimizer_bytes_per_param`` (FP32 master + BF16
         moments), ``training_bytes_per_param`` (plus weights and FP32 grads; both None when no
-        step ran in this call), ``peak_memory_bytes``
-        (CUDA only, else None), ``params`` and ``samples``. It is also written to
+        step ran in this call), ``peak_memory_bytes`` (rank 0's; CUDA only, else None),
+        ``peak_memory_bytes_per_rank`` (a list in rank order; one entry without torchrun),
+        ``params`` and ``samples``. It is also written to
         ``summary.json`` and printed as a table.
 
     Raises:
@@ -1246,6 +1261,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     # ep > 1: sampling is a collective (every rank runs the same generation; rank 0's is kept).
     collective = args.sample_tokens and args.ep > 1 and pipe.evaluates
     samples = _samples(model, args, device) if collective else None
+    peaks = _peak_memory_per_rank(device)  # a collective under torchrun: every rank calls it
     if not lead:  # the other ranks write nothing
         return {"out": str(run_dir), "rank": pipe.rank, "step": done, "losses": run_losses}
 
@@ -1290,9 +1306,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
         "last_val_loss": vals[-1] if vals else None,
         "unigram_entropy": entropy,
         **_bytes_per_param(state_bytes),
-        "peak_memory_bytes": (
-            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        ),
+        "peak_memory_bytes": peaks[0],
+        "peak_memory_bytes_per_rank": peaks,
         "params": params,
         "pipeline": pipe.describe(),
         "ep": args.ep,

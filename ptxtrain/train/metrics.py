@@ -197,7 +197,11 @@ def format_summary(summary: dict) -> str:
                 f"{summary['training_bytes_per_param']:.2f} B/param with weights and FP32 grads",
             )
         )
-    if summary.get("peak_memory_bytes") is not None:
+    peaks = [p for p in summary.get("peak_memory_bytes_per_rank") or () if p is not None]
+    if len(peaks) > 1:
+        per = ", ".join(f"{p / 2**20:,.0f}" for p in peaks)
+        rows.append(("peak CUDA memory", f"max {max(peaks) / 2**20:,.1f} MiB (per rank: {per})"))
+    elif summary.get("peak_memory_bytes") is not None:
         rows.append(("peak CUDA memory", f"{summary['peak_memory_bytes'] / 2**20:,.1f} MiB"))
     rows.append(("run dir", str(summary["out"])))
     return format_table(rows, title=f"ptxtrain train: {summary['preset']} {summary['precision']}")

@@ -2,7 +2,8 @@
 bit-exact agreement with the ``all_to_all`` backend (default and pipelined kernels, other knobs),
 stale reads, one host sync per dispatch and none per combine, async mode, capacity, timeouts.
 
-GPU tests (``multigpu``) spawn 2 NCCL processes, one GPU each:
+GPU tests (``multigpu``) spawn 2 and 4 NCCL processes (4 where 4 GPUs are visible), one GPU
+each:
 
     python -m pytest tests/moe/test_nvlink.py -m multigpu
     # or, under torchrun (from the repository root):
@@ -305,8 +306,11 @@ def _gpu_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.multigpu
-def test_nvlink_matches_all_to_all_2gpu():
-    run_dist(_gpu_worker, 2, timeout=600.0, backend="nccl")
+@pytest.mark.parametrize("world", [2, 4])
+def test_nvlink_matches_all_to_all(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
+    run_dist(_gpu_worker, world, timeout=600.0, backend="nccl")
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node N -m tests.moe.test_nvlink

@@ -40,6 +40,7 @@ CFG = {
     "max_seq_len": 16,
     "mtp_depth": 0,
 }
+UNEVEN = {**CFG, "n_layers": 6}
 STEPS = 4
 SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,6 +75,14 @@ def _worker(rank: int, world: int, root: str) -> None:
                 param_dtype=dtype,
             )
             result[f"{sched}-{name}"] = s["losses"]
+    # Uneven stages: 6 layers in DualPipeV's 4 stages (2, 2, 1, 1; each rank holds 3 layers).
+    s = train(
+        _args(f"{root}/uneven", pp=world, schedule="dualpipev"),
+        model_overrides=UNEVEN,
+        param_dtype=torch.float32,
+    )
+    result["uneven"] = s["losses"]
+    result["peaks"] = s.get("peak_memory_bytes_per_rank", "rank > 0")
     # Errors seen by every rank: a pipeline of 4 on a world of 2, and a run folder in use
     # (found by rank 0 only, then shared).
     result["errors"] = raised_on_this_rank(
@@ -113,6 +122,15 @@ def test_pp2_losses_match_single_process(pipeline_runs, tmp_path, dtype):
         val = records[-1]["val_loss"]
         assert abs(val - ref_val) < TOL[dtype], f"{key}: val loss {val} vs {ref_val}"
         assert records[-1]["aux_loss"] > 0  # the MoE balance loss went through the pipeline
+
+
+def test_pp2_uneven_stages_match_single_process(pipeline_runs, tmp_path):
+    _, ranks = pipeline_runs
+    ref = train(_args(tmp_path / "ref"), model_overrides=UNEVEN, param_dtype=torch.float32)
+    assert ranks[0]["uneven"] == ranks[1]["uneven"]
+    assert ranks[0]["peaks"] == [None, None]  # gathered from both ranks; None on CPU
+    diffs = [abs(a - b) for a, b in zip(ranks[0]["uneven"], ref["losses"], strict=True)]
+    assert max(diffs) < TOL["float32"], f"uneven dualpipev: train loss diffs {diffs}"
 
 
 def test_pp2_run_folder(pipeline_runs):

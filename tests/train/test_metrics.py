@@ -71,3 +71,7 @@ def test_summary_table_lists_the_numbers():
         assert needle in text, needle
     assert "CUDA" not in text
     assert "MiB" in format_summary({**s, "peak_memory_bytes": 3 * 2**20})
+    per_rank = format_summary(
+        {**s, "peak_memory_bytes": 3 * 2**20, "peak_memory_bytes_per_rank": [3 * 2**20, 5 * 2**20]}
+    )
+    assert "max 5.0 MiB (per rank: 3, 5)" in per_rank

@@ -23,8 +23,19 @@ from ptxtrain.train import TrainArgs, TrainConfigError, train
 
 def test_split_layers_and_placement():
     assert split_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    with pytest.raises(ValueError, match="n_layers=6 cannot be split into 4"):
-        split_layers(6, 4)
+    # Uneven: the first n_layers % n_stages stages take one more layer, so the two stages of a
+    # DualPipe rank (r, PP-1-r) or a DualPipeV rank (r, 2PP-1-r) always sum to the same count.
+    assert split_layers(6, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
+    twelve = split_layers(12, 8)
+    assert [len(r) for r in twelve] == [2, 2, 2, 2, 1, 1, 1, 1]
+    assert [i for r in twelve for i in r] == list(range(12))
+    assert {len(twelve[r]) + len(twelve[7 - r]) for r in range(4)} == {3}  # DualPipeV, PP=4
+    assert {len(twelve[r]) + len(twelve[7 - r]) for r in range(8)} == {3}  # DualPipe, PP=8
+    assert split_layers(5, 5) == [range(i, i + 1) for i in range(5)]
+    with pytest.raises(ValueError, match="n_layers=3 cannot be split into 4"):
+        split_layers(3, 4)
+    with pytest.raises(ValueError, match="n_stages must be an int >= 1"):
+        split_layers(3, 0)
     # 1F1B: rank r holds stage r; DualPipe: r and PP-1-r; DualPipeV: r and 2PP-1-r.
     assert [stages_of_rank("1f1b", r, 4) for r in range(4)] == [(0,), (1,), (2,), (3,)]
     assert [stages_of_rank("dualpipe", r, 4) for r in range(4)] == [(0, 3), (1, 2), (2, 1), (3, 0)]
@@ -67,8 +78,9 @@ def test_bad_pipeline_arguments(kw, match):
 
 def test_check_pipeline_layers():
     check_pipeline("dualpipev", 2, 4, n_layers=8)
-    with pytest.raises(ValueError, match="6 layers cannot be split into 4 equal pipeline stages"):
-        check_pipeline("dualpipev", 2, 4, n_layers=6)
+    check_pipeline("dualpipev", 2, 4, n_layers=6)  # uneven: stages of 2, 2, 1, 1 layers
+    with pytest.raises(ValueError, match="3 layers cannot be split into 4 pipeline stages"):
+        check_pipeline("dualpipev", 2, 4, n_layers=3)
 
 
 @pytest.mark.parametrize(
@@ -120,7 +132,7 @@ def test_bad_pp_ep_arguments(kw, match):
     [
         (dict(ep=2), {}, "--pp 2 --ep 2 needs 4 processes"),  # this process is a world of 1
         (dict(ep=3, batch_size=24), {}, "n_routed_experts=8 must be divisible by --ep"),
-        (dict(ep=2), {"n_layers": 3}, "cannot be split into 2"),
+        (dict(ep=2), {"n_layers": 1, "n_dense_layers": 0}, "cannot be split into 2"),
     ],
 )
 def test_train_pp_ep_refuses_before_any_communication(tmp_path, monkeypatch, kw, overrides, match):
