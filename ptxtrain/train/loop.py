@@ -990,6 +990,8 @@ def train(
     Returns:
         A JSON-able dict: ``out``, ``preset``, ``precision``, ``device``, ``step`` (steps done
         in total), ``steps_run`` / ``tokens_run`` / ``time_s`` / ``tokens_per_s`` (this call),
+        ``first_step_s`` (the first step of this call: it includes the JIT compiles) and
+        ``steady_tokens_per_s`` (the steps after it; None with fewer than 2 steps),
         ``tokens_per_step``, ``losses`` (train loss of every step of the run, from step 1),
         ``first_loss``, ``last_loss``, ``best_val_loss``, ``last_val_loss``,
         ``unigram_entropy`` (nats/byte), ``optimizer_bytes_per_param`` (FP32 master + BF16
@@ -1141,6 +1143,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     tokens_per_step = args.batch_size * args.seq_len
     done = last_saved = start
     step_time = 0.0
+    first_step_s = None  # this call's first step: JIT compiles, autotuning, allocator warm-up
     t0 = time.perf_counter()
     writer = (
         MetricsWriter(run_dir / "metrics.jsonl", keep_until=start if args.resume else None)
@@ -1202,6 +1205,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                 run_losses.append(loss)
                 dt = time.perf_counter() - t_step
                 step_time += dt
+                if first_step_s is None:
+                    first_step_s = dt
                 record: dict[str, Any] = {
                     "step": step,
                     "loss": loss,
@@ -1299,6 +1304,12 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
         "time_s": wall,
         "train_time_s": step_time,
         "tokens_per_s": steps_run * tokens_per_step / step_time if step_time else 0.0,
+        "first_step_s": first_step_s,
+        "steady_tokens_per_s": (
+            (steps_run - 1) * tokens_per_step / (step_time - first_step_s)
+            if steps_run > 1 and step_time > first_step_s
+            else None
+        ),
         "losses": losses,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,

@@ -164,6 +164,14 @@ def format_table(rows: Iterable[tuple[str, str]], title: str = "") -> str:
     return "\n".join(lines)
 
 
+def _throughput(summary: dict) -> str:
+    text = f"{summary['tokens_per_s']:,.0f} tokens/s"
+    steady, first = summary.get("steady_tokens_per_s"), summary.get("first_step_s")
+    if steady is not None and first is not None:
+        text += f" ({steady:,.0f} after the first step, which took {first:.1f} s)"
+    return text
+
+
 def format_summary(summary: dict) -> str:
     """The closing table of a training run from ``train()``'s summary dict."""
 
@@ -175,7 +183,7 @@ def format_summary(summary: dict) -> str:
         ("steps", f"{summary['steps_run']} run, {summary['step']} total"),
         ("tokens", f"{summary['tokens_run']:,} run ({summary['tokens_per_step']:,}/step)"),
         ("time", f"{summary['time_s']:.1f} s (training loop, evaluations and checkpoints)"),
-        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s"),
+        ("throughput", _throughput(summary)),
         ("train loss", f"{loss(summary['first_loss'])} first -> {loss(summary['last_loss'])} last"),
     ]
     if summary.get("best_val_loss") is not None:

@@ -152,6 +152,11 @@ def test_run_folder_contents(tmp_path):
     # per-tensor step counters; with BF16 weights and FP32 grads, 14 plus the same.
     assert 8.0 <= s["optimizer_bytes_per_param"] < 8.2
     assert 14.0 <= s["training_bytes_per_param"] < 14.2
+    # Throughput with and without the first step (the one that pays for compiles): the steady
+    # figure is the 5 later steps' tokens over their time, taken from the per-step records.
+    later = sum(r["time_s"] for r in recs[1:])
+    assert s["first_step_s"] == pytest.approx(recs[0]["time_s"])
+    assert s["steady_tokens_per_s"] == pytest.approx(5 * s["tokens_per_step"] / later)
 
 
 def test_existing_run_folder_needs_resume_or_overwrite(tmp_path):

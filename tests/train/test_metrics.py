@@ -71,6 +71,8 @@ def test_summary_table_lists_the_numbers():
         assert needle in text, needle
     assert "CUDA" not in text
     assert "MiB" in format_summary({**s, "peak_memory_bytes": 3 * 2**20})
+    steady = format_summary({**s, "steady_tokens_per_s": 9100.0, "first_step_s": 41.25})
+    assert "4,979 tokens/s (9,100 after the first step, which took 41.2 s)" in steady
     per_rank = format_summary(
         {**s, "peak_memory_bytes": 3 * 2**20, "peak_memory_bytes_per_rank": [3 * 2**20, 5 * 2**20]}
     )
