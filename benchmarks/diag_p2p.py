@@ -42,6 +42,7 @@ VARIANTS = (
     "crossed_after_batched_warmup",
     "crossed_batched",
     "crossed_large_after_connect",
+    "crossed_large_directional",
     "dualpipe_no_connect",
     "dualpipe",
     "model_dualpipe",
@@ -54,12 +55,15 @@ def _sync(torch, dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _crossed(dist, torch, dev, numel: int, rank: int) -> None:
+def _crossed(dist, torch, dev, numel: int, rank: int, groups=None) -> None:
+    """Both ranks isend to each other, then recv; ``groups``: ``{(src, dst): group}`` puts each
+    direction on its own group (``directional_groups``), else both share the default group."""
     peer = 1 - rank
+    groups = groups or {}
     mine = torch.full((numel,), float(rank + 1), device=dev)
     got = torch.zeros(numel, device=dev)
-    work = dist.isend(mine, peer)
-    dist.recv(got, peer)
+    work = dist.isend(mine, peer, group=groups.get((rank, peer)))
+    dist.recv(got, peer, group=groups.get((peer, rank)))
     work.wait()
     _sync(torch, dev)
     if not bool((got == float(peer + 1)).all()):
@@ -183,6 +187,12 @@ def run_child(variant: str, numel: int) -> None:
 
         P2P(None, dev).connect([1 - rank])
         _crossed(dist, torch, dev, 64 * numel, rank)
+    elif variant == "crossed_large_directional":
+        from ptxtrain.parallel._p2p import P2P, directional_groups
+
+        groups = directional_groups([(0, 1)])
+        P2P(None, dev, groups).connect([1 - rank])
+        _crossed(dist, torch, dev, 64 * numel, rank, groups)
     elif variant == "dualpipe_no_connect":
         info = _toy_dualpipe(torch, dev, connect=False)
     elif variant == "dualpipe":

@@ -17,19 +17,26 @@
   dependency graph is acyclic, and the order of messages on one channel (src, dst, tag) is the
   program order on both sides. Payloads are made contiguous and moved to the P2P device before
   they are posted; 0-element payloads are described by the header only (never posted).
-- Connections are set up eagerly (:meth:`P2P.connect`). In torch's default lazy mode every
-  unbatched send/recv between two ranks runs on a 2-rank NCCL communicator created at the first
-  op of the pair, and NCCL (runtime connect, the default since 2.22) sets up the pair's
-  connections at the first op in each direction. When two ranks both *send* first (DualPipe's
-  first step: rank 0 sends direction 0's activations while rank PP-1 sends direction 1's), each
-  side's one-message connect-info exchange carries send-side info where the other expects the
-  recv side, each send connector is wired to the peer's send-side memory, and the first send
-  kernel faults (CUDA error 700 on both ranks; NVIDIA/nccl PR #2407 describes the bug). So every
-  schedule first runs :meth:`P2P.connect` over its neighbours: one tiny send and one tiny receive
-  per pair, in an order every rank agrees on, lower rank sending first, through the same
-  unbatched ``isend``/``recv`` path (hence the same communicator) the traffic then uses. A
-  ``batch_isend_irecv`` warm-up would not do: batched ops run on the group's own communicator,
-  not on the 2-rank ones.
+- One communicator per direction. NCCL runs the ops of one communicator in issue order on one
+  stream, and a send larger than its buffers (a few MiB) cannot finish before the peer's receive
+  runs. torch sends all unbatched traffic of a pair of ranks over one lazily created 2-rank
+  communicator, so when two neighbours both post a large send to each other before their
+  receives (DualPipe's two directions do this every step; 1F1B can too), each receive queues
+  behind a send that waits for it: a hang (PP = 4 DualPipe with 8192-token micro-batches hung
+  this way on 4 x H200; 2048-token ones fit NCCL's buffers and ran). Schedules therefore send
+  ``src -> dst`` traffic on a 2-rank group used for that direction only
+  (:func:`directional_groups`, passed to :class:`P2P` as ``pair_groups``): a pending send never
+  blocks a receive, and the schedule is deadlock-free exactly when its dependency graph is
+  acyclic, as on gloo. :func:`directional_groups` is a collective over the whole world (every
+  rank creates every group in the same order): a schedule on the default group creates them at
+  its first ``step``; with a subgroup the caller passes them (``pipeline_groups`` in
+  :mod:`ptxtrain.train.pipeline` does); without them traffic falls back to the pipeline group.
+- Connections are set up eagerly (:meth:`P2P.connect`): one tiny message each way per pair, in
+  an order every rank agrees on, lower rank sending first. On the shared 2-rank communicator
+  this is also what avoids an NCCL bug: when two ranks both *send* first on a fresh pair, each
+  side's connect-info exchange carries send-side info where the other expects the recv side and
+  the first send kernel faults (CUDA error 700 on both ranks; NVIDIA/nccl PR #2407). With
+  per-direction groups the first op of each communicator is always a matched send / receive.
 - ``_StageRunner`` runs one stage for one direction of micro-batches: ``forward_chunk`` /
   ``backward_chunk`` in micro-batch order, optionally deferring the weight-grad part (W) to a
   :class:`WeightGradStore`. Its neighbours are group ranks, or a :class:`_Loopback` when the
@@ -84,9 +91,17 @@ class P2P:
     not by NCCL). Messages received ahead of their ``recv`` wait in a per-(src, tag) queue.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
+    ):
         self.group = group
         self.device = device
+        # (src, dst) global ranks -> the 2-rank group carrying that direction (module docstring);
+        # a pair not in it travels on ``group``.
+        self.pair_groups = pair_groups or {}
         self._pending: list = []  # (work, tensors kept alive until the send completes)
         self._early: dict[tuple[int, int], deque] = {}  # (src, tag) -> messages received early
 
@@ -94,6 +109,10 @@ class P2P:
         if self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
+
+    def _wire(self, src: int, dst: int) -> dist.ProcessGroup | None:
+        """The group the ``src -> dst`` messages (global ranks) travel on."""
+        return self.pair_groups.get((src, dst), self.group)
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> None:
         """Post one message (``tensors`` under logical ``tag``) to group rank ``dst``.
@@ -125,8 +144,9 @@ class P2P:
             payloads.append(t.view(torch.uint8) if t.dtype in _FP8 else t)
         prefix = torch.tensor([len(tensors), tag], dtype=torch.int64, device=self.device)
         msgs = [prefix, header.to(self.device), *payloads]
+        pg = self._wire(dist.get_rank(), dst)
         for m in msgs:
-            self._pending.append((dist.isend(m, dst, group=self.group, tag=_WIRE_TAG), m))
+            self._pending.append((dist.isend(m, dst, group=pg, tag=_WIRE_TAG), m))
 
     def connect(self, peers: Iterable[int]) -> None:
         """Set up the connections to group ranks ``peers`` before any traffic (module docstring).
@@ -146,12 +166,14 @@ class P2P:
             g_peer = self._global(peer)
             mine = torch.tensor([self._global(me)], dtype=torch.int64, device=self.device)
             got = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+            out_wire = self._wire(self._global(me), g_peer)
+            in_wire = self._wire(g_peer, self._global(me))
             if me < peer:
-                dist.isend(mine, g_peer, group=self.group, tag=_WIRE_TAG).wait()
-                dist.recv(got, g_peer, group=self.group, tag=_WIRE_TAG)
+                dist.isend(mine, g_peer, group=out_wire, tag=_WIRE_TAG).wait()
+                dist.recv(got, g_peer, group=in_wire, tag=_WIRE_TAG)
             else:
-                dist.recv(got, g_peer, group=self.group, tag=_WIRE_TAG)
-                dist.isend(mine, g_peer, group=self.group, tag=_WIRE_TAG).wait()
+                dist.recv(got, g_peer, group=in_wire, tag=_WIRE_TAG)
+                dist.isend(mine, g_peer, group=out_wire, tag=_WIRE_TAG).wait()
             if int(got.item()) != g_peer:
                 raise RuntimeError(
                     f"pipeline P2P connect: rank {self._global(me)} expected a message from "
@@ -160,11 +182,12 @@ class P2P:
 
     def _recv_next(self, src: int) -> tuple[int, list[torch.Tensor]]:
         """The next message from global rank ``src`` on the wire: ``(tag, tensors)``."""
+        pg = self._wire(src, dist.get_rank())
         prefix = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.recv(prefix, src, group=self.group, tag=_WIRE_TAG)
+        dist.recv(prefix, src, group=pg, tag=_WIRE_TAG)
         n, tag = prefix.tolist()
         header = torch.empty((n, 2 + MAX_NDIM), dtype=torch.int64, device=self.device)
-        dist.recv(header, src, group=self.group, tag=_WIRE_TAG)
+        dist.recv(header, src, group=pg, tag=_WIRE_TAG)
         out = []
         for code, ndim, *shape in header.tolist():
             dtype = _DTYPES[code]
@@ -172,7 +195,7 @@ class P2P:
             wire = torch.uint8 if dtype in _FP8 else dtype
             buf = torch.empty(shape, dtype=wire, device=self.device)
             if buf.numel():  # 0-element payloads are not posted (see send)
-                dist.recv(buf, src, group=self.group, tag=_WIRE_TAG)
+                dist.recv(buf, src, group=pg, tag=_WIRE_TAG)
             out.append(buf.view(dtype) if dtype in _FP8 else buf)
         return tag, out
 
@@ -199,6 +222,77 @@ class P2P:
             raise RuntimeError(
                 f"pipeline P2P: messages received but never asked for, per (src, tag): {left}"
             )
+
+
+def directional_groups(
+    pairs: Iterable[tuple[int, int]],
+) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """Two new 2-rank process groups per pair ``(a, b)`` of global ranks: one for the ``a -> b``
+    messages, one for ``b -> a`` (module docstring: one communicator per direction).
+
+    A collective over the whole world: every rank calls it with the same ``pairs`` in the same
+    order (``dist.new_group`` for every group, members or not). Duplicate pairs (either order)
+    are created once.
+
+    Returns:
+        ``{(src, dst): group}`` for the directions this rank takes part in.
+
+    Raises:
+        ValueError: a pair of equal ranks or a rank outside the world.
+    """
+    world, me = dist.get_world_size(), dist.get_rank()
+    out: dict[tuple[int, int], dist.ProcessGroup] = {}
+    seen: set[tuple[int, int]] = set()
+    for a, b in pairs:
+        if a == b or not (0 <= a < world and 0 <= b < world):
+            raise ValueError(f"pairs must hold two different ranks in [0, {world}), got {(a, b)}")
+        key = (min(a, b), max(a, b))
+        if key in seen:
+            continue
+        seen.add(key)
+        for src, dst in ((key[0], key[1]), (key[1], key[0])):
+            g = dist.new_group([src, dst])
+            if me in (src, dst):
+                out[(src, dst)] = g
+    return out
+
+
+def schedule_pairs(peers_of: Callable[[int, int], Iterable[int]], ranks: Sequence[int]):
+    """The pairs of global ranks a schedule exchanges messages over, for the pipeline whose group
+    rank ``i`` is global rank ``ranks[i]``: ``(ranks[i], ranks[q])`` for every ``q`` in
+    ``peers_of(i, len(ranks))`` inside the pipeline, each pair once, in a fixed order."""
+    world = len(ranks)
+    pairs = {
+        (min(i, q), max(i, q))
+        for i in range(world)
+        for q in peers_of(i, world)
+        if 0 <= q < world and q != i
+    }
+    return [(ranks[i], ranks[q]) for i, q in sorted(pairs)]
+
+
+class PairGroupsMixin:
+    """The per-direction groups of a schedule (module docstring), for the schedule classes.
+
+    A schedule sets ``self.group`` and ``self._pair_groups`` (from its ``p2p_groups`` argument)
+    and defines ``peers(rank, world)``; :meth:`_p2p` then gives a :class:`P2P` over them. On the
+    default group (``self.group is None``) without given groups, the first call creates them
+    (every rank of the world runs the schedule, so the collective is matched).
+    """
+
+    group: dist.ProcessGroup | None
+    _pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None
+
+    @staticmethod
+    def peers(rank: int, world: int) -> Iterable[int]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _p2p(self, device: torch.device) -> P2P:
+        if self._pair_groups is None and self.group is None and dist.get_world_size() > 1:
+            self._pair_groups = directional_groups(
+                schedule_pairs(self.peers, list(range(dist.get_world_size())))
+            )
+        return P2P(self.group, device, self._pair_groups)
 
 
 def connect_once(p2p: P2P, done: set[int], peers: Iterable[int], world: int) -> None:

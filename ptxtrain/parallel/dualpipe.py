@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ptxtrain.parallel._p2p import (
-    P2P,
+    PairGroupsMixin,
     WeightGradStore,
     _StageRunner,
     check_overlap_hooks,
@@ -55,7 +55,7 @@ from ptxtrain.parallel._p2p import (
 from ptxtrain.parallel.timeline import Timeline
 
 
-class DualPipe(nn.Module):
+class DualPipe(PairGroupsMixin, nn.Module):
     """Run two pipeline stages of one rank under the DualPipe schedule.
 
     Args:
@@ -63,6 +63,11 @@ class DualPipe(nn.Module):
             ``nn.Module``; each takes the previous stage's outputs (tensor or tuple of tensors) as
             positional arguments and returns a tensor or a tuple of tensors.
         process_group: the pipeline's process group (default: the world).
+        p2p_groups: ``{(src, dst): group}`` of global ranks from
+            :func:`~ptxtrain.parallel._p2p.directional_groups` over this pipeline's
+            :meth:`peers` (one NCCL communicator per direction, so crossed large sends cannot
+            block each other). None: created at the first ``step`` on the default group; with a
+            subgroup, messages then travel on ``process_group`` itself.
         overlap: run the F&B steps through the stages' ``overlapped_forward_backward`` hook
             when their class defines one (see :func:`~ptxtrain.parallel._p2p.forward_backward`);
             False: forward then backward, as for stages without a hook.
@@ -79,6 +84,7 @@ class DualPipe(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         *,
         overlap: bool = True,
+        p2p_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
     ):
         super().__init__()
         self.module = check_two_stages(modules, "(stage_r, stage_PP-1-r)")
@@ -86,6 +92,15 @@ class DualPipe(nn.Module):
         self.group = process_group
         self.overlap = bool(overlap)
         self._connected: set[int] = set()  # peers whose P2P connections are set up
+        self._pair_groups = p2p_groups
+
+    @staticmethod
+    def peers(rank: int, world: int) -> tuple[int, ...]:
+        """The group ranks group rank ``rank`` exchanges messages with: its neighbours and its
+        mirror ``world - 1 - rank`` (the gradient reduction of the mirrored stages)."""
+        return tuple(
+            sorted({q for q in (rank - 1, rank + 1, world - 1 - rank) if 0 <= q < world} - {rank})
+        )
 
     def step(
         self,
@@ -146,10 +161,10 @@ class DualPipe(nn.Module):
         if timeline is not None:
             timeline._begin("dualpipe", rank, world, num_chunks, device)
 
-        p2p = P2P(self.group, device)
+        p2p = self._p2p(device)
         last = world - 1
         # NCCL: set up every pair's connections (neighbours, mirror) before any crossed send.
-        connect_once(p2p, self._connected, (rank - 1, rank + 1, last - rank), world)
+        connect_once(p2p, self._connected, self.peers(rank, world), world)
         stages = (
             _StageRunner(  # direction 0: rank 0 -> rank PP-1
                 self.module[0],
@@ -239,7 +254,7 @@ class DualPipe(nn.Module):
         world = dist.get_world_size(self.group)
         mirror = world - 1 - rank
         device = module_device(self.module)
-        p2p = P2P(self.group, device)
+        p2p = self._p2p(device)
         mine = [
             [p.grad if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
             for m in self.module

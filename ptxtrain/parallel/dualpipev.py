@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ptxtrain.parallel._p2p import (
-    P2P,
+    PairGroupsMixin,
     WeightGradStore,
     _Loopback,
     _StageRunner,
@@ -47,7 +47,7 @@ from ptxtrain.parallel._p2p import (
 from ptxtrain.parallel.timeline import Timeline
 
 
-class DualPipeV(nn.Module):
+class DualPipeV(PairGroupsMixin, nn.Module):
     """Run the two stages of one rank under the DualPipeV (V-shaped) schedule.
 
     Args:
@@ -56,6 +56,11 @@ class DualPipeV(nn.Module):
             arguments and returns a tensor or a tuple of tensors. Stage R-1's outputs feed stage
             R on the same rank.
         process_group: the pipeline's process group (default: the world); any size R >= 1.
+        p2p_groups: ``{(src, dst): group}`` of global ranks from
+            :func:`~ptxtrain.parallel._p2p.directional_groups` over this pipeline's
+            :meth:`peers` (one NCCL communicator per direction, so crossed large sends cannot
+            block each other). None: created at the first ``step`` on the default group; with a
+            subgroup, messages then travel on ``process_group`` itself.
         overlap: run the F&B steps through the stages' ``overlapped_forward_backward`` hook
             when their class defines one; False: forward then backward.
 
@@ -71,6 +76,7 @@ class DualPipeV(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         *,
         overlap: bool = True,
+        p2p_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
     ):
         super().__init__()
         self.module = check_two_stages(modules, "(stage_r, stage_2R-1-r)")
@@ -78,6 +84,12 @@ class DualPipeV(nn.Module):
         self.group = process_group
         self.overlap = bool(overlap)
         self._connected: set[int] = set()  # peers whose P2P connections are set up
+        self._pair_groups = p2p_groups
+
+    @staticmethod
+    def peers(rank: int, world: int) -> tuple[int, ...]:
+        """The group ranks group rank ``rank`` exchanges messages with: its neighbours."""
+        return tuple(q for q in (rank - 1, rank + 1) if 0 <= q < world)
 
     def step(
         self,
@@ -134,8 +146,8 @@ class DualPipeV(nn.Module):
         if timeline is not None:
             timeline._begin("dualpipev", rank, world, num_chunks, device)
 
-        p2p = P2P(self.group, device)
-        connect_once(p2p, self._connected, (rank - 1, rank + 1), world)
+        p2p = self._p2p(device)
+        connect_once(p2p, self._connected, self.peers(rank, world), world)
         turn = _Loopback() if last else None  # stage R-1 -> stage R on rank R-1
         stages = (
             _StageRunner(  # phase 0, stage r: down from rank r-1 to rank r+1

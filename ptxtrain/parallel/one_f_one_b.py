@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ptxtrain.parallel._p2p import (
-    P2P,
+    PairGroupsMixin,
     _StageRunner,
     check_step_args,
     connect_once,
@@ -30,7 +30,7 @@ from ptxtrain.parallel._p2p import (
 from ptxtrain.parallel.timeline import Timeline
 
 
-class OneFOneB(nn.Module):
+class OneFOneB(PairGroupsMixin, nn.Module):
     """Run one pipeline stage under the 1F1B schedule.
 
     Args:
@@ -38,18 +38,35 @@ class OneFOneB(nn.Module):
             tensors) as positional arguments and returns a tensor or a tuple of tensors.
         process_group: the pipeline's process group (default: the world); group rank s holds
             stage s.
+        p2p_groups: ``{(src, dst): group}`` of global ranks from
+            :func:`~ptxtrain.parallel._p2p.directional_groups` over this pipeline's
+            :meth:`peers` (one NCCL communicator per direction, so crossed large sends cannot
+            block each other). None: created at the first ``step`` on the default group; with a
+            subgroup, messages then travel on ``process_group`` itself.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
     """
 
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        p2p_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
+    ):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         self.module = module
         self.group = process_group
         self._connected: set[int] = set()  # peers whose P2P connections are set up
+        self._pair_groups = p2p_groups
+
+    @staticmethod
+    def peers(rank: int, world: int) -> tuple[int, ...]:
+        """The group ranks group rank ``rank`` exchanges messages with: its neighbours."""
+        return tuple(q for q in (rank - 1, rank + 1) if 0 <= q < world)
 
     def step(
         self,
@@ -104,8 +121,8 @@ class OneFOneB(nn.Module):
         if timeline is not None:
             timeline._begin("1f1b", rank, world, num_chunks, device)
 
-        p2p = P2P(self.group, device)
-        connect_once(p2p, self._connected, (rank - 1, rank + 1), world)
+        p2p = self._p2p(device)
+        connect_once(p2p, self._connected, self.peers(rank, world), world)
         stage = _StageRunner(
             self.module,
             p2p,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from ptxtrain.parallel._p2p import schedule_pairs
 from ptxtrain.parallel.dualpipe import DualPipe
 from ptxtrain.parallel.dualpipev import DualPipeV
 from ptxtrain.parallel.one_f_one_b import OneFOneB
@@ -33,6 +34,7 @@ __all__ = [
     "min_num_chunks",
     "num_stages",
     "owner_of_stage",
+    "p2p_pairs",
     "stages_of_rank",
 ]
 
@@ -108,15 +110,26 @@ def build_schedule(
     process_group: dist.ProcessGroup | None = None,
     *,
     overlap: bool = True,
+    p2p_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
 ) -> OneFOneB | DualPipe | DualPipeV:
     """The schedule object of one rank over its stage ``modules`` (ordered as
     :func:`stages_of_rank`): one module for 1F1B, two for DualPipe / DualPipeV. ``overlap``:
     DualPipe / DualPipeV run their F&B steps through the stages' overlap hook (ignored by 1F1B,
-    which has no F&B step)."""
+    which has no F&B step). ``p2p_groups``: the per-direction groups of :func:`p2p_pairs`
+    (see the schedule classes)."""
     _check_schedule(schedule)
     if schedule == "1f1b":
         if len(modules) != 1:
             raise ValueError(f"1f1b takes one stage module per rank, got {len(modules)}")
-        return OneFOneB(modules[0], process_group)
+        return OneFOneB(modules[0], process_group, p2p_groups=p2p_groups)
     cls = DualPipe if schedule == "dualpipe" else DualPipeV
-    return cls(list(modules), process_group, overlap=overlap)
+    return cls(list(modules), process_group, overlap=overlap, p2p_groups=p2p_groups)
+
+
+def p2p_pairs(schedule: str, ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """The pairs of global ranks ``schedule`` sends messages between, for the pipeline whose
+    group rank ``i`` is global rank ``ranks[i]`` (neighbours; DualPipe also mirror pairs), for
+    :func:`~ptxtrain.parallel._p2p.directional_groups`."""
+    _check_schedule(schedule)
+    cls = {"1f1b": OneFOneB, "dualpipe": DualPipe, "dualpipev": DualPipeV}[schedule]
+    return schedule_pairs(cls.peers, ranks)

@@ -689,6 +689,7 @@ class _PipeSetup:
         # rank = pp_rank * ep + ep_rank (ptxtrain.train.pipeline.pipeline_groups)
         self.pp_rank, self.ep_rank = 0, 0
         self.pp_group = self.ep_group = self.mirror_group = None  # None: the world
+        self.p2p_groups = None  # None: the schedule creates them (a world-wide pipeline)
         if not self.active:
             return
         import torch.distributed as dist
@@ -746,6 +747,7 @@ class _PipeSetup:
                 groups.mirror,
             )
             self.pp_rank, self.ep_rank = groups.pipeline_rank, groups.ep_rank
+            self.p2p_groups = groups.p2p
         elif self.pipeline:
             self.pp_rank = self.rank
         else:
@@ -770,6 +772,7 @@ class _PipeSetup:
             group=self.pp_group,
             ep_group=self.ep_group,
             mirror_group=self.mirror_group,
+            p2p_groups=self.p2p_groups,
         )
 
     def on_lead(self, fn, *fn_args) -> None:

@@ -33,6 +33,7 @@ Not supported here: multi-token prediction and tied embeddings (see ``check_stag
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -44,11 +45,13 @@ from torch import nn
 from ..model.deepseek import DeepSeekV3, aggregate_router_stats
 from ..model.stages import DeepSeekV3Stage
 from ..moe.router import Router
+from ..parallel._p2p import directional_groups
 from ..parallel.stages import (
     build_schedule,
     check_pipeline,
     num_stages,
     owner_of_stage,
+    p2p_pairs,
     stages_of_rank,
 )
 from ..parallel.timeline import Timeline
@@ -64,6 +67,8 @@ class PipelineGroups:
     holding the same stages (None when ``EP == 1``); ``mirror``: DualPipe's two-rank group of
     this rank and its mirror inside the pipeline (None for other schedules; the pipeline group
     itself when ``PP == 2``). ``pipeline_rank`` / ``ep_rank``: this rank's place in each.
+    ``p2p``: the schedule's per-direction message groups ``{(src, dst): group}`` (global ranks;
+    :func:`~ptxtrain.parallel._p2p.directional_groups`), this rank's directions only.
     """
 
     pipeline: dist.ProcessGroup | None
@@ -71,6 +76,7 @@ class PipelineGroups:
     mirror: dist.ProcessGroup | None
     pipeline_rank: int
     ep_rank: int
+    p2p: dict = dataclasses.field(default_factory=dict)
 
 
 def pipeline_groups(pp: int, ep: int, schedule: str) -> PipelineGroups:
@@ -113,7 +119,9 @@ def pipeline_groups(pp: int, ep: int, schedule: str) -> PipelineGroups:
                 g = dist.new_group([q * ep + e, (pp - 1 - q) * ep + e])
                 if e == e_rank and p_rank in (q, pp - 1 - q):
                     mirror = g
-    return PipelineGroups(pipe_group, expert_group, mirror, p_rank, e_rank)
+    pairs = [p for e in range(ep) for p in p2p_pairs(schedule, [s * ep + e for s in range(pp)])]
+    p2p = directional_groups(pairs)
+    return PipelineGroups(pipe_group, expert_group, mirror, p_rank, e_rank, p2p)
 
 
 @torch.no_grad()
@@ -172,6 +180,9 @@ class PipelineRunner:
             ``ep_group`` (every rank of the world must create every pair). None: with DualPipe the
             runner creates the pairs of ``group`` itself (every rank of ``group`` must be the
             whole world then).
+        p2p_groups: the per-direction message groups of :func:`pipeline_groups` (``.p2p``);
+            needed with ``ep_group`` for NCCL runs whose crossed messages exceed NCCL's buffers.
+            None: on the default group the schedule creates them at its first step.
         overlap: DualPipe / DualPipeV: run the F&B steps through
             :meth:`DeepSeekV3Stage.overlapped_forward_backward` (two CUDA streams). None (the
             default) reads the environment variable ``PTXTRAIN_PP_OVERLAP`` (``0`` turns it
@@ -192,6 +203,7 @@ class PipelineRunner:
         overlap: bool | None = None,
         ep_group: dist.ProcessGroup | None = None,
         mirror_group: dist.ProcessGroup | None = None,
+        p2p_groups: dict | None = None,
     ) -> None:
         self.group = group
         self.ep_group = ep_group
@@ -207,7 +219,9 @@ class PipelineRunner:
         if overlap is None:
             overlap = os.environ.get("PTXTRAIN_PP_OVERLAP", "1").strip() != "0"
         self.overlap = bool(overlap)
-        self.runner = build_schedule(schedule, self.stages, group, overlap=self.overlap)
+        self.runner = build_schedule(
+            schedule, self.stages, group, overlap=self.overlap, p2p_groups=p2p_groups
+        )
         self.owned = [
             st for st in self.stages if owner_of_stage(schedule, st.index, self.pp) == self.rank
         ]

@@ -41,7 +41,7 @@ def _digest(t: torch.Tensor) -> str:
 
 def _record(log: list) -> None:
     """Wrap the torch.distributed entry points the pipeline code calls; append one entry per call:
-    ``(op, global peer or None, shape, dtype, bytes digest or None)``. Sends are digested when
+    ``(op, global peer or None, shape, dtype, bytes digest or None, group name or None)``. Sends are digested when
     posted, blocking receives once filled: equal digests in order mean NCCL, which pairs the
     messages of a pair in order, would deliver the very bytes gloo delivered by tag. Runs in a
     spawned rank, so nothing leaks."""
@@ -55,7 +55,9 @@ def _record(log: list) -> None:
             t = tensor[0] if isinstance(tensor, list) else tensor
             out = _orig(tensor, *args, **kwargs)
             digest = _digest(t) if _name in ("isend", "send", "recv") else None
-            log.append((_name, peer, tuple(t.shape), str(t.dtype), digest))
+            pg = kwargs.get("group")
+            group = None if pg is None else getattr(pg, "group_name", str(id(pg)))
+            log.append((_name, peer, tuple(t.shape), str(t.dtype), digest, group))
             return out
 
         setattr(dist, name, wrapped)
@@ -67,8 +69,8 @@ def _check_traffic(log: list, rank: int, world: int, what: str) -> None:
     dist.all_gather_object(logs, log)
     for src in range(world):
         for dst in range(world):
-            sent = [e[2:] for e in logs[src] if e[0] in ("isend", "send") and e[1] == dst]
-            got = [e[2:] for e in logs[dst] if e[0] in ("irecv", "recv") and e[1] == src]
+            sent = [e[2:5] for e in logs[src] if e[0] in ("isend", "send") and e[1] == dst]
+            got = [e[2:5] for e in logs[dst] if e[0] in ("irecv", "recv") and e[1] == src]
             assert len(sent) == len(got), (
                 f"{what}: rank {src} -> {dst}: {len(sent)} sends, {len(got)} receives"
             )
@@ -111,6 +113,21 @@ def _crossed_first_ops(log: list, world: int) -> list[str]:
     return bad
 
 
+def _shared_groups(log: list) -> list[str]:
+    """The process groups this rank used for P2P in both directions or with several peers.
+
+    NCCL runs one communicator's ops in issue order, so a large send and a later receive on the
+    same communicator can block each other when the peer does the same (crossed sends: the hang
+    of PP = 4 DualPipe on 4 x H200). The schedules send each direction of a pair on its own
+    2-rank group; this lists violations (empty: every group carries one direction)."""
+    use: dict[str, set] = {}
+    for op, peer, *_rest, group in log:
+        if op in _P2P_OPS:
+            kind = "send" if op in ("isend", "send") else "recv"
+            use.setdefault(str(group), set()).add((kind, peer))
+    return [f"group {g}: {sorted(u)}" for g, u in use.items() if len(u) > 1]
+
+
 def _two_tags(rank: int, world: int) -> None:
     torch.manual_seed(7)
     a = torch.randn(3, 4)  # same seed on both ranks, so rank 1 knows what to expect
@@ -150,6 +167,7 @@ def _schedules(rank: int, world: int) -> None:
     )
     _check_traffic(log, rank, world, "1F1B")
     assert not _crossed_first_ops(log, world), _crossed_first_ops(log, world)
+    assert not _shared_groups(log), _shared_groups(log)
     log.clear()
 
     dp = DualPipe((make_stage(rank), make_stage(last - rank)))
@@ -160,6 +178,7 @@ def _schedules(rank: int, world: int) -> None:
     dp.reduce_mirrored_grads()
     _check_traffic(log, rank, world, "DualPipe")
     assert not _crossed_first_ops(log, world), _crossed_first_ops(log, world)
+    assert not _shared_groups(log), _shared_groups(log)
     log.clear()
 
     # The same step without the eager connect crosses its first sends: what crashed on NCCL.
@@ -179,6 +198,17 @@ def _schedules(rank: int, world: int) -> None:
     )
     _check_traffic(log, rank, world, "DualPipeV")
     assert not _crossed_first_ops(log, world), _crossed_first_ops(log, world)
+    assert not _shared_groups(log), _shared_groups(log)
+    log.clear()
+
+    # A bare P2P over the pipeline group (no per-direction groups) shares one group for both
+    # directions: the check must see it.
+    bare = P2P(None, torch.device("cpu"))
+    peer = rank ^ 1
+    bare.send([x[:1]], peer, tag=0)
+    bare.recv(peer, tag=0)
+    bare.wait_all()
+    assert _shared_groups(log), "the check must see a group used in both directions"
 
 
 def test_schedule_traffic_pairs_up_without_tags():

@@ -198,3 +198,16 @@ def test_schedules_match_single_process(world):
 
 def test_pp1_and_odd_pp():
     run_gloo(worker_pp1, 1, timeout_s=60)
+
+
+def test_p2p_pairs():
+    from ptxtrain.parallel.stages import p2p_pairs
+
+    # Neighbours; DualPipe adds the mirror pairs (r, PP-1-r) of its gradient reduction.
+    assert p2p_pairs("1f1b", [0, 1, 2, 3]) == [(0, 1), (1, 2), (2, 3)]
+    assert p2p_pairs("dualpipev", [0, 1, 2, 3]) == [(0, 1), (1, 2), (2, 3)]
+    assert p2p_pairs("dualpipe", [0, 1, 2, 3]) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    assert p2p_pairs("dualpipe", [0, 1]) == [(0, 1)]
+    # A pipeline of a PP x EP layout (ep = 2, ep_rank 1): group ranks map to global ranks.
+    assert p2p_pairs("dualpipe", [1, 3, 5, 7]) == [(1, 3), (1, 7), (3, 5), (5, 7)]
+    assert p2p_pairs("1f1b", [4]) == []
