@@ -41,10 +41,10 @@ def _digest(t: torch.Tensor) -> str:
 
 def _record(log: list) -> None:
     """Wrap the torch.distributed entry points the pipeline code calls; append one entry per call:
-    ``(op, global peer or None, shape, dtype, bytes digest or None, group name or None)``. Sends
-    are digested when posted, blocking receives once filled: equal digests in order mean NCCL, which pairs the
-    messages of a pair in order, would deliver the very bytes gloo delivered by tag. Runs in a
-    spawned rank, so nothing leaks."""
+    ``(op, global peer or None, shape, dtype, bytes digest or None, group name or None)``.
+    Sends are digested when posted, blocking receives once filled: equal digests in order mean
+    NCCL, which pairs the messages of a pair in order, would deliver the very bytes gloo
+    delivered by tag. Runs in a spawned rank, so nothing leaks."""
     for name in _P2P_OPS + _COLLECTIVES:
         orig = getattr(dist, name)
 
