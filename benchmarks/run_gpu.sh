@@ -61,7 +61,7 @@ for stage in $stages; do
       ;;
     p2p)
       # Variants run one after another (up to --timeout s each): stream the output, no tail.
-      torchrun --nproc-per-node "$NPROC" -m benchmarks.diag_p2p --timeout 60 --json "$OUT/diag_p2p.json" \
+      torchrun --nproc-per-node 2 -m benchmarks.diag_p2p --timeout 60 ${P2P_ARGS:-} --json "$OUT/diag_p2p.json" \
         2>&1 | tee "$LOGS/diag_p2p.log" | grep -v "^W" || status=1
       ;;
     pp)
