@@ -16,9 +16,10 @@ DeepSeek-V3's fine-grained FP8 recipe (report §3.3; DESIGN §1-2), as in the de
 Layout. Both grouped GEMMs need each expert's rows padded: the m-grouped GEMM to
 ``get_m_alignment_for_contiguous_layout()`` (128) rows with ``m_indices = -1`` on padding rows,
 the k-grouped GEMM to token slices that are multiples of 128 (no scale tile spans two experts).
-One padded layout serves both (:func:`ptxtrain.moe.ref.grouped_layout_ref`, built on the host
-from the counts and copied over): x and dy are scattered into zero-filled ``[R, *]`` buffers,
-``R = Σ_g ⌈n_g/align⌉·align``, and the outputs gathered back. Zero rows leave the real rows'
+One padded layout serves both (the values of :func:`ptxtrain.moe.ref.grouped_layout_ref`, built
+by device ops from the host counts; only the 2·E counts and shifts are copied over): x and dy are
+scattered into zero-filled ``[R, *]`` buffers, ``R = Σ_g ⌈n_g/align⌉·align``, and the outputs
+gathered back. Zero rows leave the real rows'
 quantization unchanged (1x128 tiles are per row; a zero never raises a 128x1 tile's amax), so the
 result equals, on the reference path bit for bit, running the dense Fp8Linear once per expert.
 When every count is already a multiple of ``align`` the layout is the identity and no copy is
@@ -136,13 +137,30 @@ class _Layout:
         self.rows = sum(padded)  # R
         self.ks = padded  # token slice of each expert in the k-grouped wgrad (multiples of 128)
         self.identity = self.rows == self.n  # every count already aligned: no scatter needed
-        # Imported here: ptxtrain.moe's modules may import ptxtrain.nn (no import cycle).
-        from ptxtrain.moe.ref import grouped_layout_ref
-
-        # Built on the host (counts are host ints), then copied: no device sync.
-        padded_rows, m_indices = grouped_layout_ref(torch.tensor(counts, dtype=torch.int64), align)
-        self.m_indices = m_indices.to(device, non_blocking=True)  # [R] int32, -1 = padding
-        self.padded_rows = None if self.identity else padded_rows.to(device, non_blocking=True)
+        # Built on the device from the E counts (the same values as
+        # ptxtrain.moe.ref.grouped_layout_ref): permuted row i of expert e lands on padded row
+        # i + shift[e], shift[e] = padded_start[e] - start[e]. Only the 2·E host ints are copied
+        # (one small host→device copy); the [N] and [R] index vectors are made by device ops,
+        # with repeat_interleave's output_size given so nothing waits on the device.
+        e = len(counts)
+        start = padded_start = 0
+        shift = []
+        for c, p in zip(counts, padded, strict=True):
+            shift.append(padded_start - start)
+            start, padded_start = start + c, padded_start + p
+        host = torch.tensor([counts, shift], dtype=torch.int64)  # [2, E]
+        small = host.to(device, non_blocking=True)
+        experts = torch.repeat_interleave(
+            torch.arange(e, device=device), small[0], output_size=self.n
+        )  # [N] expert of each permuted row
+        if self.identity:
+            self.padded_rows = None
+            self.m_indices = experts.to(torch.int32)  # [R = N] int32
+        else:
+            self.padded_rows = torch.arange(self.n, device=device) + small[1][experts]  # [N]
+            m_indices = torch.full((self.rows,), -1, dtype=torch.int32, device=device)
+            m_indices[self.padded_rows] = experts.to(torch.int32)
+            self.m_indices = m_indices  # [R] int32, -1 = padding
 
     def scatter(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` [N, C] → [R, C] with zero padding rows."""

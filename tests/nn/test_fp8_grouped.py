@@ -205,6 +205,35 @@ def test_without_triton_falls_back_to_references(monkeypatch, ref_gemms):
         assert_bitwise_equal(a, b, f"no-Triton {name}")
 
 
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [3, 0, 130, 128, 1],  # padding inside, an empty expert, one already aligned
+        [128, 256, 0],  # every count aligned: the identity layout
+        [0, 0],  # no tokens
+        [],  # no experts
+    ],
+)
+def test_layout_equals_reference(counts):
+    """The device-built padded layout equals ptxtrain.moe.ref.grouped_layout_ref (exactly: int
+    index vectors), on fresh random counts too."""
+    from ptxtrain.moe.ref import grouped_layout_ref
+    from ptxtrain.nn.fp8_grouped import _Layout
+
+    g = torch.Generator().manual_seed(len(counts))
+    cases = [counts, torch.randint(0, 300, (16,), generator=g).tolist()]
+    for c in cases:
+        lay = _Layout(c, 128, torch.device("cpu"))
+        rows, m_idx = grouped_layout_ref(torch.tensor(c, dtype=torch.int64), 128)
+        assert lay.n == sum(c) and lay.rows == m_idx.numel()
+        assert lay.ks == [(v + 127) // 128 * 128 for v in c]
+        assert_bitwise_equal(lay.m_indices, m_idx)
+        if lay.identity:
+            assert lay.padded_rows is None and torch.equal(rows, torch.arange(sum(c)))
+        else:
+            assert_bitwise_equal(lay.padded_rows, rows)
+
+
 def test_no_tokens():
     counts = [0, 0, 0]
     x, w, dy = _inputs(counts, 200, 130, torch.bfloat16, seed=1)
