@@ -152,3 +152,30 @@ def test_pp2_errors_raise_on_every_rank(pipeline_runs):
     _, ranks = pipeline_runs
     for r, res in enumerate(ranks):
         assert res["errors"] == [True, True], f"rank {r}: {res['errors']}"
+
+
+def test_pp_report_reads_the_run_folders(pipeline_runs, tmp_path):
+    """benchmarks/pp_report.py (issue 7's record): throughput, per-rank memory and the bubble
+    from a pipeline run folder, against a one-process run made here."""
+    from benchmarks.pp_report import main as pp_report
+
+    root, _ = pipeline_runs
+    train(_args(tmp_path / "one"), model_overrides=CFG)
+    out = tmp_path / "report.json"
+    rc = pp_report(
+        ["--json", str(out), f"1gpu={tmp_path / 'one'}", f"pp2={root / 'dualpipe-float32'}"]
+    )
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    one, pp2 = rec["runs"]["1gpu"], rec["runs"]["pp2"]
+    assert (one["gpus"], pp2["gpus"]) == (1, 2)
+    assert pp2["pipeline"] == {"pp": 2, "schedule": "dualpipe", "num_chunks": 4}
+    assert pp2["peak_memory_mib_per_rank"] == [None, None]  # CPU: no CUDA memory, both ranks
+    assert rec["compared"] == "steady_tokens_per_s" and pp2["steady_tokens_per_s"] > 0
+    assert one["bubble"] is None  # no timeline without --pp
+    bubble = pp2["bubble"]
+    assert bubble["schedule"] == "dualpipe" and bubble["ranks"] == 2
+    assert bubble["steps_used"] == min(5, STEPS) and 0 <= bubble["measured_median"] < 1
+    # A folder without summary.json is reported as missing, and the exit code says so.
+    assert pp_report(["--json", str(out), f"gone={tmp_path / 'nothing'}"]) == 1
+    assert "gone" in json.loads(out.read_text())["missing"]
