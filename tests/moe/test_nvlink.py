@@ -2,7 +2,7 @@
 bit-exact agreement with the ``all_to_all`` backend (default and pipelined kernels, other knobs),
 stale reads, one host sync per dispatch and none per combine, async mode, capacity, timeouts.
 
-GPU tests (``multigpu``) spawn 2 and 4 NCCL processes (4 where 4 GPUs are visible), one GPU
+GPU tests (``multigpu``) spawn 2, 4 and 8 NCCL processes (as many GPUs as are visible), one GPU
 each:
 
     python -m pytest tests/moe/test_nvlink.py -m multigpu
@@ -306,7 +306,7 @@ def _gpu_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_nvlink_matches_all_to_all(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
