@@ -87,7 +87,11 @@ for stage in $stages; do
         --command "ptxtrain train $common [--pp $pp --schedule S --timeline]" $runs || status=1
       ;;
     dispatch)
-      torchrun --nproc-per-node "$NPROC" -m ptxtrain bench dispatch --json "$OUT/dispatch-ep$NPROC-${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | tail -30 || status=1
+      # DISPATCH_ARGS adds e.g. "--profile" (the tables go to the log and the JSON).
+      torchrun --nproc-per-node "$NPROC" -m ptxtrain bench dispatch ${DISPATCH_ARGS:-} \
+        --json "$OUT/dispatch-ep$NPROC-${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 \
+        | tee "$LOGS/dispatch-ep$NPROC.log" | grep -v "^W1" | sed -n '1,16p'
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
     nvlsweep)
       # NVL_ARGS narrows the grid (e.g. "--threads 512 1024 --num-sms 24 32").

@@ -340,6 +340,12 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--experts", type=_int_at_least(1), default=256, help="routed experts")
     d.add_argument("--topk", type=_int_at_least(1), default=8, help="experts per token")
     d.add_argument("--num-sms", type=_int_at_least(1), default=24, help="SMs of the nvlink kernel")
+    d.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile 5 full dispatch and combine calls per backend (torch.profiler; rank "
+        "0's top ops by host and by device time, printed and kept in --json)",
+    )
 
 
 def _run_bench_dispatch(ns: argparse.Namespace) -> int:
@@ -373,9 +379,15 @@ def _run_bench_dispatch(ns: argparse.Namespace) -> int:
             topk=ns.topk,
             num_sms=ns.num_sms,
             repeats=20 if ns.repeats is None else ns.repeats,
+            profile=ns.profile,
         )
         if dist.get_rank() == 0:
             print(dispatch.format_table(record))
+            for backend, tables in record.get("profile", {}).items():
+                for name, table in tables.items():
+                    if table:
+                        print(f"\n--- {backend}: {name.replace('_', ' ')} (rank 0, 5 calls)")
+                        print(table)
             if ns.json:
                 with open(ns.json, "w", encoding="utf-8") as f:
                     json.dump(record, f, indent=1, default=str)

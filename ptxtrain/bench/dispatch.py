@@ -18,6 +18,10 @@ operations (:func:`time_buffer`, also used by ``benchmarks/sweep_nvlink.py``):
 - ``combine``: ``Buffer.combine`` of BF16 rows (a cached handle by nature);
 - ``combine_payload``: the BF16 rows' move alone (no per-token sum).
 
+With ``profile=True`` (``--profile``) each backend's full dispatch and combine calls also run
+under ``torch.profiler`` (:func:`profile_buffer`): rank 0's top ops by host time and by device
+time go into the record, to show where a full call spends the time its payload does not.
+
 Bandwidth = logical bytes received / time, as DeepEP reports: ``N · H · 2`` BF16 bytes times
 ``(1 + 4/128) / 2`` for FP8 dispatch (the scales included), ``N · H · 2`` for combine, where
 ``N`` is the rows this rank receives in dispatch (= sends in combine). Rank 0 prints and writes
@@ -39,6 +43,7 @@ __all__ = [
     "logical_bytes",
     "make_inputs",
     "nvl_bytes",
+    "profile_buffer",
     "time_buffer",
 ]
 
@@ -157,6 +162,51 @@ def time_buffer(buf, inputs: dict, repeats: int, warmup: int) -> list[dict]:
     return rows
 
 
+def profile_buffer(buf, inputs: dict, calls: int = 5, rows: int = 25) -> dict[str, str]:
+    """``calls`` full ``dispatch`` and ``combine`` calls of ``buf`` under ``torch.profiler``
+    (CPU activity, plus CUDA on a CUDA device), after one warm-up call of each.
+
+    A collective: every rank calls it with its own inputs (:func:`make_inputs`, or on CPU any
+    dict with the same keys). Returns this rank's tables, ``{"dispatch_by_host", "dispatch_by_
+    device", "combine_by_host", "combine_by_device"}`` (``key_averages`` sorted by self CPU time
+    and by device time, ``rows`` rows each; the device tables are empty on CPU).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    x_fp8, topk_idx, topk_w = inputs["x_fp8"], inputs["topk_idx"], inputs["topk_w"]
+    experts = inputs["experts"]
+    cuda = topk_idx.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    *_, handle = buf.dispatch(x_fp8, topk_idx, topk_w, experts)
+    y = torch.ones(handle.num_recv_tokens, inputs["hidden"], device=topk_idx.device)
+    y = y.to(torch.bfloat16)
+    ops = {
+        "dispatch": lambda: buf.dispatch(x_fp8, topk_idx, topk_w, experts),
+        "combine": lambda: buf.combine(y, handle),
+    }
+    tables: dict[str, str] = {}
+    for op, fn in ops.items():
+        fn()
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            for _ in range(calls):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+        ka = prof.key_averages()
+        tables[f"{op}_by_host"] = ka.table(
+            sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60
+        )
+        tables[f"{op}_by_device"] = (
+            ka.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60)
+            if cuda
+            else ""
+        )
+    return tables
+
+
 def bench_dispatch(
     *,
     tokens: int = 4096,
@@ -167,8 +217,12 @@ def bench_dispatch(
     repeats: int = 20,
     warmup: int = 5,
     seed: int = 0,
+    profile: bool = False,
 ) -> dict:
     """Time dispatch / combine of every available backend; return rank 0's results record.
+
+    ``profile``: also :func:`profile_buffer` each backend (record key ``"profile"``: backend →
+    rank 0's tables).
 
     Needs an initialized NCCL process group, one CUDA device per rank (the current device).
     ``experts`` must be a multiple of the world size and ``topk <= experts``.
@@ -201,10 +255,13 @@ def bench_dispatch(
     else:
         skipped["nvlink"] = why
     rows = []
+    profiles = {}
     for name, kw in backends.items():
         buf = Buffer(backend=name, **kw)
         for row in time_buffer(buf, inputs, repeats, warmup):
             rows.append({"backend": name, "num_sms": kw.get("num_sms"), **row})
+        if profile:
+            profiles[name] = profile_buffer(buf, inputs)
         if name == "nvlink":
             buf.check_errors()
         torch.cuda.synchronize()
@@ -227,6 +284,7 @@ def bench_dispatch(
         },
         "rows": rows,
         "skipped": skipped,
+        **({"profile": profiles} if profile else {}),
         "method": "per rank: barrier + sync before each call, CUDA events, median; GB/s = "
         "logical bytes received / time (DeepEP: FP8 factor (1+4/128)/2 on BF16 bytes)",
     }

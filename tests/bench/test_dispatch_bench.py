@@ -61,3 +61,50 @@ def test_cli_dispatch_arguments(capsys):
     assert (ns.tokens, ns.hidden, ns.experts, ns.topk, ns.num_sms) == (4096, 7168, 256, 8, 24)
     assert main(["bench", "dispatch", "--num-sms", "0"]) == 2
     assert "--num-sms: must be >= 1" in capsys.readouterr().err
+
+
+def _profile_worker(rank: int, world: int, out: str) -> None:
+    import json
+
+    import torch
+
+    from ptxtrain.bench.dispatch import profile_buffer
+    from ptxtrain.moe.dispatch import Buffer
+    from ptxtrain.quant.ref import per_token_cast_to_fp8
+
+    g = torch.Generator().manual_seed(rank)
+    topk_idx = torch.rand(64, 16, generator=g).topk(4, dim=1).indices
+    inputs = dict(
+        x_fp8=per_token_cast_to_fp8(torch.randn(64, 256, generator=g)),
+        topk_idx=topk_idx,
+        topk_w=torch.rand(64, 4, generator=g),
+        experts=16,
+        hidden=256,
+    )
+    tables = profile_buffer(Buffer(backend="all_to_all"), inputs, calls=2, rows=10)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(tables, f)
+
+
+def test_profile_buffer_on_gloo(tmp_path):
+    """--profile's tables (CPU gloo: host tables only; a collective on every rank)."""
+    import json
+
+    from tests.parallel._dist import run_gloo
+
+    run_gloo(_profile_worker, 2, str(tmp_path))
+    for r in range(2):
+        tables = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert set(tables) == {
+            "dispatch_by_host", "dispatch_by_device", "combine_by_host", "combine_by_device"
+        }  # fmt: skip
+        # The payload's autograd Function and the count exchange show up among the host ops.
+        assert "_DispatchFn" in tables["dispatch_by_host"]
+        assert "alltoall" in tables["dispatch_by_host"]
+        assert "Self CPU" in tables["combine_by_host"]
+        assert tables["dispatch_by_device"] == tables["combine_by_device"] == ""  # no CUDA
+
+
+def test_cli_dispatch_profile_flag():
+    assert build_parser().parse_args(["bench", "dispatch", "--profile"]).profile is True
+    assert build_parser().parse_args(["bench", "dispatch"]).profile is False
