@@ -7,7 +7,9 @@
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
 # small preset's 12 layers do not fill DualPipeV's 16 stages at PP = 8). STEPS (default 60) sets
 # the training steps of the train / ep stages; pp and full take STEPS (default 40), BATCH
-# (default 32) and SEQ (default 512). For issue 7 on 8 GPUs:
+# (default 32) and SEQ (default 512); FULL_SCHEDS the full stage's schedules (default dualpipe).
+# For issues 6 and 7 on 4 / 8 GPUs:
+#   BATCH=128 SEQ=512 STEPS=20 FULL_SCHEDS="dualpipe 1f1b" bash benchmarks/run_gpu.sh full
 #   BATCH=128 SEQ=512 STEPS=20 SCHEDS="1f1b dualpipe" bash benchmarks/run_gpu.sh dispatch pp full
 # Results (JSON, logs, PNGs) are written under $OUT (the device tool brings them back).
 set -uo pipefail
@@ -109,19 +111,23 @@ for stage in $stages; do
       grep -E "throughput|train loss|val|Error|error" "$LOGS/train-ep$NPROC.log" | head -8
       ;;
     full)
-      # FP8 + EP + DualPipe on every GPU (--pp 2 --ep NPROC/2) against the 1-GPU FP8 run.
+      # FP8 + EP + a pipeline schedule on every GPU (--pp 2 --ep NPROC/2) against the 1-GPU FP8
+      # run; FULL_SCHEDS (default "dualpipe") adds e.g. 1f1b for issue 6's comparison with EP.
       ep=$((NPROC / 2))
       common="--preset small --no-mtp --steps ${STEPS:-40} --batch-size ${BATCH:-32} --seq-len ${SEQ:-512}"
       common="$common --eval-every ${STEPS:-40} --sample-tokens 0 --no-progress --overwrite --precision fp8"
       python3 -m ptxtrain train $common --out /tmp/full-1gpu > "$LOGS/train-full-1gpu.log" 2>&1 || status=1
       grep -E "throughput|train loss|val|memory" "$LOGS/train-full-1gpu.log"
-      echo "--- pp2 x ep$ep dualpipe fp8"
-      torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --pp 2 --ep "$ep" --schedule dualpipe \
-        --timeline --out /tmp/full-n > "$LOGS/train-full-pp2-ep$ep.log" 2>&1 || status=1
-      grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-full-pp2-ep$ep.log" | head -8
+      runs="1gpu=/tmp/full-1gpu"
+      for sched in ${FULL_SCHEDS:-dualpipe}; do
+        echo "--- pp2 x ep$ep $sched fp8"
+        torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --pp 2 --ep "$ep" --schedule $sched \
+          --timeline --out /tmp/full-$sched > "$LOGS/train-full-pp2-ep$ep-$sched.log" 2>&1 || status=1
+        grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-full-pp2-ep$ep-$sched.log" | head -8
+        runs="$runs pp2-ep$ep-$sched=/tmp/full-$sched"
+      done
       python3 -m benchmarks.pp_report --json "$OUT/full-pp2-ep$ep-${PTXTRAIN_GIT_SHA:-local}.json" \
-        --command "ptxtrain train $common [--pp 2 --ep $ep --schedule dualpipe --timeline]" \
-        1gpu=/tmp/full-1gpu "pp2-ep$ep-dualpipe=/tmp/full-n" || status=1
+        --command "ptxtrain train $common [--pp 2 --ep $ep --schedule S --timeline]" $runs || status=1
       ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
