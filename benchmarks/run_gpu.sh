@@ -3,7 +3,7 @@
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [train] [sweep]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvlsweep]
-# [ep] [full]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
+# [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
 # small preset's 12 layers do not fill DualPipeV's 16 stages at PP = 8). STEPS (default 60) sets
 # the training steps of the train / ep stages; pp and full take STEPS (default 40), BATCH
@@ -128,6 +128,17 @@ for stage in $stages; do
       done
       python3 -m benchmarks.pp_report --json "$OUT/full-pp2-ep$ep-${PTXTRAIN_GIT_SHA:-local}.json" \
         --command "ptxtrain train $common [--pp 2 --ep $ep --schedule S --timeline]" $runs || status=1
+      ;;
+    resume)
+      # --pp checkpoint / resume on GPUs (issue 6): a run stopped and resumed against the same
+      # run whole, per schedule (small, bf16, 12 steps, resumed after 6); records the largest
+      # loss difference before and after the resume point.
+      for sched in ${SCHEDS:-1f1b dualpipe dualpipev}; do
+        torchrun --nproc-per-node "$NPROC" -m benchmarks.resume_check --pp "$NPROC" \
+          --schedule $sched --tol 1e9 --json "$OUT/resume-pp$NPROC-$sched.json" \
+          > "$LOGS/resume-pp$NPROC-$sched.log" 2>&1 || status=1
+        grep -E "resume check|Error" "$LOGS/resume-pp$NPROC-$sched.log" | head -3
+      done
       ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

@@ -58,6 +58,7 @@ pipeline of rank 0, which writes the single-process layout; resume slices both b
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import math
@@ -734,7 +735,10 @@ class _PipeSetup:
             device = torch.device("cuda", local % torch.cuda.device_count())
             torch.cuda.set_device(device)
         if not dist.is_initialized():
+            # Kept after this run (destroyed at exit): a second train() in the same torchrun
+            # process reuses it, where re-initializing after a destroy hangs in the rendezvous.
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            atexit.register(_destroy_default_group)
             self._created = True
         self.rank, self.device = dist.get_rank(), device
         if self.pipeline and self.ep > 1:
@@ -948,11 +952,16 @@ class _PipeSetup:
             raise (TrainConfigError if is_config else OSError)(f"rank 0 failed: {text}")
 
     def close(self) -> None:
-        if self._created:
-            import torch.distributed as dist
+        """End of a run. A process group this run created stays for later runs in the process
+        (see ``__init__``); :func:`_destroy_default_group` ends it at exit."""
+        self._created = False
 
-            dist.destroy_process_group()
-            self._created = False
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _peak_memory_per_rank(device: torch.device) -> list[int | None]:

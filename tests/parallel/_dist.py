@@ -26,6 +26,23 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
         dist.destroy_process_group()
 
 
+def _entry_env(rank: int, world: int, port: int, fn, args) -> None:
+    # What torchrun gives a rank: the environment, no process group yet.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )  # fmt: skip
+    fn(rank, world, *args)
+
+
+def run_torchrun_like(fn, world: int, *args, timeout_s: float = 60.0) -> None:
+    """Like :func:`run_gloo`, but each rank gets torchrun's environment variables and no process
+    group: the code under test creates it (``ptxtrain.train`` does when none exists)."""
+    args = (world, _free_port(), fn, args)
+    ctx = mp.start_processes(_entry_env, args=args, nprocs=world, join=False, start_method="spawn")
+    _join(ctx, world, timeout_s)
+
+
 def run_gloo(fn, world: int, *args, timeout_s: float = 60.0) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; re-raise a rank's error.
 
@@ -35,6 +52,10 @@ def run_gloo(fn, world: int, *args, timeout_s: float = 60.0) -> None:
     ctx = mp.start_processes(
         _entry, args=(world, _free_port(), fn, args), nprocs=world, join=False, start_method="spawn"
     )
+    _join(ctx, world, timeout_s)
+
+
+def _join(ctx, world: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=0.2):
         if time.monotonic() > deadline:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ptxtrain.train import TrainArgs, read_metrics, train
-from tests.parallel._dist import raised_on_this_rank, run_gloo
+from tests.parallel._dist import raised_on_this_rank, run_gloo, run_torchrun_like
 
 # A 4-layer model small enough for a few steps in well under a second; 4 layers split into 2
 # stages (1F1B, DualPipe) or 4 (DualPipeV on 2 ranks). MoE layers with the sequence-wise
@@ -179,3 +179,19 @@ def test_pp_report_reads_the_run_folders(pipeline_runs, tmp_path):
     # A folder without summary.json is reported as missing, and the exit code says so.
     assert pp_report(["--json", str(out), f"gone={tmp_path / 'nothing'}"]) == 1
     assert "gone" in json.loads(out.read_text())["missing"]
+
+
+def _twice(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    for i, sched in enumerate(("dualpipe", "1f1b")):
+        s = train(_args(f"{root}/run{i}", pp=world, schedule=sched, steps=1), model_overrides=CFG)
+        assert len(s["losses"]) == 1
+        assert dist.is_initialized()  # the group train() made stays for the next call
+
+
+def test_train_twice_in_one_torchrun_process(tmp_path):
+    """train() creates the process group from torchrun's environment; a second call in the same
+    process reuses it (re-initializing after a destroy hung in the rendezvous)."""
+    run_torchrun_like(_twice, 2, str(tmp_path), timeout_s=120)
