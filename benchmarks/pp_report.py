@@ -62,7 +62,7 @@ def run_record(run_dir: Path, last: int) -> dict:
     s = json.loads(summary_path.read_text())
     cfg = json.loads((run_dir / "config.json").read_text())
     peaks = s.get("peak_memory_bytes_per_rank") or [s.get("peak_memory_bytes")]
-    gpus = (s.get("pipeline") or {}).get("pp", 1) * s.get("ep", 1)
+    gpus = s["ranks"]
     step_ms = 1e3 * s["train_time_s"] / s["steps_run"] if s.get("steps_run") else None
     first = s.get("first_step_s")
     steady_ms = (

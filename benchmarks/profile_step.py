@@ -109,9 +109,7 @@ def main() -> None:
             f"{r['tokens_per_s']:>10,.0f} tokens/s  (steps {r['all_ms']})",
             flush=True,
         )
-        if last is not None:
-            del last
-        last = r
+        last = r  # the previous case's model and optimizer are freed here
         results.append({k: v for k, v in r.items() if k not in ("model", "opt", "batches")})
     from torch.profiler import ProfilerActivity, profile
 

@@ -41,28 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < a.stop_after < a.steps:
         p.error(f"--stop-after must be in (0, --steps={a.steps}), got {a.stop_after}")
 
-    import torch
-    import torch.distributed as dist
-
     from ptxtrain.bench.timing import environment
     from ptxtrain.train import TrainArgs, train
 
-    # One process group for the three runs, made and ended here (train() would make one and
-    # keep it until exit; owning it here makes the teardown explicit).
-    own = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    if own:
-        cuda = a.device != "cpu" and torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
-    try:
-        return _check(a, TrainArgs, train, environment)
-    finally:
-        if own:
-            dist.destroy_process_group()
-
-
-def _check(a, TrainArgs, train, environment) -> int:
     base = dict(
         preset=a.preset, precision=a.precision, mtp=False, steps=a.steps,
         batch_size=a.batch_size, seq_len=a.seq_len, pp=a.pp, ep=a.ep,

@@ -274,8 +274,9 @@ def schedule_pairs(peers_of: Callable[[int, int], Iterable[int]], ranks: Sequenc
 class PairGroupsMixin:
     """The per-direction groups of a schedule (module docstring), for the schedule classes.
 
-    A schedule sets ``self.group`` and ``self._pair_groups`` (from its ``p2p_groups`` argument)
-    and defines ``peers(rank, world)``; :meth:`_p2p` then gives a :class:`P2P` over them. On the
+    A schedule sets ``self.group`` and ``self._pair_groups`` (from its ``p2p_groups`` argument);
+    ``peers(rank, world)`` says which ranks it talks to (its neighbours here; DualPipe adds the
+    mirror) and :meth:`_p2p` gives a :class:`P2P` over the groups. On the
     default group (``self.group is None``) without given groups, the first call creates them
     (every rank of the world runs the schedule, so the collective is matched).
     """
@@ -284,8 +285,9 @@ class PairGroupsMixin:
     _pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None
 
     @staticmethod
-    def peers(rank: int, world: int) -> Iterable[int]:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def peers(rank: int, world: int) -> tuple[int, ...]:
+        """The group ranks group rank ``rank`` exchanges messages with: its neighbours."""
+        return tuple(q for q in (rank - 1, rank + 1) if 0 <= q < world)
 
     def _p2p(self, device: torch.device) -> P2P:
         if self._pair_groups is None and self.group is None and dist.get_world_size() > 1:

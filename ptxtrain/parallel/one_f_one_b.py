@@ -63,11 +63,6 @@ class OneFOneB(PairGroupsMixin, nn.Module):
         self._connected: set[int] = set()  # peers whose P2P connections are set up
         self._pair_groups = p2p_groups
 
-    @staticmethod
-    def peers(rank: int, world: int) -> tuple[int, ...]:
-        """The group ranks group rank ``rank`` exchanges messages with: its neighbours."""
-        return tuple(q for q in (rank - 1, rank + 1) if 0 <= q < world)
-
     def step(
         self,
         *inputs: torch.Tensor,

@@ -686,7 +686,7 @@ class _PipeSetup:
         self.pipeline = args.pp > 1
         self.ep = args.ep
         self.active = self.pipeline or self.ep > 1
-        self.rank, self.device, self._created = 0, None, False
+        self.rank, self.device = 0, None
         # rank = pp_rank * ep + ep_rank (ptxtrain.train.pipeline.pipeline_groups)
         self.pp_rank, self.ep_rank = 0, 0
         self.pp_group = self.ep_group = self.mirror_group = None  # None: the world
@@ -739,7 +739,6 @@ class _PipeSetup:
             # process reuses it, where re-initializing after a destroy hangs in the rendezvous.
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
             atexit.register(_destroy_default_group)
-            self._created = True
         self.rank, self.device = dist.get_rank(), device
         if self.pipeline and self.ep > 1:
             from .pipeline import pipeline_groups
@@ -951,11 +950,6 @@ class _PipeSetup:
             is_config, text = msg[0]
             raise (TrainConfigError if is_config else OSError)(f"rank 0 failed: {text}")
 
-    def close(self) -> None:
-        """End of a run. A process group this run created stays for later runs in the process
-        (see ``__init__``); :func:`_destroy_default_group` ends it at exit."""
-        self._created = False
-
 
 def _destroy_default_group() -> None:
     import torch.distributed as dist
@@ -1010,6 +1004,7 @@ def train(
         moments), ``training_bytes_per_param`` (plus weights and FP32 grads; both None when no
         step ran in this call), ``peak_memory_bytes`` (rank 0's; CUDA only, else None),
         ``peak_memory_bytes_per_rank`` (a list in rank order; one entry without torchrun),
+        ``ranks`` (processes of the run),
         ``params`` and ``samples``. It is also written to
         ``summary.json`` and printed as a table.
 
@@ -1041,10 +1036,7 @@ def train(
     except (ValueError, TypeError) as e:
         raise TrainConfigError(str(e)) from None
     pipe = _PipeSetup(args, config, param_dtype)  # pp == 1: a no-op
-    try:
-        return _train(args, config, pipe, model_overrides)
-    finally:
-        pipe.close()
+    return _train(args, config, pipe, model_overrides)
 
 
 def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[str, Any]:
@@ -1331,6 +1323,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
         **_bytes_per_param(state_bytes),
         "peak_memory_bytes": peaks[0],
         "peak_memory_bytes_per_rank": peaks,
+        "ranks": len(peaks),  # processes of the run (PP x EP under torchrun)
         "params": params,
         "pipeline": pipe.describe(),
         "ep": args.ep,

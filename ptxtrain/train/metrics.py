@@ -169,10 +169,10 @@ def _throughput(summary: dict) -> str:
     steady, first = summary.get("steady_tokens_per_s"), summary.get("first_step_s")
     if steady is not None and first is not None:
         text += f" ({steady:,.0f} after the first step, which took {first:.1f} s)"
-    gpus = (summary.get("pipeline") or {}).get("pp", 1) * (summary.get("ep") or 1)
-    if gpus > 1:
-        per = (steady if steady is not None else summary["tokens_per_s"]) / gpus
-        text += f"; {per:,.0f} per rank over {gpus} ranks"
+    ranks = summary.get("ranks", 1)
+    if ranks > 1:
+        per = (steady if steady is not None else summary["tokens_per_s"]) / ranks
+        text += f"; {per:,.0f} per rank over {ranks} ranks"
     return text
 
 

@@ -73,10 +73,8 @@ def test_summary_table_lists_the_numbers():
     assert "MiB" in format_summary({**s, "peak_memory_bytes": 3 * 2**20})
     steady = format_summary({**s, "steady_tokens_per_s": 9100.0, "first_step_s": 41.25})
     assert "4,979 tokens/s (9,100 after the first step, which took 41.2 s)" in steady
-    ranks = format_summary(
-        {**s, "steady_tokens_per_s": 9100.0, "first_step_s": 41.25, "pipeline": {"pp": 2}, "ep": 2}
-    )
-    assert "; 2,275 per rank over 4 ranks" in ranks  # steady figure / (pp x ep)
+    ranks = format_summary({**s, "steady_tokens_per_s": 9100.0, "first_step_s": 41.25, "ranks": 4})
+    assert "; 2,275 per rank over 4 ranks" in ranks  # steady figure / ranks
     per_rank = format_summary(
         {**s, "peak_memory_bytes": 3 * 2**20, "peak_memory_bytes_per_rank": [3 * 2**20, 5 * 2**20]}
     )
