@@ -64,6 +64,10 @@ def _check_cuda_shape(a: torch.Tensor, n: int, k: int) -> None:
 
 
 def _mn_major(sf: torch.Tensor) -> torch.Tensor:
+    """``sf`` [R, C] with strides (1, R), the layout cuBLAS reads; no copy when it already is
+    (the quantizers' ``sf_layout="mn_major"`` for R % 4 == 0, which cuBLAS needs anyway)."""
+    if sf.stride(0) == 1 and sf.stride(1) == sf.shape[0]:
+        return sf
     return sf.t().contiguous().t()
 
 
@@ -163,6 +167,7 @@ def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
         raise NotImplementedError(
             f"torch {torch.__version__}'s _scaled_mm accepts no 1x128 x 1x128 scale layout here"
         )
-    s_a, s_b = _1D1D_LAYOUTS[layout](sf_a, sf_b)
+    # The probed layouts are functions of a row-major sf_b: bring an MN-major one back first.
+    s_a, s_b = _1D1D_LAYOUTS[layout](sf_a, sf_b.contiguous())
     d = torch._scaled_mm(a_fp8, b_fp8.t(), s_a, s_b, out_dtype=dtype)  # [M, N]
     return ref.write_out(d, out, accumulate)

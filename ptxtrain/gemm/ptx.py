@@ -362,11 +362,16 @@ def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
     return view
 
 
+# The kernel's parameters (fp8_gemm.cuh): the TMA descriptors of A, B, sf_a, sf_b and D, then
+# sf_b, out, m, m_indices, block_group, num_groups and the K-grouped / masked info pointer.
+_SIGNATURE = "TTTTTppippip"
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_groups=1):
-    """(config, loaded kernel, grid, shared memory) of one launch geometry, cached so a repeated
-    shape costs one lookup of host time (``cfg=None``: the heuristic's)."""
-    from ptxtrain.jit import load_kernel, max_active_clusters
+    """(config, bound launch, grid) of one launch geometry, cached so a repeated shape costs one
+    lookup of host time (``cfg=None``: the heuristic's)."""
+    from ptxtrain.jit import BoundLaunch, load_kernel, max_active_clusters
 
     if cfg is None and kind == "m_grouped":
         cfg = grouped_config(m, n, k, _num_sms(device_index))
@@ -393,14 +398,21 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
         grid = min(units, max(resident, 1)) * cfg.cluster
     else:
         grid = min(units, _num_sms(device_index))
-    return cfg, kernel, grid, smem
+    bound = BoundLaunch(
+        kernel,
+        _SIGNATURE,
+        cfg.num_threads,
+        smem_bytes=smem,
+        cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
+    )
+    return cfg, bound, grid
 
 
 def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
     """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``;
     ``k_offsets`` (kind ``"k_grouped"``, ``out`` [G, M, N]): [G + 1] int32 prefix sums of the
     groups' K / 128; (kind ``"masked"``, A [G, M_max, K], ``out`` [G, M_max, N]): masked_m."""
-    from ptxtrain.jit import launch, make_tma_2d_desc
+    from ptxtrain.jit import tma_2d_bytes
 
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     if kind == "masked":  # [G, M_max, K] -> [G·M_max, K], group g at row g·M_max
@@ -427,7 +439,8 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
     else:
         k_offsets = out  # unused pointer
     aligned = out.data_ptr() % 16 == 0
-    cfg, kernel, grid, smem = _plan(
+    index = _index(a_fp8.device)
+    cfg, bound, grid = _plan(
         kind,
         m,
         n,
@@ -436,47 +449,48 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         accumulate,
         cfg,
         aligned,
-        _index(a_fp8.device),
+        index,
         max(num_groups, 1) if kind in ("k_grouped", "masked") else 1,
     )
-    a8 = _k_major(a_fp8.view(torch.uint8))
-    b8 = _k_major(b_fp8.view(torch.uint8))
-    sfa = _mn_major_padded(sf_a.float())
-    tma_a = make_tma_2d_desc(a8, cfg.block_m, BLOCK_K, swizzle="128B")
-    tma_b = make_tma_2d_desc(b8, cfg.block_n // cfg.cluster, BLOCK_K, swizzle="128B")
-    tma_sfa = make_tma_2d_desc(sfa, 1, cfg.block_m)
+    # FP8 operands go to TMA as bytes (make_tma_2d_desc maps e4m3 to UINT8): no uint8 view.
+    a8 = _k_major(a_fp8)
+    b8 = _k_major(b_fp8)
+    sfa = _mn_major_padded(sf_a if sf_a.dtype == torch.float32 else sf_a.float())
+    tma_a = tma_2d_bytes(a8, cfg.block_m, BLOCK_K, swizzle="128B")
+    tma_b = tma_2d_bytes(b8, cfg.block_n // cfg.cluster, BLOCK_K, swizzle="128B")
+    tma_sfa = tma_2d_bytes(sfa, 1, cfg.block_m)
     if kind in _1D1D_KINDS:
-        sfb_t = _mn_major_padded(sf_b.float())
-        tma_sfb = make_tma_2d_desc(sfb_t, 1, cfg.block_n)
+        sfb_t = _mn_major_padded(sf_b if sf_b.dtype == torch.float32 else sf_b.float())
+        tma_sfb = tma_2d_bytes(sfb_t, 1, cfg.block_n)
         sfb_ptr = sfb_t  # unused by the kernel; any valid pointer
     else:
         tma_sfb = tma_sfa  # unused by the 1D2D kernel
-        sfb_ptr = sf_b.float().contiguous()
+        sfb_ptr = sf_b
+        if sfb_ptr.dtype != torch.float32 or not sfb_ptr.is_contiguous():
+            sfb_ptr = sfb_ptr.float().contiguous()
     if cfg.tma_store:
-        tma_d = make_tma_2d_desc(out, 64, 128 // out.element_size(), swizzle="128B")
+        tma_d = tma_2d_bytes(out, 64, 128 // out.element_size(), swizzle="128B")
     else:
         tma_d = tma_a  # unused with direct stores
-    launch(
-        kernel,
-        grid,
-        cfg.num_threads,
-        (
-            tma_a,
-            tma_b,
-            tma_sfa,
-            tma_sfb,
-            tma_d,
-            sfb_ptr,
-            out,
-            m,
-            m_indices,
-            block_group,
-            num_groups,
-            k_offsets,
-        ),
-        smem_bytes=smem,
-        cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
+    args = (
+        tma_a,
+        tma_b,
+        tma_sfa,
+        tma_sfb,
+        tma_d,
+        sfb_ptr.data_ptr(),
+        out.data_ptr(),
+        m,
+        m_indices.data_ptr(),
+        block_group.data_ptr(),
+        num_groups,
+        k_offsets.data_ptr(),
     )
+    if torch.cuda.current_device() == index:
+        bound(grid, *args)
+    else:
+        with torch.cuda.device(index):
+            bound(grid, *args)
     # The descriptors hold raw addresses of possibly temporary operands (a K-major copy, the
     # MN-major scales): freed now, their memory is only reused by work queued after this kernel
     # on the same stream (PyTorch's caching allocator), as for any PyTorch op's temporaries.

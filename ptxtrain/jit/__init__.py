@@ -3,9 +3,10 @@
 Generic: this package knows nothing of GEMMs. A kernel family generates a small ``.cu`` that
 includes ``<ptxtrain/*.cuh>`` (``ptxtrain/include``) and instantiates a template with shape
 constants, compiles it with ``compile_cuda`` (cached on disk), loads it with ``load_kernel`` and
-launches it with ``launch`` on PyTorch's current stream. Compiling needs only the pip packages
-``cuda-bindings`` and ``nvidia-cuda-nvrtc`` (no GPU, driver or CUDA toolkit); loading and
-launching need a GPU and its driver.
+launches it with ``launch`` on PyTorch's current stream (or, on hot paths, through a
+``BoundLaunch`` prepared once per kernel and signature: a few µs of host time per call).
+Compiling needs only the pip packages ``cuda-bindings`` and ``nvidia-cuda-nvrtc`` (no GPU, driver
+or CUDA toolkit); loading and launching need a GPU and its driver.
 
 Environment variables (read at each call):
 
@@ -32,6 +33,7 @@ from ptxtrain.jit.compiler import (
     nvrtc_version,
 )
 from ptxtrain.jit.launch import (
+    BoundLaunch,
     LoadedKernel,
     TensorMap,
     driver_available,
@@ -39,11 +41,14 @@ from ptxtrain.jit.launch import (
     load_kernel,
     make_tma_2d_desc,
     max_active_clusters,
+    param_layout,
+    tma_2d_bytes,
     tma_2d_params,
 )
 
 __all__ = [
     "INCLUDE_DIR",
+    "BoundLaunch",
     "CompiledKernel",
     "JitCompileError",
     "LoadedKernel",
@@ -57,5 +62,7 @@ __all__ = [
     "max_active_clusters",
     "nvrtc_available",
     "nvrtc_version",
+    "param_layout",
+    "tma_2d_bytes",
     "tma_2d_params",
 ]

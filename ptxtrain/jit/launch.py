@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -459,3 +460,257 @@ def launch(
         driver.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(pointers), 0),
         "cuLaunchKernelEx",
     )
+
+
+# ---- bound launches: the per-call host path of hot kernels --------------------------------------
+#
+# ``launch`` validates and packs every argument through ctypes objects and calls the driver
+# through cuda-bindings: about 70 µs of host time per launch on the H200 test machines
+# (benchmarks/host_sections.py), paid by every quantizer and GEMM call of a training step. A
+# ``BoundLaunch`` does the validation and the layout work once per (kernel, signature, block,
+# shared memory, cluster): each call packs all arguments with one ``struct.pack_into`` into a
+# per-thread parameter block whose pointer array is built once, and calls ``cuLaunchKernel`` /
+# ``cuLaunchKernelEx`` of libcuda through ctypes. The driver copies the parameter values before
+# the call returns, so the block is reused by the next call; it is per thread because ctypes
+# releases the GIL during the call (the autograd engine launches backward kernels from its own
+# thread).
+
+# Signature characters → (struct code, bytes, alignment) of one kernel parameter.
+_SIG = {
+    "p": ("Q", 8, 8),  # a device pointer, passed as an int address (tensor.data_ptr())
+    "q": ("q", 8, 8),  # int64
+    "i": ("i", 4, 4),  # int32
+    "f": ("f", 4, 4),  # float32
+    "T": ("128s", _TMAP_BYTES, 64),  # a CUtensorMap by value (TensorMap.data, 128 bytes)
+}
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` (cuda.h): an enum id padded to 8 bytes, then a 64-byte union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h)."""
+
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("numAttrs", ctypes.c_uint),
+    ]
+
+
+@functools.cache
+def _libcuda():
+    """libcuda's launch entry points with their argument types (ctypes)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    u = ctypes.c_uint
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p]
+    lib.cuLaunchKernel.argtypes += [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchKernelEx.argtypes += [ctypes.c_void_p]
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    return lib
+
+
+def param_layout(signature: str) -> tuple[str, list[int], int]:
+    """The parameter block of a :class:`BoundLaunch` signature: ``(struct format, offset of each
+    parameter, total bytes)``, every parameter at a multiple of its alignment.
+
+    Raises:
+        ValueError: an unknown signature character (see :class:`BoundLaunch`).
+    """
+    if not isinstance(signature, str):
+        raise TypeError(f"signature: expected a str, got {type(signature).__name__}")
+    fmt, offsets, off = "<", [], 0
+    for i, ch in enumerate(signature):
+        if ch not in _SIG:
+            raise ValueError(
+                f"signature[{i}]: expected one of {''.join(_SIG)} (pointer, int64, int32, float, "
+                f"TensorMap), got {ch!r}"
+            )
+        code, size, align = _SIG[ch]
+        pad = -off % align
+        if pad:
+            fmt += f"{pad}x"
+            off += pad
+        offsets.append(off)
+        fmt += code
+        off += size
+    return fmt, offsets, off
+
+
+def _raw_stream(device: int) -> int:
+    import torch
+
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is not None:
+        return getter(device)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class BoundLaunch:
+    """Launches of one kernel with a fixed parameter signature, block, shared memory and cluster,
+    prepared once so each call costs a few µs of host time (see the note above).
+
+    Args:
+        kernel: from :func:`load_kernel`.
+        signature: one character per kernel parameter, in order: ``p`` a device pointer (pass
+            ``tensor.data_ptr()``), ``q`` int64, ``i`` int32, ``f`` float32, ``T`` a
+            ``CUtensorMap`` by value (pass ``TensorMap.data`` or :func:`tma_2d_bytes`).
+        block: threads per CTA (an int or 1- to 3-tuple).
+        smem_bytes: dynamic shared memory per CTA (above 48 KB the kernel's limit is raised here).
+        cluster: thread-block-cluster dims (sm_90), or None.
+
+    Call: ``bound(grid, *values, stream=None)`` with ``grid`` an int or a 3-tuple of ints, one
+    value per signature character, ``stream`` a raw ``cudaStream_t`` handle (default: PyTorch's
+    current stream on the kernel's device). Launches asynchronously on the kernel's device.
+
+    Raises:
+        TypeError / ValueError: malformed arguments at construction; at a call, values that do not
+            fit the signature (the message names the parameter) or a grid not divisible by the
+            cluster.
+        RuntimeError: no CUDA driver, or the driver rejected the launch (its error in the message).
+    """
+
+    def __init__(self, kernel, signature: str, block, *, smem_bytes: int = 0, cluster=None):
+        if not isinstance(kernel, LoadedKernel):
+            raise TypeError(f"kernel: expected a LoadedKernel, got {type(kernel).__name__}")
+        fmt, self.offsets, self.nbytes = param_layout(signature)
+        self.signature = signature
+        self.block = _dim3(block, "block")
+        self.cluster = _dim3(cluster, "cluster") if cluster is not None else None
+        if not isinstance(smem_bytes, int) or smem_bytes < 0:
+            raise ValueError(f"smem_bytes: expected a non-negative int, got {smem_bytes!r}")
+        self.smem_bytes = smem_bytes
+        self.kernel = kernel
+        self._struct = struct.Struct(fmt)
+        self._tls = threading.local()
+        driver = _require_driver("BoundLaunch")
+        if smem_bytes > kernel.max_dynamic_smem:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _ok(
+                driver,
+                driver.cuFuncSetAttribute(kernel.function, attr, smem_bytes),
+                "cuFuncSetAttr",
+            )
+            kernel.max_dynamic_smem = smem_bytes
+        self._function = int(kernel.function)
+        self._cluster_attr_id = (
+            int(driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+            if self.cluster is not None
+            else 0
+        )
+        self._lib = _libcuda()
+
+    def _state(self):
+        """This thread's (parameter block, pointer array, launch config or None)."""
+        state = getattr(self._tls, "state", None)
+        if state is None:
+            block = ctypes.create_string_buffer(max(self.nbytes, 1))
+            base = ctypes.addressof(block)
+            n = max(len(self.offsets), 1)
+            pointers = (ctypes.c_void_p * n)(*[base + o for o in self.offsets])
+            config = None
+            if self.cluster is not None:
+                attr = _LaunchAttribute()
+                attr.id = self._cluster_attr_id
+                attr.value[0], attr.value[1], attr.value[2] = self.cluster
+                config = _LaunchConfig()
+                config.blockDimX, config.blockDimY, config.blockDimZ = self.block
+                config.sharedMemBytes = self.smem_bytes
+                config.attrs = ctypes.pointer(attr)
+                config.numAttrs = 1
+                config._attr = attr  # keep the attribute alive with the config
+            state = self._tls.state = (block, pointers, config)
+        return state
+
+    def _bad_values(self, values, exc: Exception) -> Exception:
+        if len(values) != len(self.signature):
+            return TypeError(
+                f"expected {len(self.signature)} values for signature {self.signature!r}, "
+                f"got {len(values)}"
+            )
+        for i, (ch, v) in enumerate(zip(self.signature, values)):
+            try:
+                struct.pack("<" + _SIG[ch][0], v)
+            except struct.error as e:
+                return ValueError(f"value {i} (signature {ch!r}): {v!r} does not fit: {e}")
+        return ValueError(f"values do not fit signature {self.signature!r}: {exc}")
+
+    def __call__(self, grid, *values, stream: int | None = None) -> None:
+        block_buf, pointers, config = self._state()
+        try:
+            self._struct.pack_into(block_buf, 0, *values)
+        except struct.error as e:
+            raise self._bad_values(values, e) from None
+        gx, gy, gz = (grid, 1, 1) if type(grid) is int else grid
+        if stream is None:
+            stream = _raw_stream(self.kernel.device)
+        for _ in range(2):
+            if config is None:
+                bx, by, bz = self.block
+                err = self._lib.cuLaunchKernel(
+                    self._function, gx, gy, gz, bx, by, bz, self.smem_bytes, stream, pointers, None
+                )
+            else:
+                cx, cy, cz = self.cluster
+                if gx % cx or gy % cy or gz % cz:
+                    raise ValueError(
+                        f"grid {(gx, gy, gz)} is not divisible by cluster {self.cluster}"
+                    )
+                config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+                config.hStream = stream
+                err = self._lib.cuLaunchKernelEx(
+                    ctypes.addressof(config), self._function, pointers, None
+                )
+            if err != _CUDA_ERROR_INVALID_CONTEXT:
+                break
+            # A thread that has not touched the device yet has no current context: make the
+            # primary one current (as load_kernel does) and try once more.
+            _ensure_context(_require_driver("BoundLaunch"), self.kernel.device)
+        if err:
+            driver = _require_driver("BoundLaunch")
+            _ok(driver, (driver.CUresult(err),), f"cuLaunchKernel of {self.kernel.symbol}")
+
+
+# TMA descriptor bytes by (address, dtype, shape, strides, box, swizzle): the lean twin of
+# make_tma_2d_desc's cache for BoundLaunch callers (no TensorMap object per call). Unified
+# addressing makes an address unique across the process's devices.
+_encoded_bytes: dict[tuple, bytes] = {}
+
+
+def tma_2d_bytes(tensor, box_rows: int, box_cols: int, swizzle: str = "none") -> bytes:
+    """The 128 bytes of :func:`make_tma_2d_desc` ``(tensor, box_rows, box_cols, swizzle)``, for a
+    ``T`` parameter of a :class:`BoundLaunch`; cached like it. The caller keeps ``tensor`` alive
+    until the launch has been queued (the bytes hold its address).
+
+    Raises:
+        as :func:`make_tma_2d_desc`.
+    """
+    key = (
+        tensor.data_ptr(),
+        tensor.dtype,
+        tensor.shape,
+        tensor.stride(),
+        box_rows,
+        box_cols,
+        swizzle,
+    )
+    hit = _encoded_bytes.get(key)
+    if hit is None:
+        hit = make_tma_2d_desc(tensor, box_rows, box_cols, swizzle=swizzle).data
+        if len(_encoded_bytes) >= _ENCODED_MAX:
+            _encoded_bytes.pop(next(iter(_encoded_bytes)))
+        _encoded_bytes[key] = hit
+    return hit

@@ -138,6 +138,12 @@ def _resolve_config(config: Fp8LinearConfig | str | None) -> Fp8LinearConfig:
     return config
 
 
+def _sf_layout(device: torch.device) -> str:
+    """Scale layout to ask of the 1x128 quantizers: MN-major on CUDA, where the PTX and cuBLAS
+    GEMMs read it without a transpose copy per call; row-major (the reference's) elsewhere."""
+    return "mn_major" if device.type == "cuda" else "row"
+
+
 def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
     """Output dtype to ask of an FP8 GEMM whose result ends up in ``dtype``."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
@@ -208,17 +214,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
         act_dtype = input_hp.dtype
         pow2 = config.pow2_scale
         keep_xt_fp8 = need_dw and config.wgrad  # 128x1 tiles of x, stored transposed [K, M]
+        layout = _sf_layout(input_hp.device)
         with _autocast_off(input_hp.device.type):
             # -- quantize x: 1x128 for fprop, 128x1 (transposed) for wgrad; one pass when both.
             input_fp8 = input_sf = input_t_fp8 = input_t_sf = None
             if config.fprop and keep_xt_fp8:
                 input_fp8, input_sf, input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_both(
-                    input_hp, pow2_scale=pow2
+                    input_hp, pow2_scale=pow2, sf_layout=layout
                 )
             elif config.fprop:
-                input_fp8, input_sf = quant.per_token_cast_to_fp8(input_hp, pow2_scale=pow2)
+                input_fp8, input_sf = quant.per_token_cast_to_fp8(
+                    input_hp, pow2_scale=pow2, sf_layout=layout
+                )
             elif keep_xt_fp8:
-                input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_t(input_hp, pow2_scale=pow2)
+                input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_t(
+                    input_hp, pow2_scale=pow2, sf_layout=layout
+                )
             # -- quantize W 128x128 once (or take the module's cached copy, ``weight_q``), with
             # Wᵀ's blocks (W's, transposed) written by the same pass when dgrad will need them.
             need_wt = need_dx and config.dgrad
@@ -264,18 +275,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
         saved = _saved_operands(ctx)
         pow2 = config.pow2_scale
         dy = grad_output  # [M, N], y's dtype (= the activation dtype)
+        layout = _sf_layout(dy.device)
         dx = dw = db = None
         with _autocast_off(dy.device.type):
             # -- quantize dy: 1x128 along N for dgrad, 128x1 (transposed [N, M]) for wgrad.
             fp8_dgrad, fp8_wgrad = need_dx and config.dgrad, need_dw and config.wgrad
             if fp8_dgrad and fp8_wgrad:
                 dy_fp8, dy_sf, dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_both(
-                    dy, pow2_scale=pow2
+                    dy, pow2_scale=pow2, sf_layout=layout
                 )
             elif fp8_dgrad:
-                dy_fp8, dy_sf = quant.per_token_cast_to_fp8(dy, pow2_scale=pow2)
+                dy_fp8, dy_sf = quant.per_token_cast_to_fp8(dy, pow2_scale=pow2, sf_layout=layout)
             elif fp8_wgrad:
-                dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_t(dy, pow2_scale=pow2)
+                dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_t(
+                    dy, pow2_scale=pow2, sf_layout=layout
+                )
             # -- Dgrad: dx [M, K] = dy [M, N] · W [N, K]; B = Wᵀ [K, N] from W's blocks transposed.
             if fp8_dgrad:
                 weight_t = (saved["weight_t_fp8"], saved["weight_t_sf"])

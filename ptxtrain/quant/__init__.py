@@ -74,34 +74,71 @@ def _impl(fn_name: str, x: object):
     return getattr(_backend.load(__name__, select_backend(x, fn_name)), fn_name)
 
 
+SF_LAYOUTS = ("row", "mn_major")
+_MN_ALIGN = 4  # MN-major scale columns are padded to 4 rows (16 bytes, a TMA row)
+
+
+def to_mn_major(sf: torch.Tensor) -> torch.Tensor:
+    """``sf`` [R, C] fp32 in the ``"mn_major"`` layout: strides ``(1, 4·⌈R/4⌉)`` (each column
+    contiguous and 16-byte aligned), same values; returned as is when already laid out so."""
+    rows, cols = sf.shape
+    pad = -(-max(rows, 1) // _MN_ALIGN) * _MN_ALIGN
+    if sf.stride(0) == 1 and sf.stride(1) == pad:
+        return sf
+    out = torch.empty_strided((rows, cols), (1, pad), dtype=sf.dtype, device=sf.device)
+    out.copy_(sf)
+    return out
+
+
+def _with_layout(fn, x, block, pow2_scale, sf_layout):
+    """Run a 1x128 / 128x1 quantizer ``fn`` with scales in ``sf_layout`` (the reference backend
+    has only row-major scales: they are re-laid out after it)."""
+    if sf_layout not in SF_LAYOUTS:
+        raise ValueError(f"sf_layout must be one of {SF_LAYOUTS}, got {sf_layout!r}")
+    if sf_layout == "row":
+        return fn(x, block, pow2_scale=pow2_scale)
+    if fn.__module__.endswith(".ref"):
+        out = fn(x, block, pow2_scale=pow2_scale)
+        return tuple(to_mn_major(t) if t.dtype == torch.float32 else t for t in out)
+    return fn(x, block, pow2_scale=pow2_scale, sf_layout=sf_layout)
+
+
 def per_token_cast_to_fp8(
-    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False, sf_layout: str = "row"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 quantization on the selected backend.
 
-    Contract and errors: :func:`ptxtrain.quant.ref.per_token_cast_to_fp8`.
+    ``sf_layout``: ``"row"`` (row-major scales, the reference's layout) or ``"mn_major"`` (strides
+    ``(1, 4·⌈M/4⌉)``: the layout the PTX and cuBLAS GEMMs read, so they need no transpose copy).
+
+    Contract and errors: :func:`ptxtrain.quant.ref.per_token_cast_to_fp8`; ValueError for an
+    unknown ``sf_layout``.
     """
-    return _impl("per_token_cast_to_fp8", x)(x, block, pow2_scale=pow2_scale)
+    return _with_layout(_impl("per_token_cast_to_fp8", x), x, block, pow2_scale, sf_layout)
 
 
 def per_token_cast_to_fp8_t(
-    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False, sf_layout: str = "row"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """128x1 quantization stored transposed, on the selected backend.
 
+    ``sf_layout``: of ``sf_t``, as :func:`per_token_cast_to_fp8` (strides ``(1, 4·⌈K/4⌉)``).
+
     Contract and errors: :func:`ptxtrain.quant.ref.per_token_cast_to_fp8_t`.
     """
-    return _impl("per_token_cast_to_fp8_t", x)(x, block, pow2_scale=pow2_scale)
+    return _with_layout(_impl("per_token_cast_to_fp8_t", x), x, block, pow2_scale, sf_layout)
 
 
 def per_token_cast_to_fp8_both(
-    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False
+    x: torch.Tensor, block: int = BLOCK, *, pow2_scale: bool = False, sf_layout: str = "row"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both quantizations of one tensor (one read in the fused kernel), on the selected backend.
 
+    ``sf_layout``: of both scale tensors, as :func:`per_token_cast_to_fp8`.
+
     Contract and errors: :func:`ptxtrain.quant.ref.per_token_cast_to_fp8_both`.
     """
-    return _impl("per_token_cast_to_fp8_both", x)(x, block, pow2_scale=pow2_scale)
+    return _with_layout(_impl("per_token_cast_to_fp8_both", x), x, block, pow2_scale, sf_layout)
 
 
 def per_block_cast_to_fp8(
@@ -135,6 +172,7 @@ __all__ = [
     "BLOCK",
     "FP8_DTYPE",
     "FP8_MAX",
+    "SF_LAYOUTS",
     "backends",
     "per_block_cast_back",
     "per_block_cast_to_fp8",
@@ -144,4 +182,5 @@ __all__ = [
     "per_token_cast_to_fp8_both",
     "per_token_cast_to_fp8_t",
     "select_backend",
+    "to_mn_major",
 ]

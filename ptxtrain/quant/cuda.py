@@ -40,7 +40,6 @@ Scales: ``sf_layout="row"`` (the reference's row-major layout) or ``"mn_major"``
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 from typing import NamedTuple
@@ -48,7 +47,13 @@ from typing import NamedTuple
 import torch
 
 from ptxtrain._checks import HP_DTYPES, ceil_div, check_tensor
-from ptxtrain.jit import compile_cuda, driver_available, launch, load_kernel, nvrtc_available
+from ptxtrain.jit import (
+    BoundLaunch,
+    compile_cuda,
+    driver_available,
+    load_kernel,
+    nvrtc_available,
+)
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE, _check_block
 
 if not nvrtc_available():  # backends() reports the module unavailable, with this reason
@@ -223,10 +228,14 @@ def compile_module(dtype: torch.dtype, arch: str = "sm_90a", variant: Variant = 
 def usable(device: torch.device) -> bool:
     """True when the kernels can run on ``device``: a CUDA device of compute capability 9.0
     (Hopper; the module is built for ``sm_90a``) with the CUDA driver library present."""
-    if device.type != "cuda" or not driver_available():
+    if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return _usable_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _usable_index(index: int) -> bool:
+    return driver_available() and torch.cuda.get_device_capability(index) == (9, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,6 +340,21 @@ def _run(
     _launch(x, mode, variant, _grid(tiles, variant, x), smem, args)
 
 
+# The kernel's parameters: x, q, sf, qt, sft (pointers), then M, K, x's row stride, sf's and
+# sft's strides, k_tiles (int64) and vec_flags (int32).
+_SIGNATURE = "ppppp" + "q" * 8 + "i"
+
+
+@functools.lru_cache(maxsize=256)
+def _bound(dtype: torch.dtype, mode: tuple, variant: Variant, index: int, smem: int) -> BoundLaunch:
+    """The instantiation ``mode`` = (block, row, col, pow2) of ``variant`` for ``dtype``, loaded on
+    device ``index`` and bound for launches (compiled once, then a lookup per call)."""
+    module = compile_module(dtype, variant=variant)
+    with torch.cuda.device(index):
+        kernel = load_kernel(module, _expression(_IN_KIND[dtype], *mode, variant))
+    return BoundLaunch(kernel, _SIGNATURE, variant.threads, smem_bytes=smem)
+
+
 def _launch(
     x: torch.Tensor, mode: tuple, variant: Variant, grid: int, smem: int, args: list
 ) -> None:
@@ -349,12 +373,14 @@ def _launch(
             f"the cuda quant backend runs on sm_90 GPUs with the CUDA driver; {x.device} has "
             f"compute capability {cap}; use PTXTRAIN_QUANT_BACKEND=triton or ref"
         )
-    module = compile_module(x.dtype, variant=variant)
-    kernel = load_kernel(module, _expression(_IN_KIND[x.dtype], *mode, variant))
-    packed = [a if isinstance(a, torch.Tensor) else ctypes.c_int64(a) for a in args[:-1]]
-    packed.append(ctypes.c_int32(args[-1]))
-    with torch.cuda.device(x.device):
-        launch(kernel, grid, variant.threads, packed, smem_bytes=smem)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    bound = _bound(x.dtype, mode, variant, index, smem)
+    values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    if torch.cuda.current_device() == index:
+        bound(grid, *values)
+    else:
+        with torch.cuda.device(index):
+            bound(grid, *values)
 
 
 def _quant_token(

@@ -660,3 +660,40 @@ def test_weight_quantization_cache_invalidated_by_load_state_dict_and_new_data(m
         assert len(calls) == n + 1, f"{change}: the cached quantization must be dropped"
         for a, b in zip(got, fwd_bwd(uncached)):  # dx reads the new Wᵀ: checks the dgrad copy
             assert_bitwise_equal(a, b, change)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(13, 300, 256), (128, 256, 384)])
+def test_mn_major_scales_give_bitwise_the_same_linear(m, n, k, monkeypatch):
+    """The MN-major scales Fp8Linear asks for on CUDA (no transpose copy in the GEMMs) change
+    the layout only: output and gradients are bitwise those of row-major scales (here through
+    the reference backends, which read any strides)."""
+    from ptxtrain.nn import fp8_linear
+
+    torch.manual_seed(0)
+    layer = fp8_linear.Fp8Linear(k, n, bias=True, dtype=torch.bfloat16)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, dtype=torch.bfloat16)
+
+    def run():
+        xg = x.clone().requires_grad_()
+        layer.weight.grad = layer.bias.grad = None
+        y = layer(xg)
+        y.backward(dy)
+        return y, xg.grad, layer.weight.grad, layer.bias.grad
+
+    want = run()
+    monkeypatch.setattr(fp8_linear, "_sf_layout", lambda device: "mn_major")
+    seen = []
+    both = fp8_linear.quant.per_token_cast_to_fp8_both
+
+    def spy(*args, **kwargs):
+        out = both(*args, **kwargs)
+        seen.extend(t.stride() for t in out if t.dtype == torch.float32)
+        return out
+
+    monkeypatch.setattr(fp8_linear.quant, "per_token_cast_to_fp8_both", spy)
+    got = run()
+    # x in forward and dy in backward were quantized with MN-major scales (column stride 1).
+    assert len(seen) == 4 and all(s[0] == 1 for s in seen), seen
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)

@@ -43,7 +43,8 @@ def _assert_state_dicts_bitwise(a: dict, b: dict) -> None:
 
 
 # --------------------------------------------------------------------------- agreement with torch
-def test_matches_torch_adamw_fp32_with_groups_and_lr_schedule():
+@pytest.mark.parametrize("foreach", [False, True])
+def test_matches_torch_adamw_fp32_with_groups_and_lr_schedule(foreach):
     g = _gen(0)
     shapes = [(7, 5), (13,), (3, 4, 2)]
     ours = [torch.randn(s, generator=g).requires_grad_() for s in shapes]
@@ -53,7 +54,13 @@ def test_matches_torch_adamw_fp32_with_groups_and_lr_schedule():
         return [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0, "lr": 3e-3}]
 
     opt = AdamW(
-        groups(ours), lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1, moment_dtype=torch.float32
+        groups(ours),
+        lr=1e-2,
+        betas=BETAS,
+        eps=1e-8,
+        weight_decay=0.1,
+        moment_dtype=torch.float32,
+        foreach=foreach,
     )
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1)
     for step in range(6):
@@ -247,9 +254,10 @@ def test_generator_groups_add_param_group_and_closure():
         assert "master" in opt.state[p]
 
 
-def test_clip_grad_norm_matches_torch_on_the_grads_step_uses():
+@pytest.mark.parametrize("foreach", [False, True])
+def test_clip_grad_norm_matches_torch_on_the_grads_step_uses(foreach):
     model = _linear(7, torch.bfloat16)
-    opt = AdamW(model.parameters())
+    opt = AdamW(model.parameters(), foreach=foreach)
     x, y = _microbatch(70)
     (model(x.bfloat16()).float() - y).pow(2).sum().backward()
     ref = [opt.grad_for(p).clone().requires_grad_() for p in model.parameters()]
