@@ -508,25 +508,24 @@ class AdamW(torch.optim.Optimizer):
                 buckets.setdefault(key, []).append((p, grad, state))
             for (_, _, _, _, _, has_master), bucket in buckets.items():
                 for chunk in _chunks(bucket, lambda e: e[0].numel(), self._foreach_chunk_numel):
-                    self._update_foreach(chunk, has_master, lr, beta1, beta2, eps, weight_decay)
+                    hyper = (lr, beta1, beta2, eps, weight_decay)
+                    self._update_foreach(chunk, has_master, hyper)
         return loss
 
     def _update_foreach(
         self,
         entries: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]],
         has_master: bool,
-        lr: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        weight_decay: float,
+        hyper: tuple[float, float, float, float, float],
     ) -> None:
-        """:meth:`_update_one` for many ``(param, grad, state)`` at once, in the same op order.
+        """:meth:`_update_one` for many ``(param, grad, state)`` at once, in the same op order;
+        ``hyper`` = (lr, β1, β2, eps, weight_decay).
 
         All entries share device, param dtype, grad dtype, moment dtypes and ``has_master``.
         Every list below holds one tensor per entry; each ``_foreach_*`` call is one (or a few)
         kernel launches on CUDA and a loop of the per-tensor op on CPU.
         """
+        lr, beta1, beta2, eps, weight_decay = hyper
         params = [p for p, _, _ in entries]
         states = [s for _, _, s in entries]
         device, dtype = params[0].device, params[0].dtype
