@@ -103,13 +103,14 @@ def test_gpu_bound_launch_matches_plain_launch(cluster):
     bound(8, x.data_ptr(), y1.data_ptr(), n, 3, 0.5)
     jit_launch.launch(kernel, 8, 128, [x, y2, ctypes.c_int64(n), 3, 0.5], cluster=cluster)
     torch.cuda.synchronize()
-    # Exact: the same kernel on the same inputs; and one fma-free multiply-add per element.
+    # Exact: the same kernel on the same inputs. The kernel's a*x+b contracts to one FMA (one
+    # rounding), which FP64 reproduces exactly here (3x + 0.5 fits 53 bits) before one rounding.
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
-    torch.testing.assert_close(y1, 3 * x + 0.5, rtol=0, atol=0)
+    torch.testing.assert_close(y1, (3 * x.double() + 0.5).float(), rtol=0, atol=0)
     # A second call reuses the thread's parameter block with new values.
     bound((8, 1, 1), x.data_ptr(), y1.data_ptr(), n, -1, 2.0)
     torch.cuda.synchronize()
-    torch.testing.assert_close(y1, -x + 2.0, rtol=0, atol=0)
+    torch.testing.assert_close(y1, (-x.double() + 2.0).float(), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -125,3 +126,60 @@ def test_gpu_bound_launch_rejects_bad_values():
         BoundLaunch(kernel, "ppqif", 128, cluster=(2, 1, 1))(3, 0, 0, 0, 0, 0.0)
     with pytest.raises(TypeError, match="LoadedKernel"):
         BoundLaunch("kernel", "p", 32)
+
+
+class _FakeTensor:
+    def __init__(self, ptr, shape=(64, 256)):
+        self.ptr, self.dtype, self.shape = ptr, torch.float8_e4m3fn, torch.Size(shape)
+
+    def data_ptr(self):
+        return self.ptr
+
+    def stride(self):
+        return (self.shape[1], 1)
+
+
+def _fake_encoder(extra):
+    calls = []
+
+    def encode(tensor, box_rows, box_cols, swizzle="none"):
+        calls.append(tensor.ptr)
+        body = bytes([box_rows, box_cols, tensor.shape[0] % 256]) + bytes(117)
+        data = tensor.ptr.to_bytes(8, "little") + body[:119] + bytes([extra(tensor.ptr)])
+        return jit_launch.TensorMap(data, None)
+
+    return encode, calls
+
+
+@pytest.mark.parametrize("address_only", [True, False])
+def test_tma_bytes_patch_the_address_only_after_checking_where_it_sits(address_only, monkeypatch):
+    extra = (lambda ptr: 0) if address_only else (lambda ptr: (ptr >> 8) % 7)
+    encode, calls = _fake_encoder(extra)
+    monkeypatch.setattr(jit_launch, "make_tma_2d_desc", encode)
+    monkeypatch.setattr(jit_launch, "_encoded_bytes", {})
+    monkeypatch.setattr(jit_launch, "_geometry", {})
+    ptrs = [0x7F00_0000_0000 + 0x1000 * i for i in range(6)]
+    for ptr in ptrs:
+        got = jit_launch.tma_2d_bytes(_FakeTensor(ptr), 64, 128, "128B")
+        assert got == encode(_FakeTensor(ptr), 64, 128).data  # (also counts one call)
+    assert jit_launch.tma_2d_bytes(_FakeTensor(ptrs[0]), 64, 128, "128B")  # a plain cache hit
+    encoded = len(calls) - len(ptrs)  # the test's own encode() calls are one per address
+    if address_only:
+        # The first address is the template, the next two confirm the field; then patched.
+        assert encoded == 3, calls
+    else:
+        # A byte besides the address follows it: the geometry is never patched.
+        assert encoded == len(ptrs), calls
+    # Another geometry starts over (its own template).
+    before = len(calls)
+    jit_launch.tma_2d_bytes(_FakeTensor(ptrs[-1] + 0x1000, shape=(32, 256)), 64, 128, "128B")
+    assert len(calls) == before + 1
+
+
+@pytest.mark.gpu
+def test_gpu_patched_tma_bytes_equal_fresh_encodings():
+    base = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    views = [base[i * 65536 : i * 65536 + 64 * 512].view(64, 512) for i in range(8)]
+    for v in views:
+        got = jit_launch.tma_2d_bytes(v, 64, 128, "128B")
+        assert got == jit_launch.make_tma_2d_desc(v, 64, 128, swizzle="128B").data

@@ -1,4 +1,5 @@
-"""ptxtrain.optim.AdamW: the multi-tensor (foreach) path against the per-tensor path, bitwise."""
+"""ptxtrain.optim.AdamW: the multi-tensor (foreach) path against the per-tensor path (bitwise on
+CPU; within about an FP32 ulp per step on CUDA)."""
 
 from __future__ import annotations
 
@@ -44,14 +45,38 @@ def _set_grads(opt_params, grads) -> None:
         p.grad = None if g is None else g.clone()
 
 
+# CUDA tolerances, relative, per dtype. Measured on an H200: the foreach kernels leave a few FP32
+# masters one ulp (2^-23) away from the per-tensor ones per step; over 4 steps that stays within
+# a few ulps (rtol 2^-20 = 8 ulps). A low-precision copy rounded from an FP32 value one ulp away
+# may land on the neighbouring value: one ulp of its own (bf16 2^-7, fp16 2^-10). FP64 math
+# rounds the same way at 2^-52 (rtol 2^-49).
+_CUDA_RTOL = {
+    torch.float32: 2.0**-20,
+    torch.float64: 2.0**-49,
+    torch.bfloat16: 2.0**-7,
+    torch.float16: 2.0**-10,
+}
+
+
+def _check(actual, expected, name: str, cuda: bool) -> None:
+    step_counter = actual.dim() == 0 and actual.device.type == "cpu"  # exact on every path
+    if not cuda or step_counter:
+        assert_bitwise_equal(actual, expected, name=name)
+    else:
+        rtol = _CUDA_RTOL[actual.dtype]
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=0, msg=name)
+
+
 def _assert_same(a: AdamW, b: AdamW, params_a, params_b, where: str) -> None:
-    """Params, FP32 grad buffers and every state tensor of ``a`` and ``b`` are bitwise equal."""
+    """Params, FP32 grad buffers and every state tensor of ``a`` and ``b`` are bitwise equal
+    (on CUDA: within the tolerances above)."""
     for i, (p, q) in enumerate(zip(params_a, params_b)):
-        assert_bitwise_equal(q.detach(), p.detach(), name=f"{where}: param {i}")
+        cuda = p.device.type == "cuda"
+        _check(q.detach(), p.detach(), f"{where}: param {i}", cuda)
         sa, sb = a.state.get(p, {}), b.state.get(q, {})
         assert sa.keys() == sb.keys(), f"{where}: state keys of param {i}"
         for key in sa:
-            assert_bitwise_equal(sb[key], sa[key], name=f"{where}: {key} of param {i}")
+            _check(sb[key], sa[key], f"{where}: {key} of param {i}", cuda)
 
 
 def _run_pair(
@@ -277,9 +302,10 @@ def test_foreach_clip_grad_norm_bf16_grads_nonfinite_and_empty():
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_foreach_step_is_bitwise_on_cuda(config):
-    # The CUDA foreach kernels use the per-tensor kernels' element formulas, and the bias
-    # correction 1/√(1-β2^t) is passed as the reciprocal CUDA's per-tensor division uses.
+def test_foreach_step_matches_per_tensor_on_cuda(config):
+    # Same op order and scalars as the per-tensor path (the bias correction 1/√(1-β2^t) is the
+    # reciprocal CUDA's per-tensor division uses); the fused kernels still round a few
+    # intermediates differently, hence _CUDA_RTOL.
     dtypes, kwargs = CONFIGS[config]
     _run_pair(dtypes, device="cuda", seed=20 + len(config), **kwargs)
     _run_pair(dtypes, device="cuda", skip=True, groups=True, chunk_numel=100, seed=21, **kwargs)
