@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
-#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [train] [sweep]
+#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [train] [sweep] [host]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
@@ -60,6 +60,11 @@ for stage in $stages; do
       ;;
     train)
       python3 -m benchmarks.train_compare --out "$OUT" || status=1
+      ;;
+    host)
+      # Host time per function of a small training step, bf16 vs fp8 (host-bound regime).
+      python3 -m benchmarks.host_sections --json "$OUT/host_sections_${PTXTRAIN_GIT_SHA:-local}.json" \
+        2>&1 | grep -v "^W" | tee "$LOGS/host_sections.log" | grep -E "host .* ms per step|Linear" || status=1
       ;;
     multigpu)
       python3 -m pytest -q -m "multigpu" -p no:cacheprovider ${TEST_PATHS:-} 2>&1 | tee "$LOGS/multigpu_tests.log" | tail -40
