@@ -74,6 +74,8 @@ def compare(out_dir: Path) -> dict:
     keep = (
         "step",
         "tokens_per_s",
+        "steady_tokens_per_s",
+        "first_step_s",
         "first_loss",
         "last_loss",
         "best_val_loss",
@@ -94,13 +96,19 @@ def compare(out_dir: Path) -> dict:
         "train_loss_gap_10step_mean": gap,
         "val_loss_rel_gap": (fp8["last_val_loss"] - bf16["last_val_loss"]) / bf16["last_val_loss"],
         "tokens_per_s_ratio_fp8_over_bf16": fp8["tokens_per_s"] / bf16["tokens_per_s"],
+        # Without the first step (JIT compiles on a fresh machine).
+        "steady_tokens_per_s_ratio_fp8_over_bf16": (
+            fp8["steady_tokens_per_s"] / bf16["steady_tokens_per_s"]
+            if fp8.get("steady_tokens_per_s") and bf16.get("steady_tokens_per_s")
+            else None
+        ),
         "torch_adamw_fp32_bytes": torch_bytes,
     }
-    print(f"{'':>6} {'tok/s':>9} {'last val':>9} {'opt B/param':>11}")
+    print(f"{'':>6} {'tok/s':>9} {'steady':>9} {'last val':>9} {'opt B/param':>11}")
     for p, r in runs.items():
         print(
-            f"{p:>6} {r['tokens_per_s']:9.0f} {r['last_val_loss']:9.4f} "
-            f"{r['optimizer_bytes_per_param']}"
+            f"{p:>6} {r['tokens_per_s']:9.0f} {r.get('steady_tokens_per_s') or 0:9.0f} "
+            f"{r['last_val_loss']:9.4f} {r['optimizer_bytes_per_param']}"
         )
     for k, v in gap.items():
         print(f"{k}: bf16 {v['bf16']:.4f} fp8 {v['fp8']:.4f} rel gap {v['rel_gap']:+.4%}")
