@@ -63,8 +63,6 @@ if not nvrtc_available():  # backends() reports the module unavailable, with thi
     )
 
 __all__ = [
-    "ASYNC_CONFIG",
-    "ASYNC_CONFIGS",
     "ASYNC_ENV",
     "AUTO_OPS",
     "DEFAULT_VARIANT",
@@ -233,34 +231,25 @@ def compile_module(dtype: torch.dtype, arch: str = "sm_90a", variant: Variant = 
 # ---- the cp.async-pipelined kernel (kernels/cast_async.cuh) for 128x1 and 1x128 + 128x1 ----
 
 ASYNC_ENV = "PTXTRAIN_QUANT_ASYNC"  # "0": always the cast_fp8 kernel (for A/B timing)
-# (stages, CTAs per SM) of the pipelined kernel: STAGES tiles of 32 KB in shared memory per CTA.
-# The configurations benchmarks/sweep_quant_async.py times; ASYNC_CONFIG is the one used.
-ASYNC_CONFIGS = ((2, 3), (3, 2), (2, 2), (4, 1), (6, 1))
-ASYNC_CONFIG: tuple[int, int] = (2, 3)
+_ASYNC_CTAS = 3  # per SM (the kernel's __launch_bounds__)
+_ASYNC_SMEM = 2 * _TILE * _TILE * 2  # two stages of one 16-bit tile
 
 
-def _async_expression(
-    in_kind: int, row: bool, col: bool, pow2: bool, config: tuple[int, int] = (2, 3)
-) -> str:
-    stages, ctas = config
-    flags = f"{_b(row)}, {_b(col)}, {_b(pow2)}"
-    return f"ptxtrain_quant::cast_fp8_async<{in_kind}, {flags}, {stages}, {ctas}>"
+def _async_expression(in_kind: int, row: bool, col: bool, pow2: bool) -> str:
+    return f"ptxtrain_quant::cast_fp8_async<{in_kind}, {_b(row)}, {_b(col)}, {_b(pow2)}>"
 
 
 @functools.cache
-def compile_async_module(config: tuple[int, int] = (2, 3), arch: str = "sm_90a"):
+def compile_async_module(arch: str = "sm_90a"):
     """Compile (or fetch from the JIT cache) the cp.async-pipelined quantizers of 16-bit input
-    (``kernels/cast_async.cuh``) for ``config`` = (stages, CTAs per SM): 128x1 and fused 1x128 +
-    128x1, bfloat16 / float16, with and without power-of-two scales (eight name expressions).
+    (``kernels/cast_async.cuh``): 128x1 and fused 1x128 + 128x1, bfloat16 / float16, with and
+    without power-of-two scales (eight name expressions).
 
     Raises:
-        ValueError: ``config`` is not one of :data:`ASYNC_CONFIGS`.
         ptxtrain.jit.JitCompileError: NVRTC failed.
     """
-    if config not in ASYNC_CONFIGS:
-        raise ValueError(f"config must be one of {ASYNC_CONFIGS}, got {config!r}")
     exprs = [
-        _async_expression(kind, row, True, pow2, config)
+        _async_expression(kind, row, True, pow2)
         for kind in (_IN_KIND[torch.bfloat16], _IN_KIND[torch.float16])
         for row in (False, True)
         for pow2 in (False, True)
@@ -284,13 +273,11 @@ def _async_wanted(x: torch.Tensor, mode: tuple, vec_flags: int) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _bound_async(
-    dtype: torch.dtype, row: bool, pow2: bool, index: int, config: tuple[int, int]
-) -> BoundLaunch:
-    module = compile_async_module(config)
+def _bound_async(dtype: torch.dtype, row: bool, pow2: bool, index: int) -> BoundLaunch:
+    module = compile_async_module()
     with torch.cuda.device(index):
-        kernel = load_kernel(module, _async_expression(_IN_KIND[dtype], row, True, pow2, config))
-    return BoundLaunch(kernel, _SIGNATURE, 256, smem_bytes=config[0] * _TILE * _TILE * 2)
+        kernel = load_kernel(module, _async_expression(_IN_KIND[dtype], row, True, pow2))
+    return BoundLaunch(kernel, _SIGNATURE, 256, smem_bytes=_ASYNC_SMEM)
 
 
 def usable(device: torch.device) -> bool:
@@ -443,10 +430,9 @@ def _launch(
         )
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if _async_wanted(x, mode, args[-1]):
-        config = ASYNC_CONFIG
-        bound = _bound_async(x.dtype, mode[1], mode[3], index, config)
+        bound = _bound_async(x.dtype, mode[1], mode[3], index)
         tiles = ceil_div(args[5], _TILE) * args[12]  # ⌈M / 128⌉ x k_tiles
-        grid = max(1, min(tiles, _sm_count(index) * config[1]))
+        grid = max(1, min(tiles, _sm_count(index) * _ASYNC_CTAS))
     else:
         bound = _bound(x.dtype, mode, variant, index, smem)
     values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]

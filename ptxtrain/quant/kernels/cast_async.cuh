@@ -12,10 +12,10 @@
 // M % 16 == 0 (vec_flags == 7); ptxtrain/quant/cuda.py sends everything else to cast_fp8.
 //
 // Shared memory, per stage: the tile's 128 rows x 16 chunks of 16 bytes, chunk c of row r at
-// r * 16 + (c ^ swz(r)), swz(r) = ((r >> 4) & 7) ^ (r & 3). The row pass (16 threads a row,
-// one chunk each) and the column pass (a thread: one 32-bit word column of 16 rows
-// 16g..16g+15, lane = g + 8 * (word % 4)) then hit 8 distinct 16-byte bank groups per
-// quarter-warp and 32 distinct banks per warp, respectively.
+// r * 16 + (c ^ swz(r)), swz(r) = ((r >> 4) & 7) ^ (r & 3). The row pass (2 threads a row, 8
+// chunks each, the second thread starting 4 chunks later) and the column pass (a thread: one
+// 32-bit word column of 16 rows 16g..16g+15, lane = g + 8 * (word % 4)) then hit 8 distinct
+// 16-byte bank groups per quarter-warp and 32 distinct banks per warp, respectively.
 #pragma once
 
 #include "cast_transpose.cuh"
@@ -23,6 +23,7 @@
 namespace ptxtrain_quant {
 
 constexpr int kAsyncThreads = 256;
+constexpr int kAsyncCtas = 3;                      // per SM: 3 x 64 KB of shared memory
 constexpr int kAsyncStageBytes = kTile * kTile * 2;  // one 16-bit tile: 32 KB
 
 __device__ __forceinline__ int async_swz(int r) { return ((r >> 4) & 7) ^ (r & 3); }
@@ -36,9 +37,8 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+__device__ __forceinline__ void cp_async_wait_1() {
+  asm volatile("cp.async.wait_group 1;" ::: "memory");
 }
 
 // Issue the copies of tile `tile` (if it exists) into the stage at shared address `stage`.
@@ -58,12 +58,10 @@ __device__ __forceinline__ void async_issue(u32 stage, const char* xb, i64 tile,
   }
 }
 
-// IN: kBF16 or kF16. ROW: also write q [M, K] (1x128); COL: qt [K, M] (128x1). STAGES: tiles
-// in shared memory (STAGES - 1 in flight while one is quantized); CTAS: __launch_bounds__ CTAs
-// per SM (the host launches SMs x CTAS). The arguments are cast_fp8's (vec_flags must be 7).
-// Dynamic shared memory: STAGES * kAsyncStageBytes.
-template <int IN, bool ROW, bool COL, bool POW2, int STAGES, int CTAS>
-__global__ void __launch_bounds__(kAsyncThreads, CTAS)
+// IN: kBF16 or kF16. ROW: also write q [M, K] (1x128); COL: qt [K, M] (128x1). The arguments
+// are cast_fp8's (vec_flags must be 7). Dynamic shared memory: 2 * kAsyncStageBytes.
+template <int IN, bool ROW, bool COL, bool POW2>
+__global__ void __launch_bounds__(kAsyncThreads, kAsyncCtas)
     cast_fp8_async(const void* __restrict__ x_ptr, unsigned char* __restrict__ q,
                    float* __restrict__ sf, unsigned char* __restrict__ qt,
                    float* __restrict__ sft, i64 M, i64 K, i64 ldx, i64 sf_s0, i64 sf_s1,
@@ -79,44 +77,46 @@ __global__ void __launch_bounds__(kAsyncThreads, CTAS)
   const char* xb = static_cast<const char*>(x_ptr);
   (void)vec_flags;
 
-  static_assert(STAGES >= 2, "at least one tile in flight");
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {  // the first STAGES - 1 tiles of this CTA
-    async_issue(smem0 + s * kAsyncStageBytes, xb, blockIdx.x + s * static_cast<i64>(gridDim.x),
-                tiles, M, K, ldx, k_tiles, tid);
-    cp_async_commit();
-  }
+  async_issue(smem0, xb, blockIdx.x, tiles, M, K, ldx, k_tiles, tid);
+  cp_async_commit();
   int it = 0;
 #pragma unroll 1
   for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++it) {
-    // Tile it + STAGES - 1 goes to the stage read in iteration it - 1 (synced below).
-    const int fill = (it + STAGES - 1) % STAGES;
-    async_issue(smem0 + fill * kAsyncStageBytes, xb,
-                tile + (STAGES - 1) * static_cast<i64>(gridDim.x), tiles, M, K, ldx, k_tiles, tid);
+    // The next tile goes to the other stage, read by the previous iteration (synced below).
+    async_issue(smem0 + ((it + 1) & 1) * kAsyncStageBytes, xb, tile + gridDim.x, tiles, M, K,
+                ldx, k_tiles, tid);
     cp_async_commit();
-    cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: this tile landed
+    cp_async_wait_1();  // every group but the newest: this tile's copies have landed
     __syncthreads();
-    const uint4* st = smem + (it % STAGES) * (kAsyncStageBytes / 16);
+    const uint4* st = smem + (it & 1) * (kAsyncStageBytes / 16);
     const i64 mt = tile / k_tiles;
     const i64 kt = tile - mt * k_tiles;
     const i64 m0 = mt * kTile, k0 = kt * kTile;
 
-    // ---- row pass: 16 threads a row (one chunk each), 16 rows a pass: a warp stores two whole
-    // 128-byte rows of q per instruction ----
+    // ---- row pass: thread = (row r, half h), chunks h*8 + (j + 4h) % 8 ----
     if constexpr (ROW) {
-      const int c = tid & 15;
-#pragma unroll 2
-      for (int pass = 0; pass < kTile / 16; ++pass) {
-        const int r = (tid >> 4) + 16 * pass;
-        const uint4 v = st[r * 16 + (c ^ async_swz(r))];
-        const Scale s = make_scale<POW2, true>(widen_abs16<IN>(warp_max<16>(chunk_max16(v))));
-        const i64 row = m0 + r, col = k0 + c * 8;
-        if (c == 0 && row < M) st_f32(sf + row * sf_s0 + kt * sf_s1, s.sf);
+      const int r = tid >> 1, h = tid & 1;
+      const int sw = async_swz(r);
+      u32 amax = 0u;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int c = h * 8 + ((j + 4 * h) & 7);
+        amax = max(amax, chunk_max16(st[r * 16 + (c ^ sw)]));
+      }
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the row's other half
+      const Scale s = make_scale<POW2, true>(widen_abs16<IN>(amax));
+      const i64 row = m0 + r;
+      if (h == 0 && row < M) st_f32(sf + row * sf_s0 + kt * sf_s1, s.sf);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int c = h * 8 + ((j + 4 * h) & 7);
+        const uint4 v = st[r * 16 + (c ^ sw)];
         float f[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) f[e] = unpack<IN>(v, e);
         u32 packed[2];
         quantize<8, kMul>(f, s, packed);
+        const i64 col = k0 + c * 8;
         if (row < M && col < K) st_v2(q + row * K + col, make_uint2(packed[0], packed[1]));
       }
     }
