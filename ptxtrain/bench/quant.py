@@ -8,7 +8,6 @@ The reference (PyTorch ops on the GPU) is timed too, as the number the kernels r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -52,8 +51,7 @@ def _bytes(op: str, m: int, k: int) -> int:
 
 def quant_backends() -> dict[str, object]:
     """Modules that implement the quantizers, by backend name (``ref`` always; ``triton`` when
-    installed; ``cuda`` when NVRTC imports and the current GPU is sm_90 with its driver, and then
-    ``cuda_classic``, the same with the cp.async-pipelined kernel off)."""
+    installed; ``cuda`` when NVRTC imports and the current GPU is sm_90 with its driver)."""
     found: dict[str, object] = {"ref": ref}
     try:
         from ptxtrain.quant import triton as triton_quant
@@ -66,36 +64,9 @@ def quant_backends() -> dict[str, object]:
 
         if torch.cuda.is_available() and cuda_quant.usable(torch.device("cuda")):
             found["cuda"] = cuda_quant
-            found["cuda_classic"] = _WithoutAsync(cuda_quant)
     except ImportError:
         pass
     return found
-
-
-class _WithoutAsync:
-    """The cuda backend with its cp.async-pipelined kernel switched off
-    (``PTXTRAIN_QUANT_ASYNC=0`` around each call): the one-read-then-quantize ``cast_fp8`` kernel,
-    timed beside it in the same process."""
-
-    def __init__(self, module) -> None:
-        self._module = module
-
-    def __getattr__(self, name: str):
-        fn = getattr(self._module, name)
-        env = self._module.ASYNC_ENV
-
-        def run(*args, **kwargs):
-            old = os.environ.get(env)
-            os.environ[env] = "0"
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if old is None:
-                    del os.environ[env]
-                else:
-                    os.environ[env] = old
-
-        return run
 
 
 def bench_quant(shapes=QUANT_SHAPES, *, repeats: int = 50) -> dict:

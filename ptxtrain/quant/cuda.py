@@ -41,7 +41,6 @@ Scales: ``sf_layout="row"`` (the reference's row-major layout) or ``"mn_major"``
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -63,7 +62,6 @@ if not nvrtc_available():  # backends() reports the module unavailable, with thi
     )
 
 __all__ = [
-    "ASYNC_ENV",
     "AUTO_OPS",
     "DEFAULT_VARIANT",
     "KERNEL_DIR",
@@ -71,7 +69,6 @@ __all__ = [
     "SF_LAYOUTS",
     "VARIANTS",
     "Variant",
-    "compile_async_module",
     "compile_module",
     "per_block_cast_to_fp8",
     "per_block_cast_to_fp8_both",
@@ -228,58 +225,6 @@ def compile_module(dtype: torch.dtype, arch: str = "sm_90a", variant: Variant = 
     )
 
 
-# ---- the cp.async-pipelined kernel (kernels/cast_async.cuh) for 128x1 and 1x128 + 128x1 ----
-
-ASYNC_ENV = "PTXTRAIN_QUANT_ASYNC"  # "0": always the cast_fp8 kernel (for A/B timing)
-_ASYNC_CTAS = 3  # per SM (the kernel's __launch_bounds__)
-_ASYNC_SMEM = 2 * _TILE * _TILE * 2  # two stages of one 16-bit tile
-
-
-def _async_expression(in_kind: int, row: bool, col: bool, pow2: bool) -> str:
-    return f"ptxtrain_quant::cast_fp8_async<{in_kind}, {_b(row)}, {_b(col)}, {_b(pow2)}>"
-
-
-@functools.cache
-def compile_async_module(arch: str = "sm_90a"):
-    """Compile (or fetch from the JIT cache) the cp.async-pipelined quantizers of 16-bit input
-    (``kernels/cast_async.cuh``): 128x1 and fused 1x128 + 128x1, bfloat16 / float16, with and
-    without power-of-two scales (eight name expressions).
-
-    Raises:
-        ptxtrain.jit.JitCompileError: NVRTC failed.
-    """
-    exprs = [
-        _async_expression(kind, row, True, pow2)
-        for kind in (_IN_KIND[torch.bfloat16], _IN_KIND[torch.float16])
-        for row in (False, True)
-        for pow2 in (False, True)
-    ]
-    return compile_cuda(
-        "#include <cast_async.cuh>\n",
-        name="ptxtrain_quant_cast_fp8_async",
-        arch=arch,
-        include_dirs=[KERNEL_DIR],
-        name_expressions=exprs,
-    )
-
-
-def _async_wanted(x: torch.Tensor, mode: tuple, vec_flags: int) -> bool:
-    """Whether a launch goes to the pipelined kernel: a column output (128x1 or both, not block
-    mode) of aligned 16-bit input (``vec_flags == 7``), unless ``PTXTRAIN_QUANT_ASYNC=0``."""
-    block, _, col, _ = mode
-    if block or not col or vec_flags != 7 or x.dtype == torch.float32:
-        return False
-    return os.environ.get(ASYNC_ENV, "1").strip() != "0"
-
-
-@functools.lru_cache(maxsize=64)
-def _bound_async(dtype: torch.dtype, row: bool, pow2: bool, index: int) -> BoundLaunch:
-    module = compile_async_module()
-    with torch.cuda.device(index):
-        kernel = load_kernel(module, _async_expression(_IN_KIND[dtype], row, True, pow2))
-    return BoundLaunch(kernel, _SIGNATURE, 256, smem_bytes=_ASYNC_SMEM)
-
-
 def usable(device: torch.device) -> bool:
     """True when the kernels can run on ``device``: a CUDA device of compute capability 9.0
     (Hopper; the module is built for ``sm_90a``) with the CUDA driver library present."""
@@ -429,12 +374,7 @@ def _launch(
             f"compute capability {cap}; use PTXTRAIN_QUANT_BACKEND=triton or ref"
         )
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if _async_wanted(x, mode, args[-1]):
-        bound = _bound_async(x.dtype, mode[1], mode[3], index)
-        tiles = ceil_div(args[5], _TILE) * args[12]  # ⌈M / 128⌉ x k_tiles
-        grid = max(1, min(tiles, _sm_count(index) * _ASYNC_CTAS))
-    else:
-        bound = _bound(x.dtype, mode, variant, index, smem)
+    bound = _bound(x.dtype, mode, variant, index, smem)
     values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     if torch.cuda.current_device() == index:
         bound(grid, *values)

@@ -81,16 +81,6 @@ def _check_same(fn_name, x, pow2=False, **kw):
 # ---------------------------------------------------------------------------------------------
 
 
-def _res_usage(tool, path, cubin: bytes):
-    """``[(function, registers, stack, local)]`` from ``cuobjdump -res-usage`` of ``cubin``
-    (written to ``path``), and the raw text."""
-    path.write_bytes(cubin)
-    usage = subprocess.run(
-        [tool, "-res-usage", str(path)], capture_output=True, text=True, timeout=120
-    ).stdout
-    return re.findall(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage), usage
-
-
 def _compile_and_check_resources(dtype, variant, tmp_path, monkeypatch):
     monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path / "jit"))
     monkeypatch.delenv("PTXTRAIN_JIT_DISABLE_CACHE", raising=False)
@@ -109,7 +99,11 @@ def _compile_and_check_resources(dtype, variant, tmp_path, monkeypatch):
     if tool is None:
         pytest.skip("no cuobjdump (PATH or the Triton wheel): SASS not checked")
     cubin = tmp_path / "quant.cubin"
-    funcs, usage = _res_usage(tool, cubin, compiled.cubin)
+    cubin.write_bytes(compiled.cubin)
+    usage = subprocess.run(
+        [tool, "-res-usage", str(cubin)], capture_output=True, text=True, timeout=120
+    ).stdout
+    funcs = re.findall(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage)
     assert {f for f, *_ in funcs} == set(compiled.symbols.values()), usage
     # __launch_bounds__(threads, ctas): the registers fit `ctas` CTAs per SM (allocated in 8s).
     reg_cap = min(255, 65536 // (variant.threads * variant.ctas_per_sm(dtype)) // 8 * 8)
@@ -509,69 +503,3 @@ def _triton() -> bool:
     return (
         importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") != "1"
     )
-
-
-def test_async_kernel_compiles_for_sm90a_without_spills(tmp_path, monkeypatch):
-    """The cp.async-pipelined 128x1 / both kernels: 8 instantiations, 3 CTAs of 256 threads per
-    SM (registers <= 80), no spills, cp.async (LDGSTS) in the SASS."""
-    monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path / "jit"))
-    compiled = cq.compile_async_module.__wrapped__()
-    assert compiled.how == "compiled" and len(set(compiled.symbols.values())) == 8
-    from ptxtrain.jit.cache import find_cuobjdump
-
-    tool = find_cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump (PATH or the Triton wheel): SASS not checked")
-    cubin = tmp_path / "async.cubin"
-    funcs, usage = _res_usage(tool, cubin, compiled.cubin)
-    assert len(funcs) == 8, usage
-    for sym, regs, stack, local in funcs:
-        assert stack == "0" and local == "0", f"{sym}: spills"
-        assert int(regs) <= 65536 // (256 * 3) // 8 * 8, f"{sym}: {regs} registers"
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
-    assert "LDGSTS" in sass
-
-
-@pytest.mark.parametrize(
-    ("dtype", "mode", "flags", "env", "want"),
-    [
-        (torch.bfloat16, (False, True, True, False), 7, None, True),
-        (torch.float16, (False, False, True, True), 7, "1", True),
-        (torch.bfloat16, (False, True, True, False), 7, "0", False),  # A/B switch
-        (torch.bfloat16, (False, True, True, False), 3, None, False),  # M % 16 != 0
-        (torch.bfloat16, (False, True, False, False), 7, None, False),  # row only
-        (torch.bfloat16, (True, True, True, False), 7, None, False),  # block mode
-        (torch.float32, (False, True, True, False), 7, None, False),  # 32-bit input
-    ],
-)
-def test_async_kernel_routing(dtype, mode, flags, env, want, monkeypatch):
-    if env is None:
-        monkeypatch.delenv(cq.ASYNC_ENV, raising=False)
-    else:
-        monkeypatch.setenv(cq.ASYNC_ENV, env)
-    assert cq._async_wanted(torch.empty(1, dtype=dtype), mode, flags) is want
-
-
-@pytest.mark.gpu
-@gpu_sm90
-@pytest.mark.parametrize("pipelined", ["1", "0"])
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
-@pytest.mark.parametrize("m,k", [(16, 8), (144, 136), (272, 2112), (4096, 7168)])
-def test_gpu_async_kernel_bit_exact(m, k, dtype_name, pipelined, monkeypatch):
-    """The aligned 16-bit shapes the pipelined kernel takes (partial tiles at both edges), and the
-    same through cast_fp8 (PTXTRAIN_QUANT_ASYNC=0), against the reference."""
-    monkeypatch.setenv(cq.ASYNC_ENV, pipelined)
-    taken = []
-    real = cq._bound_async
-    monkeypatch.setattr(cq, "_bound_async", lambda *a: taken.append(a) or real(*a))
-    x = _rand(m, k, DTYPES[dtype_name], seed=m + 3 * k, device="cuda")
-    if m > 8 and k > 4:
-        x[1] *= 1e-9  # tiny
-        x[2] = -2.5  # all equal
-        x[5, 3] = float("nan")
-        x[m - 1, k - 1] = float("-inf")
-    for name in ("per_token_cast_to_fp8_t", "per_token_cast_to_fp8_both"):
-        for pow2 in (False, True):
-            _check_same(name, x, pow2=pow2)
-        _check_same(name, x, sf_layout="mn_major")
-    assert bool(taken) == (pipelined == "1")
