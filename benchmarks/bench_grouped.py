@@ -103,6 +103,45 @@ def main() -> None:
                    lambda: grouped.k_grouped_fp8_gemm_nt_contiguous(qa, qb, ks, config=kcfg),
                    flops, want, rows, (mm, nn, kt))  # fmt: skip
         summary[f"k_grouped_over_triton_{mm}x{nn}"] = kp / kt_
+    # Masked (decode) GEMM, PTX vs Triton: G experts, M_max rows each, masked_m drawn in
+    # [1, M_max] (mean near expected_m); only valid rows are compared and counted.
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for g_, m_max in ((16, 64), (16, 128), (8, 256)):
+        for n, k in ((4096, 7168), (7168, 2048)):
+            masked_m = torch.randint(
+                1, m_max + 1, (g_,), device="cuda", dtype=torch.int32, generator=gen
+            )
+            x = torch.randn(g_ * m_max, k, device="cuda")
+            w = torch.randn(g_, n, k, device="cuda")
+            qx = per_token_cast_to_fp8(x)
+            qa3 = (qx[0].view(g_, m_max, k), qx[1].view(g_, m_max, -1))
+            qws = [per_block_cast_to_fp8(w[i]) for i in range(g_)]
+            qb = (torch.stack([q for q, _ in qws]), torch.stack([s_ for _, s_ in qws]))
+            valid = torch.arange(m_max, device="cuda")[None, :] < masked_m[:, None]  # [G, M_max]
+            want = torch.einsum("gmk,gnk->gmn", x.view(g_, m_max, k), w) * valid[..., None]
+            flops = 2.0 * int(masked_m.sum()) * n * k
+            shape = (g_, m_max, n, k)
+            expected = int(masked_m.float().mean().round())
+
+            tflops = {}
+            for name, fn in (
+                ("masked triton", lambda a, b_, mm, e: grouped._masked_triton(
+                    a, b_, mm, e, None, torch.bfloat16, None)),
+                ("masked ptx", ptx.m_grouped_fp8_gemm_nt_masked),
+            ):  # fmt: skip
+
+                def call(fn=fn, qa3=qa3, qb=qb, mm=masked_m, e=expected):
+                    return fn(qa3, qb, mm, e)
+
+                # Rows past masked_m are unspecified: compare the valid ones only.
+                diff = calc_diff((call().float() * valid[..., None]), want)
+                assert diff < 1e-3, f"{name} {shape}: calc_diff {diff:.2e}"
+                us = timer(call)
+                tflops[name] = flops / (us * 1e-6) / 1e12
+                rows.append(dict(shape=shape, op=name, us=us, tflops=tflops[name], calc_diff=diff))
+                print(f"{shape!s:<22} {name:<28} {us:9.1f} µs {tflops[name]:7.0f} TFLOPS")
+            px, tri = tflops["masked ptx"], tflops["masked triton"]
+            summary[f"masked_ptx_over_triton_{g_}x{m_max}_{n}x{k}"] = px / tri
     for key, val in summary.items():
         print(f"{key}: {val:.3f}")
     if args.json:
