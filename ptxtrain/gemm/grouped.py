@@ -29,8 +29,9 @@ is ignored (no TMA / persistent grouped variant yet).
 Dispatch (per call): ``PTXTRAIN_GEMM_BACKEND=ref`` forces the reference; ``auto`` or ``ptx`` send
 the m-grouped contiguous (K-major B) and k-grouped GEMMs on sm_90 without a Triton ``config`` to
 the PTX kernels (:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_contiguous`,
-:func:`ptxtrain.gemm.ptx.k_grouped_fp8_gemm_nt_contiguous`), and ``ptx`` alone the masked one
-(:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_masked`, not yet run on a GPU); otherwise CUDA
+:func:`ptxtrain.gemm.ptx.k_grouped_fp8_gemm_nt_contiguous`), and the masked one
+(:func:`ptxtrain.gemm.ptx.m_grouped_fp8_gemm_nt_masked`) under ``ptx``, or under ``auto`` where
+it measured faster than Triton (:func:`masked_ptx_wins`); otherwise CUDA
 tensors run the Triton kernels, CPU tensors the reference unless the kernels run under Triton's
 interpreter (``TRITON_INTERPRET=1`` set before import), where CPU tensors run them too. Any other
 forced backend name (``cublas``, ``triton``) runs Triton: cuBLAS has no grouped FP8 GEMM.
@@ -57,6 +58,7 @@ __all__ = [
     "k_grouped_fp8_gemm_nt_contiguous",
     "m_grouped_fp8_gemm_nt_contiguous",
     "m_grouped_fp8_gemm_nt_masked",
+    "masked_ptx_wins",
 ]
 
 M_ALIGNMENT = M_GROUPED_ALIGNMENT  # rows per group unit of the contiguous layout (128)
@@ -204,13 +206,27 @@ def _use_triton(device: torch.device | None) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and is_interpreted())
 
 
+def masked_ptx_wins(m_max: int, k: int) -> bool:
+    """Whether ``auto`` sends a masked m-grouped GEMM with ``M_max`` rows per group and depth
+    ``K`` to the PTX kernel (pure rule, device not checked).
+
+    From ``benchmarks/bench_grouped.py`` on an H200 (2026-11-22-s6-h200/call10), random
+    ``masked_m`` in [1, M_max], N x K = 4096 x 7168 / 7168 x 2048: PTX over Triton 1.01 / 1.06x
+    at 16 x 64, 1.20 / 1.32x at 16 x 128, 0.96 / 1.39x at 8 x 256: the PTX kernel except for
+    M_max > 128 with K > 2048.
+    """
+    return m_max <= 128 or k <= 2048
+
+
 def _use_ptx_masked(a: object, b: object, config: GemmConfig | None) -> bool:
-    """The PTX masked kernel takes the call only with ``PTXTRAIN_GEMM_BACKEND=ptx`` (it has not
-    yet run on a GPU, so ``auto`` keeps Triton), then as :func:`_use_ptx_contiguous` for a
-    [G, M_max, K] A."""
-    if _backend.requested("PTXTRAIN_GEMM_BACKEND", _NAMES) != "ptx":
+    """The PTX masked kernel takes the call with ``PTXTRAIN_GEMM_BACKEND=ptx``, or under ``auto``
+    where :func:`masked_ptx_wins`; then as :func:`_use_ptx_contiguous` for a [G, M_max, K] A."""
+    forced = _backend.requested("PTXTRAIN_GEMM_BACKEND", _NAMES)
+    if forced not in ("auto", "ptx"):
         return False
-    return _use_ptx_contiguous(a, b, config) and a[0].dim() == 3
+    if not (_use_ptx_contiguous(a, b, config) and a[0].dim() == 3):
+        return False
+    return forced == "ptx" or masked_ptx_wins(a[0].shape[1], a[0].shape[2])
 
 
 def _use_ptx_k_grouped(a: object, b: object, config: GemmConfig | None) -> bool:

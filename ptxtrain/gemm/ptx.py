@@ -755,9 +755,10 @@ def m_grouped_fp8_gemm_nt_masked(
     it inside a computed tile hold unspecified values (as in DeepGEMM). ``expected_m`` (rows per
     group, a hint) picks the block sizes.
 
-    Status: compiled and SASS-checked in CI, not yet run on a GPU (its GPU test,
-    ``tests/gemm/test_ptx.py::test_gpu_m_grouped_masked``, is waiting for one); ``auto`` keeps the
-    Triton kernel for this op.
+    Status: GPU-tested on an H200 (``tests/gemm/test_ptx.py::test_gpu_m_grouped_masked``) and
+    timed against the Triton kernel (``benchmarks/bench_grouped.py``): ``auto`` in
+    :mod:`ptxtrain.gemm.grouped` takes it where it measured faster
+    (:func:`ptxtrain.gemm.grouped.masked_ptx_wins`).
 
     Raises:
         TypeError / ValueError: as the reference (values of ``masked_m`` are not checked), plus

@@ -447,3 +447,31 @@ def test_compile_for_sm90a_without_gpu(tmp_path):
         assert r["wgmma_e4m3"] >= 4, (name, r)
         if "regs" in r:  # cuobjdump present: no spills (stack frame or local memory)
             assert r["stack"] == 0 and r["local"] == 0, (name, r)
+
+
+def test_masked_ptx_rule_and_cpu_routing(monkeypatch):
+    """``auto`` takes the PTX masked kernel where it measured faster (M_max <= 128 or K <= 2048,
+    H200), never for CPU tensors or under a forced other backend."""
+    from ptxtrain.gemm import grouped as gg
+
+    assert gg.masked_ptx_wins(64, 7168) and gg.masked_ptx_wins(128, 7168)
+    assert gg.masked_ptx_wins(256, 2048) and not gg.masked_ptx_wins(256, 7168)
+    a = (torch.zeros(2, 64, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 64, 2))
+    b = (torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 1, 2))
+    for forced in ("auto", "ptx", "triton"):
+        monkeypatch.setenv("PTXTRAIN_GEMM_BACKEND", forced)
+        assert gg._use_ptx_masked(a, b, None) is False  # CPU tensors: never the PTX kernel
+
+
+@pytest.mark.gpu
+def test_gpu_masked_auto_routing(monkeypatch):
+    from ptxtrain.gemm import grouped as gg
+
+    monkeypatch.delenv("PTXTRAIN_GEMM_BACKEND", raising=False)
+    fp8 = torch.float8_e4m3fn
+    for m_max, k, want in ((128, 7168, True), (256, 7168, False), (256, 2048, True)):
+        a = (torch.zeros(2, m_max, k, dtype=fp8, device="cuda"),
+             torch.ones(2, m_max, k // 128, device="cuda"))  # fmt: skip
+        b = (torch.zeros(2, 256, k, dtype=fp8, device="cuda"),
+             torch.ones(2, 2, k // 128, device="cuda"))  # fmt: skip
+        assert gg._use_ptx_masked(a, b, None) is want, (m_max, k)
