@@ -442,6 +442,52 @@ def _samples(model: torch.nn.Module, args: TrainArgs, device: torch.device) -> l
     return [tok.decode(row) for row in ids[:, prompt.shape[1] :].cpu()]
 
 
+PROFILE_ENV = "PTXTRAIN_PROFILE_STEP"
+
+
+def _profile_step() -> int:
+    """The step ``PTXTRAIN_PROFILE_STEP`` asks to profile (-1: none).
+
+    Raises:
+        TrainConfigError: the variable is set to something other than a positive integer.
+    """
+    raw = os.environ.get(PROFILE_ENV, "").strip()
+    if not raw:
+        return -1
+    if not raw.isdigit() or int(raw) < 1:
+        raise TrainConfigError(f"{PROFILE_ENV} must be a step number >= 1, got {raw!r}")
+    return int(raw)
+
+
+def _start_profile():
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(activities=activities)
+    prof.__enter__()
+    return prof
+
+
+def _write_profile(prof, run_dir: Path, step: int, rank: int) -> None:
+    """Stop ``prof`` (synchronizing the device first) and write its tables, top ops by self CPU
+    time, by call count and by device time, to ``RUN_DIR/profile_step{step}_rank{rank}.txt``."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    ka = prof.key_averages()
+    parts = [f"torch.profiler, step {step}, rank {rank}"]
+    for key in ("self_cpu_time_total", "count", "self_device_time_total"):
+        try:
+            parts.append(
+                f"--- by {key}\n" + ka.table(sort_by=key, row_limit=30, max_name_column_width=70)
+            )
+        except (KeyError, AttributeError, RuntimeError):  # a sort key this torch lacks
+            continue
+    (run_dir / f"profile_step{step}_rank{rank}.txt").write_text("\n\n".join(parts) + "\n")
+
+
 def _prepare_run_dir(run_dir: Path, args: TrainArgs) -> None:
     if args.resume:
         if not run_dir.is_dir():
@@ -1171,9 +1217,11 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     stop = _StopFlag()
     state_bytes = None
     val_loss = None
+    profile_at = _profile_step()
     try:
         with stop.on_sigint():
             for step in range(start + 1, end + 1):
+                prof = _start_profile() if step == profile_at else None
                 t_step = time.perf_counter()
                 lr = lr_at(step - 1, args)
                 for group in optimizer.param_groups:
@@ -1208,6 +1256,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                 loss = float(out.lm_loss.detach())
                 run_losses.append(loss)
                 dt = time.perf_counter() - t_step
+                if prof is not None:
+                    _write_profile(prof, run_dir, step, pipe.rank)
                 step_time += dt
                 if first_step_s is None:
                     first_step_s = dt

@@ -185,3 +185,15 @@ def test_existing_run_folder_needs_resume_or_overwrite(tmp_path):
 def test_bad_arguments(tmp_path, kw, match):
     with pytest.raises(TrainConfigError, match=match):
         train(_args(tmp_path / "run", **kw), model_overrides=SMALL)
+
+
+def test_profile_step_writes_the_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("PTXTRAIN_PROFILE_STEP", "2")
+    train(_args(tmp_path / "run", steps=3, ckpt_every=0, eval_every=3))
+    text = (tmp_path / "run" / "profile_step2_rank0.txt").read_text()
+    assert "step 2, rank 0" in text and "--- by self_cpu_time_total" in text
+    assert "aten::" in text  # the step's ops were recorded
+    assert not (tmp_path / "run" / "profile_step1_rank0.txt").exists()
+    monkeypatch.setenv("PTXTRAIN_PROFILE_STEP", "two")
+    with pytest.raises(TrainConfigError, match="PTXTRAIN_PROFILE_STEP"):
+        train(_args(tmp_path / "run2", steps=1))
