@@ -5,8 +5,8 @@
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
-# small preset's 12 layers do not fill DualPipeV's 16 stages at PP = 8; "dualpipe-seq" runs
-# DualPipe with its F&B overlap off). STEPS (default 60) sets
+# small preset's 12 layers do not fill DualPipeV's 16 stages at PP = 8; "dualpipe-ovl" runs
+# DualPipe with its two-stream F&B overlap on). STEPS (default 60) sets
 # the training steps of the train / ep stages; pp and full take STEPS (default 40), BATCH
 # (default 32) and SEQ (default 512); FULL_SCHEDS the full stage's schedules (default dualpipe).
 # For issues 6 and 7 on 4 / 8 GPUs:
@@ -83,13 +83,13 @@ for stage in $stages; do
       python3 -m ptxtrain train $common --out /tmp/pp-1gpu > "$LOGS/train-1gpu.log" 2>&1 || status=1
       grep -E "throughput|train loss|val|memory" "$LOGS/train-1gpu.log"
       runs="1gpu=/tmp/pp-1gpu"
-      # A "-seq" suffix (e.g. dualpipe-seq) runs that schedule with its F&B overlap hook off
-      # (PTXTRAIN_PP_OVERLAP=0): forward then backward on one stream, for an A/B of the overlap.
+      # A "-ovl" suffix (e.g. dualpipe-ovl) runs that schedule with its two-stream F&B overlap
+      # hook on (PTXTRAIN_PP_OVERLAP=1; off by default), for an A/B of the overlap.
       for sched in ${SCHEDS:-1f1b dualpipe dualpipev}; do
         echo "--- pp$pp $sched"
-        overlap=1; [ "${sched%-seq}" != "$sched" ] && overlap=0
+        overlap=0; [ "${sched%-ovl}" != "$sched" ] && overlap=1
         PTXTRAIN_PP_OVERLAP=$overlap torchrun --nproc-per-node "$pp" -m ptxtrain train $common \
-          --pp "$pp" --schedule "${sched%-seq}" --timeline --out /tmp/pp-$sched \
+          --pp "$pp" --schedule "${sched%-ovl}" --timeline --out /tmp/pp-$sched \
           > "$LOGS/train-pp$pp-$sched.log" 2>&1 || status=1
         grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-pp$pp-$sched.log" | head -8
         python3 -m ptxtrain plot timeline /tmp/pp-$sched --out "$OUT/timeline-pp$pp-$sched.png" || status=1

@@ -185,8 +185,14 @@ class PipelineRunner:
             None: on the default group the schedule creates them at its first step.
         overlap: DualPipe / DualPipeV: run the F&B steps through
             :meth:`DeepSeekV3Stage.overlapped_forward_backward` (two CUDA streams). None (the
-            default) reads the environment variable ``PTXTRAIN_PP_OVERLAP`` (``0`` turns it
-            off, for A/B runs), else on.
+            default) reads the environment variable ``PTXTRAIN_PP_OVERLAP``: ``1`` turns it on,
+            unset or ``0`` leaves it off. Off by default because it measured slower on H200s
+            (``small``, 32 x 512 tokens): DualPipe 48,635 tokens/s without it against 37,351
+            with it at PP = 2, 34,332 against 33,141 at PP = 4
+            (benchmarks/results/2026-11-22-s6-2xh200, -s6-4xh200). The MoE layer reads its
+            expert counts back to the host in the forward, so the host waits for the device
+            mid-cell and the two streams' work cannot overlap; those reads cost 3x longer with
+            the overlap on (cudaMemcpyAsync 54 vs 16 µs per call, torch.profiler).
 
     Raises:
         ValueError: an invalid combination (:func:`~ptxtrain.parallel.stages.check_pipeline`),
@@ -217,7 +223,7 @@ class PipelineRunner:
         self.stages = [DeepSeekV3Stage(model, s, self.n_stages) for s in ids]
         self.module = nn.ModuleList(self.stages)  # for the optimizer: this rank's parameters
         if overlap is None:
-            overlap = os.environ.get("PTXTRAIN_PP_OVERLAP", "1").strip() != "0"
+            overlap = os.environ.get("PTXTRAIN_PP_OVERLAP", "0").strip() == "1"
         self.overlap = bool(overlap)
         self.runner = build_schedule(
             schedule, self.stages, group, overlap=self.overlap, p2p_groups=p2p_groups

@@ -209,6 +209,16 @@ def worker_model(rank: int, world: int) -> None:
             if id(p) in mine and ref_grads[name] is not None:
                 d = (p.grad - ref_grads[name]).abs().max().item()
                 assert d <= MODEL_TOL, f"{what}: grad of {name} differs by {d:.2e}"
+    # overlap=None: off unless PTXTRAIN_PP_OVERLAP=1 (it measured slower on GPUs, see the doc).
+    import os
+
+    for env, want in ((None, False), ("0", False), ("1", True)):
+        if env is None:
+            os.environ.pop("PTXTRAIN_PP_OVERLAP", None)
+        else:
+            os.environ["PTXTRAIN_PP_OVERLAP"] = env
+        assert PipelineRunner(_model(), "dualpipe", n_chunks).overlap is want, env
+    os.environ.pop("PTXTRAIN_PP_OVERLAP", None)
 
 
 def test_overlap_hook_model_stages_pp2():
