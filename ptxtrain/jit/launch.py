@@ -512,7 +512,15 @@ class _LaunchConfig(ctypes.Structure):
 @functools.cache
 def _libcuda():
     """libcuda's launch entry points with their argument types (ctypes)."""
-    lib = ctypes.CDLL("libcuda.so.1")
+    lib = None
+    for name in ("libcuda.so.1", "libcuda.so"):  # as driver_available() looks for it
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if lib is None:
+        raise RuntimeError("ptxtrain.jit.BoundLaunch needs the CUDA driver (libcuda.so.1)")
     u = ctypes.c_uint
     lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p]
     lib.cuLaunchKernel.argtypes += [ctypes.c_void_p, ctypes.c_void_p]
