@@ -273,23 +273,25 @@ def main() -> None:
     device = torch.device(args.device)
     record = {**environment(), "bench": "host_sections", "preset": args.preset}
     record.update(batch=args.batch, seq=args.seq, steps=args.steps, cases=[])
-    for precision in args.precisions:
-        record["cases"].append(
-            step_sections(
-                sections,
-                args.preset,
-                precision,
-                args.batch,
-                args.seq,
-                args.warmup,
-                args.steps,
-                device,
+    try:
+        for precision in args.precisions:
+            record["cases"].append(
+                step_sections(
+                    sections,
+                    args.preset,
+                    precision,
+                    args.batch,
+                    args.seq,
+                    args.warmup,
+                    args.steps,
+                    device,
+                )
             )
-        )
-    m, n, k = args.linear
-    linear = linear_sections(sections, m, n, k, args.reps, device)
-    record["linear"] = {"m": m, "n": n, "k": k, **linear}
-    sections.uninstall()
+        m, n, k = args.linear
+        linear = linear_sections(sections, m, n, k, args.reps, device)
+        record["linear"] = {"m": m, "n": n, "k": k, **linear}
+    finally:
+        sections.uninstall()  # the wrapped functions are module globals: always restore them
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
