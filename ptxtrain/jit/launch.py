@@ -741,6 +741,8 @@ def tma_2d_bytes(tensor, box_rows: int, box_cols: int, swizzle: str = "none") ->
     else:
         hit = make_tma_2d_desc(tensor, box_rows, box_cols, swizzle=swizzle).data
         if known is None:
+            if len(_geometry) >= _ENCODED_MAX:  # bounded like _encoded_bytes (MoE shapes vary)
+                _geometry.pop(next(iter(_geometry)))
             _geometry[geom] = [hit, ptr, 0, -1]
         elif known[2] >= 0 and known[1] != ptr:
             off = _address_field(known[0], known[1], hit, ptr)
