@@ -28,6 +28,7 @@ from ptxtrain.quant.ref import per_token_cast_to_fp8
 __all__ = [
     "PermuteQuantResult",
     "check_routing",
+    "count_per_expert",
     "grouped_layout_ref",
     "permute_quant_ref",
     "permute_ref",
@@ -222,6 +223,19 @@ def seq_balance_loss_ref(
     return alpha * (f * p).sum(-1).mean()
 
 
+def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of ``expert_ids`` (any shape, int64) name each expert: ``[E]`` int64.
+
+    ``torch.bincount(ids, minlength=E)`` for ids in ``[0, E)``, without its host sync (on CUDA
+    bincount reads the maximum back to size its output: a stall in every MoE layer's forward).
+    Ids outside ``[0, E)`` are not counted.
+    """
+    flat = expert_ids.reshape(-1)
+    spill = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, spill, torch.ones_like(spill))[:num_experts]
+
+
 def permute_ref(
     x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -251,7 +265,7 @@ def permute_ref(
     k = topk_idx.shape[1]
     flat = topk_idx.flatten()  # [T·k]
     sorted_slots = flat.argsort(stable=True)  # [T·k]
-    tokens_per_expert = torch.bincount(flat, minlength=num_experts)  # [E]
+    tokens_per_expert = count_per_expert(flat, num_experts)  # [E], no host sync
     x_permuted = x.index_select(0, sorted_slots // k)  # [T·k, D]
     return x_permuted, sorted_slots, tokens_per_expert
 

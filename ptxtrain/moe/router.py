@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ptxtrain._checks import check_tensor
-from ptxtrain.moe.ref import route_ref, seq_balance_loss_ref
+from ptxtrain.moe.ref import count_per_expert, route_ref, seq_balance_loss_ref
 
 __all__ = ["Router", "load_stats"]
 
@@ -189,7 +189,7 @@ class Router(nn.Module):
         n_tokens = topk_idx.shape[0]
         if self.training:
             with torch.no_grad():
-                self.expert_counts += torch.bincount(topk_idx.flatten(), minlength=self.n_experts)
+                self.expert_counts += count_per_expert(topk_idx, self.n_experts)  # no sync
         if not (aux_loss and self.training and self.seq_aux_loss_alpha > 0 and n_tokens > 0):
             return None
         return seq_balance_loss_ref(

@@ -47,7 +47,7 @@ from ptxtrain._checks import (
     check_same_device,
     check_tensor,
 )
-from ptxtrain.moe.ref import PermuteQuantResult, check_routing
+from ptxtrain.moe.ref import PermuteQuantResult, check_routing, count_per_expert
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE
 from ptxtrain.quant.triton import (
     _abs_bits,
@@ -434,7 +434,7 @@ def permute_quant(
     dev = x.device
     flat = topk_idx.reshape(-1)  # [T·k]
     sorted_slots = flat.argsort(stable=True)  # [T·k]
-    tokens_per_expert = torch.bincount(flat, minlength=num_experts)  # [E]
+    tokens_per_expert = count_per_expert(flat, num_experts)  # [E] (bincount would sync)
     n_slots, d = flat.numel(), x.shape[1]
     padded_rows = m_indices = None
     rows = torch.arange(n_slots, device=dev)  # [T·k] output row of each permuted position

@@ -231,3 +231,20 @@ def test_expert_parallel_needs_a_process_group():
         moe.enable_expert_parallel()
     assert moe.ep_size == 1 and moe.experts.num_local_experts == 8
     moe.sync_expert_counts()  # a no-op without expert parallelism
+
+
+@pytest.mark.parametrize("shape", [(0,), (1, 1), (13, 8), (300, 6)])
+def test_count_per_expert_is_bincount_without_a_sync(shape):
+    from ptxtrain.moe.ref import count_per_expert
+
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    n_experts = 37
+    ids = torch.randint(0, n_experts, shape, generator=g)
+    want = torch.bincount(ids.reshape(-1), minlength=n_experts)
+    assert torch.equal(count_per_expert(ids, n_experts), want)
+    # Out-of-range ids are not counted (bincount would grow its output or raise).
+    if ids.numel() > 2:
+        bad = ids.clone().reshape(-1)
+        bad[0], bad[1] = -1, n_experts + 3
+        got = count_per_expert(bad, n_experts)
+        assert got.shape == (n_experts,) and int(got.sum()) == bad.numel() - 2
