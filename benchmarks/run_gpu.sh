@@ -134,6 +134,7 @@ for stage in $stages; do
         torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --pp 2 --ep "$ep" --schedule $sched \
           --timeline --out /tmp/full-$sched > "$LOGS/train-full-pp2-ep$ep-$sched.log" 2>&1 || status=1
         grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-full-pp2-ep$ep-$sched.log" | head -8
+        python3 -m ptxtrain plot timeline /tmp/full-$sched --out "$OUT/timeline-full-pp2-ep$ep-$sched.png" || status=1
         runs="$runs pp2-ep$ep-$sched=/tmp/full-$sched"
       done
       python3 -m benchmarks.pp_report --json "$OUT/full-pp2-ep$ep-${PTXTRAIN_GIT_SHA:-local}.json" \
