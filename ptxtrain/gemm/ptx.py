@@ -35,6 +35,7 @@ import torch
 
 from ptxtrain._checks import ceil_div
 from ptxtrain.gemm import ref
+from ptxtrain.quant.ref import to_mn_major
 
 BLOCK_K = 128
 _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc + fin in registers
@@ -351,15 +352,9 @@ def _k_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
-    """``sf [R, KB]`` → a ``[KB, R]`` view with row stride ``4·⌈R/4⌉`` (16-byte rows for TMA)."""
-    rows, kb = sf.shape
-    pad = ceil_div(max(rows, 1), 4) * 4
-    if sf.stride(0) == 1 and sf.stride(1) == pad and sf.data_ptr() % 16 == 0:
-        return sf.t()
-    buf = torch.empty(kb, pad, dtype=torch.float32, device=sf.device)
-    view = buf[:, :rows]
-    view.copy_(sf.t())
-    return view
+    """``sf [R, KB]`` → a ``[KB, R]`` view with row stride ``4·⌈R/4⌉`` (16-byte rows for TMA):
+    the transpose of its ``"mn_major"`` layout (no copy when the quantizer wrote that)."""
+    return to_mn_major(sf).t()
 
 
 # The kernel's parameters (fp8_gemm.cuh): the TMA descriptors of A, B, sf_a, sf_b and D, then

@@ -48,13 +48,11 @@ from ptxtrain._checks import (
     check_tensor,
 )
 from ptxtrain.moe.ref import PermuteQuantResult, check_routing, count_per_expert
-from ptxtrain.quant.ref import BLOCK, FP8_DTYPE
+from ptxtrain.quant.ref import BLOCK, FP8_DTYPE, check_sf_layout, empty_sf
 from ptxtrain.quant.triton import (
     _abs_bits,
     _all_finite,
     _cast_e4m3,
-    _check_sf_layout,
-    _empty_sf,
     _reciprocal,
     _scale_from_amax_bits,
 )
@@ -423,7 +421,7 @@ def permute_quant(
     check_positive_int("num_experts", num_experts)
     if align is not None:
         check_positive_int("align", align)
-    sf_layout = _check_sf_layout(sf_layout)
+    sf_layout = check_sf_layout(sf_layout)
     check_same_device(x=x, topk_idx=topk_idx)
     _check_device("x", x)
     _check_index_range("topk_idx", topk_idx, num_experts)
@@ -450,7 +448,7 @@ def permute_quant(
     slot_row = torch.empty(n_slots, dtype=torch.int64, device=dev)
     slot_row.index_copy_(0, sorted_slots, rows)  # [T·k] slot t·k + j -> output row
     x_fp8 = torch.empty((n_rows, d), dtype=FP8_DTYPE, device=dev)
-    sf = _empty_sf(n_rows, ceil_div(d, BLOCK), sf_layout, dev)
+    sf = empty_sf(n_rows, ceil_div(d, BLOCK), sf_layout, dev)
     if n_slots > 0 and d > 0:
         block_m = min(64, max(16, _pow2(n_tokens)))
         _scatter_quant_kernel[(triton.cdiv(n_tokens, block_m), ceil_div(d, BLOCK))](

@@ -24,8 +24,11 @@ from ptxtrain.quant.ref import (
     BLOCK,
     FP8_DTYPE,
     FP8_MAX,
+    SF_LAYOUTS,
+    check_sf_layout,
     per_block_cast_back,
     per_token_cast_back,
+    to_mn_major,
 )
 
 BACKENDS = ("ref", "triton", "cuda")
@@ -74,28 +77,10 @@ def _impl(fn_name: str, x: object):
     return getattr(_backend.load(__name__, select_backend(x, fn_name)), fn_name)
 
 
-SF_LAYOUTS = ("row", "mn_major")
-_MN_ALIGN = 4  # MN-major scale columns are padded to 4 rows (16 bytes, a TMA row)
-
-
-def to_mn_major(sf: torch.Tensor) -> torch.Tensor:
-    """``sf`` [R, C] fp32 in the ``"mn_major"`` layout: strides ``(1, 4·⌈R/4⌉)`` (each column
-    contiguous and 16-byte aligned), same values; returned as is when already laid out so."""
-    rows, cols = sf.shape
-    pad = -(-max(rows, 1) // _MN_ALIGN) * _MN_ALIGN
-    if sf.stride(0) == 1 and sf.stride(1) == pad:
-        return sf
-    out = torch.empty_strided((rows, cols), (1, pad), dtype=sf.dtype, device=sf.device)
-    out.copy_(sf)
-    return out
-
-
 def _with_layout(fn, x, block, pow2_scale, sf_layout):
     """Run a 1x128 / 128x1 quantizer ``fn`` with scales in ``sf_layout`` (the reference backend
     has only row-major scales: they are re-laid out after it)."""
-    if sf_layout not in SF_LAYOUTS:
-        raise ValueError(f"sf_layout must be one of {SF_LAYOUTS}, got {sf_layout!r}")
-    if sf_layout == "row":
+    if check_sf_layout(sf_layout) == "row":
         return fn(x, block, pow2_scale=pow2_scale)
     if fn.__module__.endswith(".ref"):
         out = fn(x, block, pow2_scale=pow2_scale)

@@ -54,7 +54,14 @@ from ptxtrain.jit import (
     load_kernel,
     nvrtc_available,
 )
-from ptxtrain.quant.ref import BLOCK, FP8_DTYPE, _check_block
+from ptxtrain.quant.ref import (
+    BLOCK,
+    FP8_DTYPE,
+    SF_LAYOUTS,
+    _check_block,
+    check_sf_layout,
+    empty_sf,
+)
 
 if not nvrtc_available():  # backends() reports the module unavailable, with this reason
     raise ImportError(
@@ -79,7 +86,6 @@ __all__ = [
 ]
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-SF_LAYOUTS = ("row", "mn_major")
 # Ops that ``auto`` sends to this backend on sm_90: the transposed ones, where the Triton kernels
 # reach only 0.50-0.67 of copy bandwidth (the plain 1x128 / 128x128 Triton kernels reach
 # 0.76-0.86; move them here once ``ptxtrain bench quant`` shows this backend ahead).
@@ -156,7 +162,6 @@ SELECT: dict[str, str] = {
 }
 
 _TILE = 128
-_MN_ALIGN = 4
 _IN_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # (block mode, row output, column output) of each quantizer family.
 _MODES = ((False, True, False), (False, False, True), (False, True, True), (True, True, False),
@@ -243,12 +248,6 @@ def _usable_index(index: int) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_sf_layout(sf_layout: object) -> str:
-    if sf_layout not in SF_LAYOUTS:
-        raise ValueError(f"sf_layout must be one of {SF_LAYOUTS}, got {sf_layout!r}")
-    return sf_layout
-
-
 def _check_input(name: str, x: object, block: object) -> torch.Tensor:
     """Validate like the reference, plus the device; return x with ``stride(-1) == 1``."""
     check_tensor(name, x, dtypes=HP_DTYPES, ndim=2)
@@ -274,14 +273,6 @@ def _fallback():
     except ImportError:
         from ptxtrain.quant import ref as fallback
     return fallback
-
-
-def _empty_sf(rows: int, cols: int, layout: str, device: torch.device) -> torch.Tensor:
-    """fp32 scales [rows, cols]: row-major, or MN-major with strides (1, rows padded to 4)."""
-    if layout == "row":
-        return torch.empty((rows, cols), dtype=torch.float32, device=device)
-    rows_pad = ceil_div(rows, _MN_ALIGN) * _MN_ALIGN
-    return torch.empty_strided((rows, cols), (1, rows_pad), dtype=torch.float32, device=device)
 
 
 def _vec_flags(x: torch.Tensor, m: int, k: int) -> int:
@@ -394,10 +385,10 @@ def _quant_token(
     q = sf = qt = sft = None
     if row:
         q = torch.empty((m, k), dtype=FP8_DTYPE, device=dev)
-        sf = _empty_sf(m, ceil_div(k, _TILE), sf_layout, dev)
+        sf = empty_sf(m, ceil_div(k, _TILE), sf_layout, dev)
     if col:
         qt = torch.empty((k, m), dtype=FP8_DTYPE, device=dev)
-        sft = _empty_sf(k, ceil_div(m, _TILE), sf_layout, dev)
+        sft = empty_sf(k, ceil_div(m, _TILE), sf_layout, dev)
     if m > 0 and k > 0:
         _run(
             x,
@@ -472,7 +463,7 @@ def per_token_cast_to_fp8(
     Source: DeepSeek-V3 report §3.3 (fine-grained quantization); DESIGN §1.
     """
     x = _check_input("x", x, block)
-    sf_layout = _check_sf_layout(sf_layout)
+    sf_layout = check_sf_layout(sf_layout)
     if block != _TILE:
         return _fallback().per_token_cast_to_fp8(x, block, pow2_scale=pow2_scale, **_kw(sf_layout))
     return _quant_token(x, pow2_scale, sf_layout, row=True, col=False)
@@ -500,7 +491,7 @@ def per_token_cast_to_fp8_t(
     Source: DeepSeek-V3 report §3.3 (wgrad operands quantized along tokens); DESIGN §1.
     """
     x = _check_input("x", x, block)
-    sf_layout = _check_sf_layout(sf_layout)
+    sf_layout = check_sf_layout(sf_layout)
     if block != _TILE:
         fb = _fallback()
         return fb.per_token_cast_to_fp8_t(x, block, pow2_scale=pow2_scale, **_kw(sf_layout))
@@ -528,7 +519,7 @@ def per_token_cast_to_fp8_both(
     cost); DESIGN §1.
     """
     x = _check_input("x", x, block)
-    sf_layout = _check_sf_layout(sf_layout)
+    sf_layout = check_sf_layout(sf_layout)
     if block != _TILE:
         fb = _fallback()
         return fb.per_token_cast_to_fp8_both(x, block, pow2_scale=pow2_scale, **_kw(sf_layout))

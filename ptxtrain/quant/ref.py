@@ -43,6 +43,43 @@ def _check_block(block: int) -> int:
     return block
 
 
+# Scale layouts the quantizers can write (the functions here write row-major): ``"row"`` or
+# ``"mn_major"``, strides (1, 4·⌈R/4⌉) for R rows: each column contiguous and 16-byte aligned,
+# the layout the PTX (TMA) and cuBLAS GEMMs read.
+SF_LAYOUTS = ("row", "mn_major")
+_MN_ALIGN = 4  # fp32 scales per 16 bytes
+
+
+def check_sf_layout(sf_layout: object) -> str:
+    """Return ``sf_layout``; ValueError unless it is one of :data:`SF_LAYOUTS`."""
+    if sf_layout not in SF_LAYOUTS:
+        raise ValueError(f"sf_layout must be one of {SF_LAYOUTS}, got {sf_layout!r}")
+    return sf_layout
+
+
+def _mn_stride(rows: int) -> int:
+    return -(-max(rows, 1) // _MN_ALIGN) * _MN_ALIGN
+
+
+def empty_sf(rows: int, cols: int, layout: str, device: torch.device) -> torch.Tensor:
+    """Uninitialized fp32 scales [rows, cols] in ``layout`` (see :data:`SF_LAYOUTS`)."""
+    if layout == "row":
+        return torch.empty((rows, cols), dtype=torch.float32, device=device)
+    stride = (1, _mn_stride(rows))
+    return torch.empty_strided((rows, cols), stride, dtype=torch.float32, device=device)
+
+
+def to_mn_major(sf: torch.Tensor) -> torch.Tensor:
+    """``sf`` [R, C] fp32 in the ``"mn_major"`` layout, same values; returned as is when it
+    already is laid out so (and 16-byte aligned), else copied."""
+    rows, cols = sf.shape
+    if sf.stride(0) == 1 and sf.stride(1) == _mn_stride(rows) and sf.data_ptr() % 16 == 0:
+        return sf
+    out = empty_sf(rows, cols, "mn_major", sf.device)
+    out.copy_(sf)
+    return out
+
+
 def _check_hp_2d(name: str, x: torch.Tensor) -> torch.Tensor:
     return check_tensor(name, x, dtypes=HP_DTYPES, ndim=2)
 

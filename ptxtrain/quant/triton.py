@@ -56,7 +56,16 @@ import triton
 import triton.language as tl
 
 from ptxtrain._checks import HP_DTYPES, ceil_div, check_tensor
-from ptxtrain.quant.ref import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, _check_block
+from ptxtrain.quant.ref import (
+    AMAX_EPS,
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    SF_LAYOUTS,
+    _check_block,
+    check_sf_layout,
+    empty_sf,
+)
 
 __all__ = [
     "SF_LAYOUTS",
@@ -67,8 +76,6 @@ __all__ = [
     "per_token_cast_to_fp8_t",
 ]
 
-SF_LAYOUTS = ("row", "mn_major")
-_MN_ALIGN = 4  # fp32 scales per 16 bytes: TMA needs 16-byte aligned strides
 
 # Bits of fp32(AMAX_EPS): clamping |x| bits with an integer maximum keeps NaN (bits above inf).
 _EPS_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", AMAX_EPS))[0])
@@ -317,20 +324,6 @@ def _check_input(name: str, x: object, block: object) -> tuple[torch.Tensor, int
     return x, block
 
 
-def _check_sf_layout(sf_layout: object) -> str:
-    if sf_layout not in SF_LAYOUTS:
-        raise ValueError(f"sf_layout must be one of {SF_LAYOUTS}, got {sf_layout!r}")
-    return sf_layout
-
-
-def _empty_sf(rows: int, cols: int, layout: str, device: torch.device) -> torch.Tensor:
-    """fp32 scales [rows, cols]: row-major, or MN-major with strides (1, rows padded to 4)."""
-    if layout == "row":
-        return torch.empty((rows, cols), dtype=torch.float32, device=device)
-    rows_pad = ceil_div(rows, _MN_ALIGN) * _MN_ALIGN
-    return torch.empty_strided((rows, cols), (1, rows_pad), dtype=torch.float32, device=device)
-
-
 def _quant_1x(x, block, pow2_scale, sf_layout, *, row: bool, col: bool, config=None):
     """Shared launcher: returns (x_fp8, sf) if row, (xt_fp8, sf_t) if col (in that order).
 
@@ -347,10 +340,10 @@ def _quant_1x(x, block, pow2_scale, sf_layout, *, row: bool, col: bool, config=N
     q = sf = qt = sft = None
     if row:
         q = torch.empty((m, k), dtype=FP8_DTYPE, device=dev)
-        sf = _empty_sf(m, ceil_div(k, block), sf_layout, dev)
+        sf = empty_sf(m, ceil_div(k, block), sf_layout, dev)
     if col:
         qt = torch.empty((k, m), dtype=FP8_DTYPE, device=dev)
-        sft = _empty_sf(k, ceil_div(m, block), sf_layout, dev)
+        sft = empty_sf(k, ceil_div(m, block), sf_layout, dev)
     if m > 0 and k > 0:
         cfg = config or _config_1x(m, block, row=row, col=col, interpreted=interpreted)
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(k, cfg.block_k))
@@ -405,7 +398,7 @@ def per_token_cast_to_fp8(
     Source: DeepSeek-V3 report §3.3; DESIGN §1.
     """
     x, block = _check_input("x", x, block)
-    sf_layout = _check_sf_layout(sf_layout)
+    sf_layout = check_sf_layout(sf_layout)
     return _quant_1x(x, block, pow2_scale, sf_layout, row=True, col=False)
 
 
@@ -430,7 +423,7 @@ def per_token_cast_to_fp8_t(
     Source: DeepSeek-V3 report §3.3 (wgrad operands quantized along tokens); DESIGN §1.
     """
     x, block = _check_input("x", x, block)
-    sf_layout = _check_sf_layout(sf_layout)
+    sf_layout = check_sf_layout(sf_layout)
     return _quant_1x(x, block, pow2_scale, sf_layout, row=False, col=True)
 
 
@@ -458,7 +451,7 @@ def per_token_cast_to_fp8_both(
     cost); DESIGN §1.
     """
     x, block = _check_input("x", x, block)
-    sf_layout = _check_sf_layout(sf_layout)
+    sf_layout = check_sf_layout(sf_layout)
     return _quant_1x(x, block, pow2_scale, sf_layout, row=True, col=True)
 
 
