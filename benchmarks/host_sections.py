@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from benchmarks.profile_step import _build, _sync
+
 # module:qualname of every timed function (missing ones are skipped, so the list can name
 # functions of several versions).
 TARGETS = [
@@ -167,7 +169,6 @@ def _print(rows: list[dict], title: str) -> None:
 
 def step_sections(sections, preset, precision, batch, seq, warmup, steps, device) -> dict:
     """Host sections of ``steps`` training steps (forward, backward, clip, AdamW, zero_grad)."""
-    from benchmarks.profile_step import _build
 
     cfg, model, opt = _build(preset, precision, device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -205,11 +206,6 @@ def step_sections(sections, preset, precision, batch, seq, warmup, steps, device
         "tokens_per_s": batch * seq / statistics.median(synced) * 1e3,
         "sections": rows,
     }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def linear_sections(sections, m, n, k, reps, device) -> dict:

@@ -161,11 +161,7 @@ class TensorMap:
     owner: Any = field(repr=False, compare=False, default=None)
 
 
-# Encoded descriptors by (address, dtype, shape, strides, device, box, swizzle): the driver call
-# costs tens of µs of host time per descriptor from Python, and GEMMs see the same operands
-# (cached weights) or the same allocator blocks again and again.
-_encoded: dict[tuple, tuple[bytes, Tma2dParams]] = {}
-_ENCODED_MAX = 4096
+_ENCODED_MAX = 4096  # cached encodings (tma_2d_bytes)
 
 
 def make_tma_2d_desc(tensor, box_rows: int, box_cols: int, *, swizzle: str = "none") -> TensorMap:
@@ -173,11 +169,29 @@ def make_tma_2d_desc(tensor, box_rows: int, box_cols: int, *, swizzle: str = "no
 
     dtype → element type: FP8 / int8 / uint8 → UINT8, bfloat16, float16, float32, int32. L2
     promotion 256 B, no interleave, out-of-bounds elements read as zero. The tensor's address
-    must be 16-byte aligned. See ``tma_2d_params`` for the box rules.
+    must be 16-byte aligned. See ``tma_2d_params`` for the box rules. The bytes come from
+    :func:`tma_2d_bytes`'s cache.
 
     Raises:
         TypeError / ValueError: not a 2D CUDA tensor of a supported dtype, or a bad box.
         RuntimeError: no CUDA driver, or the driver rejects the descriptor.
+    """
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+    data = tma_2d_bytes(tensor, box_rows, box_cols, swizzle)
+    params = tma_2d_params(
+        tensor.shape, tensor.stride(), tensor.element_size(), box_rows, box_cols, swizzle
+    )
+    return TensorMap(data, params, owner=tensor)
+
+
+def _encode_2d(tensor, box_rows: int, box_cols: int, swizzle: str) -> bytes:
+    """One ``cuTensorMapEncodeTiled`` call (uncached): the 128 bytes of the descriptor.
+
+    Raises:
+        as :func:`make_tma_2d_desc`.
     """
     import torch
 
@@ -195,22 +209,6 @@ def make_tma_2d_desc(tensor, box_rows: int, box_cols: int, *, swizzle: str = "no
     }
     if tensor.dtype not in kinds:
         raise TypeError(f"tensor: dtype {tensor.dtype} has no TMA element type; use {list(kinds)}")
-    key = (
-        tensor.data_ptr(),
-        tensor.dtype,
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
-        tensor.device,
-        box_rows,
-        box_cols,
-        swizzle,
-    )
-    hit = _encoded.get(key)
-    if hit is not None:
-        # The encoding depends only on the key, so a tensor that reuses a freed tensor's memory
-        # with the same geometry gets the same (valid) descriptor; only bytes are cached, never
-        # the tensor, so the cache keeps nothing alive.
-        return TensorMap(hit[0], hit[1], owner=tensor)
     params = tma_2d_params(
         tensor.shape, tensor.stride(), tensor.element_size(), box_rows, box_cols, swizzle
     )
@@ -242,11 +240,7 @@ def make_tma_2d_desc(tensor, box_rows: int, box_cols: int, *, swizzle: str = "no
         ),
         "cuTensorMapEncodeTiled",
     )
-    data = ctypes.string_at(tmap.getPtr(), _TMAP_BYTES)
-    if len(_encoded) >= _ENCODED_MAX:
-        _encoded.pop(next(iter(_encoded)))  # oldest first (dicts keep insertion order)
-    _encoded[key] = (data, params)
-    return TensorMap(data, params, owner=tensor)
+    return ctypes.string_at(tmap.getPtr(), _TMAP_BYTES)
 
 
 # ---- loading and launching ----------------------------------------------------------------------
@@ -692,9 +686,10 @@ class BoundLaunch:
             _ok(driver, (driver.CUresult(err),), f"cuLaunchKernel of {self.kernel.symbol}")
 
 
-# TMA descriptor bytes by (address, dtype, shape, strides, box, swizzle): the lean twin of
-# make_tma_2d_desc's cache for BoundLaunch callers (no TensorMap object per call). Unified
-# addressing makes an address unique across the process's devices.
+# TMA descriptor bytes by (address, dtype, shape, strides, box, swizzle): the driver call costs
+# tens of µs of host time per descriptor from Python, and GEMMs see the same operands (cached
+# weights) or the same allocator blocks again and again. Unified addressing makes an address
+# unique across the process's devices. Only bytes are cached, never a tensor.
 _encoded_bytes: dict[tuple, bytes] = {}
 # Per geometry (the key without the address): the last encoding, its address, and where the
 # address sits in the 128 bytes once seen: encoding one geometry at two addresses must differ in
@@ -720,9 +715,9 @@ def _address_field(a: bytes, a_ptr: int, b: bytes, b_ptr: int) -> int:
 
 def tma_2d_bytes(tensor, box_rows: int, box_cols: int, swizzle: str = "none") -> bytes:
     """The 128 bytes of :func:`make_tma_2d_desc` ``(tensor, box_rows, box_cols, swizzle)``, for a
-    ``T`` parameter of a :class:`BoundLaunch`; cached like it, and for a tensor of a known
-    geometry at a new address, the cached encoding with the address rewritten (once two
-    encodings showed where it sits, see above). The caller keeps ``tensor`` alive until the
+    ``T`` parameter of a :class:`BoundLaunch`: cached by address and geometry, and for a tensor
+    of a known geometry at a new address, the cached encoding with the address rewritten (once
+    two encodings showed where it sits, see above). The caller keeps ``tensor`` alive until the
     launch has been queued (the bytes hold its address).
 
     Raises:
@@ -735,11 +730,11 @@ def tma_2d_bytes(tensor, box_rows: int, box_cols: int, swizzle: str = "none") ->
     if hit is not None:
         return hit
     known = _geometry.get(geom)
-    if known is not None and known[2] >= _PATCH_CHECKS and ptr % 16 == 0:
+    if known is not None and known[2] >= _PATCH_CHECKS and ptr % 16 == 0 and tensor.is_cuda:
         off = known[3]
         hit = known[0][:off] + ptr.to_bytes(8, "little") + known[0][off + 8 :]
     else:
-        hit = make_tma_2d_desc(tensor, box_rows, box_cols, swizzle=swizzle).data
+        hit = _encode_2d(tensor, box_rows, box_cols, swizzle)
         if known is None:
             if len(_geometry) >= _ENCODED_MAX:  # bounded like _encoded_bytes (MoE shapes vary)
                 _geometry.pop(next(iter(_geometry)))

@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from ptxtrain.moe.ref import count_per_expert
+
 try:
     import triton
     import triton.language as tl
@@ -213,10 +215,7 @@ def torch_send_layout(
         1, dest, True
     )[:, :num_ranks]  # [T, R]
     per_rank = in_rank.sum(0, dtype=torch.int64)  # [R]
-    spill = torch.where(valid, topk_idx, num_experts).reshape(-1)
-    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(
-        0, spill, torch.ones_like(spill)
-    )[:num_experts]  # [E] (no bincount sync)
+    per_expert = count_per_expert(topk_idx, num_experts)  # [E] valid slots (no bincount sync)
     counts = torch.empty(2, num_ranks, 3 + experts_per_rank, dtype=torch.int64, device=dev)
     counts[0, :, 0] = per_rank
     counts[0, :, 1] = per_rank.max()

@@ -129,6 +129,8 @@ def test_gpu_bound_launch_rejects_bad_values():
 
 
 class _FakeTensor:
+    is_cuda = True
+
     def __init__(self, ptr, shape=(64, 256)):
         self.ptr, self.dtype, self.shape = ptr, torch.float8_e4m3fn, torch.Size(shape)
 
@@ -145,8 +147,7 @@ def _fake_encoder(extra):
     def encode(tensor, box_rows, box_cols, swizzle="none"):
         calls.append(tensor.ptr)
         body = bytes([box_rows, box_cols, tensor.shape[0] % 256]) + bytes(117)
-        data = tensor.ptr.to_bytes(8, "little") + body[:119] + bytes([extra(tensor.ptr)])
-        return jit_launch.TensorMap(data, None)
+        return tensor.ptr.to_bytes(8, "little") + body[:119] + bytes([extra(tensor.ptr)])
 
     return encode, calls
 
@@ -155,13 +156,13 @@ def _fake_encoder(extra):
 def test_tma_bytes_patch_the_address_only_after_checking_where_it_sits(address_only, monkeypatch):
     extra = (lambda ptr: 0) if address_only else (lambda ptr: (ptr >> 8) % 7)
     encode, calls = _fake_encoder(extra)
-    monkeypatch.setattr(jit_launch, "make_tma_2d_desc", encode)
+    monkeypatch.setattr(jit_launch, "_encode_2d", encode)
     monkeypatch.setattr(jit_launch, "_encoded_bytes", {})
     monkeypatch.setattr(jit_launch, "_geometry", {})
     ptrs = [0x7F00_0000_0000 + 0x1000 * i for i in range(6)]
     for ptr in ptrs:
         got = jit_launch.tma_2d_bytes(_FakeTensor(ptr), 64, 128, "128B")
-        assert got == encode(_FakeTensor(ptr), 64, 128).data  # (also counts one call)
+        assert got == encode(_FakeTensor(ptr), 64, 128)  # (also counts one call)
     assert jit_launch.tma_2d_bytes(_FakeTensor(ptrs[0]), 64, 128, "128B")  # a plain cache hit
     encoded = len(calls) - len(ptrs)  # the test's own encode() calls are one per address
     if address_only:
@@ -182,4 +183,4 @@ def test_gpu_patched_tma_bytes_equal_fresh_encodings():
     views = [base[i * 65536 : i * 65536 + 64 * 512].view(64, 512) for i in range(8)]
     for v in views:
         got = jit_launch.tma_2d_bytes(v, 64, 128, "128B")
-        assert got == jit_launch.make_tma_2d_desc(v, 64, 128, swizzle="128B").data
+        assert got == jit_launch._encode_2d(v, 64, 128, "128B")  # a fresh driver encoding
