@@ -77,26 +77,32 @@ for stage in $stages; do
       ;;
     pp)
       # 1-GPU baseline, then 1F1B / DualPipe / DualPipeV on PP ranks; one JSON (pp_report).
-      pp=${PP:-$NPROC}
+      # PP_EP (default 1) shards the experts of each stage over PP_EP ranks (PP * PP_EP
+      # processes); LAYERS overrides the preset's decoder layers (--n-layers; DualPipeV at PP = 8
+      # needs 16); PRECISION (default bf16) is passed to every run, the baseline included.
+      pp=${PP:-$NPROC}; ppep=${PP_EP:-1}; tag=pp$pp; [ "$ppep" != 1 ] && tag=$tag-ep$ppep
       common="--preset small --no-mtp --steps ${STEPS:-40} --batch-size ${BATCH:-32} --seq-len ${SEQ:-512}"
       common="$common --eval-every ${STEPS:-40} --sample-tokens 0 --no-progress --overwrite"
-      python3 -m ptxtrain train $common --out /tmp/pp-1gpu > "$LOGS/train-1gpu.log" 2>&1 || status=1
-      grep -E "throughput|train loss|val|memory" "$LOGS/train-1gpu.log"
-      runs="1gpu=/tmp/pp-1gpu"
+      common="$common --precision ${PRECISION:-bf16}${LAYERS:+ --n-layers $LAYERS}"
+      [ -n "${LAYERS:-}" ] && tag=$tag-l$LAYERS
+      python3 -m ptxtrain train $common --out /tmp/$tag-1gpu > "$LOGS/train-$tag-1gpu.log" 2>&1 || status=1
+      grep -E "throughput|train loss|val|memory" "$LOGS/train-$tag-1gpu.log"
+      runs="1gpu=/tmp/$tag-1gpu"
+      epflag=""; [ "$ppep" != 1 ] && epflag="--ep $ppep"
       # A "-ovl" suffix (e.g. dualpipe-ovl) runs that schedule with its two-stream F&B overlap
       # hook on (PTXTRAIN_PP_OVERLAP=1; off by default), for an A/B of the overlap.
       for sched in ${SCHEDS:-1f1b dualpipe dualpipev}; do
-        echo "--- pp$pp $sched"
+        echo "--- $tag $sched ($(date -u +%H:%M:%S))"
         overlap=0; [ "${sched%-ovl}" != "$sched" ] && overlap=1
-        PTXTRAIN_PP_OVERLAP=$overlap torchrun --nproc-per-node "$pp" -m ptxtrain train $common \
-          --pp "$pp" --schedule "${sched%-ovl}" --timeline --out /tmp/pp-$sched \
-          > "$LOGS/train-pp$pp-$sched.log" 2>&1 || status=1
-        grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-pp$pp-$sched.log" | head -8
-        python3 -m ptxtrain plot timeline /tmp/pp-$sched --out "$OUT/timeline-pp$pp-$sched.png" || status=1
-        runs="$runs pp$pp-$sched=/tmp/pp-$sched"
+        PTXTRAIN_PP_OVERLAP=$overlap torchrun --nproc-per-node $((pp * ppep)) -m ptxtrain train $common \
+          --pp "$pp" $epflag --schedule "${sched%-ovl}" --timeline --out /tmp/$tag-$sched \
+          > "$LOGS/train-$tag-$sched.log" 2>&1 || status=1
+        grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-$tag-$sched.log" | head -8
+        python3 -m ptxtrain plot timeline /tmp/$tag-$sched --out "$OUT/timeline-$tag-$sched.png" || status=1
+        runs="$runs $tag-$sched=/tmp/$tag-$sched"
       done
-      python3 -m benchmarks.pp_report --json "$OUT/pp$pp-${PTXTRAIN_GIT_SHA:-local}.json" \
-        --command "ptxtrain train $common [--pp $pp --schedule S --timeline]" $runs || status=1
+      python3 -m benchmarks.pp_report --json "$OUT/$tag-${PTXTRAIN_GIT_SHA:-local}.json" \
+        --command "ptxtrain train $common [--pp $pp $epflag --schedule S --timeline]" $runs || status=1
       ;;
     dispatch)
       # DISPATCH_ARGS adds e.g. "--profile" (the tables go to the log and the JSON).

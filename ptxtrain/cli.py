@@ -95,6 +95,14 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="drop the multi-token-prediction module (mtp_depth=0); required with --pp > 1",
     )
+    g.add_argument(
+        "--n-layers",
+        type=_int_at_least(1),
+        metavar="N",
+        help="decoder layers of the main model instead of the preset's (e.g. 16 for "
+        "--schedule dualpipev at --pp 8, which needs 2*PP layers); at least the preset's "
+        "dense layers (default: the preset's)",
+    )
 
     g = p.add_argument_group("schedule (1 step = 1 optimizer update)")
     g.add_argument(
@@ -270,6 +278,7 @@ _RUN_FIELDS = (
     "sample_tokens",
     "data",
     "mtp",
+    "n_layers",
     "pp",
     "schedule",
     "num_chunks",
@@ -294,6 +303,9 @@ def _train_args_from(ns: argparse.Namespace):
             inherited["data"] = meta["extra"]["data"]
         if "mtp" not in given and meta["config"].get("model", {}).get("mtp_depth") == 0:
             inherited["mtp"] = False
+        saved_layers = meta["config"].get("model", {}).get("n_layers")
+        if "n_layers" not in given and saved_layers is not None:
+            inherited["n_layers"] = saved_layers
         given = {**inherited, **given, "out": str(probe.run_dir())}
     return TrainArgs(**given, resume=ns.resume, overwrite=ns.overwrite, progress=not ns.no_progress)
 

@@ -225,3 +225,22 @@ def test_ep_flag_reaches_train_args(smoke_run):
     out = str(smoke_run[1])
     assert _train_args_from(parse(["train", "--resume", "--out", out, "--ep", "2"])).ep == 2
     assert _train_args_from(parse(["train", "--resume", "--out", out])).ep == 1
+
+
+def test_n_layers_overrides_the_preset_and_resume_keeps_it(tmp_path, capsys):
+    # tiny has 4 layers (1 dense); --n-layers 2 builds 2, and the checkpoint remembers it.
+    out = tmp_path / "run"
+    argv = ["train", "--n-layers", "2", "--steps", "2", "--eval-every", "0",
+            "--sample-tokens", "0", "--out", str(out), *FAST]  # fmt: skip
+    assert main(argv) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"]["n_layers"] == 2
+    resume = ["train", "--resume", "--out", str(out), "--no-progress", "--sample-tokens", "0"]
+    code, err = _error(resume, capsys)
+    assert code == 0, err
+    # Another depth contradicts the checkpoint.
+    code, err = _error([*resume, "--n-layers", "3"], capsys)
+    assert code == 2 and "n_layers" in err
+    # A depth below 1 is refused by the parser, before any work.
+    code, err = _error(["train", "--n-layers", "0", *FAST], capsys)
+    assert code == 2 and "--n-layers: must be >= 1" in err

@@ -176,6 +176,7 @@ class TrainArgs:
     # --- data ---
     data: str | None = None  # text file or folder; None = the embedded Shakespeare corpus
     mtp: bool = True  # False drops the MTP module (mtp_depth=0); needed with pp > 1
+    n_layers: int | None = None  # decoder layers of the main model; None = the preset's
     # --- pipeline parallelism (torchrun --nproc-per-node PP -m ptxtrain train --pp PP) ---
     pp: int = 1  # pipeline ranks (WORLD_SIZE = pp * ep); 1 = one process, no pipeline
     schedule: str = "dualpipe"  # pipeline schedule with pp > 1: "dualpipe", "dualpipev", "1f1b"
@@ -204,6 +205,8 @@ class TrainArgs:
             v = getattr(self, name)
             if not is_int(v) or v <= 0:
                 raise bad(name, "must be an integer > 0")
+        if self.n_layers is not None and (not is_int(self.n_layers) or self.n_layers <= 0):
+            raise bad("n_layers", "must be an integer > 0")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "seed"):
             v = getattr(self, name)
             if not is_int(v) or v < 0:
@@ -1077,6 +1080,8 @@ def train(
         config = get_preset(args.preset)
         if model_overrides:
             config = type(config).from_dict({**config.to_dict(), **model_overrides})
+        if args.n_layers is not None:
+            config = type(config).from_dict({**config.to_dict(), "n_layers": args.n_layers})
         if not args.mtp:
             config = type(config).from_dict({**config.to_dict(), "mtp_depth": 0})
     except (ValueError, TypeError) as e:
