@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
-#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [train] [sweep] [host]
+#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
+#   [host]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
@@ -57,6 +58,11 @@ for stage in $stages; do
         python3 -m benchmarks.sweep_ptx --kind $kind --double 1 --tma 0 1 ${SWEEP_ARGS:-} \
           --json "$OUT/sweep_${kind}_$sha.json" | grep -v "^W" || status=1
       done
+      ;;
+    raster)
+      # The PTX GEMM's rasterization (PtxConfig.raster_m): m-grouped vs dense, dense vs cuBLAS.
+      python3 -m benchmarks.sweep_raster ${RASTER_ARGS:-} \
+        --json "$OUT/sweep_raster_${PTXTRAIN_GIT_SHA:-local}.json" | grep -v "^W" || status=1
       ;;
     train)
       python3 -m benchmarks.train_compare --out "$OUT" || status=1

@@ -42,6 +42,7 @@ _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc
 _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x block_n registers
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8
+_RASTER_MS = tuple(1 << i for i in range(7, 15))  # PtxConfig.raster_m: 128 .. 16384 rows
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
 _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
@@ -62,7 +63,10 @@ class PtxConfig:
     or TMA reductions for ``accumulate``; needs ``block_n`` a multiple of 64 (bf16 D) or 32 (fp32
     D), 16-byte D rows and a 16-byte-aligned D, else the launch falls back to direct stores),
     ``epi_boxes`` (TMA store: 64-row x 128-byte boxes of D staged per math warpgroup at once;
-    0 = the whole tile; fewer write the tile in rounds and leave shared memory to the stages)."""
+    0 = the whole tile; fewer write the tile in rounds and leave shared memory to the stages),
+    ``raster_m`` (rows of A per rasterization group: the persistent CTAs walk
+    ``raster_m / (block_m · cluster)`` M-blocks, M fastest, before the next N-block, so the
+    tiles in flight share a few panels of A and B in L2; a power of two in [128, 16384])."""
 
     block_m: int
     block_n: int
@@ -72,6 +76,7 @@ class PtxConfig:
     double_acc: bool = False
     tma_store: bool = False
     epi_boxes: int = 0
+    raster_m: int = 2048
 
     @property
     def num_threads(self) -> int:
@@ -259,7 +264,7 @@ def kernel_source(
         f"{n}, {k}, {'true' if kind in _1D1D_KINDS else 'false'}, {_OUT_CODE[out_dtype]}, "
         f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
         f"{'true' if cfg.double_acc else 'false'}, {_epi_boxes(cfg, out_dtype)}, "
-        f"{_GROUP_MODE.get(kind, 0)}>"
+        f"{_GROUP_MODE.get(kind, 0)}, {cfg.raster_m}>"
     )
     return src, expr
 
@@ -284,7 +289,8 @@ def compile_gemm(
     src, expr = kernel_source(kind, cfg, n, k, out_dtype, accumulate)
     name = (
         f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}"
-        f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}e{_epi_boxes(cfg, out_dtype)}_n{n}_k{k}"
+        f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}e{_epi_boxes(cfg, out_dtype)}"
+        f"r{cfg.raster_m}_n{n}_k{k}"
     )
     compiled = compile_cuda(src, name=name, name_expressions=(expr,))
     return compiled, expr
@@ -565,6 +571,7 @@ def run_with_config(
         or cfg.unroll_k not in (1, 2, 4)
         or (cfg.double_acc and (cfg.block_m == 256 or cfg.block_n > 128))
         or not 1 <= cfg.num_stages <= _MAX_STAGES
+        or cfg.raster_m not in _RASTER_MS
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES
     ):
         raise ValueError(f"cfg: block sizes or shared memory out of range, got {cfg}")

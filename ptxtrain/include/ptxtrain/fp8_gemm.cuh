@@ -51,8 +51,8 @@
 
 namespace ptxtrain {
 
-// Rows of A per rasterization group (see unit_coords).
-constexpr int kRasterM = 2048;
+// Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
+constexpr int kDefaultRasterM = 2048;
 
 template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0>
 struct Fp8GemmSmem {
@@ -292,7 +292,7 @@ __device__ __forceinline__ void group_unit(int unit, int units_per_group, int nu
 // The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment and the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          int kGroupMode>
+          int kGroupMode, int kRasterM = kDefaultRasterM>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
@@ -538,10 +538,11 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // group_info[g + 1] - 1 of A [M, ΣK] and B [N, ΣK] (group_unit); `m` is the per-group M. 3
 // masked (DeepGEMM's decode layout): A [G, M_max, K], B [G, N, K], D [G, M_max, N] seen as 2D,
 // `m` = M_max, group_info = masked_m; tiles at or past masked_m[g] are skipped (rows past it in
-// a computed tile are written, as the contract allows).
+// a computed tile are written, as the contract allows). kRasterM: rows of A per rasterization
+// group (unit_coords; kRasterM / (kBlockM * kCluster) M-blocks, at least one).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          int kGroupMode>
+          int kGroupMode, int kRasterM = kDefaultRasterM>
 __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
@@ -653,7 +654,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode>(
+                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
         num_groups, group_info);
