@@ -2,7 +2,7 @@
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
-#   [host]
+#   [host] [ncuquant]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
@@ -57,6 +57,19 @@ for stage in $stages; do
       for kind in 1d2d 1d1d; do
         python3 -m benchmarks.sweep_ptx --kind $kind --double 1 --tma 0 1 ${SWEEP_ARGS:-} \
           --json "$OUT/sweep_${kind}_$sha.json" | grep -v "^W" || status=1
+      done
+      ;;
+    ncuquant)
+      # ncu of the CUDA quantizers at 4096 x 7168 bf16 (NCU_OPS, default "both t block_both"):
+      # speed of light, occupancy, warp states, instruction mix (where ncu can read counters).
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      for op in ${NCU_OPS:-both t block_both}; do
+        "$ncu_bin" -k regex:cast_fp8 --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+          --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+          python3 -m benchmarks.profile_quant --op "$op" > "$LOGS/ncu-quant-$op.txt" 2>&1 || status=1
+        grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Executed Ipc|Issue Slots|Stall|Warp Cycles|No Eligible|Block Limit|Executed Instructions|Shared Memory Configuration|Dynamic Shared" \
+          "$LOGS/ncu-quant-$op.txt" | head -60
       done
       ;;
     raster)

@@ -43,6 +43,7 @@ _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x b
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8
 _RASTER_MS = tuple(1 << i for i in range(7, 15))  # PtxConfig.raster_m: 128 .. 16384 rows
+_GROUPED_RASTER_M = 512  # grouped_config's raster_m (see there)
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
 _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
@@ -500,16 +501,18 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
 def grouped_config(m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     """Block sizes of the m-grouped contiguous GEMM: :func:`select_config`'s 1D2D choice for the
     total M, kept inside one 128-row group chunk (``block_m`` <= 128, no multicast: adjacent
-    M-blocks may belong to different groups)."""
+    M-blocks may belong to different groups), with 512-row rasterization groups: the tiles in
+    flight then read fewer experts' B (8 x 512 rows on an H200: 1.03x / 1.01x the default 2048,
+    benchmarks/results/2026-11-22-s7-h200/call4/sweep_raster_b624f63.json)."""
     cfg = select_config("1d2d", m, n, k, num_sms)
     if cfg.block_m <= 128 and cfg.cluster == 1:
-        return cfg
+        return dataclasses.replace(cfg, raster_m=_GROUPED_RASTER_M)
     bn = min(cfg.block_n, 128)
     epi = epilogue_bytes(128, bn, torch.bfloat16) if cfg.tma_store else 0
     stages = _MAX_STAGES
     while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > _SMEM_BYTES:
         stages -= 1
-    return PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0)
+    return PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0, _GROUPED_RASTER_M)
 
 
 def k_grouped_config(m: int, n: int, num_sms: int) -> PtxConfig:
