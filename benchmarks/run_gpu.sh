@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ptxtrain-out}
 # The tree copied to a GPU machine has no .git: pass the commit as PTXTRAIN_GIT_SHA=<sha>.
-# Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device tool brings back
+# Logs go to $OUT/logs and are packed into $OUT/logs-<stages>.tgz at the end (the device tool brings back
 # at most 8 files); JSON records and PNGs stay at the top.
 LOGS=$OUT/logs
 mkdir -p "$OUT" "$LOGS"
@@ -68,6 +68,16 @@ for stage in $stages; do
           --section Occupancy --section LaunchStats --section WarpStateStats \
           --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
           python3 -m benchmarks.profile_quant --op "$op" > "$LOGS/ncu-quant-$op.txt" 2>&1 || status=1
+        # NCU_SOURCE=1: executed instructions per SASS line and the opcode mix (large logs).
+        if [ -n "${NCU_SOURCE:-}" ]; then
+          "$ncu_bin" -k regex:cast_fp8 --launch-skip 2 --launch-count 1 --section SourceCounters \
+            --page source --print-source sass --csv python3 -m benchmarks.profile_quant --op "$op" \
+            > "$LOGS/ncu-quant-$op-source.csv" 2>&1 || status=1
+          "$ncu_bin" -k regex:cast_fp8 --launch-skip 2 --launch-count 1 --section InstructionStats \
+            --section SourceCounters --print-details all python3 -m benchmarks.profile_quant --op "$op" \
+            > "$LOGS/ncu-quant-$op-details.txt" 2>&1 || status=1
+          wc -l "$LOGS/ncu-quant-$op-source.csv" "$LOGS/ncu-quant-$op-details.txt"
+        fi
         grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Executed Ipc|Issue Slots|Stall|Warp Cycles|No Eligible|Block Limit|Executed Instructions|Shared Memory Configuration|Dynamic Shared" \
           "$LOGS/ncu-quant-$op.txt" | head -60
       done
@@ -179,5 +189,6 @@ for stage in $stages; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
-tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+# One archive per invocation (a second call in the same $OUT must not replace the first's).
+tar czf "$OUT/logs-$(echo $stages | tr ' ' '-').tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit $status
