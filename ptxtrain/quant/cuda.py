@@ -173,7 +173,13 @@ def _b(f: bool) -> str:
 
 
 def _expression(
-    in_kind: int, block: bool, row: bool, col: bool, pow2: bool, variant: Variant = DEFAULT_VARIANT
+    in_kind: int,
+    block: bool,
+    row: bool,
+    col: bool,
+    pow2: bool,
+    variant: Variant = DEFAULT_VARIANT,
+    full: bool = False,
 ) -> str:
     flags = ", ".join(_b(f) for f in (block, row, col, pow2))
     v = variant
@@ -182,7 +188,7 @@ def _expression(
         f"ptxtrain_quant::Knobs<{v.threads}, {loop}, {_b(v.pipe)}, {_b(v.mul_pow2)}, "
         f"{v.min_ctas}, {_b(v.byte_t)}, {_b(v.amax16)}, {_b(v.fast_sf)}>"
     )
-    return f"ptxtrain_quant::cast_fp8<{in_kind}, {flags}, {knobs}>"
+    return f"ptxtrain_quant::cast_fp8<{in_kind}, {flags}, {knobs}{', true' if full else ''}>"
 
 
 def _check_variant(variant: object) -> Variant:
@@ -198,7 +204,12 @@ def _check_variant(variant: object) -> Variant:
 
 
 @functools.cache
-def compile_module(dtype: torch.dtype, arch: str = "sm_90a", variant: Variant = DEFAULT_VARIANT):
+def compile_module(
+    dtype: torch.dtype,
+    arch: str = "sm_90a",
+    variant: Variant = DEFAULT_VARIANT,
+    full: bool = False,
+):
     """Compile (or fetch from the JIT cache) the quantizer module for input ``dtype``.
 
     Args:
@@ -206,6 +217,8 @@ def compile_module(dtype: torch.dtype, arch: str = "sm_90a", variant: Variant = 
         arch: NVRTC target (``sm_90a`` for Hopper).
         variant: the kernel's compile-time knobs (:class:`Variant`; its grid fields do not
             matter here).
+        full: the ``FULL`` instantiations (whole 128x128 tiles and aligned accesses only, no
+            bounds checks; :func:`_full`), a separate module compiled on first use.
 
     Returns:
         :class:`ptxtrain.jit.CompiledKernel` with the ten instantiations of
@@ -220,10 +233,12 @@ def compile_module(dtype: torch.dtype, arch: str = "sm_90a", variant: Variant = 
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     variant = _check_variant(variant)
     kind = _IN_KIND[dtype]
-    exprs = [_expression(kind, b, r, c, p, variant) for b, r, c in _MODES for p in (False, True)]
+    exprs = [
+        _expression(kind, b, r, c, p, variant, full) for b, r, c in _MODES for p in (False, True)
+    ]
     return compile_cuda(
         "#include <cast_transpose.cuh>\n",
-        name="ptxtrain_quant_cast_fp8",
+        name="ptxtrain_quant_cast_fp8_full" if full else "ptxtrain_quant_cast_fp8",
         arch=arch,
         include_dirs=[KERNEL_DIR],
         name_expressions=exprs,
@@ -285,6 +300,14 @@ def _vec_flags(x: torch.Tensor, m: int, k: int) -> int:
     return flags
 
 
+def _full(m: int, k: int, vec_flags: int, row: bool, col: bool) -> bool:
+    """Whether the ``FULL`` kernel may run: whole 128x128 tiles (M, K multiples of 128) and
+    every vectorized access the mode makes allowed (x always; q with a row output, qt with a
+    column output), so its unchecked 16-byte loads and vector stores stay in range and aligned."""
+    need = 1 | (2 if row else 0) | (4 if col else 0)
+    return m % _TILE == 0 and k % _TILE == 0 and vec_flags & need == need
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -327,7 +350,8 @@ def _run(
         k_tiles,
         _vec_flags(x, m, k),
     ]
-    mode = (block_mode, row, col, bool(pow2))
+    flags = args[-1]
+    mode = (block_mode, row, col, bool(pow2), _full(m, k, flags, row, col))
     _launch(x, mode, variant, _grid(tiles, variant, x), smem, args)
 
 
@@ -338,18 +362,18 @@ _SIGNATURE = "ppppp" + "q" * 8 + "i"
 
 @functools.lru_cache(maxsize=256)
 def _bound(dtype: torch.dtype, mode: tuple, variant: Variant, index: int, smem: int) -> BoundLaunch:
-    """The instantiation ``mode`` = (block, row, col, pow2) of ``variant`` for ``dtype``, loaded on
-    device ``index`` and bound for launches (compiled once, then a lookup per call)."""
-    module = compile_module(dtype, variant=variant)
+    """The instantiation ``mode`` = (block, row, col, pow2, full) of ``variant`` for ``dtype``,
+    loaded on device ``index`` and bound for launches (compiled once, then a lookup per call)."""
+    module = compile_module(dtype, variant=variant, full=mode[4])
     with torch.cuda.device(index):
-        kernel = load_kernel(module, _expression(_IN_KIND[dtype], *mode, variant))
+        kernel = load_kernel(module, _expression(_IN_KIND[dtype], *mode[:4], variant, mode[4]))
     return BoundLaunch(kernel, _SIGNATURE, variant.threads, smem_bytes=smem)
 
 
 def _launch(
     x: torch.Tensor, mode: tuple, variant: Variant, grid: int, smem: int, args: list
 ) -> None:
-    """Compile / load the instantiation ``mode`` = (block, row, col, pow2) of ``variant`` for
+    """Compile / load the instantiation ``mode`` = (block, row, col, pow2, full) of ``variant`` for
     ``x.dtype`` and launch ``grid`` CTAs of it on the current stream of ``x``'s device (the
     kernel derives the tile count from M and k_tiles). ``args``: tensors, then the int64
     sizes and strides, then the int32 ``vec_flags`` (the kernel's parameter order).

@@ -81,14 +81,16 @@ def _check_same(fn_name, x, pow2=False, **kw):
 # ---------------------------------------------------------------------------------------------
 
 
-def _compile_and_check_resources(dtype, variant, tmp_path, monkeypatch):
+def _compile_and_check_resources(dtype, variant, tmp_path, monkeypatch, full=False):
     monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path / "jit"))
     monkeypatch.delenv("PTXTRAIN_JIT_DISABLE_CACHE", raising=False)
-    compiled = cq.compile_module.__wrapped__(dtype, variant=variant)  # fresh, not memoized
+    compiled = cq.compile_module.__wrapped__(dtype, variant=variant, full=full)  # not memoized
     assert compiled.how == "compiled" and compiled.arch == "sm_90a"
     kind = cq._IN_KIND[dtype]
     want = {
-        cq._expression(kind, b, r, c, p, variant) for b, r, c in cq._MODES for p in (False, True)
+        cq._expression(kind, b, r, c, p, variant, full)
+        for b, r, c in cq._MODES
+        for p in (False, True)
     }
     assert set(compiled.symbols) == want
     assert len(set(compiled.symbols.values())) == 10, compiled.symbols
@@ -135,6 +137,12 @@ def _variant_compile_cases():
 @pytest.mark.parametrize("name,dtype_name", _variant_compile_cases())
 def test_other_variants_compile_without_spills(name, dtype_name, tmp_path, monkeypatch):
     _compile_and_check_resources(DTYPES[dtype_name], cq.VARIANTS[name], tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("name", sorted(set(cq.SELECT.values())) if cq is not None else [])
+def test_full_tile_modules_compile_without_spills(name, tmp_path, monkeypatch):
+    # The FULL instantiations (no bounds checks) of the variants the quantizers run, bf16.
+    _compile_and_check_resources(torch.bfloat16, cq.VARIANTS[name], tmp_path, monkeypatch, True)
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -228,6 +236,7 @@ def emulated(emu_build, monkeypatch):
             cq._IN_KIND[x.dtype],
             cq._MODES.index(tuple(mode[:3])),
             int(mode[3]),
+            int(mode[4]),
             *ptrs,
             *ints,
             ctypes.c_int(flags),
@@ -332,7 +341,8 @@ def test_emulated_variants_bit_exact(emulated, name, monkeypatch):
     # every code path: row, column, block), to keep the emulation time down.
     monkeypatch.setattr(cq, "SELECT", {f: name for f in FUNCS})
     variant = cq.VARIANTS[name]
-    for dtype_name, (m, k) in (("bf16", (129, 300)), ("fp32", (300, 260)), ("fp16", (140, 136))):
+    cases = (("bf16", (129, 300)), ("fp32", (300, 260)), ("fp16", (140, 136)), ("bf16", (256, 256)))
+    for dtype_name, (m, k) in cases:  # the last: whole tiles, the FULL kernel
         x = _rand(m, k, DTYPES[dtype_name], seed=m + k)
         x[5, 7] = float("nan")
         x[130 % m, 200 % k] = float("inf")
@@ -341,6 +351,30 @@ def test_emulated_variants_bit_exact(emulated, name, monkeypatch):
             for pow2 in (False, True):
                 _check_same(fn, x, pow2=pow2)
     assert emulated and all(v == variant for _, v, _, _ in emulated)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_emulated_full_tiles_take_the_unchecked_kernel(emulated, dtype_name):
+    # M and K multiples of 128 with 16-byte aligned rows: every quantizer runs the FULL
+    # instantiation (bounds checks compiled out), bit-exact with the reference, NaN / inf / a
+    # zero tile included. The emulation checks every access against the tensors' extents and
+    # alignment, so an unchecked access out of range fails here.
+    dtype = DTYPES[dtype_name]
+    x = _rand(256, 384, dtype, seed=21)
+    x[3, 5] = float("nan")
+    x[200, 300] = float("inf")
+    x[128:, :128] = 0.0
+    for name in FUNCS:
+        for pow2 in (False, True):
+            _check_same(name, x, pow2=pow2)
+    assert emulated and all(mode[4] for mode, *_ in emulated)
+    # The same shape as an unaligned view (data pointer off by one element), or with one row
+    # more: the checked kernel.
+    emulated.clear()
+    for y in (_rand(256, 385, dtype, seed=22)[:, 1:], _rand(257, 384, dtype, seed=23)):
+        _check_same("per_token_cast_to_fp8_both", y)
+        _check_same("per_block_cast_to_fp8_both", y)
+    assert emulated and not any(mode[4] for mode, *_ in emulated)
 
 
 def test_emulated_strided_and_unaligned_inputs(emulated):

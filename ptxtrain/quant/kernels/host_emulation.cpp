@@ -47,40 +47,46 @@ struct Args {
   i64 grid;
 };
 
-template <int IN, bool BLOCK, bool ROW, bool COL, bool POW2>
+template <int IN, bool BLOCK, bool ROW, bool COL, bool POW2, bool FULL>
 int run(const Args& a) {
   const i64 k_tiles = (a.k + 127) / 128;
   const int bytes = IN == ptxtrain_quant::kF32 ? 4 : 2;
   const std::size_t smem = (COL ? 128 * 128 * bytes : 0) + 4 * (kThreads / 32);
-  emu::launch(ptxtrain_quant::cast_fp8<IN, BLOCK, ROW, COL, POW2, Kn>, a.grid, kThreads, smem, a.x, a.q,
+  emu::launch(ptxtrain_quant::cast_fp8<IN, BLOCK, ROW, COL, POW2, Kn, FULL>, a.grid, kThreads, smem, a.x, a.q,
               a.sf, a.qt, a.sft, a.m, a.k, a.ldx, a.sf_s0, a.sf_s1, a.sft_s0, a.sft_s1, k_tiles,
               a.vec_flags);
   return 0;
 }
 
-template <int IN, bool BLOCK, bool ROW, bool COL>
+template <int IN, bool BLOCK, bool ROW, bool COL, bool FULL>
 int with_pow2(int pow2, const Args& a) {
-  return pow2 ? run<IN, BLOCK, ROW, COL, true>(a) : run<IN, BLOCK, ROW, COL, false>(a);
+  return pow2 ? run<IN, BLOCK, ROW, COL, true, FULL>(a) : run<IN, BLOCK, ROW, COL, false, FULL>(a);
+}
+
+template <int IN, bool BLOCK, bool ROW, bool COL>
+int with_full(int full, int pow2, const Args& a) {
+  return full ? with_pow2<IN, BLOCK, ROW, COL, true>(pow2, a)
+              : with_pow2<IN, BLOCK, ROW, COL, false>(pow2, a);
 }
 
 template <int IN>
-int with_mode(int mode, int pow2, const Args& a) {
+int with_mode(int mode, int full, int pow2, const Args& a) {
   switch (mode) {  // (block, row, col) as _MODES in ptxtrain/quant/cuda.py
-    case 0: return with_pow2<IN, false, true, false>(pow2, a);
-    case 1: return with_pow2<IN, false, false, true>(pow2, a);
-    case 2: return with_pow2<IN, false, true, true>(pow2, a);
-    case 3: return with_pow2<IN, true, true, false>(pow2, a);
-    case 4: return with_pow2<IN, true, true, true>(pow2, a);
+    case 0: return with_full<IN, false, true, false>(full, pow2, a);
+    case 1: return with_full<IN, false, false, true>(full, pow2, a);
+    case 2: return with_full<IN, false, true, true>(full, pow2, a);
+    case 3: return with_full<IN, true, true, false>(full, pow2, a);
+    case 4: return with_full<IN, true, true, true>(full, pow2, a);
     default: return 1;
   }
 }
 
 }  // namespace
 
-// The kernel's arguments (less k_tiles, derived here), the grid (CTAs), then spans: the byte sizes of x's, q's,
+// The kernel's arguments (less k_tiles, derived here; `full` selects the FULL instantiation), the grid (CTAs), then spans: the byte sizes of x's, q's,
 // sf's, qt's and sft's storage from their pointers. Global accesses outside them, or misaligned,
 // are reported on stderr and make the call return 2; 1 is an unknown in_kind / mode.
-extern "C" int emu_cast_fp8(int in_kind, int mode, int pow2, const void* x, unsigned char* q,
+extern "C" int emu_cast_fp8(int in_kind, int mode, int pow2, int full, const void* x, unsigned char* q,
                             float* sf, unsigned char* qt, float* sft, i64 m, i64 k, i64 ldx,
                             i64 sf_s0, i64 sf_s1, i64 sft_s0, i64 sft_s1, int vec_flags,
                             i64 grid, const i64* spans) {
@@ -96,9 +102,9 @@ extern "C" int emu_cast_fp8(int in_kind, int mode, int pow2, const void* x, unsi
   const Args a{x, q, sf, qt, sft, m, k, ldx, sf_s0, sf_s1, sft_s0, sft_s1, vec_flags, grid};
   int rc = 1;
   switch (in_kind) {  // ptxtrain_quant::InKind
-    case 0: rc = with_mode<0>(mode, pow2, a); break;
-    case 1: rc = with_mode<1>(mode, pow2, a); break;
-    case 2: rc = with_mode<2>(mode, pow2, a); break;
+    case 0: rc = with_mode<0>(mode, full, pow2, a); break;
+    case 1: rc = with_mode<1>(mode, full, pow2, a); break;
+    case 2: rc = with_mode<2>(mode, full, pow2, a); break;
     default: break;
   }
   return rc != 0 ? rc : (emu::error ? 2 : 0);
