@@ -114,6 +114,8 @@ class Variant(NamedTuple):
             every element to fp32 first.
         fast_sf: ``sf = amax / 448`` by a multiply and one FMA correction instead of
             ``div.rn`` (bit-exact: checked over every float in the clamped amax range).
+        pair: each lane loads two 16-byte chunks of one row per pass, so a row's amax takes
+            one shuffle level less and its scale and scale store serve twice the elements.
         min_ctas: ``__launch_bounds__`` minimum CTAs per SM for 16-bit input (fp32: 2/3 of it,
             at least 1); 0 = 768 / threads for 16-bit input and 512 / threads for fp32 (80 /
             128 registers per thread).
@@ -127,6 +129,7 @@ class Variant(NamedTuple):
     byte_t: bool = False
     amax16: bool = False
     fast_sf: bool = False
+    pair: bool = False
 
     def ctas_per_sm(self, dtype: torch.dtype) -> int:
         """The ``__launch_bounds__`` minimum CTAs per SM for input ``dtype``."""
@@ -147,6 +150,8 @@ VARIANTS: dict[str, Variant] = {
     "t512": Variant(threads=512, **_FAST),
     "t512_pipe2": Variant(threads=512, tiles_per_cta=2, pipe=True, **_FAST),
     "t128_occ4": Variant(threads=128, min_ctas=4, **_FAST),
+    "lean_pair": Variant(pair=True, **_FAST),
+    "t512_pair": Variant(threads=512, pair=True, **_FAST),
 }
 # The variant each public quantizer runs (update from ``python -m benchmarks.sweep_quant
 # --cuda``: the fastest variant per op at 4096x7168, 7168x4096 and 16384x7168 bf16). Measured on
@@ -186,7 +191,8 @@ def _expression(
     loop = _b(v.tiles_per_cta != 1)
     knobs = (
         f"ptxtrain_quant::Knobs<{v.threads}, {loop}, {_b(v.pipe)}, {_b(v.mul_pow2)}, "
-        f"{v.min_ctas}, {_b(v.byte_t)}, {_b(v.amax16)}, {_b(v.fast_sf)}>"
+        f"{v.min_ctas}, {_b(v.byte_t)}, {_b(v.amax16)}, {_b(v.fast_sf)}"
+        f"{', true' if v.pair else ''}>"
     )
     return f"ptxtrain_quant::cast_fp8<{in_kind}, {flags}, {knobs}{', true' if full else ''}>"
 

@@ -174,6 +174,7 @@ def _emu_key(variant) -> tuple:
         variant.byte_t,
         variant.amax16,
         variant.fast_sf,
+        variant.pair,
     )
 
 
@@ -195,7 +196,8 @@ def emu_build(tmp_path_factory):
             cmd += [
                 f"-DPTXTRAIN_QUANT_EMU_{n}={int(v)}"
                 for n, v in zip(
-                    ("THREADS", "LOOP", "PIPE", "MUL_POW2", "BYTE_T", "AMAX16", "FAST_SF"), key
+                    ("THREADS", "LOOP", "PIPE", "MUL_POW2", "BYTE_T", "AMAX16", "FAST_SF", "PAIR"),
+                    key,
                 )
             ]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -305,13 +305,18 @@ __device__ __forceinline__ u32 warp_max(u32 v) {
 //             widen_abs16), instead of widening every element first.
 //   FAST_SF   sf = amax / 448 by a multiply and one FMA correction (see div448; exhaustively
 //             checked bit-exact) instead of div.rn.
+//   PAIR      each lane loads two 16-byte chunks of one row per pass (chunks c and c + CPR / 2,
+//             so each load instruction still reads whole 128-byte row segments): a row's amax
+//             needs one shuffle level less and its scale, its division setup and its scale
+//             store are shared by twice the elements.
 //   MIN_CTAS  __launch_bounds__ minimum CTAs per SM for 16-bit input, 2/3 of it for fp32 (at
 //             least 1; the registers are capped at 65536 / (NT * it));
 //             0: 768 / NT for 16-bit input, 512 / NT for fp32 (at least 1), i.e. the original
 //             80 / 128 registers per thread.
 template <int NT, bool LOOP, bool PIPE, bool MUL_POW2, int MIN_CTAS, bool BYTE_T = false,
-          bool AMAX16 = false, bool FAST_SF = false>
+          bool AMAX16 = false, bool FAST_SF = false, bool PAIR = false>
 struct Knobs {
+  static constexpr bool kPair = PAIR;
   static constexpr bool kFastSf = FAST_SF;
   static constexpr bool kAmax16 = AMAX16;
   static constexpr bool kByteT = BYTE_T;
@@ -332,14 +337,15 @@ struct MinCtas {
 };
 
 // Where one thread's chunks of a tile come from: pass i is row m0 + r_base + i * RPP, columns
-// col .. col + VEC - 1 of x; rows at or past M (also all rows of a tile index past the last
-// tile) and columns at or past K read zeros (the reference's padding inside the amax).
+// col + dc .. col + dc + VEC - 1 of x for the chunk at element offset dc (load_chunk); rows at or
+// past M (also all rows of a tile index past the last tile) and columns at or past K read zeros
+// (the reference's padding inside the amax).
 struct ChunkSrc {
-  const char* p;  // the pass-0 chunk
+  const char* p;  // the pass-0 chunk at dc = 0
   i64 step;       // bytes from one pass to the next (RPP rows)
   i64 col;
   int rows;       // passes i with i * RPP < rows exist
-  bool vec;       // whole aligned chunk: one 16-byte load
+  bool aligned;   // x is 16-byte aligned with 16-byte rows: whole chunks load as one vector
 };
 
 template <int IN, int RPP>
@@ -353,26 +359,27 @@ __device__ __forceinline__ ChunkSrc chunk_src(const char* xb, i64 M, i64 K, i64 
   s.p = xb + (row * ldx + col) * kBytes;
   s.step = static_cast<i64>(RPP) * ldx * kBytes;
   s.col = col;
-  s.vec = x_vec && col + 16 / kBytes <= K;
+  s.aligned = x_vec;
   return s;
 }
 
 // kFull: the chunk is known to be in range and aligned (FULL kernel): one 16-byte load.
 template <int IN, int RPP, bool kFull = false>
-__device__ __forceinline__ uint4 load_chunk(const ChunkSrc& s, i64 K, int i) {
+__device__ __forceinline__ uint4 load_chunk(const ChunkSrc& s, i64 K, int i, int dc = 0) {
   constexpr int kBytes = In<IN>::kBytes;
   constexpr int VEC = 16 / kBytes;
-  if constexpr (kFull) return ld_stream_v4(s.p + i * s.step);
+  if constexpr (kFull) return ld_stream_v4(s.p + i * s.step + dc * kBytes);
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (i * RPP < s.rows) {
-    const char* p = s.p + i * s.step;
-    if (s.vec) {
+    const char* p = s.p + i * s.step + dc * kBytes;
+    const i64 col = s.col + dc;
+    if (s.aligned && col + VEC <= K) {
       v = ld_stream_v4(p);
     } else {
       u32 w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        if (s.col + e < K) {
+        if (col + e < K) {
           u32 bits;
           if constexpr (kBytes == 4) {
             bits = ld_u32(p + e * 4);
@@ -414,11 +421,14 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
   constexpr int kBytes = In<IN>::kBytes;
   constexpr int VEC = 16 / kBytes;         // elements per 16-byte chunk
   constexpr int CPR = kTile / VEC;         // chunks per tile row: 16 or 32
-  constexpr int RPP = kThreads / CPR;      // rows per load pass
+  constexpr int CH = KN::kPair ? 2 : 1;    // chunks per lane and pass (of one row)
+  constexpr int LPR = CPR / CH;            // lanes per tile row
+  constexpr int DC = LPR * VEC;            // element offset of a lane's next chunk in its row
+  constexpr int RPP = kThreads / LPR;      // rows per load pass
   constexpr int PASSES = kTile / RPP;      // load passes per tile
   constexpr int WPR = kTile * kBytes / 4;  // 32-bit words per tile row: 64 or 128
   constexpr int EPW = 4 / kBytes;          // elements per word: 2 or 1
-  static_assert(kThreads % CPR == 0 && kTile % RPP == 0, "threads must tile the 128 rows");
+  static_assert(kThreads % LPR == 0 && kTile % RPP == 0, "threads must tile the 128 rows");
   static_assert(WPR % (4 * kWarps) == 0, "the column pass needs WPR / (4 * warps) passes");
 
   constexpr bool kByteT = BLOCK && ROW && COL && KN::kByteT;
@@ -437,17 +447,17 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
   const bool q_vec = vec_flags & 2;
   const bool qt_vec = vec_flags & 4;
   const char* xb = static_cast<const char*>(x_ptr);
-  const int c = tid % CPR;  // 16-byte chunk column of this thread
-  const int r_base = tid / CPR;
+  const int c = tid % LPR;  // 16-byte chunk column of this thread (its first chunk)
+  const int r_base = tid / LPR;
 
-  uint4 v[PASSES];
+  uint4 v[PASSES * CH];  // v[i * CH + j]: pass i, chunk column c + j * LPR
   if constexpr (kPipe) {  // the first tile; later ones are prefetched during the previous one
     const i64 t0 = blockIdx.x;
     const i64 m0 = t0 / k_tiles * kTile;
     const i64 col = (t0 - t0 / k_tiles * k_tiles) * kTile + c * VEC;
     const ChunkSrc src = chunk_src<IN, RPP>(xb, M, K, ldx, m0, col, r_base, x_vec);
 #pragma unroll
-    for (int i = 0; i < PASSES; ++i) v[i] = load_chunk<IN, RPP, kFull>(src, K, i);
+    for (int i = 0; i < PASSES * CH; ++i) v[i] = load_chunk<IN, RPP, kFull>(src, K, i / CH, i % CH * DC);
   }
 
 #pragma unroll 1
@@ -465,7 +475,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     } else {
       const ChunkSrc src = chunk_src<IN, RPP>(xb, M, K, ldx, m0, col, r_base, x_vec);
 #pragma unroll
-      for (int i = 0; i < PASSES; ++i) v[i] = load_chunk<IN, RPP, kFull>(src, K, i);
+      for (int i = 0; i < PASSES * CH; ++i) v[i] = load_chunk<IN, RPP, kFull>(src, K, i / CH, i % CH * DC);
     }
     if constexpr (COL || BLOCK) {
       // The previous tile's column pass (shared tile) and block amax (red) are done everywhere.
@@ -475,9 +485,9 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     // ---- stage the raw tile in shared memory (swizzled) for the column pass ----
     if constexpr (COL && !kByteT) {
 #pragma unroll
-      for (int i = 0; i < PASSES; ++i) {
-        const int r = r_base + i * RPP;
-        const int w = (c * 4) ^ (((r >> 4) & 7) << 2);
+      for (int i = 0; i < PASSES * CH; ++i) {
+        const int r = r_base + i / CH * RPP;
+        const int w = ((c + i % CH * LPR) * 4) ^ (((r >> 4) & 7) << 2);
         sts_v4(smem + r * WPR + w, v[i]);
       }
     }
@@ -486,7 +496,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     if constexpr (BLOCK) {
       u32 amax = 0u;
 #pragma unroll
-      for (int i = 0; i < PASSES; ++i) {
+      for (int i = 0; i < PASSES * CH; ++i) {
         if constexpr (kAmax16) {
           amax = max(amax, chunk_max16(v[i]));
         } else {
@@ -508,7 +518,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     }
     if constexpr (kPipe && !ROW) {  // the chunks are in shared memory: fetch the next tile
 #pragma unroll
-      for (int i = 0; i < PASSES; ++i) v[i] = load_chunk<IN, RPP>(next, K, i);
+      for (int i = 0; i < PASSES * CH; ++i) v[i] = load_chunk<IN, RPP>(next, K, i / CH, i % CH * DC);
     }
 
     // ---- row pass (1x128 tiles, or the block scale) from registers ----
@@ -516,42 +526,59 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
         const i64 row = m0 + r_base + i * RPP;
-        float f[VEC];
+        constexpr int N = CH * VEC;  // this lane's elements of the row
+        float f[N];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) f[e] = unpack<IN>(v[i], e);
-        const uint4 v_cur = v[i];
-        if constexpr (kPipe) v[i] = load_chunk<IN, RPP>(next, K, i);
+        for (int j = 0; j < CH; ++j) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) f[j * VEC + e] = unpack<IN>(v[i * CH + j], e);
+        }
+        u32 m16 = 0u;  // kAmax16: the chunks' 16-bit |h| maximum, before the next tile's loads
+        if constexpr (kAmax16) {
+#pragma unroll
+          for (int j = 0; j < CH; ++j) m16 = max(m16, chunk_max16(v[i * CH + j]));
+        }
+        if constexpr (kPipe) {
+#pragma unroll
+          for (int j = 0; j < CH; ++j) v[i * CH + j] = load_chunk<IN, RPP>(next, K, i, j * DC);
+        }
         const Scale s = tile_scale<BLOCK, POW2, kFastSf>(block_scale, [&] {
-          if constexpr (kAmax16) return widen_abs16<IN>(warp_max<CPR>(chunk_max16(v_cur)));
+          if constexpr (kAmax16) return widen_abs16<IN>(warp_max<LPR>(m16));
           u32 amax = 0u;
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) amax = max(amax, abs_bits(f[e]));
-          return warp_max<CPR>(amax);  // the CPR lanes of this row (aligned lane groups)
+          for (int e = 0; e < N; ++e) amax = max(amax, abs_bits(f[e]));
+          return warp_max<LPR>(amax);  // the LPR lanes of this row (aligned lane groups)
         });
         if (!BLOCK && c == 0 && (kFull || row < M)) st_f32(sf + row * sf_s0 + kt * sf_s1, s.sf);
-        u32 packed[VEC / 4];
-        quantize<VEC, kMul>(f, s, packed);
-        if constexpr (kByteT) {  // this chunk's bytes: words VEC / 4 * c .. of tile row r
-          const int r = r_base + i * RPP;
-          const int w = ((VEC / 4) * c) ^ (((r >> 4) & 7) << 2);
-          if constexpr (VEC == 8) {
-            sts_v2(smem + r * (kTile / 4) + w, make_uint2(packed[0], packed[1]));
-          } else {
-            smem[r * (kTile / 4) + w] = packed[0];
-          }
-        }
-        if (kFull || row < M) {
-          unsigned char* dst = q + row * K + col;
-          if (kFull || (q_vec && col + VEC <= K)) {
-            if constexpr (VEC == 8) {
-              st_v2(dst, make_uint2(packed[0], packed[1]));
-            } else {
-              st_u32(dst, packed[0]);
-            }
-          } else {
+        u32 packed[N / 4];
+        quantize<N, kMul>(f, s, packed);
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-              if (col + e < K) st_u8(dst + e, static_cast<unsigned char>(packed[e / 4] >> (8 * (e % 4))));
+        for (int j = 0; j < CH; ++j) {
+          const u32* pk = packed + j * (VEC / 4);  // chunk column c + j * LPR
+          const int cc = c + j * LPR;
+          if constexpr (kByteT) {  // this chunk's bytes: words VEC / 4 * cc .. of tile row r
+            const int r = r_base + i * RPP;
+            const int w = ((VEC / 4) * cc) ^ (((r >> 4) & 7) << 2);
+            if constexpr (VEC == 8) {
+              sts_v2(smem + r * (kTile / 4) + w, make_uint2(pk[0], pk[1]));
+            } else {
+              smem[r * (kTile / 4) + w] = pk[0];
+            }
+          }
+          const i64 cj = col + j * DC;
+          if (kFull || row < M) {
+            unsigned char* dst = q + row * K + cj;
+            if (kFull || (q_vec && cj + VEC <= K)) {
+              if constexpr (VEC == 8) {
+                st_v2(dst, make_uint2(pk[0], pk[1]));
+              } else {
+                st_u32(dst, pk[0]);
+              }
+            } else {
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) {
+                if (cj + e < K) st_u8(dst + e, static_cast<unsigned char>(pk[e / 4] >> (8 * (e % 4))));
+              }
             }
           }
         }

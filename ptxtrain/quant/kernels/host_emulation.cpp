@@ -2,7 +2,7 @@
 // kernels, run on the CPU through host_emulation.hpp, to tests/quant/test_cuda.py (ctypes).
 // Build: g++ -std=c++20 -O1 -ffp-contract=off -fPIC -shared host_emulation.cpp -o emu.so
 // The kernel variant (ptxtrain_quant::Knobs) comes from -DPTXTRAIN_QUANT_EMU_THREADS=..., _LOOP,
-// _PIPE, _MUL_POW2, _BYTE_T, _AMAX16, _FAST_SF (defaults: the default variant), one shared library per variant.
+// _PIPE, _MUL_POW2, _BYTE_T, _AMAX16, _FAST_SF, _PAIR (defaults: the default variant), one shared library per variant.
 #define PTXTRAIN_QUANT_HOST_EMULATION 1
 #include "cast_transpose.cuh"
 
@@ -27,6 +27,9 @@
 #ifndef PTXTRAIN_QUANT_EMU_MUL_POW2
 #define PTXTRAIN_QUANT_EMU_MUL_POW2 0
 #endif
+#ifndef PTXTRAIN_QUANT_EMU_PAIR
+#define PTXTRAIN_QUANT_EMU_PAIR 0
+#endif
 
 namespace {
 
@@ -34,7 +37,8 @@ using ptxtrain_quant::i64;
 constexpr int kThreads = PTXTRAIN_QUANT_EMU_THREADS;
 using Kn = ptxtrain_quant::Knobs<kThreads, PTXTRAIN_QUANT_EMU_LOOP != 0, PTXTRAIN_QUANT_EMU_PIPE != 0,
                                  PTXTRAIN_QUANT_EMU_MUL_POW2 != 0, 0, PTXTRAIN_QUANT_EMU_BYTE_T != 0,
-                                 PTXTRAIN_QUANT_EMU_AMAX16 != 0, PTXTRAIN_QUANT_EMU_FAST_SF != 0>;
+                                 PTXTRAIN_QUANT_EMU_AMAX16 != 0, PTXTRAIN_QUANT_EMU_FAST_SF != 0,
+                                 PTXTRAIN_QUANT_EMU_PAIR != 0>;
 
 struct Args {
   const void* x;
