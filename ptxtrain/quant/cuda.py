@@ -87,10 +87,17 @@ __all__ = [
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 # Ops that ``auto`` sends to this backend on sm_90: the transposed ones, where the Triton kernels
-# reach only 0.50-0.67 of copy bandwidth (the plain 1x128 / 128x128 Triton kernels reach
-# 0.76-0.86; move them here once ``ptxtrain bench quant`` shows this backend ahead).
+# reach only 0.50-0.67 of copy bandwidth, and the 128x128 block cast (worst over 4096x7168,
+# 7168x4096 and 16384x7168 bf16 on an H200: 0.88 of copy here against Triton's 0.79;
+# benchmarks/results/2026-11-22-s7-h200/call7 and call9). The plain 1x128 cast stays on Triton
+# (0.82-0.86 there against 0.81 here).
 AUTO_OPS = frozenset(
-    {"per_token_cast_to_fp8_t", "per_token_cast_to_fp8_both", "per_block_cast_to_fp8_both"}
+    {
+        "per_token_cast_to_fp8_t",
+        "per_token_cast_to_fp8_both",
+        "per_block_cast_to_fp8",
+        "per_block_cast_to_fp8_both",
+    }
 )
 
 
@@ -154,15 +161,16 @@ VARIANTS: dict[str, Variant] = {
     "t512_pair": Variant(threads=512, pair=True, **_FAST),
 }
 # The variant each public quantizer runs (update from ``python -m benchmarks.sweep_quant
-# --cuda``: the fastest variant per op at 4096x7168, 7168x4096 and 16384x7168 bf16). Measured on
-# an H200 (benchmarks/results/2026-11-22-ptx-s4-h200/sweep_quant_cuda.json, worst fraction of
-# copy bandwidth over the shapes): "lean" 0.78 vs "default" 0.67 for W+Wᵀ, 0.59 vs 0.56 for
-# both, 0.72 vs 0.71 for 128x1; the plain 1x128 / 128x128 kernels tie (0.70 / 0.79).
+# --cuda``: the fastest variant per op, by the worst fraction of copy bandwidth over 4096x7168,
+# 7168x4096 and 16384x7168 bf16). Measured on an H200 with the FULL kernels
+# (benchmarks/results/2026-11-22-s7-h200/call9/sweep_quant_cuda_3725a1c.json): both 0.74
+# (lean 0.71, default 0.68), 128x1 0.78, 128x128 0.88, W+Wᵀ 0.83 (lean; lean_pair 0.82), 1x128
+# 0.81 (t512_pair; default 0.79).
 SELECT: dict[str, str] = {
-    "per_token_cast_to_fp8": "default",
-    "per_token_cast_to_fp8_t": "lean",
-    "per_token_cast_to_fp8_both": "lean",
-    "per_block_cast_to_fp8": "default",
+    "per_token_cast_to_fp8": "t512_pair",
+    "per_token_cast_to_fp8_t": "lean_pair",
+    "per_token_cast_to_fp8_both": "lean_pair",
+    "per_block_cast_to_fp8": "lean_pair",
     "per_block_cast_to_fp8_both": "lean",
 }
 
