@@ -82,6 +82,7 @@ from ptxtrain.moe.layout import (
     triton_usable,
     unpack_rows,
 )
+from ptxtrain.moe.nvlink import DEFAULT_PIPELINE
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE
 
 __all__ = ["Buffer", "DispatchHandle", "EventOverlap", "get_dispatch_layout"]
@@ -439,9 +440,8 @@ class Buffer:
         timeout_s: bound on every flag wait of the nvlink kernel (then RuntimeError, no hang).
         nvl_threads / nvl_unroll / nvl_pipeline: the nvlink kernel's tuning knobs, threads per
             block (a multiple of 32, at most 1024), 16-byte loads in flight per lane (1, 2, 4 or
-            8) and the per-block-flag pipelined variant (bool); validated for every backend,
-            used by ``"nvlink"``
-            (:func:`ptxtrain.moe.nvlink.compile_kernel`).
+            8) and the per-block-flag pipelined variant (bool, default on); validated for every
+            backend, used by ``"nvlink"`` (:func:`ptxtrain.moe.nvlink.compile_kernel`).
 
     Every rank of the group must construct the buffer with the same arguments and call
     ``dispatch`` / ``combine`` (and their backward passes) in the same order, as with any
@@ -469,7 +469,7 @@ class Buffer:
         timeout_s: float = 30.0,
         nvl_threads: int = 1024,
         nvl_unroll: int = 4,
-        nvl_pipeline: bool = False,
+        nvl_pipeline: bool = DEFAULT_PIPELINE,
     ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")

@@ -276,10 +276,11 @@ def _gpu_worker(rank: int, world: int) -> None:
     ref = Buffer(backend="all_to_all")
     with pytest.raises(ValueError, match="num_sms"):
         Buffer(backend="nvlink", num_sms=10_000)
-    # Default knobs, then the pipelined variant with other knobs (1 SM: one block per rank).
+    # Default knobs (the pipelined kernel), the barrier kernel, and other knobs (1 SM: one
+    # block per rank).
     configs = [(1, False, {}), (24, False, {}), (24, True, {})]
-    configs += [(1, False, dict(nvl_pipeline=True)), (24, False, dict(nvl_pipeline=True))]
-    configs += [(16, False, dict(nvl_pipeline=True, nvl_threads=256, nvl_unroll=8))]
+    configs += [(1, False, dict(nvl_pipeline=False)), (24, False, dict(nvl_pipeline=False))]
+    configs += [(16, False, dict(nvl_threads=256, nvl_unroll=8))]
     for num_sms, aggressive, knobs in configs:
         buf = Buffer(
             backend="nvlink",
