@@ -205,49 +205,27 @@ def _exchange(
 
 
 def _nvl_index(handle: DispatchHandle, combine: bool) -> tuple[torch.Tensor, ...]:
-    """(send_row, send_dst, send_slot, recv_src, recv_slot, send_off, recv_off) of the nvlink
-    kernel, cached.
+    """(send_row, send_off, recv_off) of the nvlink kernel, cached in the handle.
 
-    Dispatch: send row ``i`` = token ``send_src_idx[i]`` to rank ``dst`` at place ``i - first
-    row for dst``; receive row ``n`` = place ``n - first row from src`` of ``recv_src_rank[n]``.
-    Combine swaps the two sides (and sends the received rows in order). Built from the device
-    copies of the counts that ``dispatch`` leaves in the cache (key ``"counts"``): device ops
-    only, no host sync and no host-to-device copy.
+    Dispatch: the send list is ``send_src_idx`` grouped by destination (``send_off``, prefix
+    sums of the send counts), the output grouped by source (``recv_off``). Combine sends the
+    received rows in order (``send_row = arange``) and swaps the offsets. Built from the device
+    copies of the counts that ``dispatch`` leaves in the cache (key ``"counts"``): one cumsum
+    and one pad for both offsets, no host sync and no host-to-device copy.
     """
     key = "combine" if combine else "dispatch"
     if key not in handle._nvl_index:
         dev = handle.send_src_idx.device
-        if "counts" in handle._nvl_index:
-            sc, rc = handle._nvl_index["counts"]
-        else:  # a handle built elsewhere: small host-to-device copies
-            sc = torch.tensor(handle.send_counts, dtype=torch.int64, device=dev)
-            rc = torch.tensor(handle.recv_counts, dtype=torch.int64, device=dev)
-        r = torch.arange(handle.num_ranks, device=dev)
-        send_dst = torch.repeat_interleave(r, sc, output_size=handle.send_src_idx.numel())
-        send_slot = torch.arange(send_dst.numel(), device=dev) - (sc.cumsum(0) - sc)[send_dst]
-        recv_src = handle.recv_src_rank  # [N]
-        recv_slot = torch.arange(recv_src.numel(), device=dev) - (rc.cumsum(0) - rc)[recv_src]
-        zero = sc.new_zeros(1)
-        send_off, recv_off = torch.cat([zero, sc.cumsum(0)]), torch.cat([zero, rc.cumsum(0)])
-        i32 = torch.int32
-        handle._nvl_index["dispatch"] = (
-            handle.send_src_idx.contiguous(),
-            send_dst.to(i32),
-            send_slot.to(i32),
-            recv_src.to(i32),
-            recv_slot.to(i32),
-            send_off,
-            recv_off,
-        )
-        handle._nvl_index["combine"] = (
-            torch.arange(recv_src.numel(), device=dev),
-            recv_src.to(i32),
-            recv_slot.to(i32),
-            send_dst.to(i32),
-            send_slot.to(i32),
-            recv_off,
-            send_off,
-        )
+        if "counts" in handle._nvl_index:  # [2, R] int64: send counts, receive counts
+            both = handle._nvl_index["counts"]
+        else:  # a handle built elsewhere: a small host-to-device copy
+            both = torch.tensor([handle.send_counts, handle.recv_counts], dtype=torch.int64)
+            both = both.to(dev)
+        off = torch.nn.functional.pad(both.cumsum(1), (1, 0))  # [2, R + 1]: send_off, recv_off
+        send_off, recv_off = off[0], off[1]
+        handle._nvl_index["dispatch"] = (handle.send_src_idx.contiguous(), send_off, recv_off)
+        n = sum(handle.recv_counts)
+        handle._nvl_index["combine"] = (torch.arange(n, device=dev), recv_off, send_off)
     return handle._nvl_index[key]
 
 
@@ -307,7 +285,8 @@ def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> l
             f"{handle.max_rows_per_pair * padded * transport.num_ranks}"
         )
     send = _pack(parts, padded, None)
-    moved = transport.exchange(send, *_nvl_index(handle, combine))  # [K, padded]
+    num_out = sum(handle.send_counts if combine else handle.recv_counts)
+    moved = transport.exchange(send, *_nvl_index(handle, combine), num_out)  # [K, padded]
     return _unpack(moved, parts)
 
 
@@ -365,7 +344,8 @@ def _tensors(obj) -> list[torch.Tensor]:
         return [t for item in obj for t in _tensors(item)]
     if isinstance(obj, DispatchHandle):
         found = [obj.send_src_idx, obj.recv_src_rank, obj.recv_src_idx, obj.is_token_in_rank]
-        return found + [t for v in obj._nvl_index.values() for t in v]
+        cached = [(v,) if isinstance(v, torch.Tensor) else v for v in obj._nvl_index.values()]
+        return found + [t for v in cached for t in v]
     return []
 
 
@@ -767,7 +747,7 @@ class Buffer:
         recv_src_rank = torch.repeat_interleave(recv_counts_t, output_size=sum(recv_counts))
         cache = {}
         if self._transport is not None:
-            cache["counts"] = (counts[0, :, 0], recv_counts_t)
+            cache["counts"] = counts[:, :, 0]  # [2, R]: send and receive counts
         if slot is not None:
             cache["slot"] = (slot,)
         handle = DispatchHandle(

@@ -7,12 +7,17 @@ What moves where. The per-peer counts are exchanged by one small ``all_to_all_si
 token and destination (activations or FP8 bytes + scales, gate weights, ``topk_idx``, source
 token index: one launch per dispatch), for combine the rows to sum. A message is a ``[M, B]``
 byte matrix (rows padded to a multiple of 16 bytes); one kernel
-is a variable all-to-all ``out[k] = rows_of(src_k)[slot_k]`` driven by four index vectors, so
-dispatch and combine are the same kernel with the roles of the index vectors swapped:
+is a variable all-to-all ``out[k] = rows_of(src_k)[slot_k]`` driven by one row list and two
+offset vectors, so dispatch and combine are the same kernel with the offsets swapped:
 
-- send side: row ``i`` of the send list is input row ``send_row[i]``, goes to rank
-  ``send_dst[i]`` and lands in its ``send_slot[i]``-th place among the rows from this rank;
-- receive side: output row ``k`` is the ``recv_slot[k]``-th row that rank ``recv_src[k]`` sent.
+- send side: row ``i`` of the send list is input row ``send_row[i]``; the list is grouped by
+  destination, so it goes to the rank ``d`` with ``send_off[d] <= i < send_off[d + 1]`` and lands
+  in place ``i - send_off[d]`` among the rows from this rank;
+- receive side: output row ``k`` is place ``k - recv_off[s]`` of the rows that rank ``s`` sent,
+  for the ``s`` with ``recv_off[s] <= k < recv_off[s + 1]``.
+
+The kernel finds ``d`` and ``s`` by a scan of the ``R + 1`` offsets, so the host builds no
+per-row index vectors (each would cost kernel launches on a host-bound path).
 
 For dispatch the send list is ``handle.send_src_idx`` (grouped by destination, ascending tokens)
 and the receive list is the all_to_all receive order (by source rank, then source token), so the
@@ -173,11 +178,18 @@ __device__ __forceinline__ void copy_row(int4* d, const int4* s, int n, int lane
   for (; j < n; j += 32) st_na_v4(d + j, ld_nc_v4(s + j));
 }
 
+// The group of row i in a list grouped by rank: the r with off[r] <= i < off[r + 1] (off has
+// num_ranks + 1 ascending entries; a linear scan, num_ranks is a node's GPU count).
+__device__ __forceinline__ int group_of(const long long* off, int num_ranks, long long i) {
+  int r = 0;
+  while (r + 1 < num_ranks && __ldg(off + r + 1) <= i) ++r;
+  return r;
+}
+
 extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to_all_v(
-    const int4* __restrict__ src, const long long* __restrict__ send_row,
-    const int* __restrict__ send_dst, const int* __restrict__ send_slot, int num_send,
-    int4* __restrict__ out, const int* __restrict__ recv_src, const int* __restrict__ recv_slot,
-    int num_recv, const long long* __restrict__ send_off, const long long* __restrict__ recv_off,
+    const int4* __restrict__ src, const long long* __restrict__ send_row, int num_send,
+    int4* __restrict__ out, int num_recv, const long long* __restrict__ send_off,
+    const long long* __restrict__ recv_off,
     const long long* __restrict__ peer_bases, int rank, int num_ranks,
     int stride16, long long cap_rows, long long data_offset, int epoch, long long timeout,
     int* __restrict__ error) {
@@ -205,11 +217,13 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
                                     stride16, lane);
   }
 #else
-  // 2. Rows straight into the destination's region for this rank.
+  // 2. Rows straight into the destination's region for this rank (send row i goes to the dst
+  // whose group holds it, at place i - send_off[dst]).
   for (long long i = gwarp; i < num_send; i += gstep) {
+    const int dst = group_of(send_off, num_ranks, i);
     const int4* s = src + send_row[i] * stride16;
-    int4* d = reinterpret_cast<int4*>(peer_bases[send_dst[i]] + data_offset) +
-              ((long long)rank * cap_rows + send_slot[i]) * stride16;
+    int4* d = reinterpret_cast<int4*>(peer_bases[dst] + data_offset) +
+              ((long long)rank * cap_rows + (i - send_off[dst])) * stride16;
     copy_row<PTXTRAIN_NVL_UNROLL>(d, s, stride16, lane);
   }
 #endif
@@ -238,7 +252,8 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
   // 4. Every source's rows have arrived: copy them out in the receive order.
   wait_flags(my_flags, nflags, epoch, timeout, error, 2);
   for (long long k = gwarp; k < num_recv; k += gstep) {
-    const int4* s = mine + ((long long)recv_src[k] * cap_rows + recv_slot[k]) * stride16;
+    const int src_rank = group_of(recv_off, num_ranks, k);
+    const int4* s = mine + ((long long)src_rank * cap_rows + (k - recv_off[src_rank])) * stride16;
     int4* d = out + k * stride16;
     copy_row<PTXTRAIN_NVL_UNROLL>(d, s, stride16, lane);
   }
@@ -413,32 +428,28 @@ class NvlinkTransport:
         self,
         rows: torch.Tensor,
         send_row: torch.Tensor,
-        send_dst: torch.Tensor,
-        send_slot: torch.Tensor,
-        recv_src: torch.Tensor,
-        recv_slot: torch.Tensor,
         send_off: torch.Tensor,
         recv_off: torch.Tensor,
+        num_recv: int,
     ) -> torch.Tensor:
-        """One variable all-to-all of byte rows on NVLink: ``out[k]`` = the row that rank
-        ``recv_src[k]`` sent to this rank with ``send_slot == recv_slot[k]``.
+        """One variable all-to-all of byte rows on NVLink. The send list is grouped by
+        destination: send rows ``send_off[d]..send_off[d+1]`` go to rank ``d`` at places ``0,
+        1, ...`` there; the output is grouped by source: output rows ``recv_off[s]..
+        recv_off[s+1]`` are the rows rank ``s`` sent here, in its place order.
 
         Args:
             rows: ``[M, B]`` uint8 CUDA, contiguous, ``B`` a multiple of 16.
-            send_row: ``[S]`` int64 rows of ``rows`` to send; ``send_dst`` / ``send_slot``:
-                ``[S]`` int32 destination rank and place among this rank's rows there.
-            recv_src / recv_slot: ``[K]`` int32 source rank and place of every output row.
-            send_off / recv_off: ``[R + 1]`` int64 offsets: the send list is grouped by
-                destination (rows ``send_off[d]..send_off[d+1]`` go to ``d``, their places
-                ``0, 1, ...``), the output by source (rows ``recv_off[s]..recv_off[s+1]``,
-                places ``0, 1, ...``); the pipelined kernel relies on these groupings.
+            send_row: ``[S]`` int64 rows of ``rows`` to send, grouped by destination.
+            send_off / recv_off: ``[R + 1]`` int64 CUDA offsets of the two groupings
+                (``send_off[R] = S``, ``recv_off[R] = num_recv``).
+            num_recv: output rows (the host knows it from the count exchange).
 
         Returns:
-            ``[K, B]`` uint8. Launched on the current stream; the caller checks capacity.
+            ``[num_recv, B]`` uint8. Launched on the current stream; the caller checks capacity.
         """
         self.check_errors(synchronize=False)
         stride = rows.shape[1]
-        out = torch.empty(recv_src.shape[0], stride, dtype=torch.uint8, device=rows.device)
+        out = torch.empty(num_recv, stride, dtype=torch.uint8, device=rows.device)
         self.epoch += 1
         from ptxtrain.jit import launch
 
@@ -449,13 +460,9 @@ class NvlinkTransport:
             [
                 rows,
                 send_row,
-                send_dst,
-                send_slot,
                 int(send_row.shape[0]),
                 out,
-                recv_src,
-                recv_slot,
-                int(recv_src.shape[0]),
+                int(num_recv),
                 send_off,
                 recv_off,
                 self.peer_bases,

@@ -248,8 +248,10 @@ def _check_moe_end_to_end(buf, rank, world, num_experts):
 class GlooTransport:
     """The nvlink kernel's contract (``NvlinkTransport.exchange``) emulated with gloo.
 
-    ``out[k]`` = the row that rank ``recv_src[k]`` sent to this rank at place ``recv_slot[k]``;
-    capacity ``num_nvl_bytes // (R · row bytes)`` rows per peer, as the real transport.
+    Send row ``i`` goes to the rank ``d`` whose ``send_off`` group holds ``i``, at place ``i -
+    send_off[d]``; output row ``k`` is place ``k - recv_off[s]`` of what rank ``s`` sent here
+    (``s``: the ``recv_off`` group of ``k``); capacity ``num_nvl_bytes // (R · row bytes)`` rows
+    per peer, as the real transport.
     """
 
     def __init__(self, rank, num_ranks, num_nvl_bytes):
@@ -261,21 +263,21 @@ class GlooTransport:
     def capacity_rows(self, row_bytes):
         return self.num_nvl_bytes // (self.num_ranks * row_bytes)
 
-    def exchange(
-        self, rows, send_row, send_dst, send_slot, recv_src, recv_slot, send_off, recv_off
-    ):
+    def exchange(self, rows, send_row, send_off, recv_off, num_recv):
         self.calls += 1
-        # The groupings the pipelined kernel relies on: sends by destination, outputs by
-        # source, places 0, 1, ... within each group.
-        for idx, slot, off in ((send_dst, send_slot, send_off), (recv_src, recv_slot, recv_off)):
+        # The contract: int64 offsets of R + 1 ascending entries that cover the send list and
+        # the output; the kernel derives each row's peer and place from them.
+        for off, total in ((send_off, send_row.numel()), (recv_off, num_recv)):
             assert off.dtype == torch.int64 and off.shape == (self.num_ranks + 1,)
-            counts = off.diff()
-            assert torch.equal(idx.long(), torch.repeat_interleave(counts)), "not grouped"
-            assert torch.equal(slot.long(), torch.arange(idx.numel()) - off[idx.long()])
+            assert off[0] == 0 and off[-1] == total and bool((off.diff() >= 0).all())
+        assert send_row.dtype == torch.int64
         assert rows.dtype == torch.uint8 and rows.shape[1] % 16 == 0 and rows.is_contiguous()
-        assert send_dst.dtype == recv_src.dtype == torch.int32
+        send_dst = torch.repeat_interleave(send_off.diff())
+        send_slot = torch.arange(send_row.numel()) - send_off[send_dst]
+        recv_src = torch.repeat_interleave(recv_off.diff())
+        recv_slot = torch.arange(num_recv) - recv_off[recv_src]
         self.row_bytes_seen.add(rows.shape[1])
-        sent = (rows[send_row], send_dst.long(), send_slot.long())
+        sent = (rows[send_row], send_dst, send_slot)
         everyone = [None] * self.num_ranks
         dist.all_gather_object(everyone, sent)
         regions = []  # regions[s][j]: the j-th row rank s sent here
@@ -287,7 +289,7 @@ class GlooTransport:
         out = rows.new_zeros(recv_src.shape[0], rows.shape[1])
         for src in range(self.num_ranks):
             at = (recv_src == src).nonzero()[:, 0]
-            out[at] = regions[src][recv_slot[at].long()]  # IndexError if a slot is out of range
+            out[at] = regions[src][recv_slot[at]]  # IndexError if a slot is out of range
         return out
 
 
