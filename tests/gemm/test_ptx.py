@@ -6,6 +6,7 @@ GPU-marked tests check the kernels against the unquantized product (calc_diff) a
 reference GEMM over the DeepSeek-V3 shapes and awkward ones (M = 0, 1, 13, 129; N, K tails).
 """
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -70,6 +71,27 @@ def test_config_rejects_bad_arguments():
         ptx.select_config("2d2d", 64, 64, 128, 132)
     with pytest.raises(ValueError, match="num_sms"):
         ptx.select_config("1d2d", 64, 64, 128, 0)
+
+
+def test_rasterization_group_per_kind():
+    # Dense kernels keep 2048-row rasterization groups (best geomean over the V3 shapes on an
+    # H200); the m-grouped contiguous GEMM takes 512 (one expert's B in flight, 1.01-1.03x).
+    for n, k in ((4096, 7168), (7168, 2048)):
+        assert ptx.select_config("1d2d", 4096, n, k, H200_SMS).raster_m == 2048
+        assert ptx.grouped_config(4096, n, k, H200_SMS).raster_m == 512
+    # The constant reaches the kernel's template arguments and its cache name.
+    cfg = dataclasses.replace(ptx.grouped_config(4096, 4096, 7168, H200_SMS), raster_m=1024)
+    src, expr = ptx.kernel_source("m_grouped", cfg, 4096, 7168, torch.bfloat16, False)
+    assert expr.endswith(", 1, 1024>") and "fp8_gemm.cuh" in src
+
+
+def test_run_with_config_rejects_a_bad_rasterization_group():
+    g = torch.Generator().manual_seed(3)
+    a = per_token_cast_to_fp8(torch.randn(4, 256, generator=g))
+    b = per_block_cast_to_fp8(torch.randn(128, 256, generator=g))
+    cfg = dataclasses.replace(ptx.select_config("1d2d", 4, 128, 256, H200_SMS), raster_m=1000)
+    with pytest.raises(ValueError, match="raster_m=1000"):
+        ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
 
 
 def test_generated_wgmma_wrapper_lists_every_accumulator():

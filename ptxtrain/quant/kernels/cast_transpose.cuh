@@ -9,9 +9,11 @@
 //   load    every thread issues PASSES 16-byte loads: chunk c = tid % CPR of rows
 //           tid / CPR + i * RPP (CPR = 16-byte chunks per tile row, RPP = rows per pass), so a
 //           warp reads whole 256 / 512-byte row segments. Out-of-range rows / columns read 0,
-//           which is the reference's zero padding inside the amax.
-//   row     (ROW) quantized from registers: the CPR threads of a row reduce its amax with warp
-//           shuffles; each stores its 8 (16-bit input) or 4 (fp32) FP8 bytes, coalesced.
+//           which is the reference's zero padding inside the amax. With the PAIR knob a lane
+//           loads chunks c and c + CPR / 2 of one row per pass (LPR = CPR / 2 lanes per row).
+//   row     (ROW) quantized from registers: the LPR threads of a row reduce its amax with warp
+//           shuffles; each stores its 8 (16-bit input) or 4 (fp32) FP8 bytes per chunk,
+//           coalesced.
 //   column  (COL) the raw tile goes to shared memory, [128][WPR] 32-bit words, word w of row r
 //           at r * WPR + (w ^ (((r >> 4) & 7) << 2)) (an XOR swizzle on bits 2..4). Then a
 //           thread takes one word column p (2 bf16/fp16 columns or 1 fp32 column) of 16
@@ -32,6 +34,10 @@
 // quotient (Markstein's theorem; below 2^-126 it may be off by a subnormal ulp, which E4M3,
 // whose smallest step is 2^-9, rounds to the same ±0). The signs are placed so that x = -0
 // gives -0. Tiles with a non-finite scale use div.rn directly (one branch per tile row/column). cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even.
+//
+// FULL (a template flag the host sets when M and K are multiples of 128 and every access is
+// aligned): the bounds checks and the element-wise fallbacks are compiled out. ncu showed the
+// kernels bound by issuing instructions, not by memory, and the checks were a fifth of them.
 //
 // PTXTRAIN_QUANT_HOST_EMULATION: compile this file as host C++ (g++ -std=c++20) against the
 // shims of host_emulation.hpp, which run each CTA's threads as fibers (barriers for
