@@ -50,8 +50,9 @@ Backends. ``"all_to_all"`` (default; the only one on CPU) moves everything with
 ``all_to_all_single``. ``"nvlink"`` (one node of NVLink-connected GPUs, NCCL group) keeps the
 count exchange above but moves the payload message (and the combine rows and the autograd
 counterparts) with a JIT kernel writing straight into the peers' symmetric-memory buffers on
-``num_sms`` SMs (:mod:`ptxtrain.moe.nvlink` has its design note); its index vectors are built
-on the device from the device copies of the counts and cached in the handle. The receive
+``num_sms`` SMs (:mod:`ptxtrain.moe.nvlink` has its design note); it needs only the send and
+receive offsets (prefix sums of the counts, built on the device in two launches and cached in
+the handle): the kernel derives each row's peer and place from them. The receive
 order, the handle and the sums are the same, so both backends give bit-identical results.
 
 Async mode (DeepEP's ``async_finish``): ``dispatch(..., async_finish=True)`` and
