@@ -27,15 +27,36 @@ from ptxtrain.testing import calc_diff
 G, ROWS = 8, 512
 
 
-def _row(timer, name, fn, flops, want, rows, shape):
+def timed(timer, name, fn, flops, want, rows, shape, **info):
+    """Check ``fn()`` (calc_diff < 1e-3, the GEMM contract's bound), time it, record a row
+    (``info`` adds fields) and print it; returns TFLOPS."""
     d = fn()
     diff = calc_diff(d.float(), want)
     assert diff < 1e-3, f"{name} {shape}: calc_diff {diff:.2e}"
     us = timer(fn)
     tflops = flops / (us * 1e-6) / 1e12
-    rows.append(dict(shape=shape, op=name, us=us, tflops=tflops, calc_diff=diff))
+    rows.append(dict(shape=shape, op=name, us=us, tflops=tflops, calc_diff=diff, **info))
     print(f"{shape!s:<22} {name:<28} {us:9.1f} µs {tflops:7.0f} TFLOPS  diff {diff:.1e}")
     return tflops
+
+
+def m_grouped_operands(n: int, k: int) -> dict:
+    """G experts x ROWS tokens of A [G·ROWS, k] and B [G, n, k] (fp32 randn on CUDA), their
+    FP8 quantizations, ``m_indices`` and the reference D of the m-grouped GEMM."""
+    m = G * ROWS
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(G, n, k, device="cuda")
+    qws = [per_block_cast_to_fp8(w[g]) for g in range(G)]
+    return dict(
+        m=m,
+        x=x,
+        w=w,
+        qa=per_token_cast_to_fp8(x),
+        qws=qws,
+        qb=(torch.stack([q for q, _ in qws]), torch.stack([s for _, s in qws])),
+        m_indices=torch.arange(G, device="cuda", dtype=torch.int32).repeat_interleave(ROWS),
+        want=torch.cat([x[g * ROWS : (g + 1) * ROWS] @ w[g].t() for g in range(G)]),
+    )
 
 
 def main() -> None:
@@ -46,39 +67,34 @@ def main() -> None:
     rows: list = []
     summary = {}
     for n, k in ((4096, 7168), (7168, 2048)):
-        m = G * ROWS
-        x = torch.randn(m, k, device="cuda")
-        w = torch.randn(G, n, k, device="cuda")
-        qa = per_token_cast_to_fp8(x)
-        qws = [per_block_cast_to_fp8(w[g]) for g in range(G)]
-        qb = (torch.stack([q for q, _ in qws]), torch.stack([s for _, s in qws]))
-        m_indices = torch.arange(G, device="cuda", dtype=torch.int32).repeat_interleave(ROWS)
-        want = torch.cat([x[g * ROWS : (g + 1) * ROWS] @ w[g].t() for g in range(G)])
+        ops = m_grouped_operands(n, k)
+        m, x, w, qa, qws, qb = (ops[key] for key in ("m", "x", "w", "qa", "qws", "qb"))
+        m_indices, want = ops["m_indices"], ops["want"]
         flops = 2.0 * m * n * k
         shape = (m, n, k)
-        grp = _row(timer, "m_grouped_contiguous", lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
+        grp = timed(timer, "m_grouped_contiguous", lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
             qa, qb, m_indices, check_indices=False), flops, want, rows, shape)  # fmt: skip
         tcfg = select_config(
             m, n, k, "1d2d", torch.cuda.get_device_properties(0).multi_processor_count
         )
-        grp_tri = _row(timer, "m_grouped_contiguous triton",
+        grp_tri = timed(timer, "m_grouped_contiguous triton",
                        lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
                            qa, qb, m_indices, check_indices=False, config=tcfg),
                        flops, want, rows, shape)  # fmt: skip
         dense_want = x @ w[0].t()
         qd = qws[0]
-        tri = _row(timer, "dense triton", lambda: tg.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
+        tri = timed(timer, "dense triton", lambda: tg.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
                    shape)  # fmt: skip
-        cub = _row(timer, "dense cublas", lambda: cublas.fp8_gemm_nt(qa, qd), flops, dense_want,
+        cub = timed(timer, "dense cublas", lambda: cublas.fp8_gemm_nt(qa, qd), flops, dense_want,
                    rows, shape)  # fmt: skip
-        dptx = _row(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
+        dptx = timed(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
                     shape)  # fmt: skip
         xm = x.view(G, ROWS, k)
         qam = per_token_cast_to_fp8(x)
         qa3 = (qam[0].view(G, ROWS, k), qam[1].view(G, ROWS, -1))
         masked_m = torch.full((G,), ROWS, device="cuda", dtype=torch.int32)
         want3 = torch.einsum("gmk,gnk->gmn", xm, w)
-        _row(timer, "m_grouped_masked", lambda: grouped.m_grouped_fp8_gemm_nt_masked(
+        timed(timer, "m_grouped_masked", lambda: grouped.m_grouped_fp8_gemm_nt_masked(
             qa3, qb, masked_m, ROWS), flops, want3, rows, shape)  # fmt: skip
         summary[f"grouped_over_dense_triton_{n}x{k}"] = grp / tri
         summary[f"grouped_over_dense_cublas_{n}x{k}"] = grp / cub
@@ -94,12 +110,12 @@ def main() -> None:
         sl = [slice(g * ROWS, (g + 1) * ROWS) for g in range(G)]
         want = torch.stack([a[:, s] @ b[:, s].t() for s in sl])
         flops = 2.0 * mm * nn * kt
-        kp = _row(timer, "k_grouped_contiguous", lambda: grouped.k_grouped_fp8_gemm_nt_contiguous(
+        kp = timed(timer, "k_grouped_contiguous", lambda: grouped.k_grouped_fp8_gemm_nt_contiguous(
             qa, qb, ks), flops, want, rows, (mm, nn, kt))  # fmt: skip
         kcfg = select_config(
             mm, nn, ROWS, "1d1d", torch.cuda.get_device_properties(0).multi_processor_count
         )
-        kt_ = _row(timer, "k_grouped_contiguous triton",
+        kt_ = timed(timer, "k_grouped_contiguous triton",
                    lambda: grouped.k_grouped_fp8_gemm_nt_contiguous(qa, qb, ks, config=kcfg),
                    flops, want, rows, (mm, nn, kt))  # fmt: skip
         summary[f"k_grouped_over_triton_{mm}x{nn}"] = kp / kt_

@@ -25,23 +25,11 @@ import json
 
 import torch
 
+from benchmarks.bench_grouped import ROWS, G, m_grouped_operands, timed
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, ptx
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
-from ptxtrain.testing import calc_diff
 from ptxtrain.testing.shapes import DSV3_DENSE_NK
-
-G, ROWS = 8, 512
-
-
-def _time(timer, fn, want, flops, label, rows, **info):
-    diff = calc_diff(fn().float(), want)
-    assert diff < 1e-3, f"{label}: calc_diff {diff:.2e}"  # the GEMM contract's bound
-    us = timer(fn)
-    tflops = flops / (us * 1e-6) / 1e12
-    rows.append(dict(op=label, us=us, tflops=tflops, calc_diff=diff, **info))
-    print(f"{label:<44} {us:9.1f} µs {tflops:7.0f} TFLOPS")
-    return us
 
 
 def main() -> None:
@@ -56,18 +44,13 @@ def main() -> None:
     rows: list = []
     summary: dict = {}
     for n, k in ((4096, 7168), (7168, 2048)):
-        m = G * ROWS
-        x = torch.randn(m, k, device="cuda")
-        w = torch.randn(G, n, k, device="cuda")
-        qa = per_token_cast_to_fp8(x)
-        qws = [per_block_cast_to_fp8(w[g]) for g in range(G)]
-        qb = (torch.stack([q for q, _ in qws]), torch.stack([s for _, s in qws]))
-        m_indices = torch.arange(G, device="cuda", dtype=torch.int32).repeat_interleave(ROWS)
-        block_group = m_indices.reshape(-1, 64).amax(dim=1)
-        want = torch.cat([x[g * ROWS : (g + 1) * ROWS] @ w[g].t() for g in range(G)])
-        flops = 2.0 * m * n * k
-        dense_us = _time(timer, lambda: ptx.fp8_gemm_nt(qa, qws[0]), x @ w[0].t(), flops,
-                         f"dense ptx {m}x{n}x{k}", rows, shape=[m, n, k])  # fmt: skip
+        ops = m_grouped_operands(n, k)
+        m, x, w, qa, qws, qb = (ops[key] for key in ("m", "x", "w", "qa", "qws", "qb"))
+        m_indices = ops["m_indices"]
+        block_group = m_indices.reshape(-1, 64).amax(dim=1)  # as ptx._m_grouped_contiguous
+        flops, shape = 2.0 * m * n * k, [m, n, k]
+        dense = timed(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qws[0]), flops,
+                     x @ w[0].t(), rows, shape)  # fmt: skip
         base = ptx.grouped_config(m, n, k, sms)
         for r in args.raster:
             cfg = dataclasses.replace(base, raster_m=r)
@@ -78,25 +61,24 @@ def main() -> None:
                             (m_indices, block_group))  # fmt: skip
                 return out
 
-            us = _time(timer, run, want, flops, f"m_grouped {m}x{n}x{k} raster {r}", rows,
-                       shape=[m, n, k], raster_m=r, kind="m_grouped")  # fmt: skip
-            summary[f"m_grouped_over_dense_{n}x{k}_raster{r}"] = dense_us / us
+            got = timed(timer, f"m_grouped raster {r}", run, flops, ops["want"], rows, shape,
+                       raster_m=r, kind="m_grouped")  # fmt: skip
+            summary[f"m_grouped_over_dense_{n}x{k}_raster{r}"] = got / dense
     if not args.no_dense:
         m = 4096
         for n, k in DSV3_DENSE_NK:
             a, b = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
             qa, qb = per_token_cast_to_fp8(a), per_block_cast_to_fp8(b)
-            want, flops = a @ b.t(), 2.0 * m * n * k
-            cub = _time(timer, lambda: cublas.fp8_gemm_nt(qa, qb), want, flops,
-                        f"dense cublas {m}x{n}x{k}", rows, shape=[m, n, k])  # fmt: skip
+            want, flops, shape = a @ b.t(), 2.0 * m * n * k, [m, n, k]
+            cub = timed(timer, "dense cublas", lambda: cublas.fp8_gemm_nt(qa, qb), flops, want,
+                       rows, shape)  # fmt: skip
             base = ptx.select_config("1d2d", m, n, k, sms)
             for r in args.raster:
                 cfg = dataclasses.replace(base, raster_m=r)
-                us = _time(timer,
+                got = timed(timer, f"dense ptx raster {r}",
                            lambda: ptx.run_with_config("1d2d", qa, qb, cfg, torch.bfloat16),
-                           want, flops, f"dense ptx {m}x{n}x{k} raster {r}", rows,
-                           shape=[m, n, k], raster_m=r, kind="1d2d")  # fmt: skip
-                summary[f"dense_over_cublas_{n}x{k}_raster{r}"] = cub / us
+                           flops, want, rows, shape, raster_m=r, kind="1d2d")  # fmt: skip
+                summary[f"dense_over_cublas_{n}x{k}_raster{r}"] = got / cub
         for r in args.raster:
             vals = [summary[f"dense_over_cublas_{n}x{k}_raster{r}"] for n, k in DSV3_DENSE_NK]
             gm = 1.0

@@ -225,7 +225,7 @@ def _nvl_index(handle: DispatchHandle, combine: bool) -> tuple[torch.Tensor, ...
         off = torch.nn.functional.pad(both.cumsum(1), (1, 0))  # [2, R + 1]: send_off, recv_off
         send_off, recv_off = off[0], off[1]
         handle._nvl_index["dispatch"] = (handle.send_src_idx.contiguous(), send_off, recv_off)
-        n = sum(handle.recv_counts)
+        n = handle.num_recv_tokens
         handle._nvl_index["combine"] = (torch.arange(n, device=dev), recv_off, send_off)
     return handle._nvl_index[key]
 
@@ -286,7 +286,7 @@ def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> l
             f"{handle.max_rows_per_pair * padded * transport.num_ranks}"
         )
     send = _pack(parts, padded, None)
-    num_out = sum(handle.send_counts if combine else handle.recv_counts)
+    num_out = sum(handle.send_counts) if combine else handle.num_recv_tokens
     moved = transport.exchange(send, *_nvl_index(handle, combine), num_out)  # [K, padded]
     return _unpack(moved, parts)
 

@@ -348,6 +348,7 @@ def _run(
         raise ValueError(f"x has too many 128x128 tiles for one launch ({tiles}), shape {(m, k)}")
     tile_bytes = _TILE * _TILE * (1 if block_mode and variant.byte_t else x.element_size())
     smem = (tile_bytes if col else 0) + 4 * (variant.threads // 32)
+    flags = _vec_flags(x, m, k)
     args = [
         x,
         q if q is not None else x,  # unused pointers: never dereferenced
@@ -362,9 +363,8 @@ def _run(
         sft.stride(0) if sft is not None else 0,
         sft.stride(1) if sft is not None else 0,
         k_tiles,
-        _vec_flags(x, m, k),
+        flags,
     ]
-    flags = args[-1]
     mode = (block_mode, row, col, bool(pow2), _full(m, k, flags, row, col))
     _launch(x, mode, variant, _grid(tiles, variant, x), smem, args)
 

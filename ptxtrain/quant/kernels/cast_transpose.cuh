@@ -355,8 +355,8 @@ struct ChunkSrc {
 };
 
 template <int IN, int RPP>
-__device__ __forceinline__ ChunkSrc chunk_src(const char* xb, i64 M, i64 K, i64 ldx, i64 m0,
-                                              i64 col, int r_base, bool x_vec) {
+__device__ __forceinline__ ChunkSrc chunk_src(const char* xb, i64 M, i64 ldx, i64 m0, i64 col,
+                                              int r_base, bool x_vec) {
   constexpr int kBytes = In<IN>::kBytes;
   ChunkSrc s;
   const i64 row = m0 + r_base;
@@ -461,7 +461,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     const i64 t0 = blockIdx.x;
     const i64 m0 = t0 / k_tiles * kTile;
     const i64 col = (t0 - t0 / k_tiles * k_tiles) * kTile + c * VEC;
-    const ChunkSrc src = chunk_src<IN, RPP>(xb, M, K, ldx, m0, col, r_base, x_vec);
+    const ChunkSrc src = chunk_src<IN, RPP>(xb, M, ldx, m0, col, r_base, x_vec);
 #pragma unroll
     for (int i = 0; i < PASSES * CH; ++i) v[i] = load_chunk<IN, RPP, kFull>(src, K, i / CH, i % CH * DC);
   }
@@ -477,9 +477,9 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     if constexpr (kPipe) {
       const i64 nt = tile + stride;
       const i64 n_col = (nt - nt / k_tiles * k_tiles) * kTile + c * VEC;
-      next = chunk_src<IN, RPP>(xb, M, K, ldx, nt / k_tiles * kTile, n_col, r_base, x_vec);
+      next = chunk_src<IN, RPP>(xb, M, ldx, nt / k_tiles * kTile, n_col, r_base, x_vec);
     } else {
-      const ChunkSrc src = chunk_src<IN, RPP>(xb, M, K, ldx, m0, col, r_base, x_vec);
+      const ChunkSrc src = chunk_src<IN, RPP>(xb, M, ldx, m0, col, r_base, x_vec);
 #pragma unroll
       for (int i = 0; i < PASSES * CH; ++i) v[i] = load_chunk<IN, RPP, kFull>(src, K, i / CH, i % CH * DC);
     }
