@@ -69,6 +69,24 @@ __device__ __forceinline__ void tma_reduce_add_2d(const TmaDescriptor* desc, con
       : "memory");
 }
 
+// 1D bulk copy global -> shared completing on an mbarrier (complete_tx::bytes): `bytes` bytes, a
+// multiple of 16, both addresses 16-byte aligned. PTX ISA "cp.async.bulk" (non-tensor).
+__device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(smem_addr(smem_dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// 1D bulk copy shared -> global (the address may be a peer GPU's, mapped for this one), tracked
+// by bulk async-groups like tma_store_2d. PTX ISA "cp.async.bulk" (.bulk_group).
+__device__ __forceinline__ void bulk_store_1d(void* dst, const void* smem_src, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_addr(smem_src)), "r"(bytes)
+               : "memory");
+}
+
 // "cp.async.bulk.commit_group": closes the group of bulk stores issued so far.
 __device__ __forceinline__ void tma_store_commit_group() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
