@@ -286,26 +286,39 @@ def _copies(rows: int, row_bytes: int, sms: list[int], iters: int, repeats: int)
     return out
 
 
-def _exchange(rows: int, row_bytes: int, sms: list[int], iters: int, repeats: int) -> list[dict]:
-    """The nvlink kernel at EP2 between GPUs 0 and 1, every row to both ranks."""
-    from ptxtrain.jit import launch, load_kernel
+def _exchange(
+    rows: int, row_bytes: int, sms: list[int], iters: int, repeats: int, before: str | None
+) -> list[dict]:
+    """The nvlink kernel at EP2 between GPUs 0 and 1, every row to both ranks; with ``before``
+    (a path to an earlier ``ptxtrain/moe/nvlink.py``) its kernel too, as ``version="before"``."""
+    import importlib.util
+
+    from ptxtrain.jit import BoundLaunch, load_kernel
     from ptxtrain.moe import nvlink
 
+    modules = {"now": nvlink}
+    if before:
+        spec = importlib.util.spec_from_file_location("nvlink_before", before)
+        modules["before"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules["before"])
     out = []
     stride = -(-row_bytes // 16) * 16
     tokens = rows // 2
-    knob_sets = [dict(threads=1024, unroll=4, pipeline=True, aggressive=False)]
-    knob_sets += [dict(threads=1024, unroll=4, pipeline=True, aggressive=True)]
-    knob_sets += [dict(threads=1024, unroll=4, pipeline=False, aggressive=False)]
-    knob_sets += [dict(threads=512, unroll=8, pipeline=True, aggressive=False)]
+    knob_sets = [
+        dict(version=v, threads=1024, unroll=4, pipeline=True, aggressive=False) for v in modules
+    ]
+    knob_sets += [dict(version="now", threads=1024, unroll=4, pipeline=True, aggressive=True)]
+    knob_sets += [dict(version="now", threads=1024, unroll=4, pipeline=False, aggressive=False)]
+    knob_sets += [dict(version="now", threads=512, unroll=8, pipeline=True, aggressive=False)]
     src = {
         d: torch.randint(0, 255, (tokens, stride), dtype=torch.uint8, device=f"cuda:{d}")
         for d in (0, 1)
     }
+    signature = "ppipipppiiiqqiqp"
     for knobs in knob_sets:
+        mod = modules[knobs["version"]]
         for g in sms:
-            n_flags = 2 * 2 * g
-            data_offset = -(-4 * n_flags // 256) * 256
+            data_offset = -(-4 * (2 * 2 * g) // 256) * 256
             cap = tokens
             bufs = {
                 d: torch.zeros(
@@ -319,7 +332,7 @@ def _exchange(rows: int, row_bytes: int, sms: list[int], iters: int, repeats: in
             for d in (0, 1):
                 with torch.cuda.device(d):
                     k = load_kernel(
-                        nvlink.compile_kernel(
+                        mod.compile_kernel(
                             knobs["aggressive"],
                             threads=knobs["threads"],
                             unroll=knobs["unroll"],
@@ -327,55 +340,40 @@ def _exchange(rows: int, row_bytes: int, sms: list[int], iters: int, repeats: in
                         )
                     )
                     dev = f"cuda:{d}"
-                    send_row = torch.cat([torch.arange(tokens), torch.arange(tokens)]).to(dev)
-                    off = torch.tensor([0, tokens, 2 * tokens], dtype=torch.int64, device=dev)
                     per_dev[d] = dict(
-                        k=k,
-                        send_row=send_row,
-                        off=off,
+                        bound=BoundLaunch(k, signature, knobs["threads"]),
+                        send_row=torch.cat([torch.arange(tokens), torch.arange(tokens)]).to(dev),
+                        off=torch.tensor([0, tokens, 2 * tokens], dtype=torch.int64, device=dev),
                         bases=torch.tensor(bases, dtype=torch.int64, device=dev),
                         out=torch.empty(2 * tokens, stride, dtype=torch.uint8, device=dev),
                         err=torch.zeros(1, dtype=torch.int32, device=dev),
                     )
 
-            def step(
-                d,
-                g=g,
-                stride=stride,
-                knobs=knobs,
-                per_dev=per_dev,
-                state=state,
-                data_offset=data_offset,
-                cap=cap,
-            ):
+            def step(d, g=g, per_dev=per_dev, state=state, data_offset=data_offset, cap=cap):
                 p = per_dev[d]
                 if d == 0:
                     state["epoch"] += 1
-                launch(
-                    p["k"],
+                p["bound"](
                     g,
-                    knobs["threads"],
-                    [
-                        src[d],
-                        p["send_row"],
-                        2 * tokens,
-                        p["out"],
-                        2 * tokens,
-                        p["off"],
-                        p["off"],
-                        p["bases"],
-                        d,
-                        2,
-                        stride // 16,
-                        _i64(cap),
-                        _i64(data_offset),
-                        state["epoch"],
-                        _i64(int(2e10)),
-                        p["err"],
-                    ],
+                    src[d].data_ptr(),
+                    p["send_row"].data_ptr(),
+                    2 * tokens,
+                    p["out"].data_ptr(),
+                    2 * tokens,
+                    p["off"].data_ptr(),
+                    p["off"].data_ptr(),
+                    p["bases"].data_ptr(),
+                    d,
+                    2,
+                    stride // 16,
+                    cap,
+                    data_offset,
+                    state["epoch"],
+                    int(2e10),
+                    p["err"].data_ptr(),
                 )
 
-            fns = [(0, lambda: step(0)), (1, lambda: step(1))]
+            fns = [(0, lambda step=step: step(0)), (1, lambda step=step: step(1))]
             for d, fn in fns:
                 with torch.cuda.device(d):
                     fn()
@@ -383,7 +381,10 @@ def _exchange(rows: int, row_bytes: int, sms: list[int], iters: int, repeats: in
                 torch.cuda.synchronize(d)
                 o = per_dev[d]["out"]
                 # grouped by source rank: rank 0's rows, then rank 1's, on both GPUs
-                if not (torch.equal(o[:tokens], src[0]) and torch.equal(o[tokens:], src[1])):
+                if not (
+                    torch.equal(o[:tokens].cpu(), src[0].cpu())
+                    and torch.equal(o[tokens:].cpu(), src[1].cpu())
+                ):
                     raise RuntimeError(f"exchange {knobs} sms={g}: wrong rows on GPU {d}")
                 if int(per_dev[d]["err"].item()):
                     raise RuntimeError(f"exchange {knobs} sms={g}: kernel error")
@@ -393,16 +394,10 @@ def _exchange(rows: int, row_bytes: int, sms: list[int], iters: int, repeats: in
             us = ms * 1e3 / iters
             out.append(dict(kind="exchange", **knobs, sms=g, us=us, gbs=gbs))
             print(
-                f"exchange {json.dumps(knobs):75} sms={g:3} {us:8.1f} us {gbs:8.1f} GB/s",
+                f"exchange {json.dumps(knobs):95} sms={g:3} {us:8.1f} us {gbs:8.1f} GB/s",
                 flush=True,
             )
     return out
-
-
-def _i64(v: int):
-    import ctypes
-
-    return ctypes.c_int64(v)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-copies", action="store_true")
+    ap.add_argument("--before", default=None, help="an earlier ptxtrain/moe/nvlink.py to compare")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -429,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.skip_copies
         else _copies(args.rows, args.row_bytes, sms, args.iters, args.repeats)
     )
-    rows += _exchange(args.rows, args.row_bytes, sms, args.iters, args.repeats)
+    rows += _exchange(args.rows, args.row_bytes, sms, args.iters, args.repeats, args.before)
     record = dict(
         bench="diag_nvlink",
         env=environment(),

@@ -3,7 +3,7 @@
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
 #   [host] [ncuquant]
-# Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvlsweep]
+# Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvldiag] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
 # small preset's 12 layers do not fill DualPipeV's 16 stages at PP = 8; "dualpipe-ovl" runs
@@ -139,6 +139,13 @@ for stage in $stages; do
         --json "$OUT/dispatch-ep$NPROC-${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 \
         | tee "$LOGS/dispatch-ep$NPROC.log" | grep -v "^W1" | sed -n '1,16p'
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
+    nvldiag)
+      # Raw GPU-to-GPU copy rates and the nvlink kernel alone, one process on GPUs 0 and 1;
+      # NVL_BEFORE=path/to/an/earlier/nvlink.py times that kernel too (NVL_DIAG_ARGS adds more).
+      python3 -m benchmarks.diag_nvlink ${NVL_BEFORE:+--before "$NVL_BEFORE"} ${NVL_DIAG_ARGS:-} \
+        --json "$OUT/diag_nvlink_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | tee "$LOGS/diag_nvlink.log" \
+        | grep -E "^exchange|^ce" || status=1
       ;;
     nvlsweep)
       # NVL_ARGS narrows the grid (e.g. "--threads 512 1024 --num-sms 24 32").

@@ -78,12 +78,16 @@ the only writer of the slots that block ``b`` of the receiver reads:
 
 2'. The send list is grouped by destination (``send_off[d]..send_off[d+1]``, places ``0, 1,
     ...``); for each destination, warp ``w`` of the grid (``w = b·warps + warp``) sends the
-    places ``j ≡ w (mod G·warps)``.
+    places ``j ≡ w (mod G·warps)``. The rows for this rank itself do not go through the buffer:
+    they are copied straight to their output rows (``recv_off[rank] + j``), one local copy
+    instead of two. Warp ``w`` takes the destinations in the order ``rank + 1 + w, rank + 2 +
+    w, ...`` (mod ``R``), so about ``1/R`` of the warps copy locally while the others push
+    over NVLink, which 16 SMs of pushes already fill (``benchmarks/diag_nvlink.py``).
 4'. The output is grouped by source (``recv_off[s]..recv_off[s+1]``, places ``0, 1, ...``);
-    for each source ``s`` (this rank first: its rows are written by local blocks), block ``b``
-    waits for ``ready[s][b] ≥ epoch`` only, then copies out places ``j ≡ w (mod G·warps)`` of
-    ``s``, which are exactly the places block ``b`` of ``s`` wrote (same ``G`` and threads on
-    every rank: the buffer is built collectively with the same knobs).
+    for each peer source ``s``, block ``b`` waits for ``ready[s][b] ≥ epoch`` only, then
+    copies out places ``j ≡ w (mod G·warps)`` of ``s``, which are exactly the places block
+    ``b`` of ``s`` wrote (same ``G`` and threads on every rank: the buffer is built
+    collectively with the same knobs).
 
 So a block copies out while other blocks (of every rank) are still sending, and polls ``R``
 flags instead of ``R·G``. Visibility is the same release/acquire pair as above (the writer
@@ -99,7 +103,6 @@ emulation of the kernel's contract in the tests.
 
 from __future__ import annotations
 
-import ctypes
 import warnings
 
 import torch
@@ -127,6 +130,8 @@ DEFAULT_UNROLL = 4  # 16-byte loads in flight per lane
 DEFAULT_PIPELINE = True  # per-block flags (see the design note)
 UNROLLS = (1, 2, 4, 8)
 _FLAG_ALIGN = 256
+# the kernel's parameters for ptxtrain.jit.BoundLaunch (p pointer, i int32, q int64)
+_SIGNATURE = "ppipipppiiiqqiqp"
 # Error codes written by the kernel (the host message names them).
 _ERRORS = {1: "waiting for peers to free their buffers", 2: "waiting for peers' rows"}
 
@@ -207,11 +212,17 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
 
 #if PTXTRAIN_NVL_PIPELINE
   // 2. (pipelined) Per destination, warp w takes the slots j = w, w + gstep, ...: block b of
-  // every rank writes exactly the slots that block b of the destination copies out in 4.
-  for (int dst = 0; dst < num_ranks; ++dst) {
+  // every rank writes exactly the slots that block b of the destination copies out in 4. The
+  // rows for this rank itself skip the buffer: they go straight to their output rows (place j
+  // of this rank's own group is output row recv_off[rank] + j). Warp w visits the destinations
+  // starting at rank + 1 + w, so at any time about 1/R of the warps copy locally while the
+  // others push over NVLink (measured: 16 SMs of pushes fill the link, diag_nvlink.py).
+  for (int k = 0; k < num_ranks; ++k) {
+    const int dst = (int)((rank + 1 + gwarp + k) % num_ranks);
     const long long first = send_off[dst], count = send_off[dst + 1] - first;
-    int4* region = reinterpret_cast<int4*>(peer_bases[dst] + data_offset) +
-                   (long long)rank * cap_rows * stride16;
+    int4* region = dst == rank ? out + recv_off[rank] * stride16
+                               : reinterpret_cast<int4*>(peer_bases[dst] + data_offset) +
+                                     (long long)rank * cap_rows * stride16;
     for (long long j = gwarp; j < count; j += gstep)
       copy_row<PTXTRAIN_NVL_UNROLL>(region + j * stride16, src + send_row[first + j] * stride16,
                                     stride16, lane);
@@ -237,9 +248,10 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
 
   const int4* mine = reinterpret_cast<const int4*>(peer_bases[rank] + data_offset);
 #if PTXTRAIN_NVL_PIPELINE
-  // 4. (pipelined) Per source, this rank first: wait for that source's block with this block's
-  // index only (it wrote exactly the slots this block reads), then copy its rows out.
-  for (int i = 0; i < num_ranks; ++i) {
+  // 4. (pipelined) Per peer source: wait for that source's block with this block's index only
+  // (it wrote exactly the slots this block reads), then copy its rows out. (This rank's own rows
+  // were copied in 2.)
+  for (int i = 1; i < num_ranks; ++i) {
     const int s = (rank + i) % num_ranks;
     wait_flags(my_flags + s * num_blocks + blockIdx.x, 1, epoch, timeout, error, 2);
     const long long first = recv_off[s], count = recv_off[s + 1] - first;
@@ -356,7 +368,7 @@ class NvlinkTransport:
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from ptxtrain.jit import load_kernel
+        from ptxtrain.jit import BoundLaunch, load_kernel
 
         self.threads, self.unroll = check_knobs(threads, unroll)
         self.group = group
@@ -399,6 +411,7 @@ class NvlinkTransport:
                 aggressive_ptx, threads=self.threads, unroll=self.unroll, pipeline=pipeline
             )
         )
+        self._launch = BoundLaunch(self.kernel, _SIGNATURE, self.threads)
 
     def capacity_rows(self, row_bytes: int) -> int:
         """Rows of ``row_bytes`` (padded to 16) one rank may send to another per operation."""
@@ -449,32 +462,40 @@ class NvlinkTransport:
         """
         self.check_errors(synchronize=False)
         stride = rows.shape[1]
+        # the launch passes raw pointers: check what the kernel assumes about the layout
+        if rows.dtype != torch.uint8 or not rows.is_contiguous() or stride % 16:
+            raise ValueError(
+                f"rows: expected a contiguous uint8 [M, B] tensor with B a multiple of 16, got "
+                f"{rows.dtype} {tuple(rows.shape)} (contiguous={rows.is_contiguous()})"
+            )
+        for name, t in (("send_row", send_row), ("send_off", send_off), ("recv_off", recv_off)):
+            if t.dtype != torch.int64 or not t.is_contiguous() or t.device != rows.device:
+                raise ValueError(
+                    f"{name}: expected a contiguous int64 tensor on {rows.device}, got "
+                    f"{t.dtype} on {t.device}"
+                )
         out = torch.empty(num_recv, stride, dtype=torch.uint8, device=rows.device)
         self.epoch += 1
-        from ptxtrain.jit import launch
-
-        launch(
-            self.kernel,
+        # a BoundLaunch: a few µs of host time, against ~70 µs for the generic launch (the GPU
+        # waits for it: dispatch's payload is launched right after the count exchange's sync)
+        self._launch(
             self.num_sms,
-            self.threads,
-            [
-                rows,
-                send_row,
-                int(send_row.shape[0]),
-                out,
-                int(num_recv),
-                send_off,
-                recv_off,
-                self.peer_bases,
-                self.rank,
-                self.num_ranks,
-                stride // 16,
-                ctypes.c_int64(self.capacity_rows(stride)),
-                ctypes.c_int64(self.data_offset),
-                self.epoch,
-                ctypes.c_int64(self.timeout_cycles),
-                self.error,
-            ],
+            rows.data_ptr(),
+            send_row.data_ptr(),
+            int(send_row.shape[0]),
+            out.data_ptr(),
+            int(num_recv),
+            send_off.data_ptr(),
+            recv_off.data_ptr(),
+            self.peer_bases.data_ptr(),
+            self.rank,
+            self.num_ranks,
+            stride // 16,
+            self.capacity_rows(stride),
+            self.data_offset,
+            self.epoch,
+            self.timeout_cycles,
+            self.error.data_ptr(),
         )
         self._error_host.copy_(self.error, non_blocking=True)
         self._error_event = torch.cuda.Event()
