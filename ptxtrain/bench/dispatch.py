@@ -6,8 +6,11 @@ experts, top-8 uniform random routing, FP8 dispatch, BF16 combine.
 
 Method (DeepEP's test_intranode, DESIGN §4 and §6): for each backend (``all_to_all`` always,
 ``nvlink`` when every GPU of the group is peer-accessible), warm-ups, then ``repeats`` timed
-calls, each preceded by a barrier and a device synchronization, timed with CUDA events around
-the call on the current stream; the median is reported per rank. Four
+calls, each queued behind a one-element ``all_reduce`` so that the GPUs start it together (the
+ranks aligned on the GPU, as DeepEP's ``bench_kineto`` does, not by a host barrier: that adds the
+launch latency and the ranks' host skew), timed with CUDA events around the call on the current
+stream; the median is reported per rank, and the median under a host barrier + sync before each
+call as ``us_host_sync`` (the method of sessions 3-7). Four
 operations (:func:`time_buffer`, also used by ``benchmarks/sweep_nvlink.py``):
 
 - ``dispatch``: the whole ``Buffer.dispatch`` call (layout, the count exchange with its one host
@@ -89,7 +92,31 @@ def nvl_bytes(tokens: int, hidden: int, topk: int) -> int:
 
 
 def _time(fn, repeats: int, warmup: int) -> list[float]:
-    """µs per call: barrier + sync before each, CUDA events around it."""
+    """µs per call, the ranks aligned on the GPU: before each call a one-element NCCL
+    ``all_reduce``, which the current stream waits for, so every GPU starts the call when the
+    slowest rank reaches it, with the call already queued behind it by the host (no host sync in
+    the loop); CUDA events around the call. DeepEP times its kernels after a collective the same
+    way (``bench_kineto``), so neither launch latency nor the ranks' host skew enter the time."""
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    torch.cuda.synchronize()
+    token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    pairs = []
+    for _ in range(repeats):
+        dist.all_reduce(token)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in pairs]
+
+
+def _time_host_sync(fn, repeats: int, warmup: int) -> list[float]:
+    """µs per call, each call after a host barrier + device sync (sessions 3-7's method): the
+    time also holds the launch latency and the ranks' skew after the barrier."""
     for _ in range(warmup):
         fn()
     times = []
@@ -146,9 +173,10 @@ def time_buffer(buf, inputs: dict, repeats: int, warmup: int) -> list[dict]:
     rows = []
     for op, fn in fns.items():
         us = statistics.median(_time(fn, repeats, warmup))
+        us_host = statistics.median(_time_host_sync(fn, repeats, 0))
         gbs = logical_bytes(op, n_recv, hidden) / (us * 1e-6) / 1e9
         per_rank = [None] * world
-        dist.all_gather_object(per_rank, (us, gbs, n_recv))
+        dist.all_gather_object(per_rank, (us, gbs, n_recv, us_host))
         rows.append(
             {
                 "op": op,
@@ -157,6 +185,7 @@ def time_buffer(buf, inputs: dict, repeats: int, warmup: int) -> list[dict]:
                 "recv_tokens": [p[2] for p in per_rank],
                 "us_max": max(p[0] for p in per_rank),
                 "gbs_mean": statistics.fmean(p[1] for p in per_rank),
+                "us_host_sync": [p[3] for p in per_rank],
             }
         )
     return rows
@@ -285,8 +314,10 @@ def bench_dispatch(
         "rows": rows,
         "skipped": skipped,
         **({"profile": profiles} if profile else {}),
-        "method": "per rank: barrier + sync before each call, CUDA events, median; GB/s = "
-        "logical bytes received / time (DeepEP: FP8 factor (1+4/128)/2 on BF16 bytes)",
+        "method": "per rank: a one-element all_reduce before each call (the GPUs start it "
+        "together, the host has queued it), CUDA events around the call, median; us_host_sync: "
+        "host barrier + sync before each call instead (sessions 3-7); GB/s = logical bytes "
+        "received / time (DeepEP: FP8 factor (1+4/128)/2 on BF16 bytes)",
     }
 
 
@@ -297,13 +328,14 @@ def format_table(result: dict) -> str:
         f"EP{s['world_size']}: {s['tokens_per_rank']} tokens/rank, hidden {s['hidden']}, "
         f"{s['experts']} experts, top-{s['topk']}, FP8 dispatch / BF16 combine",
         f"{'backend':>10} {'op':>16} {'SMs':>4} {'µs (max rank)':>14} {'GB/s (mean)':>12} "
-        f"{'GB/s min':>9} {'GB/s max':>9}",
+        f"{'GB/s min':>9} {'GB/s max':>9} {'µs host-sync':>13}",
     ]
     for r in result["rows"]:
         sms = "-" if r["num_sms"] is None else str(r["num_sms"])
         lines.append(
             f"{r['backend']:>10} {r['op']:>16} {sms:>4} {r['us_max']:14.1f} "
-            f"{r['gbs_mean']:12.1f} {min(r['gbs']):9.1f} {max(r['gbs']):9.1f}"
+            f"{r['gbs_mean']:12.1f} {min(r['gbs']):9.1f} {max(r['gbs']):9.1f} "
+            f"{max(r.get('us_host_sync') or [float('nan')]):13.1f}"
         )
     for name, why in result.get("skipped", {}).items():
         lines.append(f"{name}: skipped ({why})")

@@ -4,15 +4,19 @@ combine sum, each one Triton kernel with a ``torch_*`` twin (bit-identical resul
 Design note (DESIGN §4; why: a dispatch is host-bound, ~10-20 µs of host time per torch op).
 
 - :func:`send_layout` — everything a dispatch computes from ``topk_idx`` before the count
-  exchange, in ONE single-program kernel (``_layout_kernel``, two sweeps over the tokens):
-  ``is_token_in_rank [T, R]``, the count message ``[R, 3 + E/R]`` (rows for the peer, the
-  largest per-peer count, the number of ids outside ``[-1, E)``, the tokens for each of the
-  peer's experts; per-expert counts by ``tl.histogram``), the send order (rank-major, ascending
-  tokens; the place of a (token, rank) pair is the rank's first place plus a running
-  ``tl.cumsum`` over the tokens) and the ``[T, R]`` slot table (the send place of every
-  (token, rank) pair, ``-1`` if not sent), which the combine sum reads. The message is written
+  exchange, in two kernels over blocks of ``BT`` tokens (one program per block; it was one
+  single-program kernel, 252 µs at 4096 tokens x top-8 on an H200, the largest GPU item of a
+  dispatch): ``_layout_count_kernel`` writes ``is_token_in_rank [T, R]`` and each block's tokens
+  per rank, invalid ids and histogram of expert ids (``tl.histogram``);
+  ``_layout_order_kernel`` sums those into the count message ``[R, 3 + E/R]`` (rows for the
+  peer, the largest per-peer count, the number of ids outside ``[-1, E)``, the tokens for each
+  of the peer's experts; program 0 writes it) and writes the send order (rank-major, ascending
+  tokens; the place of a (token, rank) pair is the rank's first place plus the rank's tokens in
+  the earlier blocks plus a running ``tl.cumsum`` in the block) and the ``[T, R]`` slot table
+  (the send place of every (token, rank) pair, ``-1`` if not sent), which the combine sum reads.
+  The message is written
   into row 0 of a ``[2, R, W]`` buffer whose row 1 receives the exchange, so one device-to-host
-  copy carries the send and the receive counts. Integer results only: the kernel and
+  copy carries the send and the receive counts. Integer results only: the kernels and
   :func:`torch_send_layout` agree bit for bit (the twin builds no slot table).
 - :func:`pack_rows` / :func:`unpack_rows` — the byte rows of several tensors side by side in one
   matrix (the one payload message), and back into contiguous tensors: ONE launch of
@@ -83,48 +87,76 @@ if triton is not None:
         return toks, tok_ok, ids, m, valid, hit
 
     @triton.jit
-    def _layout_kernel(idx_ptr, in_rank_ptr, msg_ptr, order_ptr, slot_ptr, T, E,
-                       R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                       EPR: tl.constexpr, W: tl.constexpr, BINS: tl.constexpr,
-                       BT: tl.constexpr):  # fmt: skip
+    def _layout_count_kernel(idx_ptr, in_rank_ptr, blk_ptr, hist_ptr, T, E,
+                             R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr,
+                             KP: tl.constexpr, EPR: tl.constexpr, BINS: tl.constexpr,
+                             BT: tl.constexpr):  # fmt: skip
+        """Program ``b``, tokens ``[b·BT, (b+1)·BT)``: ``is_token_in_rank``, the block's tokens
+        per rank and its invalid ids (``blk[b] = [per rank (RP), n_bad]``), its histogram of
+        expert ids (``hist[b]``)."""
+        b = tl.program_id(0)
+        r = tl.arange(0, RP)
+        r_ok = r < R
+        toks, tok_ok, ids, m, valid, hit = _token_ranks(idx_ptr, b * BT, T, E, K, KP, EPR, RP,
+                                                        BT)  # fmt: skip
+        st = tok_ok[:, None] & r_ok[None, :]
+        tl.store(in_rank_ptr + toks.to(tl.int64)[:, None] * R + r[None, :], hit.to(tl.int8),
+                 mask=st)  # fmt: skip
+        blk = b.to(tl.int64) * (RP + 1)
+        tl.store(blk_ptr + blk + r, tl.sum(tl.where(st, hit, 0), axis=0))
+        n_bad = tl.sum(tl.sum((m & ((ids < -1) | (ids >= E))).to(tl.int64), 1), 0)
+        tl.store(blk_ptr + blk + RP, n_bad)
+        spill = tl.reshape(tl.where(valid, ids, E).to(tl.int32), [BT * KP])
+        tl.store(hist_ptr + b.to(tl.int64) * BINS + tl.arange(0, BINS), tl.histogram(spill, BINS))
+
+    @triton.jit
+    def _layout_order_kernel(idx_ptr, blk_ptr, hist_ptr, msg_ptr, order_ptr, slot_ptr, T, E, NB,
+                             R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr,
+                             KP: tl.constexpr, EPR: tl.constexpr, W: tl.constexpr,
+                             BINS: tl.constexpr, BT: tl.constexpr,
+                             CH: tl.constexpr):  # fmt: skip
+        """Program ``b``: the send order and slot table of its tokens (each rank's first place
+        plus the tokens for that rank in the blocks before ``b``, plus a running cumsum);
+        program 0 also writes the count message ``[R, W]`` from every block's counts."""
+        b = tl.program_id(0)
         r = tl.arange(0, RP)
         r_ok = r < R
         per_rank = tl.zeros([RP], dtype=tl.int64)
-        hist = tl.zeros([BINS], dtype=tl.int32)
-        n_bad = tl.zeros([BT, KP], dtype=tl.int64)
-        # Sweep 1: is_token_in_rank, per-rank and per-expert counts, invalid ids.
-        for start in range(0, T, BT):
-            toks, tok_ok, ids, m, valid, hit = _token_ranks(idx_ptr, start, T, E, K, KP, EPR,
-                                                            RP, BT)  # fmt: skip
-            st = tok_ok[:, None] & r_ok[None, :]
-            tl.store(in_rank_ptr + toks.to(tl.int64)[:, None] * R + r[None, :], hit.to(tl.int8),
-                     mask=st)  # fmt: skip
-            per_rank += tl.sum(tl.where(st, hit, 0), axis=0)
-            n_bad += (m & ((ids < -1) | (ids >= E))).to(tl.int64)
-            spill = tl.reshape(tl.where(valid, ids, E).to(tl.int32), [BT * KP])
-            hist += tl.histogram(spill, BINS)
-        # The count message [R, W].
-        tl.store(msg_ptr + r * W, per_rank, mask=r_ok)
-        tl.store(msg_ptr + r * W + 1, tl.zeros([RP], tl.int64) + tl.max(per_rank, axis=0),
-                 mask=r_ok)  # fmt: skip
-        tl.store(msg_ptr + r * W + 2, tl.zeros([RP], tl.int64) + tl.sum(tl.sum(n_bad, 1), 0),
-                 mask=r_ok)  # fmt: skip
-        e = tl.arange(0, BINS)
-        tl.store(msg_ptr + (e // EPR) * W + 3 + e % EPR, hist.to(tl.int64), mask=e < E)
-        # Sweep 2: the send order and the slot table.
-        run = tl.cumsum(per_rank, axis=0) - per_rank  # [RP] first place of each rank
-        for start in range(0, T, BT):
-            toks, tok_ok, ids, m, valid, hit = _token_ranks(idx_ptr, start, T, E, K, KP, EPR,
-                                                            RP, BT)  # fmt: skip
-            st = tok_ok[:, None] & r_ok[None, :]
-            hit = tl.where(st, hit, 0)
-            place = run[None, :] + tl.cumsum(hit, axis=0) - 1  # [BT, RP]
-            toks64 = toks.to(tl.int64)
-            tok2 = tl.zeros([BT, RP], tl.int64) + toks64[:, None]
-            tl.store(order_ptr + place, tok2, mask=st & (hit > 0))
-            tl.store(slot_ptr + toks64[:, None] * R + r[None, :], tl.where(hit > 0, place, -1),
-                     mask=st)  # fmt: skip
-            run += tl.sum(hit, axis=0)
+        before = tl.zeros([RP], dtype=tl.int64)  # tokens per rank in blocks < b
+        n_bad = tl.zeros([CH], dtype=tl.int64)
+        for c0 in range(0, NB, CH):
+            c = c0 + tl.arange(0, CH)
+            c_ok = c < NB
+            cnt = tl.load(blk_ptr + c.to(tl.int64)[:, None] * (RP + 1) + r[None, :],
+                          mask=c_ok[:, None], other=0)  # fmt: skip
+            per_rank += tl.sum(cnt, axis=0)
+            before += tl.sum(tl.where((c < b)[:, None], cnt, 0), axis=0)
+            n_bad += tl.load(blk_ptr + c.to(tl.int64) * (RP + 1) + RP, mask=c_ok, other=0)
+        if b == 0:
+            tl.store(msg_ptr + r * W, per_rank, mask=r_ok)
+            tl.store(msg_ptr + r * W + 1, tl.zeros([RP], tl.int64) + tl.max(per_rank, axis=0),
+                     mask=r_ok)  # fmt: skip
+            tl.store(msg_ptr + r * W + 2, tl.zeros([RP], tl.int64) + tl.sum(n_bad, axis=0),
+                     mask=r_ok)  # fmt: skip
+            e = tl.arange(0, BINS)
+            hist = tl.zeros([BINS], dtype=tl.int64)
+            for c0 in range(0, NB, CH):
+                c = c0 + tl.arange(0, CH)
+                h = tl.load(hist_ptr + c.to(tl.int64)[:, None] * BINS + e[None, :],
+                            mask=(c < NB)[:, None], other=0)  # fmt: skip
+                hist += tl.sum(h.to(tl.int64), axis=0)
+            tl.store(msg_ptr + (e // EPR) * W + 3 + e % EPR, hist, mask=e < E)
+        run = tl.cumsum(per_rank, axis=0) - per_rank + before  # [RP] this block's first places
+        toks, tok_ok, _, _, _, hit = _token_ranks(idx_ptr, b * BT, T, E, K, KP, EPR, RP,
+                                                  BT)  # fmt: skip
+        st = tok_ok[:, None] & r_ok[None, :]
+        hit = tl.where(st, hit, 0)
+        place = run[None, :] + tl.cumsum(hit, axis=0) - 1  # [BT, RP]
+        toks64 = toks.to(tl.int64)
+        tok2 = tl.zeros([BT, RP], tl.int64) + toks64[:, None]
+        tl.store(order_ptr + place, tok2, mask=st & (hit > 0))
+        tl.store(slot_ptr + toks64[:, None] * R + r[None, :], tl.where(hit > 0, place, -1),
+                 mask=st)  # fmt: skip
 
     @triton.jit
     def _pack_kernel(packed_ptr, rows_ptr, M, PW, HAS_ROWS: tl.constexpr, UNPACK: tl.constexpr,
@@ -180,6 +212,7 @@ if triton is not None:
 
 
 _TRITON_ON_CPU = False  # tests: run the kernels on CPU tensors too (TRITON_INTERPRET=1 only)
+_LAYOUT_BLOCK_T = 0  # tests: tokens per layout program (0: the default, chosen per shape)
 
 
 def triton_usable(t: torch.Tensor) -> bool:
@@ -193,7 +226,7 @@ def triton_usable(t: torch.Tensor) -> bool:
         return False
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_layout_kernel, InterpretedFunction)
+    return isinstance(_layout_count_kernel, InterpretedFunction)
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,11 +299,19 @@ def send_layout(
     order = torch.empty(max(n_tokens * num_ranks, 1), dtype=torch.int64, device=dev)
     slot = torch.empty(n_tokens, num_ranks, dtype=torch.int64, device=dev)
     kp, rp = _pow2(k), _pow2(num_ranks)
-    block_t = max(1, min(64, 2048 // (kp * rp)))
-    _layout_kernel[(1,)](
-        topk_idx.contiguous(), in_rank.view(torch.int8), counts, order, slot, n_tokens,
-        num_experts, R=num_ranks, RP=rp, K=k, KP=kp, EPR=epr, W=width,
-        BINS=_pow2(num_experts + 1), BT=block_t,
+    block_t = _LAYOUT_BLOCK_T or max(1, min(64, 2048 // (kp * rp)))
+    n_blocks = max(1, -(-n_tokens // block_t))
+    bins = _pow2(num_experts + 1)
+    blk = torch.empty(n_blocks, rp + 1, dtype=torch.int64, device=dev)
+    hist = torch.empty(n_blocks, bins, dtype=torch.int32, device=dev)
+    idx = topk_idx.contiguous()
+    meta = dict(R=num_ranks, RP=rp, K=k, KP=kp, EPR=epr, BINS=bins, BT=block_t)
+    _layout_count_kernel[(n_blocks,)](
+        idx, in_rank.view(torch.int8), blk, hist, n_tokens, num_experts, **meta
+    )
+    _layout_order_kernel[(n_blocks,)](
+        idx, blk, hist, counts, order, slot, n_tokens, num_experts, n_blocks, W=width,
+        CH=min(16, _pow2(n_blocks)), **meta,
     )  # fmt: skip
     return in_rank, counts, order[: n_tokens * num_ranks], slot
 

@@ -82,6 +82,18 @@ def test_send_layout_matches_torch(n_tokens, k, n_exp, n_ranks, opts):
 
 
 @runnable
+@pytest.mark.parametrize(("block_t", "n_tokens", "n_ranks"), [(4, 61, 4), (8, 8, 2), (2, 37, 3)])
+def test_send_layout_across_blocks(monkeypatch, block_t, n_tokens, n_ranks):
+    """Many programs (tokens per program forced small, more than 16 blocks so the order kernel
+    walks the block counts in several chunks): each block's places start after the earlier
+    blocks' tokens for the same rank, the histograms of all blocks add up."""
+    monkeypatch.setattr(lay, "_LAYOUT_BLOCK_T", block_t)
+    g = torch.Generator().manual_seed(block_t * 100 + n_tokens)
+    idx = _topk(g, n_tokens, 4, 4 * n_ranks, bad=True)
+    _check_layout(idx, 4 * n_ranks, n_ranks)
+
+
+@runnable
 @pytest.mark.parametrize("n_rows", [0, 1, 23])
 def test_pack_unpack_match_torch(n_rows):
     g = torch.Generator().manual_seed(n_rows)
