@@ -6,7 +6,8 @@ experts, top-8 uniform random routing, FP8 dispatch, BF16 combine.
 
 Method (DeepEP's test_intranode, DESIGN §4 and §6): for each backend (``all_to_all`` always,
 ``nvlink`` when every GPU of the group is peer-accessible), warm-ups, then ``repeats`` timed
-calls, each queued behind a one-element ``all_reduce`` so that the GPUs start it together (the
+calls, each queued behind a one-element ``all_reduce`` and a 200 µs GPU spin (while the host
+queues the call) so that the GPUs start it together (the
 ranks aligned on the GPU, as DeepEP's ``bench_kineto`` does, not by a host barrier: that adds the
 launch latency and the ranks' host skew), timed with CUDA events around the call on the current
 stream; the median is reported per rank, and the median under a host barrier + sync before each
@@ -94,17 +95,21 @@ def nvl_bytes(tokens: int, hidden: int, topk: int) -> int:
 def _time(fn, repeats: int, warmup: int) -> list[float]:
     """µs per call, the ranks aligned on the GPU: before each call a one-element NCCL
     ``all_reduce``, which the current stream waits for, so every GPU starts the call when the
-    slowest rank reaches it, with the call already queued behind it by the host (no host sync in
-    the loop); CUDA events around the call. DeepEP times its kernels after a collective the same
+    slowest rank reaches it, then a 200 µs GPU spin while the host queues the call (no host sync
+    in the loop); CUDA events around the call. DeepEP times its kernels after a collective the same
     way (``bench_kineto``), so neither launch latency nor the ranks' host skew enter the time."""
     for _ in range(warmup):
         fn()
     dist.barrier()
     torch.cuda.synchronize()
     token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    # ~200 µs of GPU spin after the all_reduce: the host queues the call meanwhile, so its
+    # launch latency is not in the time (the ranks leave the all_reduce together and spin alike)
+    spin = int(200e-6 * _clock_hz())
     pairs = []
     for _ in range(repeats):
         dist.all_reduce(token)
+        torch.cuda._sleep(spin)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -112,6 +117,11 @@ def _time(fn, repeats: int, warmup: int) -> list[float]:
         pairs.append((start, end))
     torch.cuda.synchronize()
     return [s.elapsed_time(e) * 1e3 for s, e in pairs]
+
+
+def _clock_hz() -> float:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return (getattr(props, "clock_rate", 0) or 1_980_000) * 1e3  # kHz -> Hz
 
 
 def _time_host_sync(fn, repeats: int, warmup: int) -> list[float]:
@@ -314,10 +324,10 @@ def bench_dispatch(
         "rows": rows,
         "skipped": skipped,
         **({"profile": profiles} if profile else {}),
-        "method": "per rank: a one-element all_reduce before each call (the GPUs start it "
-        "together, the host has queued it), CUDA events around the call, median; us_host_sync: "
-        "host barrier + sync before each call instead (sessions 3-7); GB/s = logical bytes "
-        "received / time (DeepEP: FP8 factor (1+4/128)/2 on BF16 bytes)",
+        "method": "per rank: a one-element all_reduce + 200 us GPU spin before each call (the "
+        "GPUs start it together, the host has queued it), CUDA events around the call, median; "
+        "us_host_sync: host barrier + sync before each call instead (sessions 3-7); GB/s = "
+        "logical bytes received / time (DeepEP: FP8 factor (1+4/128)/2 on BF16 bytes)",
     }
 
 

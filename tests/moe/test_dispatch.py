@@ -29,7 +29,7 @@ def _interpreted() -> bool:
         return False
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(lay._layout_kernel, InterpretedFunction)
+    return isinstance(lay._layout_count_kernel, InterpretedFunction)
 
 
 _INTERPRETED = _interpreted()
