@@ -287,7 +287,14 @@ def _copies(rows: int, row_bytes: int, sms: list[int], iters: int, repeats: int)
 
 
 def _exchange(
-    rows: int, row_bytes: int, sms: list[int], iters: int, repeats: int, before: str | None
+    rows: int,
+    row_bytes: int,
+    sms: list[int],
+    iters: int,
+    repeats: int,
+    before: str | None,
+    split: list[int],
+    round_rows: list[int],
 ) -> list[dict]:
     """The nvlink kernel at EP2 between GPUs 0 and 1, every row to both ranks; with ``before``
     (a path to an earlier ``ptxtrain/moe/nvlink.py``) its kernel too, as ``version="before"``."""
@@ -304,21 +311,24 @@ def _exchange(
     out = []
     stride = -(-row_bytes // 16) * 16
     tokens = rows // 2
-    knob_sets = [
-        dict(version=v, threads=1024, unroll=4, pipeline=True, aggressive=False) for v in modules
-    ]
-    knob_sets += [dict(version="now", threads=1024, unroll=4, pipeline=True, aggressive=True)]
-    knob_sets += [dict(version="now", threads=1024, unroll=4, pipeline=False, aggressive=False)]
-    knob_sets += [dict(version="now", threads=512, unroll=8, pipeline=True, aggressive=False)]
+    base = dict(threads=1024, unroll=4, pipeline=True, aggressive=False, send=0)
+    knob_sets = [dict(base, version=v) for v in modules]
+    knob_sets += [dict(base, version="now", pipeline=False)]
+    for send in split:
+        for rr in round_rows:
+            knob_sets += [dict(base, version="now", send=send, round_rows=rr)]
     src = {
         d: torch.randint(0, 255, (tokens, stride), dtype=torch.uint8, device=f"cuda:{d}")
         for d in (0, 1)
     }
-    signature = "ppipipppiiiqqiqp"
     for knobs in knob_sets:
         mod = modules[knobs["version"]]
+        new = hasattr(mod, "flag_bytes")  # the split variant's signature and flag area
+        signature = "ppipipppiiiqqiqp" + ("i" if new else "")
         for g in sms:
-            data_offset = -(-4 * (2 * 2 * g) // 256) * 256
+            if knobs["send"] >= g:
+                continue
+            data_offset = mod.flag_bytes(2, g) if new else -(-4 * (2 * 2 * g) // 256) * 256
             cap = tokens
             bufs = {
                 d: torch.zeros(
@@ -331,12 +341,16 @@ def _exchange(
             per_dev = {}
             for d in (0, 1):
                 with torch.cuda.device(d):
+                    extra = {}
+                    if knobs["send"]:
+                        extra = dict(split=True, round_rows=knobs["round_rows"])
                     k = load_kernel(
                         mod.compile_kernel(
                             knobs["aggressive"],
                             threads=knobs["threads"],
                             unroll=knobs["unroll"],
                             pipeline=knobs["pipeline"],
+                            **extra,
                         )
                     )
                     dev = f"cuda:{d}"
@@ -349,7 +363,16 @@ def _exchange(
                         err=torch.zeros(1, dtype=torch.int32, device=dev),
                     )
 
-            def step(d, g=g, per_dev=per_dev, state=state, data_offset=data_offset, cap=cap):
+            def step(
+                d,
+                g=g,
+                per_dev=per_dev,
+                state=state,
+                data_offset=data_offset,
+                cap=cap,
+                send=knobs["send"],
+                new=new,
+            ):
                 p = per_dev[d]
                 if d == 0:
                     state["epoch"] += 1
@@ -371,6 +394,7 @@ def _exchange(
                     state["epoch"],
                     int(2e10),
                     p["err"].data_ptr(),
+                    *((send,) if new else ()),
                 )
 
             fns = [(0, lambda step=step: step(0)), (1, lambda step=step: step(1))]
@@ -408,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-copies", action="store_true")
+    ap.add_argument("--split", default="4,8,12", help="sender SMs of the split variant to time")
+    ap.add_argument("--round-rows", default="1,2,4", help="the split variant's rows per round")
     ap.add_argument("--before", default=None, help="an earlier ptxtrain/moe/nvlink.py to compare")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -425,7 +451,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.skip_copies
         else _copies(args.rows, args.row_bytes, sms, args.iters, args.repeats)
     )
-    rows += _exchange(args.rows, args.row_bytes, sms, args.iters, args.repeats, args.before)
+    split = [int(v) for v in args.split.split(",") if v]
+    round_rows = [int(v) for v in args.round_rows.split(",") if v]
+    rows += _exchange(
+        args.rows, args.row_bytes, sms, args.iters, args.repeats, args.before, split, round_rows
+    )
     record = dict(
         bench="diag_nvlink",
         env=environment(),

@@ -83,7 +83,7 @@ from ptxtrain.moe.layout import (
     triton_usable,
     unpack_rows,
 )
-from ptxtrain.moe.nvlink import DEFAULT_PIPELINE
+from ptxtrain.moe.nvlink import DEFAULT_PIPELINE, DEFAULT_SEND_SMS
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE
 
 __all__ = ["Buffer", "DispatchHandle", "EventOverlap", "get_dispatch_layout"]
@@ -423,6 +423,8 @@ class Buffer:
             block (a multiple of 32, at most 1024), 16-byte loads in flight per lane (1, 2, 4 or
             8) and the per-block-flag pipelined variant (bool, default on); validated for every
             backend, used by ``"nvlink"`` (:func:`ptxtrain.moe.nvlink.compile_kernel`).
+        nvl_send_sms: 0, or the split variant's sender SMs out of ``num_sms`` (the rest copy
+            out; :class:`ptxtrain.moe.nvlink.NvlinkTransport`).
 
     Every rank of the group must construct the buffer with the same arguments and call
     ``dispatch`` / ``combine`` (and their backward passes) in the same order, as with any
@@ -451,6 +453,7 @@ class Buffer:
         nvl_threads: int = 1024,
         nvl_unroll: int = 4,
         nvl_pipeline: bool = DEFAULT_PIPELINE,
+        nvl_send_sms: int = DEFAULT_SEND_SMS,
     ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -460,9 +463,10 @@ class Buffer:
             raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        from ptxtrain.moe.nvlink import check_knobs
+        from ptxtrain.moe.nvlink import check_knobs, check_send_sms
 
         check_knobs(nvl_threads, nvl_unroll)
+        check_send_sms(nvl_send_sms, num_sms)
         if not isinstance(nvl_pipeline, bool):
             raise TypeError(f"nvl_pipeline must be a bool, got {nvl_pipeline!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -496,6 +500,7 @@ class Buffer:
                 threads=nvl_threads,
                 unroll=nvl_unroll,
                 pipeline=nvl_pipeline,
+                send_sms=nvl_send_sms,
             )
 
     @staticmethod

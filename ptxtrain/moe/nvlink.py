@@ -28,7 +28,7 @@ sum is then the same ``index_add_`` as in the ``all_to_all`` backend (bit-identi
 Memory. Every rank allocates one PyTorch symmetric-memory buffer (``symm_mem.empty`` +
 ``rendezvous``; ``buffer_ptrs`` gives every peer's base address, mapped for this GPU):
 
-    [ready flags: R·G int32][freed flags: R·G int32][pad to 256 B][data: R regions of cap rows]
+    [ready: R·G int32][freed: R·G int32][progress: R·G int64][pad to 256 B][data: R regions]
 
 with ``G = num_sms`` blocks. Region ``s`` of rank ``r``'s data holds the rows rank ``s`` sends
 to ``r`` (``cap = num_nvl_bytes // (R · B)`` rows of ``B`` bytes each).
@@ -99,6 +99,26 @@ operation (which waits only for (a)), and a wait in 1 is (a); no block waits for
 own GPU that could be waiting for it. Both groupings are what ``dispatch.py`` builds (dispatch:
 sends by destination, output by source; combine: the reverse) and are asserted by the gloo
 emulation of the kernel's contract in the tests.
+
+Split variant (``send_sms = S > 0``, compile-time ``split``; measured in
+``benchmarks/diag_nvlink.py``). In the two variants above a block sends all its rows before it
+copies any out, so the copy-out (a local copy as large as the rows received from peers) runs
+after the NVLink transfer instead of under it, and 8 SMs of pushes already fill the link. Here
+blocks ``[0, S)`` only send and blocks ``[S, G)`` only copy out:
+
+- sender warp ``w`` (``S·warps`` of them) sends places ``j ≡ w (mod S·warps)`` of each peer, in
+  rounds of ``round_rows`` rows per warp; after each round the block syncs and one thread
+  releases ``progress[rank][b] = epoch·2^20 + rounds done`` (int64, system scope) in the
+  destination's flags;
+- receiver warps copy this rank's own rows straight from the input first (no flags), then
+  each peer's places ``j ≡ v (mod (G - S)·warps)``: place ``j`` was written by sender block
+  ``(j mod S·warps) / warps`` of that peer in round ``(j / (S·warps)) / round_rows``, so the
+  warp waits (every lane an acquiring poll) until that block's progress covers the round.
+
+Progress values grow with the epoch, so a flag left by the previous operation never satisfies a
+wait of this one. Senders wait only for phase 1 (the previous operation), receivers only for
+senders of this operation, so no wait is circular, and a receiver block that is resident before
+the senders of its own GPU does not delay them: it waits for other GPUs' senders only.
 """
 
 from __future__ import annotations
@@ -112,13 +132,17 @@ from ptxtrain._checks import ceil_div
 
 __all__ = [
     "DEFAULT_PIPELINE",
+    "DEFAULT_ROUND_ROWS",
+    "DEFAULT_SEND_SMS",
     "DEFAULT_THREADS",
     "DEFAULT_UNROLL",
     "KERNEL_NAME",
     "UNROLLS",
     "NvlinkTransport",
     "check_knobs",
+    "check_send_sms",
     "compile_kernel",
+    "flag_bytes",
     "kernel_source",
 ]
 
@@ -128,10 +152,12 @@ KERNEL_NAME = "nvl_all_to_all_v"
 DEFAULT_THREADS = 1024
 DEFAULT_UNROLL = 4  # 16-byte loads in flight per lane
 DEFAULT_PIPELINE = True  # per-block flags (see the design note)
+DEFAULT_SEND_SMS = 0  # 0: no sender / receiver split
+DEFAULT_ROUND_ROWS = 2
 UNROLLS = (1, 2, 4, 8)
 _FLAG_ALIGN = 256
 # the kernel's parameters for ptxtrain.jit.BoundLaunch (p pointer, i int32, q int64)
-_SIGNATURE = "ppipipppiiiqqiqp"
+_SIGNATURE = "ppipipppiiiqqiqpi"
 # Error codes written by the kernel (the host message names them).
 _ERRORS = {1: "waiting for peers to free their buffers", 2: "waiting for peers' rows"}
 
@@ -165,9 +191,25 @@ __device__ __forceinline__ void wait_flags(const int* flags, int n, int target,
 #ifndef PTXTRAIN_NVL_UNROLL
 #define PTXTRAIN_NVL_UNROLL 4
 #endif
-#ifndef PTXTRAIN_NVL_PIPELINE  // 1: per-block flags, copy-out overlaps other blocks' sends
-#define PTXTRAIN_NVL_PIPELINE 0
+#ifndef PTXTRAIN_NVL_PIPELINE  // 1: per-block flags, copy-out overlaps other blocks' sends;
+#define PTXTRAIN_NVL_PIPELINE 0  // 2: sender and receiver blocks, per-round progress flags
 #endif
+#ifndef PTXTRAIN_NVL_ROUND_ROWS  // (2) rows per sender warp between two progress releases
+#define PTXTRAIN_NVL_ROUND_ROWS 2
+#endif
+
+// (2) Waits until *flag >= target (every lane polls with acquire loads; a timeout records
+// `code` and stops waiting).
+__device__ __forceinline__ void wait_progress(const long long* flag, long long target,
+                                              long long timeout, int* error, int code) {
+  const long long start = clock64_ptx();
+  while (ld_acquire_sys_64(flag) < target) {
+    if (clock64_ptx() - start > timeout) {
+      atomicExch(error, code);
+      break;
+    }
+  }
+}
 
 // One warp copies one row of n int4: U 16-byte loads in flight per lane before their stores.
 template <int U>
@@ -197,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
     const long long* __restrict__ recv_off,
     const long long* __restrict__ peer_bases, int rank, int num_ranks,
     int stride16, long long cap_rows, long long data_offset, int epoch, long long timeout,
-    int* __restrict__ error) {
+    int* __restrict__ error, int send_blocks) {
   const int num_blocks = gridDim.x;
   const int nflags = num_ranks * num_blocks;
   const int lane = threadIdx.x & 31;
@@ -207,6 +249,69 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
   const long long gstep = (long long)num_blocks * nwarps;
   int* my_flags = reinterpret_cast<int*>(peer_bases[rank]);
 
+#if PTXTRAIN_NVL_PIPELINE == 2
+  // Sender blocks [0, send_blocks) and receiver blocks [send_blocks, G) (see the design note).
+  const long long tag = (long long)epoch << 20;  // progress = tag | rounds released
+  const long long sstep = (long long)send_blocks * nwarps;  // sender warps of the grid
+  if (blockIdx.x < send_blocks) {
+    wait_flags(my_flags + nflags, nflags, epoch - 1, timeout, error, 1);
+    const long long sw = (long long)blockIdx.x * nwarps + warp;
+    for (int k = 0; k + 1 < num_ranks; ++k) {  // the peers, staggered by block
+      const int dst = (rank + 1 + (k + blockIdx.x) % (num_ranks - 1)) % num_ranks;
+      const long long first = send_off[dst], count = send_off[dst + 1] - first;
+      int4* region = reinterpret_cast<int4*>(peer_bases[dst] + data_offset) +
+                     (long long)rank * cap_rows * stride16;
+      long long* progress = reinterpret_cast<long long*>(
+                                reinterpret_cast<int*>(peer_bases[dst]) + 2 * nflags) +
+                            rank * num_blocks + blockIdx.x;
+      const long long per_warp = (count + sstep - 1) / sstep;  // rows of the busiest warp
+      const long long rounds = (per_warp + PTXTRAIN_NVL_ROUND_ROWS - 1) / PTXTRAIN_NVL_ROUND_ROWS;
+      for (long long t = 0; t < rounds; ++t) {
+        for (int i = 0; i < PTXTRAIN_NVL_ROUND_ROWS; ++i) {
+          const long long j = (t * PTXTRAIN_NVL_ROUND_ROWS + i) * sstep + sw;
+          if (j < count)
+            copy_row<PTXTRAIN_NVL_UNROLL>(region + j * stride16,
+                                          src + send_row[first + j] * stride16, stride16, lane);
+        }
+        __syncthreads();  // the block's rows of round t are written
+        if (threadIdx.x == 0) {
+          fence_acq_rel_sys();
+          st_release_sys_64(progress, tag | (t + 1));
+        }
+      }
+    }
+  } else {
+    const long long rw = (long long)(blockIdx.x - send_blocks) * nwarps + warp;
+    const long long rstep = (long long)(num_blocks - send_blocks) * nwarps;
+    {  // this rank's own rows: straight from the input, no flags
+      const long long first = send_off[rank], count = send_off[rank + 1] - first;
+      int4* dst = out + recv_off[rank] * stride16;
+      for (long long j = rw; j < count; j += rstep)
+        copy_row<PTXTRAIN_NVL_UNROLL>(dst + j * stride16, src + send_row[first + j] * stride16,
+                                      stride16, lane);
+    }
+    const int4* mine = reinterpret_cast<const int4*>(peer_bases[rank] + data_offset);
+    const long long* progress = reinterpret_cast<const long long*>(my_flags + 2 * nflags);
+    for (int k = 1; k < num_ranks; ++k) {
+      const int s = (rank + k) % num_ranks;
+      const long long first = recv_off[s], count = recv_off[s + 1] - first;
+      const int4* region = mine + (long long)s * cap_rows * stride16;
+      long long seen_block = -1, seen = 0;  // the last progress read, and whose
+      for (long long j = rw; j < count; j += rstep) {
+        // place j was written by sender warp j % sstep of s, in round (j / sstep) / ROUND_ROWS
+        const long long b = (j % sstep) / nwarps;
+        const long long need = tag | ((j / sstep) / PTXTRAIN_NVL_ROUND_ROWS + 1);
+        if (b != seen_block || seen < need) {
+          wait_progress(progress + s * num_blocks + b, need, timeout, error, 2);
+          seen_block = b;
+          seen = need;
+        }
+        copy_row<PTXTRAIN_NVL_UNROLL>(out + (first + j) * stride16, region + j * stride16,
+                                      stride16, lane);
+      }
+    }
+  }
+#else
   // 1. Peers have finished reading the previous operation's rows.
   wait_flags(my_flags + nflags, nflags, epoch - 1, timeout, error, 1);
 
@@ -271,6 +376,8 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
   }
 #endif
 
+#endif  // PTXTRAIN_NVL_PIPELINE == 2
+
   // 5. This block is done reading: release freed[rank][block] in every peer.
   __syncthreads();
   for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
@@ -312,6 +419,8 @@ def compile_kernel(
     threads: int = DEFAULT_THREADS,
     unroll: int = DEFAULT_UNROLL,
     pipeline: bool = DEFAULT_PIPELINE,
+    split: bool = False,
+    round_rows: int = DEFAULT_ROUND_ROWS,
 ):
     """Compiles the kernel through :func:`ptxtrain.jit.compile_cuda` (NVRTC; no GPU needed).
 
@@ -319,19 +428,42 @@ def compile_kernel(
     ``keep_ptx`` keeps the PTX text on the result. Tuning knobs (compile-time):
     ``threads`` per block (the launch must use the same; a multiple of 32, at most 1024) and
     ``unroll``, 16-byte loads in flight per lane in a row copy (one of ``UNROLLS``);
-    ``pipeline`` (bool) selects the per-block flags of the design note. Returns a
+    ``pipeline`` (bool) selects the per-block flags of the design note; ``split`` (bool) the
+    sender / receiver blocks with progress flags (the launch passes the sender block count),
+    ``round_rows`` (1 to 64) its rows per sender warp between two progress releases. Returns a
     :class:`ptxtrain.jit.CompiledKernel`; raises TypeError / ValueError for bad knobs and
     :class:`ptxtrain.jit.JitCompileError` / RuntimeError as ``compile_cuda`` does.
     """
     from ptxtrain.jit import compile_cuda
 
     threads, unroll = check_knobs(threads, unroll)
-    if not isinstance(pipeline, bool):
-        raise TypeError(f"pipeline must be a bool, got {pipeline!r}")
+    for name, value in (("pipeline", pipeline), ("split", split)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if isinstance(round_rows, bool) or not isinstance(round_rows, int) or not 1 <= round_rows <= 64:
+        raise ValueError(f"round_rows must be an int in [1, 64], got {round_rows!r}")
+    mode = 2 if split else int(pipeline)
     flags = ("-DPTXTRAIN_AGGRESSIVE_PTX",) if aggressive_ptx else ()
     flags += (f"-DPTXTRAIN_NVL_THREADS={threads}", f"-DPTXTRAIN_NVL_UNROLL={unroll}")
-    flags += (f"-DPTXTRAIN_NVL_PIPELINE={int(pipeline)}",)
+    flags += (f"-DPTXTRAIN_NVL_PIPELINE={mode}", f"-DPTXTRAIN_NVL_ROUND_ROWS={round_rows}")
     return compile_cuda(_SOURCE, name=KERNEL_NAME, arch=arch, flags=flags, keep_ptx=keep_ptx)
+
+
+def flag_bytes(num_ranks: int, num_sms: int) -> int:
+    """Bytes of the flag area at the head of each rank's buffer, padded to 256: ready and freed
+    flags (``R·G`` int32 each), then the split variant's progress flags (``R·G`` int64)."""
+    return ceil_div(16 * num_ranks * num_sms, _FLAG_ALIGN) * _FLAG_ALIGN
+
+
+def check_send_sms(send_sms: object, num_sms: int) -> int:
+    """Validates the split variant's sender SMs: 0 (no split) or in ``[1, num_sms - 1]``."""
+    if isinstance(send_sms, bool) or not isinstance(send_sms, int):
+        raise TypeError(f"send_sms must be an int, got {send_sms!r}")
+    if send_sms and not 0 < send_sms < num_sms:
+        raise ValueError(
+            f"send_sms must be 0 (no split) or in [1, num_sms - 1 = {num_sms - 1}], got {send_sms}"
+        )
+    return send_sms
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
@@ -348,7 +480,10 @@ class NvlinkTransport:
         num_sms: ``G``, thread blocks of the kernel (one per SM).
         num_nvl_bytes: bytes of the data region of each rank's symmetric buffer.
         aggressive_ptx: compile with ``PTXTRAIN_AGGRESSIVE_PTX`` (``ld.global.nc`` loads).
-        threads / unroll / pipeline: the kernel's tuning knobs (:func:`compile_kernel`).
+        threads / unroll / pipeline / round_rows: the kernel's tuning knobs
+            (:func:`compile_kernel`).
+        send_sms: 0, or the sender blocks of the split variant (the other ``num_sms -
+            send_sms`` blocks receive).
         timeout_s: bound on every flag wait (SM clock cycles at the device's clock rate).
 
     Collective: every rank must construct it with the same arguments.
@@ -365,20 +500,22 @@ class NvlinkTransport:
         threads: int = DEFAULT_THREADS,
         unroll: int = DEFAULT_UNROLL,
         pipeline: bool = DEFAULT_PIPELINE,
+        send_sms: int = DEFAULT_SEND_SMS,
+        round_rows: int = DEFAULT_ROUND_ROWS,
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from ptxtrain.jit import BoundLaunch, load_kernel
 
         self.threads, self.unroll = check_knobs(threads, unroll)
+        self.send_sms = check_send_sms(send_sms, num_sms)
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.num_sms = num_sms
         self.num_nvl_bytes = num_nvl_bytes
         self.device = torch.device("cuda", torch.cuda.current_device())
-        n_flags = 2 * self.num_ranks * num_sms
-        self.data_offset = ceil_div(4 * n_flags, _FLAG_ALIGN) * _FLAG_ALIGN
+        self.data_offset = flag_bytes(self.num_ranks, num_sms)
         name = _group_name(group)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed up to torch 2.7, deprecated later
@@ -408,7 +545,12 @@ class NvlinkTransport:
         self.timeout_cycles = int(timeout_s * clock_khz * 1e3)
         self.kernel = load_kernel(
             compile_kernel(
-                aggressive_ptx, threads=self.threads, unroll=self.unroll, pipeline=pipeline
+                aggressive_ptx,
+                threads=self.threads,
+                unroll=self.unroll,
+                pipeline=pipeline,
+                split=self.send_sms > 0,
+                round_rows=round_rows,
             )
         )
         self._launch = BoundLaunch(self.kernel, _SIGNATURE, self.threads)
@@ -496,6 +638,7 @@ class NvlinkTransport:
             self.epoch,
             self.timeout_cycles,
             self.error.data_ptr(),
+            self.send_sms,
         )
         self._error_host.copy_(self.error, non_blocking=True)
         self._error_event = torch.cuda.Event()

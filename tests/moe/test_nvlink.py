@@ -31,6 +31,7 @@ from ptxtrain.moe.nvlink import (
     DEFAULT_UNROLL,
     KERNEL_NAME,
     UNROLLS,
+    check_send_sms,
     compile_kernel,
     kernel_source,
 )
@@ -78,8 +79,22 @@ def test_kernel_knobs_compile(tmp_path, monkeypatch):
                 assert k.symbol() == KERNEL_NAME
                 keys.add(k.key)
     assert len(keys) == 4 * len(UNROLLS) * 2  # every knob reaches the build
+    # The split variant (sender / receiver blocks, progress flags) and its rows per round.
+    split = [compile_kernel(split=True, round_rows=r, keep_ptx=True) for r in (1, 2, 8)]
+    for k in split:
+        assert "st.release.sys.global.s64" in k.ptx and "ld.acquire.sys.global.s64" in k.ptx
+    assert len({k.key for k in split} | keys) == len(keys) + 3
     with pytest.raises(TypeError, match="pipeline"):
         compile_kernel(pipeline=1)
+    with pytest.raises(TypeError, match="split"):
+        compile_kernel(split=1)
+    with pytest.raises(ValueError, match="round_rows"):
+        compile_kernel(split=True, round_rows=0)
+    with pytest.raises(ValueError, match="send_sms"):
+        check_send_sms(24, 24)
+    with pytest.raises(TypeError, match="send_sms"):
+        check_send_sms(2.0, 24)
+    assert check_send_sms(0, 24) == 0 and check_send_sms(23, 24) == 23
     # Buffer's defaults are the kernel's (one tuned value, sweep_nvlink_9edeed0.json).
     assert inspect.signature(Buffer).parameters["nvl_threads"].default == DEFAULT_THREADS
     assert inspect.signature(Buffer).parameters["nvl_unroll"].default == DEFAULT_UNROLL
@@ -254,9 +269,14 @@ def _check_host_syncs(buf, rank, world):
     ]
 
 
-def _check_timeout(rank, world, pipeline):
+def _check_timeout(rank, world, pipeline, send_sms=0):
     buf = Buffer(
-        backend="nvlink", num_sms=2, num_nvl_bytes=1 << 16, timeout_s=0.5, nvl_pipeline=pipeline
+        backend="nvlink",
+        num_sms=2,
+        num_nvl_bytes=1 << 16,
+        timeout_s=0.5,
+        nvl_pipeline=pipeline,
+        nvl_send_sms=send_sms,
     )
     if rank == 0:  # the peers never take part: the kernel must give up, and the host raise
         t = buf._transport
@@ -264,6 +284,9 @@ def _check_timeout(rank, world, pipeline):
         i64 = torch.zeros(0, dtype=torch.int64, device="cuda")
         off = torch.zeros(world + 1, dtype=torch.int64, device="cuda")
         t.exchange(rows, i64, off, off, 0)
+        if send_sms:  # no rows: nothing to wait for until the next operation's freed flags
+            t.check_errors()
+            t.exchange(rows, i64, off, off, 0)
         with pytest.raises(RuntimeError, match="timed out"):
             buf.check_errors()
     dist.barrier()
@@ -278,6 +301,9 @@ def _gpu_worker(rank: int, world: int) -> None:
     configs = [(1, False, {}), (24, False, {}), (24, True, {})]
     configs += [(1, False, dict(nvl_pipeline=False)), (24, False, dict(nvl_pipeline=False))]
     configs += [(16, False, dict(nvl_threads=256, nvl_unroll=8))]
+    # The split variant: 1 sender + 1 receiver block, and 8 senders + 16 receivers.
+    configs += [(2, False, dict(nvl_send_sms=1)), (24, False, dict(nvl_send_sms=8))]
+    configs += [(24, True, dict(nvl_send_sms=8))]
     for num_sms, aggressive, knobs in configs:
         buf = Buffer(
             backend="nvlink",
@@ -297,6 +323,7 @@ def _gpu_worker(rank: int, world: int) -> None:
     buf.check_errors()
     _check_timeout(rank, world, pipeline=False)
     _check_timeout(rank, world, pipeline=True)
+    _check_timeout(rank, world, pipeline=True, send_sms=1)
     dist.barrier()
 
 

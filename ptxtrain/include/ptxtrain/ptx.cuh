@@ -159,4 +159,16 @@ __device__ __forceinline__ int ld_acquire_sys(const int* ptr) {
   return v;
 }
 
+// 64-bit st_release_sys / ld_acquire_sys, for flags that carry an epoch and a count. PTX ISA
+// "st" / "ld" (.release.sys / .acquire.sys, .s64).
+__device__ __forceinline__ void st_release_sys_64(long long* ptr, long long value) {
+  asm volatile("st.release.sys.global.s64 [%0], %1;\n" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ long long ld_acquire_sys_64(const long long* ptr) {
+  long long v;
+  asm volatile("ld.acquire.sys.global.s64 %0, [%1];\n" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
 }  // namespace ptxtrain
