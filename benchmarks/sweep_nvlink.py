@@ -92,6 +92,7 @@ def main() -> None:
                 nvl_threads=threads,
                 nvl_unroll=unroll,
                 nvl_pipeline=bool(pipe),
+                nvl_send_sms=0,  # the split variant is timed by benchmarks/diag_nvlink.py
             )
             rows = time_buffer(buf, inputs, args.repeats, args.warmup)
             buf.check_errors()

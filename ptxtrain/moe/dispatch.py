@@ -423,8 +423,9 @@ class Buffer:
             block (a multiple of 32, at most 1024), 16-byte loads in flight per lane (1, 2, 4 or
             8) and the per-block-flag pipelined variant (bool, default on); validated for every
             backend, used by ``"nvlink"`` (:func:`ptxtrain.moe.nvlink.compile_kernel`).
-        nvl_send_sms: 0, or the split variant's sender SMs out of ``num_sms`` (the rest copy
-            out; :class:`ptxtrain.moe.nvlink.NvlinkTransport`).
+        nvl_send_sms: the split variant's sender SMs out of ``num_sms`` (the rest copy out;
+            default ``None``: half; 0: no split, ``nvl_pipeline`` picks the variant;
+            :class:`ptxtrain.moe.nvlink.NvlinkTransport`).
 
     Every rank of the group must construct the buffer with the same arguments and call
     ``dispatch`` / ``combine`` (and their backward passes) in the same order, as with any
@@ -453,7 +454,7 @@ class Buffer:
         nvl_threads: int = 1024,
         nvl_unroll: int = 4,
         nvl_pipeline: bool = DEFAULT_PIPELINE,
-        nvl_send_sms: int = DEFAULT_SEND_SMS,
+        nvl_send_sms: int | None = DEFAULT_SEND_SMS,
     ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")

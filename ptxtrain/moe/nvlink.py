@@ -152,7 +152,10 @@ KERNEL_NAME = "nvl_all_to_all_v"
 DEFAULT_THREADS = 1024
 DEFAULT_UNROLL = 4  # 16-byte loads in flight per lane
 DEFAULT_PIPELINE = True  # per-block flags (see the design note)
-DEFAULT_SEND_SMS = 0  # 0: no sender / receiver split
+# None: the split variant with half the SMs sending (EP2, 24 SMs: 1.24x the dispatch payload
+# rate of the pipelined kernel, 1.28x the combine's; benchmarks/results/2026-11-22-s8-2xh200/
+# call5/diag_nvlink_919e27b.json); 0: no split
+DEFAULT_SEND_SMS = None
 DEFAULT_ROUND_ROWS = 2
 UNROLLS = (1, 2, 4, 8)
 _FLAG_ALIGN = 256
@@ -456,7 +459,10 @@ def flag_bytes(num_ranks: int, num_sms: int) -> int:
 
 
 def check_send_sms(send_sms: object, num_sms: int) -> int:
-    """Validates the split variant's sender SMs: 0 (no split) or in ``[1, num_sms - 1]``."""
+    """Validates the split variant's sender SMs: 0 (no split) or in ``[1, num_sms - 1]``;
+    ``None`` is the default, ``num_sms // 2`` (0 for a single SM). Returns the count."""
+    if send_sms is None:
+        return num_sms // 2
     if isinstance(send_sms, bool) or not isinstance(send_sms, int):
         raise TypeError(f"send_sms must be an int, got {send_sms!r}")
     if send_sms and not 0 < send_sms < num_sms:
@@ -482,8 +488,9 @@ class NvlinkTransport:
         aggressive_ptx: compile with ``PTXTRAIN_AGGRESSIVE_PTX`` (``ld.global.nc`` loads).
         threads / unroll / pipeline / round_rows: the kernel's tuning knobs
             (:func:`compile_kernel`).
-        send_sms: 0, or the sender blocks of the split variant (the other ``num_sms -
-            send_sms`` blocks receive).
+        send_sms: the sender blocks of the split variant (the other ``num_sms - send_sms``
+            blocks receive); ``None`` (default): ``num_sms // 2``; 0: no split (then
+            ``pipeline`` picks the variant).
         timeout_s: bound on every flag wait (SM clock cycles at the device's clock rate).
 
     Collective: every rank must construct it with the same arguments.
@@ -500,7 +507,7 @@ class NvlinkTransport:
         threads: int = DEFAULT_THREADS,
         unroll: int = DEFAULT_UNROLL,
         pipeline: bool = DEFAULT_PIPELINE,
-        send_sms: int = DEFAULT_SEND_SMS,
+        send_sms: int | None = DEFAULT_SEND_SMS,
         round_rows: int = DEFAULT_ROUND_ROWS,
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem

@@ -134,8 +134,9 @@ def _check_validation(buf, rank):
         args = dict(x=x, topk_idx=idx, topk_weights=w, num_experts=n_exp) | override
         with pytest.raises(exc, match=word):
             buf.dispatch(**args)
-    with pytest.raises(ValueError, match="backend"):
-        Buffer(backend="nvlink")  # no CUDA here
+    if not torch.cuda.is_available():  # (on a GPU host the gloo ranks could build one)
+        with pytest.raises(ValueError, match="backend"):
+            Buffer(backend="nvlink")  # no CUDA here
     with pytest.raises(TypeError, match="handle"):
         buf.combine(x, handle=None)
 

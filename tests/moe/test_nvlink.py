@@ -95,6 +95,7 @@ def test_kernel_knobs_compile(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="send_sms"):
         check_send_sms(2.0, 24)
     assert check_send_sms(0, 24) == 0 and check_send_sms(23, 24) == 23
+    assert check_send_sms(None, 24) == 12 and check_send_sms(None, 1) == 0  # the default
     # Buffer's defaults are the kernel's (one tuned value, sweep_nvlink_9edeed0.json).
     assert inspect.signature(Buffer).parameters["nvl_threads"].default == DEFAULT_THREADS
     assert inspect.signature(Buffer).parameters["nvl_unroll"].default == DEFAULT_UNROLL
@@ -296,14 +297,15 @@ def _gpu_worker(rank: int, world: int) -> None:
     ref = Buffer(backend="all_to_all")
     with pytest.raises(ValueError, match="num_sms"):
         Buffer(backend="nvlink", num_sms=10_000)
-    # Default knobs (the pipelined kernel), the barrier kernel, and other knobs (1 SM: one
-    # block per rank).
+    # Default knobs (the split variant, 12 + 12 SMs; at 1 SM the pipelined kernel), the
+    # pipelined and barrier kernels, and other knobs (1 SM: one block per rank).
     configs = [(1, False, {}), (24, False, {}), (24, True, {})]
-    configs += [(1, False, dict(nvl_pipeline=False)), (24, False, dict(nvl_pipeline=False))]
+    configs += [(24, False, dict(nvl_send_sms=0)), (24, True, dict(nvl_send_sms=0))]
+    no_pipe = dict(nvl_pipeline=False, nvl_send_sms=0)
+    configs += [(1, False, no_pipe), (24, False, no_pipe)]
     configs += [(16, False, dict(nvl_threads=256, nvl_unroll=8))]
-    # The split variant: 1 sender + 1 receiver block, and 8 senders + 16 receivers.
+    # The split variant with 1 sender + 1 receiver block, and 8 senders + 16 receivers.
     configs += [(2, False, dict(nvl_send_sms=1)), (24, False, dict(nvl_send_sms=8))]
-    configs += [(24, True, dict(nvl_send_sms=8))]
     for num_sms, aggressive, knobs in configs:
         buf = Buffer(
             backend="nvlink",
