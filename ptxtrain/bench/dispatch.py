@@ -5,7 +5,8 @@ dispatch``). DeepEP's setting by default (ANCHORS §2): 4096 tokens per rank, hi
 experts, top-8 uniform random routing, FP8 dispatch, BF16 combine.
 
 Method (DeepEP's test_intranode, DESIGN §4 and §6): for each backend (``all_to_all`` always,
-``nvlink`` when every GPU of the group is peer-accessible), warm-ups, then ``repeats`` timed
+``nvlink`` when every GPU of the group is peer-accessible, its default split kernel and, as
+``nvlink:pipelined``, the pipelined kernel without the split), warm-ups, then ``repeats`` timed
 calls, each queued behind a one-element ``all_reduce`` and a 200 µs GPU spin (while the host
 queues the call) so that the GPUs start it together (the
 ranks aligned on the GPU, as DeepEP's ``bench_kineto`` does, not by a host barrier: that adds the
@@ -290,18 +291,21 @@ def bench_dispatch(
     skipped = {}
     why = _nvlink_possible()
     if why is None:
-        backends["nvlink"] = dict(num_sms=num_sms, num_nvl_bytes=nvl_bytes(tokens, hidden, topk))
+        nvl = dict(num_sms=num_sms, num_nvl_bytes=nvl_bytes(tokens, hidden, topk))
+        backends["nvlink"] = nvl  # the default kernel: the split variant
+        # the pipelined variant without the sender / receiver split, for comparison
+        backends["nvlink:pipelined"] = dict(nvl, nvl_send_sms=0)
     else:
         skipped["nvlink"] = why
     rows = []
     profiles = {}
     for name, kw in backends.items():
-        buf = Buffer(backend=name, **kw)
+        buf = Buffer(backend=name.split(":")[0], **kw)
         for row in time_buffer(buf, inputs, repeats, warmup):
             rows.append({"backend": name, "num_sms": kw.get("num_sms"), **row})
         if profile:
             profiles[name] = profile_buffer(buf, inputs)
-        if name == "nvlink":
+        if name.startswith("nvlink"):
             buf.check_errors()
         torch.cuda.synchronize()
         dist.barrier()
@@ -337,13 +341,13 @@ def format_table(result: dict) -> str:
     lines = [
         f"EP{s['world_size']}: {s['tokens_per_rank']} tokens/rank, hidden {s['hidden']}, "
         f"{s['experts']} experts, top-{s['topk']}, FP8 dispatch / BF16 combine",
-        f"{'backend':>10} {'op':>16} {'SMs':>4} {'µs (max rank)':>14} {'GB/s (mean)':>12} "
+        f"{'backend':>16} {'op':>16} {'SMs':>4} {'µs (max rank)':>14} {'GB/s (mean)':>12} "
         f"{'GB/s min':>9} {'GB/s max':>9} {'µs host-sync':>13}",
     ]
     for r in result["rows"]:
         sms = "-" if r["num_sms"] is None else str(r["num_sms"])
         lines.append(
-            f"{r['backend']:>10} {r['op']:>16} {sms:>4} {r['us_max']:14.1f} "
+            f"{r['backend']:>16} {r['op']:>16} {sms:>4} {r['us_max']:14.1f} "
             f"{r['gbs_mean']:12.1f} {min(r['gbs']):9.1f} {max(r['gbs']):9.1f} "
             f"{max(r.get('us_host_sync') or [float('nan')]):13.1f}"
         )

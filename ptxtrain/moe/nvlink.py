@@ -107,6 +107,9 @@ after the NVLink transfer instead of under it, and 8 SMs of pushes already fill 
 blocks ``[0, S)`` only send and blocks ``[S, G)`` only copy out:
 
 - sender warp ``w`` (``S·warps`` of them) sends places ``j ≡ w (mod S·warps)`` of each peer, in
+  turns (turn ``k``: to ``rank + 1 + k``, while receivers drain ``rank - 1 - k``: a matching,
+  so no receiver waits on a source that is still busy with another peer; measured at EP4, a
+  per-block stagger of the destinations was slower than the pipelined kernel) and in
   rounds of ``round_rows`` rows per warp; after each round the block syncs and one thread
   releases ``progress[rank][b] = epoch·2^20 + rounds done`` (int64, system scope) in the
   destination's flags;
@@ -259,8 +262,10 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
   if (blockIdx.x < send_blocks) {
     wait_flags(my_flags + nflags, nflags, epoch - 1, timeout, error, 1);
     const long long sw = (long long)blockIdx.x * nwarps + warp;
-    for (int k = 0; k + 1 < num_ranks; ++k) {  // the peers, staggered by block
-      const int dst = (rank + 1 + (k + blockIdx.x) % (num_ranks - 1)) % num_ranks;
+    // Turn k: every rank sends to rank + 1 + k and (below) receives from rank - 1 - k, a
+    // perfect matching per turn, so receivers drain the source whose rows arrive first.
+    for (int k = 0; k + 1 < num_ranks; ++k) {
+      const int dst = (rank + 1 + k) % num_ranks;
       const long long first = send_off[dst], count = send_off[dst + 1] - first;
       int4* region = reinterpret_cast<int4*>(peer_bases[dst] + data_offset) +
                      (long long)rank * cap_rows * stride16;
@@ -295,8 +300,8 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
     }
     const int4* mine = reinterpret_cast<const int4*>(peer_bases[rank] + data_offset);
     const long long* progress = reinterpret_cast<const long long*>(my_flags + 2 * nflags);
-    for (int k = 1; k < num_ranks; ++k) {
-      const int s = (rank + k) % num_ranks;
+    for (int k = 0; k + 1 < num_ranks; ++k) {
+      const int s = (rank + num_ranks - 1 - k) % num_ranks;  // it sends to this rank in turn k
       const long long first = recv_off[s], count = recv_off[s + 1] - first;
       const int4* region = mine + (long long)s * cap_rows * stride16;
       long long seen_block = -1, seen = 0;  // the last progress read, and whose
