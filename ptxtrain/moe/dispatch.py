@@ -263,6 +263,21 @@ def _unpack(rows: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]
     return unpack_rows(rows, parts)
 
 
+def _check_capacity(handle: DispatchHandle, padded: int) -> None:
+    """Raises ValueError (on every rank alike) if rows of ``padded`` bytes overflow the nvlink
+    buffer's region for one peer."""
+    transport = handle.transport
+    cap = transport.capacity_rows(padded)
+    if handle.max_rows_per_pair > cap:
+        raise ValueError(
+            f"nvlink buffer too small: a rank sends {handle.max_rows_per_pair} rows of "
+            f"{padded} bytes to one peer, the buffer holds {cap} per peer "
+            f"(num_nvl_bytes={transport.num_nvl_bytes} over {transport.num_ranks} ranks); "
+            f"create the Buffer with num_nvl_bytes >= "
+            f"{handle.max_rows_per_pair * padded * transport.num_ranks}"
+        )
+
+
 def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> list[torch.Tensor]:
     """Token rows ``[T, ...]`` -> received rows ``[N, ...]`` of every part (``combine``: the
     reverse, received rows -> sent rows ``[S, ...]``), in ONE message: the parts' rows are
@@ -276,15 +291,7 @@ def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> l
         moved = _exchange(send, *(splits[::-1] if combine else splits), handle.group)
         return _unpack(moved, parts)
     padded = max(16, ceil_div(width, 16) * 16)
-    cap = transport.capacity_rows(padded)
-    if handle.max_rows_per_pair > cap:
-        raise ValueError(
-            f"nvlink buffer too small: a rank sends {handle.max_rows_per_pair} rows of "
-            f"{padded} bytes to one peer, the buffer holds {cap} per peer "
-            f"(num_nvl_bytes={transport.num_nvl_bytes} over {transport.num_ranks} ranks); "
-            f"create the Buffer with num_nvl_bytes >= "
-            f"{handle.max_rows_per_pair * padded * transport.num_ranks}"
-        )
+    _check_capacity(handle, padded)
     send = _pack(parts, padded, None)
     num_out = sum(handle.send_counts) if combine else handle.num_recv_tokens
     moved = transport.exchange(send, *_nvl_index(handle, combine), num_out)  # [K, padded]
@@ -306,7 +313,19 @@ def _dispatch_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
 
 
 def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Received rows ``[N, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation)."""
+    """Received rows ``[N, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation).
+
+    The nvlink backend's split kernel sums bf16 rows as they arrive (``combine_sum`` of
+    :class:`ptxtrain.moe.nvlink.NvlinkTransport`: no copy-out of the received rows), with the
+    same order and rounding as the copy-then-sum path it replaces."""
+    transport = handle.transport
+    fused = getattr(transport, "can_combine_sum", None)
+    if fused is not None and "slot" in handle._nvl_index and fused(t.contiguous()):
+        t = t.contiguous()
+        _check_capacity(handle, _row_bytes(t))
+        _, send_off, recv_off = _nvl_index(handle, combine=True)
+        slot = handle._nvl_index["slot"][0]
+        return transport.combine_sum(t, send_off, recv_off, slot, handle.num_tokens)
     return _combine_sum(_move([t], handle, combine=True)[0], handle)
 
 

@@ -84,6 +84,11 @@ def test_kernel_knobs_compile(tmp_path, monkeypatch):
     for k in split:
         assert "st.release.sys.global.s64" in k.ptx and "ld.acquire.sys.global.s64" in k.ptx
     assert len({k.key for k in split} | keys) == len(keys) + 3
+    # The fused combine (split receivers sum bf16 rows): builds, and only as a split variant.
+    fused = compile_kernel(split=True, combine=True, threads=512, keep_ptx=True)
+    assert "cvt.rn.bf16x2.f32" in fused.ptx and fused.key not in keys
+    with pytest.raises(ValueError, match="split"):
+        compile_kernel(combine=True)
     with pytest.raises(TypeError, match="pipeline"):
         compile_kernel(pipeline=1)
     with pytest.raises(TypeError, match="split"):
