@@ -127,7 +127,8 @@ per warp), then adds the rows in ascending rank order in fp32 from 0 and rounds 
 the order of ``ptxtrain.moe.layout.combine_sum``, so the result is bit-identical to the
 copy-then-sum path; this rank's own row is read from the input. Senders here send each round to
 every peer (not one peer per turn), so all sources progress together and token order does not
-wait on the last turn. The kernel runs 512 threads per block (the sums' registers). This halves
+wait on the last turn. The kernel runs 512 threads per block (the sums' registers, 8 loads in
+flight per lane) and a third of the SMs send (the receivers do the heavier part). This halves
 the receivers' memory traffic: read the rows once and write ``T·H``, instead of read, write, read
 again, write ``T·H``.
 
@@ -779,7 +780,7 @@ class NvlinkTransport:
                 compile_kernel(
                     self._knobs["aggressive_ptx"],
                     threads=self._combine_threads,
-                    unroll=self.unroll,
+                    unroll=8,  # 8 loads in flight per lane and rank: 123 registers, no spill
                     split=True,
                     round_rows=self._knobs["round_rows"],
                     combine=True,
@@ -811,7 +812,7 @@ class NvlinkTransport:
             self.epoch,
             self.timeout_cycles,
             self.error.data_ptr(),
-            self.send_sms,
+            max(1, self.num_sms // 3),  # senders: 8 of 24 SMs fill the link (diag_nvlink.py)
             slot.data_ptr(),
             hidden,
         )
