@@ -713,6 +713,8 @@ class NvlinkTransport:
         self._launch = BoundLaunch(self.kernel, _SIGNATURE, self.threads)
         self._knobs = dict(aggressive_ptx=aggressive_ptx, round_rows=round_rows)
         self._combine_launch = None  # the fused combine's kernel, built at its first use
+        self._combine_threads = min(self.threads, 512)  # (the sums' registers, see the note)
+        self._rows_cache: dict[int, torch.Tensor] = {}  # arange(N): the fused combine's rows
 
     def can_combine_sum(self, x: torch.Tensor) -> bool:
         """Whether :meth:`combine_sum` takes ``x``: the split variant, ``x`` a contiguous
@@ -775,7 +777,6 @@ class NvlinkTransport:
                 )
         if self._combine_launch is None:
             # at most 512 threads: the sum's registers (1024 threads would leave 64 and spill)
-            self._combine_threads = min(self.threads, 512)
             kernel = load_kernel(
                 compile_kernel(
                     self._knobs["aggressive_ptx"],
@@ -787,7 +788,6 @@ class NvlinkTransport:
                 )
             )
             self._combine_launch = BoundLaunch(kernel, _SIGNATURE, self._combine_threads)
-            self._rows_cache = {}
         n, hidden = x.shape
         rows = self._rows_cache.get(n)
         if rows is None:  # the send list is x's rows in order

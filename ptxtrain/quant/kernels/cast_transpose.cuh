@@ -88,6 +88,13 @@ __device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
   return r;
 }
 
+// Per-16-bit-lane signed max (PTX max.s16x2, sm_90).
+__device__ __forceinline__ u32 max_s16x2(u32 a, u32 b) {
+  u32 r;
+  asm("max.s16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 __device__ __forceinline__ void st_v2(void* ptr, uint2 v) { *static_cast<uint2*>(ptr) = v; }
 __device__ __forceinline__ void st_u32(void* ptr, u32 v) { *static_cast<u32*>(ptr) = v; }
 __device__ __forceinline__ void st_f32(float* ptr, float v) { *ptr = v; }
@@ -96,6 +103,29 @@ __device__ __forceinline__ void sts_v4(void* ptr, uint4 v) { *static_cast<uint4*
 __device__ __forceinline__ void sts_v2(void* ptr, uint2 v) { *static_cast<uint2*>(ptr) = v; }
 __device__ __forceinline__ u32 ld_u32(const void* ptr) { return *static_cast<const u32*>(ptr); }
 __device__ __forceinline__ u32 ld_u16(const void* ptr) { return *static_cast<const u16*>(ptr); }
+
+// A predicated store (no branch): the address is computed on every lane, so the compiler keeps
+// the scale pointers as incremented registers instead of rebuilding them inside a branch.
+__device__ __forceinline__ void st_f32_if(bool pred, float* ptr, float v) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.f32 [%1], %2;\n}"
+               ::"r"(static_cast<int>(pred)), "l"(ptr), "f"(v)
+               : "memory");
+}
+
+// rcp.rn(b) for a normal b whose reciprocal is normal (biased exponent 1..252): the fast path of
+// ptxas's own rcp.rn.f32 expansion (MUFU.RCP, then one FMA Newton step on the exact residual),
+// without its branch to the slow path for the exponents outside that range. Every finite scale
+// is in it (sf in [1e-4 / 448, 2^120]); a non-finite scale's y is never used (div.rn path).
+__device__ __forceinline__ float rcp_rn_normal(float b) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  return __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
+}
+#else
+inline void st_f32_if(bool pred, float* ptr, float v) {
+  if (pred) st_f32(ptr, v);
+}
+inline float rcp_rn_normal(float b) { return __frcp_rn(b); }
 #endif
 
 constexpr int kTile = 128;     // tile edge (DeepSeek-V3's 128)
@@ -174,12 +204,44 @@ __device__ __forceinline__ u32 warp_max_u16x2(u32 v) {
   return v;
 }
 
-// max over both 16-bit |h| of the words of a 16-byte chunk, in the low 16 bits.
-__device__ __forceinline__ u32 chunk_max16(const uint4& v) {
-  const u32 m = max_u16x2(max_u16x2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
-                          max_u16x2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu));
-  return max(m & 0xffffu, m >> 16);
+// Per 16-bit lane, the max of |h| over the words w[0..N) (raw 16-bit bits). N >= 8 without a mask
+// per word: the signed max is the largest |h| of the values of sign 0 if there is one, the
+// unsigned max 0x8000 | the largest |h| of the values of sign 1 if there is one; each, masked,
+// is the |h| of some value and one of them is the largest. N < 8: mask, then max (fewer ops).
+template <int N>
+__device__ __forceinline__ u32 abs_max16x2(const u32* w) {
+  if constexpr (N >= 8) {
+    u32 mu = w[0], ms = w[0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) {
+      mu = max_u16x2(mu, w[j]);
+      ms = max_s16x2(ms, w[j]);
+    }
+    return max_u16x2(mu & 0x7fff7fffu, ms & 0x7fff7fffu);
+  } else {
+    u32 m = w[0] & 0x7fff7fffu;
+#pragma unroll
+    for (int j = 1; j < N; ++j) m = max_u16x2(m, w[j] & 0x7fff7fffu);
+    return m;
+  }
 }
+
+// The words of chunks v[0..N) (16 bytes each) in one array, for abs_max16x2.
+template <int N>
+__device__ __forceinline__ u32 chunks_abs_max16x2(const uint4* v) {
+  u32 w[4 * N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    w[4 * i] = v[i].x;
+    w[4 * i + 1] = v[i].y;
+    w[4 * i + 2] = v[i].z;
+    w[4 * i + 3] = v[i].w;
+  }
+  return abs_max16x2<4 * N>(w);
+}
+
+// Both 16-bit lanes of m -> their max, in both lanes (widen_abs16 reads the low lane).
+__device__ __forceinline__ u32 fold16x2(u32 m) { return max_u16x2(m, __byte_perm(m, m, 0x1032)); }
 
 // amax bits (max of |x| bits over a tile) -> fp32 dequantization factor, as ref.py.
 // FAST_SF: amax / 448 as q = amax * RN(1/448), then one exact-residual correction
@@ -193,11 +255,12 @@ template <bool FAST_SF>
 __device__ __forceinline__ float div448(u32 amax_bits) {
   const float a = __uint_as_float(amax_bits);
   if constexpr (FAST_SF) {
-    if (amax_bits < 0x7f800000u) {
-      const float c = __uint_as_float(kInv448Bits);
-      const float q = __fmul_rn(a, c);
-      return __fmaf_rn(__fmaf_rn(-q, 448.0f, a), c, q);
-    }
+    // Without a branch: for the two non-finite amax (inf, the canonical NaN) a * RN(1/448) is
+    // already div.rn's result (inf; the platform's canonical NaN, as div.rn gives).
+    const float c = __uint_as_float(kInv448Bits);
+    const float q = __fmul_rn(a, c);
+    const float r = __fmaf_rn(__fmaf_rn(-q, 448.0f, a), c, q);
+    return amax_bits < 0x7f800000u ? r : q;
   }
   return __fdiv_rn(a, 448.0f);
 }
@@ -227,7 +290,7 @@ template <bool POW2, bool FAST_SF = false>
 __device__ __forceinline__ Scale make_scale(u32 amax_bits) {
   Scale s;
   s.sf = scale_from_amax_bits<POW2, FAST_SF>(amax_bits);
-  s.y = __frcp_rn(s.sf);
+  s.y = rcp_rn_normal(s.sf);
   s.finite = (__float_as_uint(s.sf) & 0x7f800000u) != 0x7f800000u;
   return s;
 }
@@ -501,16 +564,15 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     Scale block_scale;
     if constexpr (BLOCK) {
       u32 amax = 0u;
+      if constexpr (kAmax16) {
+        amax = widen_abs16<IN>(fold16x2(chunks_abs_max16x2<PASSES * CH>(v)) & 0xffffu);
+      } else {
 #pragma unroll
-      for (int i = 0; i < PASSES * CH; ++i) {
-        if constexpr (kAmax16) {
-          amax = max(amax, chunk_max16(v[i]));
-        } else {
+        for (int i = 0; i < PASSES * CH; ++i) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) amax = max(amax, abs_bits(unpack<IN>(v[i], e)));
         }
       }
-      if constexpr (kAmax16) amax = widen_abs16<IN>(amax);
       amax = warp_max<32>(amax);
       if ((tid & 31) == 0) red[tid >> 5] = amax;
       __syncthreads();
@@ -529,6 +591,12 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
 
     // ---- row pass (1x128 tiles, or the block scale) from registers ----
     if constexpr (ROW) {
+      // Pass i's scale goes to sf_row + i * sf_step, its bytes to q_row + i * q_step + (element
+      // offset): the 64-bit address math once per tile, not per pass.
+      float* const sf_row = sf + (m0 + r_base) * sf_s0 + kt * sf_s1;
+      const i64 sf_step = RPP * sf_s0;
+      unsigned char* const q_row = q + (m0 + r_base) * K + col;
+      const i64 q_step = RPP * K;
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
         const i64 row = m0 + r_base + i * RPP;
@@ -539,23 +607,22 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
 #pragma unroll
           for (int e = 0; e < VEC; ++e) f[j * VEC + e] = unpack<IN>(v[i * CH + j], e);
         }
-        u32 m16 = 0u;  // kAmax16: the chunks' 16-bit |h| maximum, before the next tile's loads
-        if constexpr (kAmax16) {
-#pragma unroll
-          for (int j = 0; j < CH; ++j) m16 = max(m16, chunk_max16(v[i * CH + j]));
-        }
+        u32 m16 = 0u;  // kAmax16: the chunks' 16-bit |h| maxima per lane, before the next loads
+        if constexpr (kAmax16) m16 = chunks_abs_max16x2<CH>(v + i * CH);
         if constexpr (kPipe) {
 #pragma unroll
           for (int j = 0; j < CH; ++j) v[i * CH + j] = load_chunk<IN, RPP>(next, K, i, j * DC);
         }
         const Scale s = tile_scale<BLOCK, POW2, kFastSf>(block_scale, [&] {
-          if constexpr (kAmax16) return widen_abs16<IN>(warp_max<LPR>(m16));
+          if constexpr (kAmax16) {
+            return widen_abs16<IN>(warp_max_u16x2<LPR>(fold16x2(m16)) & 0xffffu);
+          }
           u32 amax = 0u;
 #pragma unroll
           for (int e = 0; e < N; ++e) amax = max(amax, abs_bits(f[e]));
           return warp_max<LPR>(amax);  // the LPR lanes of this row (aligned lane groups)
         });
-        if (!BLOCK && c == 0 && (kFull || row < M)) st_f32(sf + row * sf_s0 + kt * sf_s1, s.sf);
+        if constexpr (!BLOCK) st_f32_if(c == 0 && (kFull || row < M), sf_row + i * sf_step, s.sf);
         u32 packed[N / 4];
         quantize<N, kMul>(f, s, packed);
 #pragma unroll
@@ -573,7 +640,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
           }
           const i64 cj = col + j * DC;
           if (kFull || row < M) {
-            unsigned char* dst = q + row * K + cj;
+            unsigned char* dst = q_row + i * q_step + j * DC;
             if (kFull || (q_vec && cj + VEC <= K)) {
               if constexpr (VEC == 8) {
                 st_v2(dst, make_uint2(pk[0], pk[1]));
@@ -638,6 +705,14 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
       const int warp = tid >> 5;
       const int g = lane & 7;  // row group: tile rows 16g .. 16g + 15
       const i64 m = m0 + 16 * g;
+      // Channel k = k_first + pass * K_PASS + e: its bytes at qt_col + pass * K_PASS * M + e * M,
+      // its scale at sft_col + (pass * K_PASS + e) * sft_s0 (64-bit address math once per tile).
+      constexpr int K_PASS = 4 * kWarps * EPW;
+      const i64 k_first = k0 + ((lane >> 3) + 4 * warp) * EPW;
+      unsigned char* qt_col = qt + k_first * M + m;
+      float* sft_col = sft + k_first * sft_s0 + mt * sft_s1;
+      const i64 qt_pass = K_PASS * M;
+      const i64 sft_pass = K_PASS * sft_s0;
 #pragma unroll 1
       for (int pass = 0; pass < WPR / (4 * kWarps); ++pass) {
         const int p = (lane >> 3) + 4 * (warp + kWarps * pass);  // word column
@@ -651,9 +726,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
         }
         u32 amax2 = 0u;  // kAmax16: the |h| maxima of word column p's two columns, per half
         if constexpr (kAmax16 && !BLOCK) {
-#pragma unroll
-          for (int j = 0; j < 16; ++j) amax2 = max_u16x2(amax2, wd[j] & 0x7fff7fffu);
-          amax2 = warp_max_u16x2<8>(amax2);  // the 8 lanes g = 0..7 of this word column
+          amax2 = warp_max_u16x2<8>(abs_max16x2<16>(wd));  // the 8 lanes g = 0..7 of this word column
         }
 #pragma unroll
         for (int e = 0; e < EPW; ++e) {
@@ -673,11 +746,12 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
             for (int j = 0; j < 16; ++j) amax = max(amax, abs_bits(fe[j]));
             return warp_max<8>(amax);  // the 8 lanes g = 0..7 of this word column
           });
-          if (!BLOCK && g == 0 && (kFull || k < K)) st_f32(sft + k * sft_s0 + mt * sft_s1, s.sf);
+          if constexpr (!BLOCK) st_f32_if(g == 0 && (kFull || k < K), sft_col + e * sft_s0, s.sf);
           u32 w[4];
           quantize<16, kMul>(fe, s, w);
           if (kFull || (k < K && m < M)) {
-            unsigned char* dst = qt + k * M + m;
+            // (qt_col: FULL only; as a live register pair it made the default variant spill)
+            unsigned char* dst = kFull ? qt_col + e * M : qt + k * M + m;
             if (kFull || (qt_vec && m + 16 <= M)) {
               st_v4(dst, make_uint4(w[0], w[1], w[2], w[3]));
             } else {
@@ -688,6 +762,8 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
             }
           }
         }
+        qt_col += qt_pass;
+        sft_col += sft_pass;
       }
     }
     if constexpr (!KN::kLoop) break;  // one tile per CTA

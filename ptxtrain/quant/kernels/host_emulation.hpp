@@ -307,6 +307,12 @@ inline unsigned max_u16x2(unsigned a, unsigned b) {
   const unsigned lo = std::max(a & 0xffffu, b & 0xffffu), hi = std::max(a >> 16, b >> 16);
   return lo | (hi << 16);
 }
+inline unsigned max_s16x2(unsigned a, unsigned b) {
+  const auto s16 = [](unsigned v) { return static_cast<int>(static_cast<short>(v & 0xffffu)); };
+  const unsigned lo = static_cast<unsigned>(std::max(s16(a), s16(b))) & 0xffffu;
+  const unsigned hi = static_cast<unsigned>(std::max(s16(a >> 16), s16(b >> 16))) & 0xffffu;
+  return lo | (hi << 16);
+}
 inline void sts_v2(void* ptr, uint2 v) {
   if (emu::aligned(ptr, 8, "misaligned 8-byte shared store")) std::memcpy(ptr, &v, 8);
 }
