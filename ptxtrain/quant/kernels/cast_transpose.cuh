@@ -33,11 +33,18 @@
 // the first brings q within one ulp of x / sf, the second makes it the correctly rounded
 // quotient (Markstein's theorem; below 2^-126 it may be off by a subnormal ulp, which E4M3,
 // whose smallest step is 2^-9, rounds to the same ±0). The signs are placed so that x = -0
-// gives -0. Tiles with a non-finite scale use div.rn directly (one branch per tile row/column). cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even.
+// gives -0. y is rcp.rn's own fast path without its range branch (rcp_rn_normal: every finite
+// sf is in its range). Tiles with a non-finite scale (one branch per tile row/column) take
+// x * 0 (sf = inf) or x * NaN, IEEE's x / sf for those (see quantize).
+// cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even.
 //
 // FULL (a template flag the host sets when M and K are multiples of 128 and every access is
-// aligned): the bounds checks and the element-wise fallbacks are compiled out. ncu showed the
-// kernels bound by issuing instructions, not by memory, and the checks were a fifth of them.
+// aligned): the bounds checks and the element-wise fallbacks are compiled out, the tile index
+// is split with 32-bit math, a CTA without LOOP skips the tile < tiles test (one CTA per tile)
+// and the column pass is unrolled. ncu showed the kernels bound by issuing instructions, not
+// by memory, and the checks were a fifth of them. All kernels: the scale and output pointers
+// are set up once per tile and advanced per pass (not rebuilt from 64-bit products), the
+// scale stores are predicated, not branched around.
 //
 // PTXTRAIN_QUANT_HOST_EMULATION: compile this file as host C++ (g++ -std=c++20) against the
 // shims of host_emulation.hpp, which run each CTA's threads as fibers (barriers for
@@ -115,7 +122,7 @@ __device__ __forceinline__ void st_f32_if(bool pred, float* ptr, float v) {
 // rcp.rn(b) for a normal b whose reciprocal is normal (biased exponent 1..252): the fast path of
 // ptxas's own rcp.rn.f32 expansion (MUFU.RCP, then one FMA Newton step on the exact residual),
 // without its branch to the slow path for the exponents outside that range. Every finite scale
-// is in it (sf in [1e-4 / 448, 2^120]); a non-finite scale's y is never used (div.rn path).
+// is in it (sf in [1e-4 / 448, 2^120]); a non-finite scale's y is never used (see quantize).
 __device__ __forceinline__ float rcp_rn_normal(float b) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
@@ -186,8 +193,10 @@ __device__ __forceinline__ u32 abs_bits(float x) { return __float_as_uint(x) & 0
 // AMAX16: the amax of 16-bit inputs taken on the raw bits. |h| bits (h & 0x7fff) order bf16 and
 // fp16 values by magnitude, NaNs (above 0x7f80 / 0x7c00) above inf, as the fp32 |x| bits do, so
 // the max of the 16-bit |h| bits, widened once, gives the same amax bits as the max over the
-// widened values: two columns (the halves of a word) per max.u16x2. The widening of a 16-bit
-// |h|: bf16 bits << 16; fp16 through cvt.f32.f16 (a NaN stays a NaN: canonicalized later).
+// widened values: two columns (the halves of a word) per max.u16x2 (for 8+ words without a
+// mask per word: abs_max16x2). In the 1x128 row pass two rows share one shuffle reduction
+// (their maxima in the two 16-bit lanes). The widening of a 16-bit |h|: bf16 bits << 16; fp16
+// through cvt.f32.f16 (a NaN stays a NaN: canonicalized later).
 template <int IN>
 __device__ __forceinline__ u32 widen_abs16(u32 h) {
   if constexpr (IN == kBF16) {
@@ -248,7 +257,7 @@ __device__ __forceinline__ u32 fold16x2(u32 m) { return max_u16x2(m, __byte_perm
 // q + (amax - 448 q) * RN(1/448) (two FMAs) instead of div.rn (its reciprocal, Newton steps and
 // range check). Bit-exact with div.rn for every finite amax >= fp32(1e-4), the clamped range,
 // by exhaustion over all 1,185,827,049 such floats (host_emulation.cpp's emu_check_fast_sf, run
-// by tests/quant/test_cuda.py); inf / NaN keep div.rn.
+// by tests/quant/test_cuda.py); inf / NaN: a * RN(1/448), div.rn's result for those two.
 constexpr u32 kInv448Bits = 0x3b124925u;  // RN(1 / 448)
 
 template <bool FAST_SF>
@@ -271,10 +280,10 @@ __device__ __forceinline__ float scale_from_amax_bits(u32 amax_bits) {
   if (amax_bits < kEpsBits) amax_bits = kEpsBits;             // clamp(min=1e-4); NaN stays
   float sf = div448<FAST_SF>(amax_bits);
   if constexpr (POW2) {
-    const u32 bits = __float_as_uint(sf);
-    if ((bits & 0x7f800000u) != 0x7f800000u) {
-      // sf > 0 is normal: adding 2^23 - 1 carries into the exponent unless the mantissa is 0.
-      sf = __uint_as_float((bits + 0x7fffffu) & 0x7f800000u);
+    // sf is finite exactly when amax is (sf <= FLT_MAX / 448), and then a normal sf > 0:
+    // adding 2^23 - 1 carries into the exponent unless the mantissa is 0.
+    if (amax_bits < 0x7f800000u) {
+      sf = __uint_as_float((__float_as_uint(sf) + 0x7fffffu) & 0x7f800000u);
     }
   }
   return sf;
@@ -291,7 +300,7 @@ __device__ __forceinline__ Scale make_scale(u32 amax_bits) {
   Scale s;
   s.sf = scale_from_amax_bits<POW2, FAST_SF>(amax_bits);
   s.y = rcp_rn_normal(s.sf);
-  s.finite = (__float_as_uint(s.sf) & 0x7f800000u) != 0x7f800000u;
+  s.finite = amax_bits < 0x7f800000u;  // the same as sf finite (see scale_from_amax_bits)
   return s;
 }
 
@@ -321,7 +330,7 @@ __device__ __forceinline__ u32 pack4(float a, float b, float c, float d) {
 }
 
 // N values (N % 4 == 0) quantized with one scale into N / 4 words of E4M3 bytes. The branch on
-// the scale is taken once for all N (a non-finite scale, from an inf / NaN input, uses div.rn).
+// the scale is taken once for all N (a non-finite scale, from an inf / NaN input, multiplies).
 // MUL_POW2 (only with power-of-two scales): x / sf = x * y exactly-rounded in one multiply, since
 // sf = 2^e (e in [-22, 127]: amax >= 1e-4) and y = rcp.rn(sf) = 2^-e is exact (2^-127 is an fp32
 // subnormal), so RN(x * y) and RN(x / sf) round the same real number; -0 * y = -0.
@@ -339,10 +348,14 @@ __device__ __forceinline__ void quantize(const float (&f)[N], const Scale& s, u3
       }
     }
   } else {
+    // sf = +inf or NaN (an inf / NaN in the tile): x / sf is x * z with z = 0 for sf = inf (±0
+    // for finite x, NaN for x = ±inf / NaN, as IEEE x / inf) and z = sf for a NaN sf (NaN), one
+    // multiply instead of div.rn's inline sequence per element; every NaN converts to 0x7F.
+    const float z = __float_as_uint(s.sf) == 0x7f800000u ? 0.0f : s.sf;
 #pragma unroll
     for (int j = 0; j < N / 4; ++j) {
-      out[j] = pack4(__fdiv_rn(f[4 * j], s.sf), __fdiv_rn(f[4 * j + 1], s.sf),
-                     __fdiv_rn(f[4 * j + 2], s.sf), __fdiv_rn(f[4 * j + 3], s.sf));
+      out[j] = pack4(__fmul_rn(f[4 * j], z), __fmul_rn(f[4 * j + 1], z),
+                     __fmul_rn(f[4 * j + 2], z), __fmul_rn(f[4 * j + 3], z));
     }
   }
 }
@@ -516,31 +529,47 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
   const bool q_vec = vec_flags & 2;
   const bool qt_vec = vec_flags & 4;
   const char* xb = static_cast<const char*>(x_ptr);
-  const int c = tid % LPR;  // 16-byte chunk column of this thread (its first chunk)
-  const int r_base = tid / LPR;
+  // (unsigned: a signed division by a power of two would add a rounding fix-up)
+  const int c = static_cast<u32>(tid) % LPR;  // 16-byte chunk column of this thread (its first)
+  const int r_base = static_cast<u32>(tid) / LPR;
+
+  // Tile t -> (its row of tiles, its column of tiles). FULL: 32-bit (the host launches fewer than
+  // 2^31 tiles), not the 64-bit division with its 32-bit fast path.
+  const auto tile_mt = [&](i64 t) -> i64 {
+    if constexpr (kFull) return static_cast<u32>(t) / static_cast<u32>(k_tiles);
+    return t / k_tiles;
+  };
+  const auto tile_kt = [&](i64 t, i64 mt) -> i64 {
+    if constexpr (kFull) {
+      return static_cast<u32>(t) - static_cast<u32>(mt) * static_cast<u32>(k_tiles);
+    }
+    return t - mt * k_tiles;
+  };
 
   uint4 v[PASSES * CH];  // v[i * CH + j]: pass i, chunk column c + j * LPR
   if constexpr (kPipe) {  // the first tile; later ones are prefetched during the previous one
     const i64 t0 = blockIdx.x;
-    const i64 m0 = t0 / k_tiles * kTile;
-    const i64 col = (t0 - t0 / k_tiles * k_tiles) * kTile + c * VEC;
+    const i64 m0 = tile_mt(t0) * kTile;
+    const i64 col = tile_kt(t0, tile_mt(t0)) * kTile + c * VEC;
     const ChunkSrc src = chunk_src<IN, RPP>(xb, M, ldx, m0, col, r_base, x_vec);
 #pragma unroll
     for (int i = 0; i < PASSES * CH; ++i) v[i] = load_chunk<IN, RPP, kFull>(src, K, i / CH, i % CH * DC);
   }
 
+  // FULL without LOOP: the host launches one CTA per tile, so tile < tiles needs no test.
 #pragma unroll 1
-  for (i64 tile = blockIdx.x; tile < tiles; tile += stride) {
-    const i64 mt = tile / k_tiles;
-    const i64 kt = tile - mt * k_tiles;
+  for (i64 tile = blockIdx.x; (kFull && !KN::kLoop) || tile < tiles; tile += stride) {
+    const i64 mt = tile_mt(tile);
+    const i64 kt = tile_kt(tile, mt);
     const i64 m0 = mt * kTile;
     const i64 k0 = kt * kTile;
     const i64 col = k0 + c * VEC;
     ChunkSrc next;  // the next tile of this CTA (past the end: its loads read nothing)
     if constexpr (kPipe) {
       const i64 nt = tile + stride;
-      const i64 n_col = (nt - nt / k_tiles * k_tiles) * kTile + c * VEC;
-      next = chunk_src<IN, RPP>(xb, M, ldx, nt / k_tiles * kTile, n_col, r_base, x_vec);
+      const i64 n_mt = tile_mt(nt);
+      const i64 n_col = tile_kt(nt, n_mt) * kTile + c * VEC;
+      next = chunk_src<IN, RPP>(xb, M, ldx, n_mt * kTile, n_col, r_base, x_vec);
     } else {
       const ChunkSrc src = chunk_src<IN, RPP>(xb, M, ldx, m0, col, r_base, x_vec);
 #pragma unroll
@@ -553,11 +582,22 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
 
     // ---- stage the raw tile in shared memory (swizzled) for the column pass ----
     if constexpr (COL && !kByteT) {
+      // RPP a multiple of 16 (a power of two): ((r >> 4) & 7) of row r = r_base + ip * RPP is
+      // that of r_base XOR that of ip * RPP (no carries), so the swizzled word offset of a chunk
+      // is one XOR with a constant per pass from a per-thread base.
+      constexpr bool kXorRows = RPP % 16 == 0;
+      const int swz0 = kXorRows ? ((r_base >> 4) & 7) << 2 : 0;
 #pragma unroll
       for (int i = 0; i < PASSES * CH; ++i) {
-        const int r = r_base + i / CH * RPP;
-        const int w = ((c + i % CH * LPR) * 4) ^ (((r >> 4) & 7) << 2);
-        sts_v4(smem + r * WPR + w, v[i]);
+        const int ip = i / CH;
+        const int r = r_base + ip * RPP;
+        if constexpr (kXorRows) {
+          const int base = r_base * WPR + (((c + i % CH * LPR) * 4) ^ swz0);
+          sts_v4(smem + (base ^ (((ip * RPP / 16) & 7) << 2)) + ip * RPP * WPR, v[i]);
+        } else {
+          const int w = ((c + i % CH * LPR) * 4) ^ (((r >> 4) & 7) << 2);
+          sts_v4(smem + r * WPR + w, v[i]);
+        }
       }
     }
 
@@ -597,6 +637,24 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
       const i64 sf_step = RPP * sf_s0;
       unsigned char* const q_row = q + (m0 + r_base) * K + col;
       const i64 q_step = RPP * K;
+      // kRowPairs (16-bit input, 1x128, no PIPE): the 16-bit |h| maxima of rows 2k and 2k + 1
+      // share one u32 (low / high lane) and so one shuffle reduction over the row's lanes.
+      constexpr bool kRowPairs = kAmax16 && !BLOCK && !kPipe;
+      u32 pair_max[(PASSES + 1) / 2];
+      if constexpr (kRowPairs) {
+#pragma unroll
+        for (int k = 0; k < (PASSES + 1) / 2; ++k) {
+          const u32 a = chunks_abs_max16x2<CH>(v + 2 * k * CH);
+          u32 m;
+          if (2 * k + 1 < PASSES) {
+            const u32 b = chunks_abs_max16x2<CH>(v + (2 * k + 1) * CH);
+            m = max_u16x2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
+          } else {
+            m = fold16x2(a);
+          }
+          pair_max[k] = warp_max_u16x2<LPR>(m);
+        }
+      }
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
         const i64 row = m0 + r_base + i * RPP;
@@ -608,13 +666,15 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
           for (int e = 0; e < VEC; ++e) f[j * VEC + e] = unpack<IN>(v[i * CH + j], e);
         }
         u32 m16 = 0u;  // kAmax16: the chunks' 16-bit |h| maxima per lane, before the next loads
-        if constexpr (kAmax16) m16 = chunks_abs_max16x2<CH>(v + i * CH);
+        if constexpr (kAmax16 && !kRowPairs) m16 = chunks_abs_max16x2<CH>(v + i * CH);
         if constexpr (kPipe) {
 #pragma unroll
           for (int j = 0; j < CH; ++j) v[i * CH + j] = load_chunk<IN, RPP>(next, K, i, j * DC);
         }
         const Scale s = tile_scale<BLOCK, POW2, kFastSf>(block_scale, [&] {
-          if constexpr (kAmax16) {
+          if constexpr (kRowPairs) {
+            return widen_abs16<IN>(i % 2 ? pair_max[i / 2] >> 16 : pair_max[i / 2] & 0xffffu);
+          } else if constexpr (kAmax16) {
             return widen_abs16<IN>(warp_max_u16x2<LPR>(fold16x2(m16)) & 0xffffu);
           }
           u32 amax = 0u;
@@ -713,7 +773,8 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
       float* sft_col = sft + k_first * sft_s0 + mt * sft_s1;
       const i64 qt_pass = K_PASS * M;
       const i64 sft_pass = K_PASS * sft_s0;
-#pragma unroll 1
+      constexpr int kColUnroll = kFull ? WPR / (4 * kWarps) : 1;
+#pragma unroll kColUnroll
       for (int pass = 0; pass < WPR / (4 * kWarps); ++pass) {
         const int p = (lane >> 3) + 4 * (warp + kWarps * pass);  // word column
         // Without PIPE the 16 words are read once for both 16-bit halves; with PIPE (the next
@@ -726,7 +787,8 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
         }
         u32 amax2 = 0u;  // kAmax16: the |h| maxima of word column p's two columns, per half
         if constexpr (kAmax16 && !BLOCK) {
-          amax2 = warp_max_u16x2<8>(abs_max16x2<16>(wd));  // the 8 lanes g = 0..7 of this word column
+          // reduced over the 8 lanes g = 0..7 of this word column
+          amax2 = warp_max_u16x2<8>(abs_max16x2<16>(wd));
         }
 #pragma unroll
         for (int e = 0; e < EPW; ++e) {
