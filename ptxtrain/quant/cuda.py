@@ -159,6 +159,10 @@ VARIANTS: dict[str, Variant] = {
     "t128_occ4": Variant(threads=128, min_ctas=4, **_FAST),
     "lean_pair": Variant(pair=True, **_FAST),
     "t512_pair": Variant(threads=512, pair=True, **_FAST),
+    # 64 registers: 4 CTAs of 256 / 2 of 512 threads per SM (50% occupancy) instead of 3 / 1,
+    # no spills with the session-8 kernels; for the latency-bound column kernels (ncu call 11)
+    "pair_occ4": Variant(pair=True, min_ctas=4, **_FAST),
+    "t512_pair_occ2": Variant(threads=512, pair=True, min_ctas=2, **_FAST),
 }
 # The variant each public quantizer runs (update from ``python -m benchmarks.sweep_quant
 # --cuda``: the fastest variant per op, by the worst fraction of copy bandwidth over 4096x7168,
