@@ -160,7 +160,8 @@ VARIANTS: dict[str, Variant] = {
     "lean_pair": Variant(pair=True, **_FAST),
     "t512_pair": Variant(threads=512, pair=True, **_FAST),
     # 64 registers: 4 CTAs of 256 / 2 of 512 threads per SM (50% occupancy) instead of 3 / 1,
-    # no spills with the session-8 kernels; for the latency-bound column kernels (ncu call 11)
+    # no spills with the session-8 kernels. Measured within 1% of lean_pair / t512_pair
+    # (benchmarks/results/2026-11-22-s8-h200/call12/): occupancy does not limit these kernels.
     "pair_occ4": Variant(pair=True, min_ctas=4, **_FAST),
     "t512_pair_occ2": Variant(threads=512, pair=True, min_ctas=2, **_FAST),
 }
