@@ -324,7 +324,8 @@ def _exchange(
     for knobs in knob_sets:
         mod = modules[knobs["version"]]
         new = hasattr(mod, "flag_bytes")  # the split variant's signature and flag area
-        signature = "ppipipppiiiqqiqp" + ("i" if new else "")
+        signature = getattr(mod, "_SIGNATURE", "ppipipppiiiqqiqp")
+        extra = len(signature) - len("ppipipppiiiqqiqp")  # send_blocks[, slot, hidden]
         for g in sms:
             if knobs["send"] >= g:
                 continue
@@ -371,7 +372,7 @@ def _exchange(
                 data_offset=data_offset,
                 cap=cap,
                 send=knobs["send"],
-                new=new,
+                extra=extra,
             ):
                 p = per_dev[d]
                 if d == 0:
@@ -394,7 +395,7 @@ def _exchange(
                     state["epoch"],
                     int(2e10),
                     p["err"].data_ptr(),
-                    *((send,) if new else ()),
+                    *((send, 0, 0)[:extra]),
                 )
 
             fns = [(0, lambda step=step: step(0)), (1, lambda step=step: step(1))]
