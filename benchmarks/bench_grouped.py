@@ -3,7 +3,9 @@
     python3 -m benchmarks.bench_grouped [--json OUT.json]
 
 DeepSeek-V3 expert shapes N x K = 4096 x 7168 and 7168 x 2048; 8 experts of 512 tokens (4096
-rows in all, already multiples of the 128-row alignment), same method as ``ptxtrain bench gemm``
+rows in all, already multiples of the 128-row alignment), and for the m-grouped contiguous GEMM
+against dense PTX also DeepGEMM's settings (``--configs``: 8 x 4096 and 4 x 8192, ANCHORS §1:
+1214-1346 TFLOPS there on an H800), same method as ``ptxtrain bench gemm``
 (CUDA events, L2 flushed, launch hidden, median). Every result is checked (calc_diff < 1e-3
 against the matmul of the unquantized inputs) before it is timed.
 """
@@ -13,6 +15,7 @@ against the matmul of the unquantized inputs) before it is timed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -40,9 +43,11 @@ def timed(timer, name, fn, flops, want, rows, shape, **info):
     return tflops
 
 
-def m_grouped_operands(n: int, k: int) -> dict:
-    """G experts x ROWS tokens of A [G·ROWS, k] and B [G, n, k] (fp32 randn on CUDA), their
-    FP8 quantizations, ``m_indices`` and the reference D of the m-grouped GEMM."""
+def m_grouped_operands(n: int, k: int, groups: int = G, rows: int = ROWS) -> dict:
+    """``groups`` experts x ``rows`` tokens of A [groups·rows, k] and B [groups, n, k] (fp32
+    randn on CUDA), their FP8 quantizations, ``m_indices`` and the reference D of the m-grouped
+    GEMM."""
+    G, ROWS = groups, rows  # (shadows the module defaults)
     m = G * ROWS
     x = torch.randn(m, k, device="cuda")
     w = torch.randn(G, n, k, device="cuda")
@@ -62,18 +67,34 @@ def m_grouped_operands(n: int, k: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument(
+        "--configs",
+        default=f"{G}x{ROWS},8x4096,4x8192",
+        help="m-grouped experts x rows per expert (DeepGEMM's tests: 8x4096 and 4x8192)",
+    )
     args = ap.parse_args()
     timer = GpuTimer(repeats=30)
     rows: list = []
     summary = {}
-    for n, k in ((4096, 7168), (7168, 2048)):
-        ops = m_grouped_operands(n, k)
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    for (g_, rows_), (n, k) in itertools.product(configs, ((4096, 7168), (7168, 2048))):
+        ops = m_grouped_operands(n, k, g_, rows_)
         m, x, w, qa, qws, qb = (ops[key] for key in ("m", "x", "w", "qa", "qws", "qb"))
         m_indices, want = ops["m_indices"], ops["want"]
         flops = 2.0 * m * n * k
         shape = (m, n, k)
+        tag = f"{n}x{k}" + ("" if (g_, rows_) == (G, ROWS) else f"_{g_}x{rows_}")
         grp = timed(timer, "m_grouped_contiguous", lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
-            qa, qb, m_indices, check_indices=False), flops, want, rows, shape)  # fmt: skip
+            qa, qb, m_indices, check_indices=False), flops, want, rows, shape,
+            groups=g_, rows_per_group=rows_)  # fmt: skip
+        dense_want = x @ w[0].t()
+        qd = qws[0]
+        dptx = timed(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
+                    shape, groups=g_, rows_per_group=rows_)  # fmt: skip
+        summary[f"grouped_over_dense_ptx_{tag}"] = grp / dptx
+        if (g_, rows_) != (G, ROWS):
+            del ops, x, w, qa, qws, qb, want, dense_want
+            continue  # the other backends at the default setting only
         tcfg = select_config(
             m, n, k, "1d2d", torch.cuda.get_device_properties(0).multi_processor_count
         )
@@ -81,14 +102,10 @@ def main() -> None:
                        lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
                            qa, qb, m_indices, check_indices=False, config=tcfg),
                        flops, want, rows, shape)  # fmt: skip
-        dense_want = x @ w[0].t()
-        qd = qws[0]
         tri = timed(timer, "dense triton", lambda: tg.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
                    shape)  # fmt: skip
         cub = timed(timer, "dense cublas", lambda: cublas.fp8_gemm_nt(qa, qd), flops, dense_want,
                    rows, shape)  # fmt: skip
-        dptx = timed(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
-                    shape)  # fmt: skip
         xm = x.view(G, ROWS, k)
         qam = per_token_cast_to_fp8(x)
         qa3 = (qam[0].view(G, ROWS, k), qam[1].view(G, ROWS, -1))
@@ -98,7 +115,6 @@ def main() -> None:
             qa3, qb, masked_m, ROWS), flops, want3, rows, shape)  # fmt: skip
         summary[f"grouped_over_dense_triton_{n}x{k}"] = grp / tri
         summary[f"grouped_over_dense_cublas_{n}x{k}"] = grp / cub
-        summary[f"grouped_over_dense_ptx_{n}x{k}"] = grp / dptx
         summary[f"grouped_triton_over_dense_triton_{n}x{k}"] = grp_tri / tri
     # k-grouped wgrad: D[g] [M, N] = dy_gᵀ x_g over 8 experts of 512 tokens each.
     for mm, nn in ((4096, 7168), (7168, 2048)):
