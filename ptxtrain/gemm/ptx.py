@@ -376,7 +376,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     from ptxtrain.jit import BoundLaunch, load_kernel, max_active_clusters
 
     if cfg is None and kind == "m_grouped":
-        cfg = grouped_config(m, n, k, _num_sms(device_index))
+        cfg = grouped_config(m, n, k, _num_sms(device_index), num_groups)
     elif cfg is None and kind == "k_grouped":
         cfg = k_grouped_config(m, n, _num_sms(device_index))
     elif cfg is None and kind == "masked":
@@ -452,7 +452,7 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         cfg,
         aligned,
         index,
-        max(num_groups, 1) if kind in ("k_grouped", "masked") else 1,
+        max(num_groups, 1) if kind in ("k_grouped", "masked", "m_grouped") else 1,
     )
     # FP8 operands go to TMA as bytes (make_tma_2d_desc maps e4m3 to UINT8): no uint8 view.
     a8 = _k_major(a_fp8)
@@ -498,21 +498,27 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
     # on the same stream (PyTorch's caching allocator), as for any PyTorch op's temporaries.
 
 
-def grouped_config(m: int, n: int, k: int, num_sms: int) -> PtxConfig:
+def grouped_config(m: int, n: int, k: int, num_sms: int, num_groups: int = 0) -> PtxConfig:
     """Block sizes of the m-grouped contiguous GEMM: :func:`select_config`'s 1D2D choice for the
     total M, kept inside one 128-row group chunk (``block_m`` <= 128, no multicast: adjacent
-    M-blocks may belong to different groups), with 512-row rasterization groups: the tiles in
-    flight then read fewer experts' B (8 x 512 rows on an H200: 1.03x / 1.01x the default 2048,
-    benchmarks/results/2026-11-22-s7-h200/call4/sweep_raster_b624f63.json)."""
+    M-blocks may belong to different groups), with rasterization groups of about one expert's
+    rows, ``M / num_groups`` rounded down to a power of two in [512, 2048] (512 when
+    ``num_groups`` is unknown, 0): the tiles in flight then read few experts' B. 8 x 512 rows on
+    an H200: 512 gave 1.03x / 1.01x the dense default 2048
+    (benchmarks/results/2026-11-22-s7-h200/call4/sweep_raster_b624f63.json)."""
+    raster = _GROUPED_RASTER_M
+    if num_groups > 0:
+        per_group = max(1, m // num_groups)
+        raster = min(2048, max(_GROUPED_RASTER_M, 1 << (per_group.bit_length() - 1)))
     cfg = select_config("1d2d", m, n, k, num_sms)
     if cfg.block_m <= 128 and cfg.cluster == 1:
-        return dataclasses.replace(cfg, raster_m=_GROUPED_RASTER_M)
+        return dataclasses.replace(cfg, raster_m=raster)
     bn = min(cfg.block_n, 128)
     epi = epilogue_bytes(128, bn, torch.bfloat16) if cfg.tma_store else 0
     stages = _MAX_STAGES
     while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > _SMEM_BYTES:
         stages -= 1
-    return PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0, _GROUPED_RASTER_M)
+    return PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0, raster)
 
 
 def k_grouped_config(m: int, n: int, num_sms: int) -> PtxConfig:

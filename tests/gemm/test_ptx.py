@@ -79,6 +79,10 @@ def test_rasterization_group_per_kind():
     for n, k in ((4096, 7168), (7168, 2048)):
         assert ptx.select_config("1d2d", 4096, n, k, H200_SMS).raster_m == 2048
         assert ptx.grouped_config(4096, n, k, H200_SMS).raster_m == 512
+        # With the group count: about one expert's rows, a power of two in [512, 2048].
+        for m, groups, want in ((4096, 8, 512), (8192, 8, 1024), (32768, 8, 2048),
+                                (32768, 4, 2048), (4096, 64, 512), (3000, 2, 1024)):  # fmt: skip
+            assert ptx.grouped_config(m, n, k, H200_SMS, groups).raster_m == want, (m, groups)
     # The constant reaches the kernel's template arguments and its cache name.
     cfg = dataclasses.replace(ptx.grouped_config(4096, 4096, 7168, H200_SMS), raster_m=1024)
     src, expr = ptx.kernel_source("m_grouped", cfg, 4096, 7168, torch.bfloat16, False)
