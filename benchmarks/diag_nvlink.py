@@ -325,7 +325,7 @@ def _exchange(
         mod = modules[knobs["version"]]
         new = hasattr(mod, "flag_bytes")  # the split variant's signature and flag area
         signature = getattr(mod, "_SIGNATURE", "ppipipppiiiqqiqp")
-        extra = len(signature) - len("ppipipppiiiqqiqp")  # send_blocks[, slot, hidden]
+        n_extra = len(signature) - len("ppipipppiiiqqiqp")  # send_blocks[, slot, hidden]
         for g in sms:
             if knobs["send"] >= g:
                 continue
@@ -372,7 +372,7 @@ def _exchange(
                 data_offset=data_offset,
                 cap=cap,
                 send=knobs["send"],
-                extra=extra,
+                n_extra=n_extra,
             ):
                 p = per_dev[d]
                 if d == 0:
@@ -395,7 +395,7 @@ def _exchange(
                     state["epoch"],
                     int(2e10),
                     p["err"].data_ptr(),
-                    *((send, 0, 0)[:extra]),
+                    *((send, 0, 0)[:n_extra]),
                 )
 
             fns = [(0, lambda step=step: step(0)), (1, lambda step=step: step(1))]

@@ -391,7 +391,8 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     with torch.cuda.device(device_index):
         kernel = load_kernel(compiled, expr)
     units = ceil_div(ceil_div(m, cfg.block_m), cfg.cluster) * ceil_div(n, cfg.block_n)
-    units *= num_groups
+    if kind in ("k_grouped", "masked"):  # m is per group there; m_grouped's m is the total
+        units *= num_groups
     smem = _config_smem(cfg, kind, out_dtype)
     if cfg.cluster > 1:
         # Only as many clusters as fit at once: a second wave of a persistent grid doubles the

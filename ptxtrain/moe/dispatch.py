@@ -320,12 +320,13 @@ def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     same order and rounding as the copy-then-sum path it replaces."""
     transport = handle.transport
     fused = getattr(transport, "can_combine_sum", None)
-    if fused is not None and "slot" in handle._nvl_index and fused(t.contiguous()):
+    if fused is not None and "slot" in handle._nvl_index:
         t = t.contiguous()
-        _check_capacity(handle, _row_bytes(t))
-        _, send_off, recv_off = _nvl_index(handle, combine=True)
-        slot = handle._nvl_index["slot"][0]
-        return transport.combine_sum(t, send_off, recv_off, slot, handle.num_tokens)
+        if fused(t):  # the same answer on every rank (see can_combine_sum)
+            _check_capacity(handle, _row_bytes(t))
+            send_row, send_off, recv_off = _nvl_index(handle, combine=True)
+            slot = handle._nvl_index["slot"][0]
+            return transport.combine_sum(t, send_row, send_off, recv_off, slot, handle.num_tokens)
     return _combine_sum(_move([t], handle, combine=True)[0], handle)
 
 
@@ -443,7 +444,8 @@ class Buffer:
             8) and the per-block-flag pipelined variant (bool, default on); validated for every
             backend, used by ``"nvlink"`` (:func:`ptxtrain.moe.nvlink.compile_kernel`).
         nvl_send_sms: the split variant's sender SMs out of ``num_sms`` (the rest copy out;
-            default ``None``: half; 0: no split, ``nvl_pipeline`` picks the variant;
+            default ``None``: half, or no split with ``nvl_pipeline=False``; 0: no split,
+            ``nvl_pipeline`` picks the variant;
             :class:`ptxtrain.moe.nvlink.NvlinkTransport`).
 
     Every rank of the group must construct the buffer with the same arguments and call

@@ -111,7 +111,7 @@ blocks ``[0, S)`` only send and blocks ``[S, G)`` only copy out:
   so no receiver waits on a source that is still busy with another peer; measured at EP4, a
   per-block stagger of the destinations was slower than the pipelined kernel) and in
   rounds of ``round_rows`` rows per warp; after each round the block syncs and one thread
-  releases ``progress[rank][b] = epoch·2^20 + rounds done`` (int64, system scope) in the
+  releases ``progress[rank][b] = epoch·2^32 + rounds done`` (int64, system scope) in the
   destination's flags;
 - receiver warps copy this rank's own rows straight from the input first (no flags), then
   each peer's places ``j ≡ v (mod (G - S)·warps)``: place ``j`` was written by sender block
@@ -223,14 +223,23 @@ __device__ __forceinline__ void wait_flags(const int* flags, int n, int target,
 #endif
 #define PTXTRAIN_NVL_MAX_RANKS 8  // (fused combine) ranks of one node
 
-// (2) Waits until *flag >= target (every lane polls with acquire loads; a timeout records
-// `code` and stops waiting).
+// (2) Whether some wait of this launch has timed out already (then no later wait waits: a dead
+// peer costs one timeout per launch, not one per row).
+__device__ __forceinline__ bool gave_up(const int* error) {
+  return *reinterpret_cast<const volatile int*>(error) != 0;
+}
+
+// (2) Waits until *flag >= target; called by a whole warp with the same arguments. Every lane
+// polls with acquire loads and the warp leaves when all lanes saw the flag (each has its own
+// acquire), or when lane 0 finds a timeout, or an earlier one (then it records `code`).
 __device__ __forceinline__ void wait_progress(const long long* flag, long long target,
                                               long long timeout, int* error, int code) {
   const long long start = clock64_ptx();
-  while (ld_acquire_sys_64(flag) < target) {
-    if (clock64_ptx() - start > timeout) {
-      atomicExch(error, code);
+  while (true) {
+    if (__all_sync(0xffffffffu, ld_acquire_sys_64(flag) >= target)) break;
+    const bool stop = gave_up(error) || clock64_ptx() - start > timeout;
+    if (__shfl_sync(0xffffffffu, stop, 0)) {
+      if ((threadIdx.x & 31) == 0) atomicExch(error, code);
       break;
     }
   }
@@ -282,7 +291,9 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
 
 #if PTXTRAIN_NVL_PIPELINE == 2
   // Sender blocks [0, send_blocks) and receiver blocks [send_blocks, G) (see the design note).
-  const long long tag = (long long)epoch << 20;  // progress = tag | rounds released
+  const long long tag = (long long)epoch << 32;  // progress = tag | rounds released
+  (void)gwarp;  // (the split variant has its own warp numbering)
+  (void)gstep;
   const long long sstep = (long long)send_blocks * nwarps;  // sender warps of the grid
   if (blockIdx.x < send_blocks) {
     wait_flags(my_flags + nflags, nflags, epoch - 1, timeout, error, 1);
@@ -374,15 +385,17 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
         const long long start = clock64_ptx();
         long long low = 0;
         while (low < need) {  // every lane polls some sender blocks; the warp takes the min
-          low = 1LL << 40;
+          low = 0x7fffffffffffffffLL;
           for (int b = lane; b < send_blocks; b += 32) {
             const long long v = ld_acquire_sys_64(progress + r * num_blocks + b) - tag;
             low = min(low, v < 0 ? 0 : v);
           }
 #pragma unroll
           for (int o = 16; o > 0; o >>= 1) low = min(low, __shfl_xor_sync(0xffffffffu, low, o));
-          if (low < need && clock64_ptx() - start > timeout) {
-            atomicExch(error, 2);
+          // lane 0 decides, for the whole warp (the shuffles above need every lane)
+          bool stop = low < need && (gave_up(error) || clock64_ptx() - start > timeout);
+          if (__shfl_sync(0xffffffffu, stop, 0)) {
+            if (lane == 0) atomicExch(error, 2);
             break;
           }
         }
@@ -639,8 +652,8 @@ class NvlinkTransport:
         threads / unroll / pipeline / round_rows: the kernel's tuning knobs
             (:func:`compile_kernel`).
         send_sms: the sender blocks of the split variant (the other ``num_sms - send_sms``
-            blocks receive); ``None`` (default): ``num_sms // 2``; 0: no split (then
-            ``pipeline`` picks the variant).
+            blocks receive); ``None`` (default): ``num_sms // 2``, or no split with
+            ``pipeline=False``; 0: no split (then ``pipeline`` picks the variant).
         timeout_s: bound on every flag wait (SM clock cycles at the device's clock rate).
 
     Collective: every rank must construct it with the same arguments.
@@ -665,6 +678,8 @@ class NvlinkTransport:
         from ptxtrain.jit import BoundLaunch, load_kernel
 
         self.threads, self.unroll = check_knobs(threads, unroll)
+        if send_sms is None and pipeline is False:
+            send_sms = 0  # asked for the barrier kernel: no split by default
         self.send_sms = check_send_sms(send_sms, num_sms)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -714,12 +729,13 @@ class NvlinkTransport:
         self._knobs = dict(aggressive_ptx=aggressive_ptx, round_rows=round_rows)
         self._combine_launch = None  # the fused combine's kernel, built at its first use
         self._combine_threads = min(self.threads, 512)  # (the sums' registers, see the note)
-        self._rows_cache: dict[int, torch.Tensor] = {}  # arange(N): the fused combine's rows
 
     def can_combine_sum(self, x: torch.Tensor) -> bool:
         """Whether :meth:`combine_sum` takes ``x``: the split variant, ``x`` a contiguous
-        ``[N, H]`` bfloat16 CUDA tensor with ``H`` a multiple of 8 (16-byte rows), at most
-        ``MAX_RANKS`` ranks."""
+        ``[N, H]`` bfloat16 CUDA tensor on this GPU with ``H`` a multiple of 8 (16-byte rows), at
+        most ``MAX_RANKS`` ranks. Every rank must reach the same answer for one combine (the
+        fused and the copy-out kernels speak different protocols): it depends only on the
+        buffer's knobs and on the dtype, width and layout every rank's ``x`` shares."""
         return (
             self.send_sms > 0
             and self.num_ranks <= MAX_RANKS
@@ -733,18 +749,19 @@ class NvlinkTransport:
     def combine_sum(
         self,
         x: torch.Tensor,
+        send_row: torch.Tensor,
         send_off: torch.Tensor,
         recv_off: torch.Tensor,
         slot: torch.Tensor,
         num_tokens: int,
     ) -> torch.Tensor:
-        """The fused combine: ``x``'s rows go back to their tokens' ranks (the send list is
-        ``x``'s rows in order, grouped by destination by ``send_off``) and each rank sums, per
+        """The fused combine: ``x``'s rows go back to their tokens' ranks and each rank sums, per
         token, the rows it gets back, in one kernel (no copy-out of the received rows).
 
         Args:
             x: ``[N, H]`` bfloat16 (see :meth:`can_combine_sum`), rows in dispatch's receive
                 order.
+            send_row: ``[N]`` int64, ``arange(N)`` (the send list is ``x``'s rows in order).
             send_off / recv_off: ``[R + 1]`` int64 offsets: of ``x``'s rows by destination, and
                 of dispatch's send order by destination (the places the rows come back to).
             slot: ``[T, R]`` int64, token ``t``'s place in dispatch's send order for rank ``r``
@@ -757,8 +774,8 @@ class NvlinkTransport:
             a token sent nowhere. Launched on the current stream; the caller checks capacity.
 
         Raises:
-            ValueError: ``x`` not accepted by :meth:`can_combine_sum`, or index tensors that
-                are not contiguous int64 on ``x``'s device.
+            ValueError: ``x`` not accepted by :meth:`can_combine_sum`, index tensors that are
+                not contiguous int64 on ``x``'s device or have the wrong shapes.
         """
         from ptxtrain.jit import BoundLaunch, load_kernel
 
@@ -769,12 +786,20 @@ class NvlinkTransport:
                 f"{self.device} with H a multiple of 8 (split variant, <= {MAX_RANKS} ranks), "
                 f"got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
-        for name, t in (("send_off", send_off), ("recv_off", recv_off), ("slot", slot)):
+        r, n = self.num_ranks, x.shape[0]
+        shapes = {"send_row": (n,), "send_off": (r + 1,), "recv_off": (r + 1,)}
+        shapes["slot"] = (num_tokens, r)
+        for name, t in (("send_row", send_row), ("send_off", send_off), ("recv_off", recv_off),
+                        ("slot", slot)):  # fmt: skip
             if t.dtype != torch.int64 or not t.is_contiguous() or t.device != x.device:
                 raise ValueError(
                     f"{name}: expected a contiguous int64 tensor on {x.device}, got "
                     f"{t.dtype} on {t.device}"
                 )
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(t.shape)}")
+        if x.data_ptr() % 16:  # the kernel loads 16-byte words (the decision stays the same)
+            x = x.clone()
         if self._combine_launch is None:
             # at most 512 threads: the sum's registers (1024 threads would leave 64 and spill)
             kernel = load_kernel(
@@ -788,16 +813,13 @@ class NvlinkTransport:
                 )
             )
             self._combine_launch = BoundLaunch(kernel, _SIGNATURE, self._combine_threads)
-        n, hidden = x.shape
-        rows = self._rows_cache.get(n)
-        if rows is None:  # the send list is x's rows in order
-            rows = self._rows_cache[n] = torch.arange(n, device=x.device)
+        hidden = x.shape[1]
         out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
         self.epoch += 1
         self._combine_launch(
             self.num_sms,
             x.data_ptr(),
-            rows.data_ptr(),
+            send_row.data_ptr(),
             n,
             out.data_ptr(),
             int(num_tokens),

@@ -33,9 +33,8 @@
 // the first brings q within one ulp of x / sf, the second makes it the correctly rounded
 // quotient (Markstein's theorem; below 2^-126 it may be off by a subnormal ulp, which E4M3,
 // whose smallest step is 2^-9, rounds to the same ±0). The signs are placed so that x = -0
-// gives -0. y is rcp.rn's own fast path without its range branch (rcp_rn_normal: every finite
-// sf is in its range). Tiles with a non-finite scale (one branch per tile row/column) take
-// x * 0 (sf = inf) or x * NaN, IEEE's x / sf for those (see quantize).
+// gives -0. Tiles with a non-finite scale (one branch per tile row/column) take x * 0
+// (sf = inf) or x * NaN, IEEE's x / sf for those (see quantize).
 // cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even.
 //
 // FULL (a template flag the host sets when M and K are multiples of 128 and every access is
@@ -119,20 +118,16 @@ __device__ __forceinline__ void st_f32_if(bool pred, float* ptr, float v) {
                : "memory");
 }
 
-// rcp.rn(b) for a normal b whose reciprocal is normal (biased exponent 1..252): the fast path of
-// ptxas's own rcp.rn.f32 expansion (MUFU.RCP, then one FMA Newton step on the exact residual),
-// without its branch to the slow path for the exponents outside that range. Every finite scale
-// is in it (sf in [1e-4 / 448, 2^120]); a non-finite scale's y is never used (see quantize).
-__device__ __forceinline__ float rcp_rn_normal(float b) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
-  return __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
-}
+// rcp.rn(b): the correctly rounded reciprocal that Markstein's theorem needs (see the note at
+// the top). A variant without rcp.rn's range branch (MUFU.RCP + one Newton step) saved a few
+// instructions per scale, not per element, and was not proven correctly rounded for every
+// scale on the GPU, so the full rcp.rn stays.
+__device__ __forceinline__ float rcp_rn(float b) { return __frcp_rn(b); }
 #else
 inline void st_f32_if(bool pred, float* ptr, float v) {
   if (pred) st_f32(ptr, v);
 }
-inline float rcp_rn_normal(float b) { return __frcp_rn(b); }
+inline float rcp_rn(float b) { return __frcp_rn(b); }
 #endif
 
 constexpr int kTile = 128;     // tile edge (DeepSeek-V3's 128)
@@ -299,7 +294,7 @@ template <bool POW2, bool FAST_SF = false>
 __device__ __forceinline__ Scale make_scale(u32 amax_bits) {
   Scale s;
   s.sf = scale_from_amax_bits<POW2, FAST_SF>(amax_bits);
-  s.y = rcp_rn_normal(s.sf);
+  s.y = rcp_rn(s.sf);
   s.finite = amax_bits < 0x7f800000u;  // the same as sf finite (see scale_from_amax_bits)
   return s;
 }
