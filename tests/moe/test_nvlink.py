@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 import warnings
 
 import pytest
@@ -298,6 +299,26 @@ def _check_timeout(rank, world, pipeline, send_sms=0):
     dist.barrier()
 
 
+def _check_timeout_with_rows(rank, world):
+    """Rank 0 alone exchanges real rows with rank 1 (split variant, 24 SMs, 4096 rows each
+    way): its receivers wait for rows that never come. The launch must give up after about one
+    timeout (a timed-out wait makes the later waits of the launch give up), not one per row."""
+    buf = Buffer(backend="nvlink", num_sms=24, num_nvl_bytes=64 << 20, timeout_s=0.5)
+    if rank == 0:
+        t = buf._transport
+        n = 4096
+        rows = torch.randint(0, 255, (n, 1024), dtype=torch.uint8, device="cuda")
+        send_row = torch.arange(n, device="cuda")
+        off = torch.tensor([0, 0] + [n] * (world - 1), dtype=torch.int64, device="cuda")
+        start = time.perf_counter()
+        t.exchange(rows, send_row, off, off, n)
+        with pytest.raises(RuntimeError, match="timed out"):
+            buf.check_errors()
+        # 4096 rows over 384 receiver warps: ~11 waits per warp, ~5.5 s if each waited
+        assert time.perf_counter() - start < 4.0
+    dist.barrier()
+
+
 def _gpu_worker(rank: int, world: int) -> None:
     ref = Buffer(backend="all_to_all")
     with pytest.raises(ValueError, match="num_sms"):
@@ -331,6 +352,7 @@ def _gpu_worker(rank: int, world: int) -> None:
     _check_timeout(rank, world, pipeline=False)
     _check_timeout(rank, world, pipeline=True)
     _check_timeout(rank, world, pipeline=True, send_sms=1)
+    _check_timeout_with_rows(rank, world)
     dist.barrier()
 
 
