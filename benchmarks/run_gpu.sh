@@ -68,6 +68,16 @@ for stage in $stages; do
           --section Occupancy --section LaunchStats --section WarpStateStats \
           --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
           python3 -m benchmarks.profile_quant --op "$op" > "$LOGS/ncu-quant-$op.txt" 2>&1 || status=1
+        # NCU_MEM=1: the memory tables and L2 sector counts (why the column kernels' L2
+        # throughput reads 77-80% at half the DRAM bandwidth, 2026-11-22-s8-h200/call11).
+        if [ -n "${NCU_MEM:-}" ]; then
+          "$ncu_bin" -k regex:cast_fp8 --launch-skip 2 --launch-count 1 \
+            --section MemoryWorkloadAnalysis_Tables --section MemoryWorkloadAnalysis_Chart \
+            --metrics lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_requests_op_write.sum,lts__t_sectors_srcunit_tex_op_write.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum,l1tex__t_requests_pipe_lsu_mem_global_op_st.sum,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed_op_shared_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
+            python3 -m benchmarks.profile_quant --op "$op" > "$LOGS/ncu-quant-$op-mem.txt" 2>&1 || status=1
+          grep -E "sectors|requests|bank_conflicts|inst_executed|Hit Rate|Bandwidth" \
+            "$LOGS/ncu-quant-$op-mem.txt" | head -40
+        fi
         # NCU_SOURCE=1: executed instructions per SASS line and the opcode mix (large logs).
         if [ -n "${NCU_SOURCE:-}" ]; then
           "$ncu_bin" -k regex:cast_fp8 --launch-skip 2 --launch-count 1 --section SourceCounters \
