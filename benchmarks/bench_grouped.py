@@ -47,11 +47,10 @@ def m_grouped_operands(n: int, k: int, groups: int = G, rows: int = ROWS) -> dic
     """``groups`` experts x ``rows`` tokens of A [groups·rows, k] and B [groups, n, k] (fp32
     randn on CUDA), their FP8 quantizations, ``m_indices`` and the reference D of the m-grouped
     GEMM."""
-    G, ROWS = groups, rows  # (shadows the module defaults)
-    m = G * ROWS
+    m = groups * rows
     x = torch.randn(m, k, device="cuda")
-    w = torch.randn(G, n, k, device="cuda")
-    qws = [per_block_cast_to_fp8(w[g]) for g in range(G)]
+    w = torch.randn(groups, n, k, device="cuda")
+    qws = [per_block_cast_to_fp8(w[g]) for g in range(groups)]
     return dict(
         m=m,
         x=x,
@@ -59,8 +58,8 @@ def m_grouped_operands(n: int, k: int, groups: int = G, rows: int = ROWS) -> dic
         qa=per_token_cast_to_fp8(x),
         qws=qws,
         qb=(torch.stack([q for q, _ in qws]), torch.stack([s for _, s in qws])),
-        m_indices=torch.arange(G, device="cuda", dtype=torch.int32).repeat_interleave(ROWS),
-        want=torch.cat([x[g * ROWS : (g + 1) * ROWS] @ w[g].t() for g in range(G)]),
+        m_indices=torch.arange(groups, device="cuda", dtype=torch.int32).repeat_interleave(rows),
+        want=torch.cat([x[g * rows : (g + 1) * rows] @ w[g].t() for g in range(groups)]),
     )
 
 

@@ -66,3 +66,12 @@ def availability(package: str, names: tuple[str, ...]) -> dict[str, str]:
         except RuntimeError as e:
             out[name] = f"unavailable: {e.__cause__ or e}"
     return out
+
+
+def sm_clock_khz(device: torch.device | int | None = None) -> int:
+    """The device's SM clock in kHz as torch reports it (``clock_rate``), or an H200's 1,980 MHz
+    where this torch no longer reports one: for spin loops and cycle-counted timeouts, where an
+    approximate rate is enough."""
+    index = torch.cuda.current_device() if device is None else device
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "clock_rate", 0) or 1_980_000)

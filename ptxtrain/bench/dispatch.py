@@ -40,6 +40,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from ptxtrain._backend import sm_clock_khz
 from ptxtrain.bench.timing import environment, event_us
 
 __all__ = [
@@ -106,7 +107,7 @@ def _time(fn, repeats: int, warmup: int) -> list[float]:
     token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
     # ~200 µs of GPU spin after the all_reduce: the host queues the call meanwhile, so its
     # launch latency is not in the time (the ranks leave the all_reduce together and spin alike)
-    spin = int(200e-6 * _clock_hz())
+    spin = int(200e-6 * sm_clock_khz() * 1e3)
     pairs = []
     for _ in range(repeats):
         dist.all_reduce(token)
@@ -118,11 +119,6 @@ def _time(fn, repeats: int, warmup: int) -> list[float]:
         pairs.append((start, end))
     torch.cuda.synchronize()
     return [s.elapsed_time(e) * 1e3 for s, e in pairs]
-
-
-def _clock_hz() -> float:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return (getattr(props, "clock_rate", 0) or 1_980_000) * 1e3  # kHz -> Hz
 
 
 def _time_host_sync(fn, repeats: int, warmup: int) -> list[float]:

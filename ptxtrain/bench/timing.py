@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ptxtrain._backend import sm_clock_khz
+
 _L2_FLUSH_BYTES = 256 << 20  # well above the H100's 50 MB / H200's 60 MB L2
 
 
@@ -34,7 +36,7 @@ class GpuTimer:
             raise RuntimeError("GpuTimer needs a CUDA device")
         self.warmup, self.repeats, self.flush_l2 = warmup, repeats, flush_l2
         self._flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-        self._clock_khz = torch.cuda.get_device_properties(0).clock_rate or 1_800_000
+        self._clock_khz = sm_clock_khz(0)
         self._sleep_us = sleep_us
         self.last_host_us = float("nan")
 

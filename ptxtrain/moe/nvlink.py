@@ -145,6 +145,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ptxtrain._backend import sm_clock_khz
 from ptxtrain._checks import ceil_div
 
 __all__ = [
@@ -621,6 +622,19 @@ def flag_bytes(num_ranks: int, num_sms: int) -> int:
     return ceil_div(16 * num_ranks * num_sms, _FLAG_ALIGN) * _FLAG_ALIGN
 
 
+def _check_indices(device: torch.device, **tensors) -> None:
+    """Each ``name=(tensor, shape or None)``: a contiguous int64 tensor on ``device`` (the kernel
+    gets raw pointers), of that shape; raises ValueError naming the argument otherwise."""
+    for name, (t, shape) in tensors.items():
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.device != device:
+            raise ValueError(
+                f"{name}: expected a contiguous int64 tensor on {device}, got {t.dtype} on "
+                f"{t.device}"
+            )
+        if shape is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+
+
 def check_send_sms(send_sms: object, num_sms: int) -> int:
     """Validates the split variant's sender SMs: 0 (no split) or in ``[1, num_sms - 1]``;
     ``None`` is the default, ``num_sms // 2`` (0 for a single SM). Returns the count."""
@@ -712,9 +726,7 @@ class NvlinkTransport:
         self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._error_host = torch.zeros(1, dtype=torch.int32).pin_memory()
         self._error_event: torch.cuda.Event | None = None
-        props = torch.cuda.get_device_properties(self.device)
-        clock_khz = getattr(props, "clock_rate", 0) or 2_000_000
-        self.timeout_cycles = int(timeout_s * clock_khz * 1e3)
+        self.timeout_cycles = int(timeout_s * sm_clock_khz(self.device) * 1e3)
         self.kernel = load_kernel(
             compile_kernel(
                 aggressive_ptx,
@@ -787,17 +799,13 @@ class NvlinkTransport:
                 f"got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
         r, n = self.num_ranks, x.shape[0]
-        shapes = {"send_row": (n,), "send_off": (r + 1,), "recv_off": (r + 1,)}
-        shapes["slot"] = (num_tokens, r)
-        for name, t in (("send_row", send_row), ("send_off", send_off), ("recv_off", recv_off),
-                        ("slot", slot)):  # fmt: skip
-            if t.dtype != torch.int64 or not t.is_contiguous() or t.device != x.device:
-                raise ValueError(
-                    f"{name}: expected a contiguous int64 tensor on {x.device}, got "
-                    f"{t.dtype} on {t.device}"
-                )
-            if tuple(t.shape) != shapes[name]:
-                raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(t.shape)}")
+        _check_indices(
+            x.device,
+            send_row=(send_row, (n,)),
+            send_off=(send_off, (r + 1,)),
+            recv_off=(recv_off, (r + 1,)),
+            slot=(slot, (num_tokens, r)),
+        )
         if x.data_ptr() % 16:  # the kernel loads 16-byte words (the decision stays the same)
             x = x.clone()
         if self._combine_launch is None:
@@ -815,30 +823,9 @@ class NvlinkTransport:
             self._combine_launch = BoundLaunch(kernel, _SIGNATURE, self._combine_threads)
         hidden = x.shape[1]
         out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
-        self.epoch += 1
-        self._combine_launch(
-            self.num_sms,
-            x.data_ptr(),
-            send_row.data_ptr(),
-            n,
-            out.data_ptr(),
-            int(num_tokens),
-            send_off.data_ptr(),
-            recv_off.data_ptr(),
-            self.peer_bases.data_ptr(),
-            self.rank,
-            self.num_ranks,
-            hidden // 8,
-            self.capacity_rows(2 * hidden),
-            self.data_offset,
-            self.epoch,
-            self.timeout_cycles,
-            self.error.data_ptr(),
-            max(1, self.num_sms // 3),  # senders: 8 of 24 SMs fill the link (diag_nvlink.py)
-            slot.data_ptr(),
-            hidden,
-        )
-        self._after_launch()
+        senders = max(1, self.num_sms // 3)  # 8 of 24 SMs fill the link (diag_nvlink.py)
+        self._run(self._combine_launch, x, send_row, out, num_tokens, send_off, recv_off,
+                  hidden // 8, senders, slot.data_ptr(), hidden)  # fmt: skip
         return out
 
     def capacity_rows(self, row_bytes: int) -> int:
@@ -896,42 +883,46 @@ class NvlinkTransport:
                 f"rows: expected a contiguous uint8 [M, B] tensor with B a multiple of 16, got "
                 f"{rows.dtype} {tuple(rows.shape)} (contiguous={rows.is_contiguous()})"
             )
-        for name, t in (("send_row", send_row), ("send_off", send_off), ("recv_off", recv_off)):
-            if t.dtype != torch.int64 or not t.is_contiguous() or t.device != rows.device:
-                raise ValueError(
-                    f"{name}: expected a contiguous int64 tensor on {rows.device}, got "
-                    f"{t.dtype} on {t.device}"
-                )
+        _check_indices(
+            rows.device,
+            send_row=(send_row, None),
+            send_off=(send_off, (self.num_ranks + 1,)),
+            recv_off=(recv_off, (self.num_ranks + 1,)),
+        )
         out = torch.empty(num_recv, stride, dtype=torch.uint8, device=rows.device)
+        self._run(self._launch, rows, send_row, out, num_recv, send_off, recv_off, stride // 16,
+                  self.send_sms)  # fmt: skip
+        return out
+
+    def _run(self, launch, src, send_row, out, num_out, send_off, recv_off, stride16, senders,
+             slot_ptr=0, hidden=0) -> None:  # fmt: skip
+        """One launch of the kernel (``launch``: a BoundLaunch of ``_SIGNATURE``, a few µs of
+        host time against ~70 µs for the generic launch; the GPU waits for it, as dispatch's
+        payload goes right after the count exchange's sync) as the next operation, then the
+        copy of its error word to the host."""
         self.epoch += 1
-        # a BoundLaunch: a few µs of host time, against ~70 µs for the generic launch (the GPU
-        # waits for it: dispatch's payload is launched right after the count exchange's sync)
-        self._launch(
+        launch(
             self.num_sms,
-            rows.data_ptr(),
+            src.data_ptr(),
             send_row.data_ptr(),
             int(send_row.shape[0]),
             out.data_ptr(),
-            int(num_recv),
+            int(num_out),
             send_off.data_ptr(),
             recv_off.data_ptr(),
             self.peer_bases.data_ptr(),
             self.rank,
             self.num_ranks,
-            stride // 16,
-            self.capacity_rows(stride),
+            stride16,
+            self.capacity_rows(stride16 * 16),
             self.data_offset,
             self.epoch,
             self.timeout_cycles,
             self.error.data_ptr(),
-            self.send_sms,
-            0,
-            0,
+            senders,
+            slot_ptr,
+            hidden,
         )
-        self._after_launch()
-        return out
-
-    def _after_launch(self) -> None:
         self._error_host.copy_(self.error, non_blocking=True)
         self._error_event = torch.cuda.Event()
         self._error_event.record()
