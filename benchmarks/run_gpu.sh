@@ -92,6 +92,38 @@ for stage in $stages; do
           "$LOGS/ncu-quant-$op.txt" | head -60
       done
       ;;
+    ncugemm)
+      # ncu of the PTX GEMM and cuBLAS blockwise at real clocks (--clock-control none) per shape
+      # of GEMM_SHAPES ("M,N,K[,CONFIG]" items; CONFIG e.g. 128x128s5c1d, default the heuristic):
+      # speed of light, tensor-pipe and memory throughput, warp states, and with NCU_SOURCE=1 the
+      # stall reasons per SASS line of the PTX kernel.
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      secs="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis"
+      secs="$secs --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy"
+      mets="sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed"
+      mets="$mets,sm__inst_executed_pipe_tensor_op_gmma.sum,lts__t_bytes.sum.per_second,dram__bytes_read.sum"
+      mets="$mets,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_hit_rate.pct,l1tex__m_xbar2l1tex_read_bytes.sum"
+      for item in ${GEMM_SHAPES:-4096,7168,16384 4096,2112,7168 64,2112,7168 64,24576,1536}; do
+        IFS=, read -r gm gn gk gcfg <<< "$item"
+        tag=${gm}x${gn}x${gk}${gcfg:+-$gcfg}
+        for be in ptx cublas; do
+          [ "$be" = cublas ] && [ -n "$gcfg" ] && continue
+          kre=fp8_gemm_nt_kernel; [ "$be" = cublas ] && kre='gemm|nvjet|xmma|cutlass'
+          args="--shape $gm $gn $gk --backend $be ${gcfg:+--config $gcfg}"
+          "$ncu_bin" --clock-control none -k "regex:$kre" --launch-skip 2 --launch-count 1 $secs \
+            --metrics "$mets" python3 -m benchmarks.profile_gemm $args > "$LOGS/ncu-gemm-$tag-$be.txt" 2>&1 || status=1
+          echo "--- $tag $be"
+          grep -E "ptx config|  [a-z_0-9]+(gemm|nvjet|xmma|cutlass)|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|gmma|lts__t_bytes|xbar2l1tex|hit_rate|dram__bytes|Warp Cycles Per Issued" \
+            "$LOGS/ncu-gemm-$tag-$be.txt" | head -30
+          if [ -n "${NCU_SOURCE:-}" ] && [ "$be" = ptx ]; then
+            "$ncu_bin" --clock-control none -k "regex:$kre" --launch-skip 2 --launch-count 1 \
+              --section SourceCounters --page source --print-source sass --csv \
+              python3 -m benchmarks.profile_gemm $args > "$LOGS/ncu-gemm-$tag-source.csv" 2>&1 || status=1
+            python3 -m benchmarks.ncu_stalls "$LOGS/ncu-gemm-$tag-source.csv" | head -40 || status=1
+          fi
+        done
+      done
+      ;;
     raster)
       # The PTX GEMM's rasterization (PtxConfig.raster_m): m-grouped vs dense, dense vs cuBLAS.
       python3 -m benchmarks.sweep_raster ${RASTER_ARGS:-} \

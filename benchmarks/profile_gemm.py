@@ -1,0 +1,79 @@
+"""Launch one FP8 GEMM a few times on fresh random operands, for ``ncu`` (run_gpu.sh ncugemm).
+
+    ncu -k regex:fp8_gemm_nt_kernel --launch-skip 2 --launch-count 1 \
+        python3 -m benchmarks.profile_gemm --shape 4096 7168 16384
+    ncu -k regex:'gemm|nvjet|xmma|cutlass' --launch-skip 2 --launch-count 1 \
+        python3 -m benchmarks.profile_gemm --shape 4096 7168 16384 --backend cublas
+
+The operands are quantized before the first launch, so only GEMM kernels run in the loop; the
+first launches compile and warm up, profile a later one. ``--config 128x128s5c1d`` runs the PTX
+kernel with explicit block sizes (``BMxBNsSTAGEScCLUSTER``, ``d`` = double accumulators); the
+default is the heuristic's pick, printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import torch
+
+from ptxtrain.gemm import cublas, ptx
+from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+
+_CONFIG_RE = re.compile(r"^(\d+)x(\d+)s(\d+)c([12])(d?)$")
+
+
+def parse_config(text: str) -> ptx.PtxConfig:
+    """``"128x128s5c1d"`` -> PtxConfig(128, 128, 5, cluster=1, double_acc=True, tma_store=True).
+
+    Raises:
+        ValueError: ``text`` does not match ``BMxBNsSTAGEScCLUSTER[d]``.
+    """
+    match = _CONFIG_RE.match(text)
+    if match is None:
+        raise ValueError(
+            f"--config must look like 128x128s5c1d (BMxBNsSTAGEScCLUSTER[d]), got {text!r}"
+        )
+    bm, bn, stages, cluster = (int(g) for g in match.groups()[:4])
+    return ptx.PtxConfig(
+        bm, bn, stages, cluster, double_acc=bool(match.group(5)), tma_store=True,
+        epi_boxes=1 if bm == 256 else 0,
+    )  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", type=int, nargs=3, default=[4096, 7168, 16384], help="M N K")
+    p.add_argument("--kind", choices=["1d2d", "1d1d"], default="1d2d")
+    p.add_argument("--backend", choices=["ptx", "cublas"], default="ptx")
+    p.add_argument("--config", default=None, help="PTX block sizes, e.g. 128x128s5c1d")
+    p.add_argument("--iters", type=int, default=4)
+    args = p.parse_args()
+    m, n, k = args.shape
+    a = per_token_cast_to_fp8(torch.randn(m, k, device="cuda"))
+    w = torch.randn(n, k, device="cuda")
+    b = per_block_cast_to_fp8(w) if args.kind == "1d2d" else per_token_cast_to_fp8(w)
+    out_dtype = torch.bfloat16 if args.kind == "1d2d" else torch.float32
+    if args.backend == "cublas":
+        fn = cublas.fp8_gemm_nt if args.kind == "1d2d" else cublas.fp8_gemm_nt_1d1d
+
+        def run():
+            return fn(a, b)
+    else:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        pick = ptx.select_config(args.kind, m, n, k, sms)
+        cfg = parse_config(args.config) if args.config else pick
+        print(f"ptx config: {cfg}", flush=True)
+
+        def run():
+            return ptx.run_with_config(args.kind, a, b, cfg, out_dtype)
+
+    torch.cuda.synchronize()
+    for _ in range(args.iters):
+        run()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
