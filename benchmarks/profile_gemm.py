@@ -6,7 +6,10 @@
         python3 -m benchmarks.profile_gemm --shape 4096 7168 16384 --backend cublas
 
 The operands are quantized before the first launch, so only GEMM kernels run in the loop; the
-first launches compile and warm up, profile a later one. ``--config 128x128s5c1d`` runs the PTX
+first launches compile and warm up, profile a later one. ``--grid 1d2d`` (or ``1d1d``) instead
+runs every DeepSeek-V3 shape of the benchmarks once (M = 64, 128, 4096 over the six (N, K); the
+wgrad pairs at K = 4096), in the order it prints, for one ncu pass over all of them
+(``benchmarks.ncu_table`` turns that pass into a table). ``--config 128x128s5c1d`` runs the PTX
 kernel with explicit block sizes (``BMxBNsSTAGEScCLUSTER``, ``d`` = double accumulators); the
 default is the heuristic's pick, printed first.
 """
@@ -20,6 +23,7 @@ import torch
 
 from ptxtrain.gemm import cublas, ptx
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_M, DSV3_WGRAD_MN
 
 _CONFIG_RE = re.compile(r"^(\d+)x(\d+)s(\d+)c([12])(d?)$")
 
@@ -42,6 +46,19 @@ def parse_config(text: str) -> ptx.PtxConfig:
     )  # fmt: skip
 
 
+def grid(kind: str) -> list[tuple[int, int, int]]:
+    """The (M, N, K) shapes of ``ptxtrain bench gemm`` for ``kind``, in its order."""
+    if kind == "1d2d":
+        return [(m, n, k) for m in DSV3_M for n, k in DSV3_DENSE_NK]
+    return [(m, n, 4096) for m, n in DSV3_WGRAD_MN]
+
+
+def _operands(kind: str, m: int, n: int, k: int):
+    a = per_token_cast_to_fp8(torch.randn(m, k, device="cuda"))
+    w = torch.randn(n, k, device="cuda")
+    return a, (per_block_cast_to_fp8(w) if kind == "1d2d" else per_token_cast_to_fp8(w))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", type=int, nargs=3, default=[4096, 7168, 16384], help="M N K")
@@ -49,11 +66,32 @@ def main() -> None:
     p.add_argument("--backend", choices=["ptx", "cublas"], default="ptx")
     p.add_argument("--config", default=None, help="PTX block sizes, e.g. 128x128s5c1d")
     p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--grid", choices=["1d2d", "1d1d"], default=None, help="every V3 shape once")
     args = p.parse_args()
+    if args.grid:
+        kind = args.grid
+        fn = {"1d2d": cublas.fp8_gemm_nt, "1d1d": cublas.fp8_gemm_nt_1d1d}[kind]
+        out_dtype = torch.bfloat16 if kind == "1d2d" else torch.float32
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        # Outside the "measure" ranges (ncu --nvtx-include measure/): cuBLAS 1D1D probes its
+        # scale layouts on its first call, which must not count as a shape's kernels.
+        a, b = _operands(kind, 256, 256, 512)
+        fn(a, b)
+        for m, n, k in grid(kind):
+            a, b = _operands(kind, m, n, k)
+            cfg = ptx.select_config(kind, m, n, k, sms)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push("measure")
+            if args.backend == "cublas":
+                fn(a, b)
+            else:
+                ptx.run_with_config(kind, a, b, cfg, out_dtype)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+            print(f"shape {kind} {m} {n} {k} {args.backend} {cfg if args.backend == 'ptx' else ''}")
+        return
     m, n, k = args.shape
-    a = per_token_cast_to_fp8(torch.randn(m, k, device="cuda"))
-    w = torch.randn(n, k, device="cuda")
-    b = per_block_cast_to_fp8(w) if args.kind == "1d2d" else per_token_cast_to_fp8(w)
+    a, b = _operands(args.kind, m, n, k)
     out_dtype = torch.bfloat16 if args.kind == "1d2d" else torch.float32
     if args.backend == "cublas":
         fn = cublas.fp8_gemm_nt if args.kind == "1d2d" else cublas.fp8_gemm_nt_1d1d

@@ -124,6 +124,24 @@ for stage in $stages; do
         done
       done
       ;;
+    ncugrid)
+      # One ncu pass (real clocks) over every V3 shape of bench gemm, PTX and cuBLAS, for 1D2D and
+      # 1D1D: time, SM clock, tensor-core busy fraction, DRAM / L2 throughput per shape.
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      mets=$(python3 -c "from benchmarks.ncu_table import METRICS; print(','.join(METRICS))")
+      for kind in ${GRID_KINDS:-1d2d 1d1d}; do
+        for be in ptx cublas; do
+          kre=fp8_gemm_nt_kernel; [ "$be" = cublas ] && kre='gemm|nvjet|xmma|cutlass'
+          "$ncu_bin" --clock-control none --csv --page raw --print-units base --metrics "$mets" \
+            --nvtx --nvtx-include "measure/" -k "regex:$kre" \
+            --log-file "$LOGS/ncugrid-$kind-$be.csv" python3 -m benchmarks.profile_gemm --grid $kind \
+            --backend $be > "$LOGS/ncugrid-$kind-$be.shapes" 2>&1 || status=1
+        done
+        python3 -m benchmarks.ncu_table --kind $kind --ptx "$LOGS/ncugrid-$kind-ptx.csv" \
+          "$LOGS/ncugrid-$kind-ptx.shapes" --cublas "$LOGS/ncugrid-$kind-cublas.csv" \
+          "$LOGS/ncugrid-$kind-cublas.shapes" --json "$OUT/ncugrid-$kind-${PTXTRAIN_GIT_SHA:-local}.json" || status=1
+      done
+      ;;
     raster)
       # The PTX GEMM's rasterization (PtxConfig.raster_m): m-grouped vs dense, dense vs cuBLAS.
       python3 -m benchmarks.sweep_raster ${RASTER_ARGS:-} \

@@ -68,7 +68,7 @@ def _float_at_least(low: float, *, strict: bool = False) -> Callable[[str], floa
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     from .model import PRESETS
     from .parallel.stages import SCHEDULES
-    from .train.loop import DEVICES, PRECISIONS, TrainArgs
+    from .train.loop import DEVICES, EP_BACKENDS, PRECISIONS, TrainArgs
 
     d = TrainArgs()  # the defaults, shown in the help; flags default to None ("not given")
 
@@ -258,6 +258,15 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         "by EP; with --pp PP: PP*EP processes, rank = pipeline_rank*EP + ep_rank, each of the "
         f"EP pipelines on batch-size/EP sequences (default: {d.ep} = one process)",
     )
+    g.add_argument(
+        "--ep-backend",
+        choices=EP_BACKENDS,
+        help="how the MoE layers move tokens between the EP ranks, through one Buffer shared "
+        "by every layer: all_to_all = torch.distributed all_to_all_single (NCCL or gloo, any "
+        "devices); nvlink = the NVLink kernel through symmetric memory (CUDA GPUs of one node, "
+        "NCCL; the buffer is sized for batch-size/EP x seq-len tokens, at least 1 GiB per "
+        f"rank; not with PTXTRAIN_PP_OVERLAP=1); needs --ep > 1 (default: {d.ep_backend})",
+    )
 
     g = p.add_argument_group("data")
     g.add_argument(
@@ -284,6 +293,7 @@ _RUN_FIELDS = (
     "num_chunks",
     "timeline",
     "ep",
+    "ep_backend",
 )
 
 

@@ -38,8 +38,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ptxtrain._checks import check_tensor
+from ptxtrain._checks import check_positive_int, check_tensor
 from ptxtrain.model.config import DeepSeekV3Config
+from ptxtrain.moe.dispatch import _BACKENDS as _EP_BACKENDS
+from ptxtrain.moe.dispatch import _DEFAULT_NVL_BYTES, Buffer
 from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.layer import MLP, MoE
 from ptxtrain.moe.router import Router, load_stats
@@ -53,6 +55,7 @@ __all__ = [
     "RMSNorm",
     "build_model",
     "convert_model_to_fp8_training",
+    "ep_nvl_bytes",
     "fp8_module_filter",
     "generate",
 ]
@@ -298,6 +301,7 @@ class DeepSeekV3(nn.Module):
         self.mtp = MTP(config) if config.mtp_depth == 1 else None
         self.ep_group: dist.ProcessGroup | None = None  # set by enable_expert_parallel
         self.ep_size = 1
+        self.ep_buffer: Buffer | None = None  # the MoE layers' shared Buffer (expert parallel)
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -435,14 +439,23 @@ class DeepSeekV3(nn.Module):
         return aggregate_router_stats([r.update_bias() for r in routers], _bias_abs_max(routers))
 
     # ------------------------------------------------------------------ expert parallelism
-    def enable_expert_parallel(self, group: dist.ProcessGroup | None = None) -> None:
+    def enable_expert_parallel(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: str = "all_to_all",
+        max_tokens: int | None = None,
+    ) -> None:
         """Split every MoE layer's routed experts over the ranks of ``group`` (in place).
 
         Rank ``r`` of ``R`` keeps experts ``[r·E/R, (r+1)·E/R)`` of every MoE layer (the MTP
         block's included): slices of the full model, so build the full model identically on
         every rank first (same seed), then call this, then build the optimizer. Each rank then
-        runs the whole model on its own tokens; the MoE layers exchange tokens with
-        :class:`~ptxtrain.moe.Buffer` (forward and backward are collectives over ``group``).
+        runs the whole model on its own tokens; the MoE layers exchange tokens through ONE
+        :class:`~ptxtrain.moe.Buffer` shared by every layer (``self.ep_buffer``; forward and
+        backward are collectives over ``group``). Sharing is safe while the layers' calls run
+        one at a time on one CUDA stream (see :mod:`ptxtrain.moe.layer`): not with the pipeline
+        schedules' F&B overlap on two streams (``PTXTRAIN_PP_OVERLAP=1``) and ``"nvlink"``.
 
         Gradients after ``backward`` (each rank's loss over its own tokens): a replicated
         parameter holds this rank's gradient (average it over the ranks for data parallelism);
@@ -451,13 +464,26 @@ class DeepSeekV3(nn.Module):
 
         Args:
             group: the expert-parallel process group; ``None`` = the default group.
+            backend: the Buffer's backend, ``"all_to_all"`` (default; any process group) or
+                ``"nvlink"`` (an NCCL group of the GPUs of one node; :mod:`ptxtrain.moe.nvlink`).
+            max_tokens: ``"nvlink"``: the most tokens one rank passes through the model in one
+                forward (``B·T`` of its largest batch), which sizes the buffer
+                (:func:`ep_nvl_bytes`); ``None``: the Buffer's default (1 GiB). Ignored by
+                ``"all_to_all"``.
 
         Raises:
             ValueError: no initialized process group, ``n_routed_experts`` not divisible by the
-                group size, or expert parallelism already enabled.
+                group size, expert parallelism already enabled, an unknown ``backend``, or
+                ``"nvlink"`` on a group that is not NCCL or without CUDA (raised before any
+                layer changes).
+            TypeError / ValueError: ``max_tokens`` not a positive int.
         """
         if self.ep_group is not None:
             raise ValueError("expert parallelism is already enabled on this model")
+        if backend not in _EP_BACKENDS:
+            raise ValueError(f"backend must be one of {_EP_BACKENDS}, got {backend!r}")
+        if max_tokens is not None:
+            check_positive_int("max_tokens", max_tokens)
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "enable_expert_parallel needs an initialized torch.distributed process group"
@@ -468,8 +494,21 @@ class DeepSeekV3(nn.Module):
                 f"n_routed_experts={self.config.n_routed_experts} must be divisible by the "
                 f"expert-parallel group size {size}"
             )
+        kwargs = {}
+        if backend == "nvlink":
+            pg_backend = str(dist.get_backend(group))
+            if "nccl" not in pg_backend:
+                raise ValueError(
+                    f"backend='nvlink' needs an NCCL process group of the CUDA GPUs of one node, "
+                    f"got a {pg_backend!r} group; use backend='all_to_all'"
+                )
+            if max_tokens is not None:
+                dtype = next(self.parameters()).dtype
+                kwargs["num_nvl_bytes"] = ep_nvl_bytes(self.config, max_tokens, size, dtype)
+        buffer = Buffer(group, backend=backend, **kwargs)  # "nvlink" without CUDA raises here
         for moe in self.moe_layers():
-            moe.enable_expert_parallel(group)
+            moe.enable_expert_parallel(group, buffer=buffer)
+        self.ep_buffer = buffer
         self.ep_group = group if group is not None else dist.group.WORLD
         self.ep_size = size
 
@@ -515,6 +554,47 @@ class DeepSeekV3(nn.Module):
             "mtp_activated": mtp_activated,
             "embedding": self.embed.weight.numel(),
         }
+
+
+def ep_nvl_bytes(
+    config: DeepSeekV3Config,
+    max_tokens: int,
+    num_ranks: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """``num_nvl_bytes`` of the nvlink :class:`~ptxtrain.moe.Buffer` shared by a model's MoE
+    layers: :meth:`~ptxtrain.moe.Buffer.nvl_bytes_hint` for the largest message, or the
+    Buffer's default (1 GiB) when that already fits.
+
+    Rows per rank pair: a token is sent once to every rank holding one of its experts (not once
+    per expert), so one rank sends at most ``max_tokens`` rows to another, in any dispatch,
+    combine or their backward passes (the combine's rows are the dispatch's, reversed). The
+    largest row is the high-precision dispatch row, ``H`` values of ``dtype`` plus the gate
+    weights (fp32, fp64 for fp64 tokens), ``topk_idx`` (int64) and the token index (int64):
+    ``H·size(dtype) + 12·k + 8`` bytes (``16·k + 8`` for fp64); an FP8 dispatch row
+    (``H + 4·⌈H/128⌉ + 12·k + 8``), a combine row (``H·size(dtype)``) and the dispatch's
+    backward (gradients of the activations and weights) are smaller, so this covers them.
+
+    Args:
+        config: the model's config (``dim`` = ``H``, ``n_activated_experts`` = ``k``).
+        max_tokens: the most tokens one rank passes through the model in one forward.
+        num_ranks: the expert-parallel group size ``R``.
+        dtype: the activation dtype (default bfloat16).
+
+    Returns:
+        bytes, ``max(1 GiB, max_tokens · row · R)`` with ``row`` padded to 16 bytes.
+
+    Raises:
+        TypeError / ValueError: ``max_tokens`` / ``num_ranks`` not positive ints, ``dtype`` not
+            a floating torch dtype.
+    """
+    check_positive_int("max_tokens", max_tokens)
+    check_positive_int("num_ranks", num_ranks)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    meta = 16 if dtype == torch.float64 else 12  # gate weight + topk_idx per slot
+    row = config.dim * dtype.itemsize + meta * config.n_activated_experts + 8  # + token index
+    return max(_DEFAULT_NVL_BYTES, Buffer.nvl_bytes_hint(max_tokens, row, num_ranks))
 
 
 def _bias_abs_max(routers: list[Router]) -> float:

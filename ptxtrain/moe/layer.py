@@ -36,6 +36,12 @@ at the source token (fp32 accumulation). Forward and backward are collectives: e
 group must run every MoE forward and backward in the same order. The router keeps counting its
 own rank's tokens; all-reduce ``router.expert_counts`` over the data-parallel group before
 ``update_bias`` (:meth:`MoE.sync_expert_counts`, or the model's ``update_router_biases``).
+The layers of a model share ONE :class:`~ptxtrain.moe.Buffer`
+(:meth:`ptxtrain.model.DeepSeekV3.enable_expert_parallel` passes it to every layer): nothing of a
+dispatch is kept on the buffer until its combine (the layout, cached indices and slot table live
+in the call's :class:`~ptxtrain.moe.DispatchHandle`; the nvlink transport's buffer holds rows only
+within one kernel launch), so layer after layer, forward and backward, may use it, provided the
+calls run one at a time (one CUDA stream; not with ``PTXTRAIN_PP_OVERLAP=1`` on ``"nvlink"``).
 
 FP8 dispatch (report §3.3): when the routed experts run in FP8 (``experts.fp8``, set by
 ``--precision fp8`` through :func:`ptxtrain.model.deepseek.convert_model_to_fp8_training`) and
@@ -75,6 +81,13 @@ from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.moe.router import Router
 
 __all__ = ["MLP", "MoE"]
+
+
+def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+    """Whether two process-group arguments name the same group (``None`` = the default group,
+    so ``None`` and ``torch.distributed.group.WORLD`` are the same)."""
+    world = dist.group.WORLD if dist.is_available() else None
+    return (world if a is None else a) is (world if b is None else b)
 
 
 class MLP(nn.Module):
@@ -195,7 +208,9 @@ class MoE(nn.Module):
         return (y, aux_loss) if return_aux_loss else y
 
     # ------------------------------------------------------------------ expert parallelism
-    def enable_expert_parallel(self, group: dist.ProcessGroup | None = None) -> None:
+    def enable_expert_parallel(
+        self, group: dist.ProcessGroup | None = None, buffer: Buffer | None = None
+    ) -> None:
         """Keep only this rank's experts and route tokens through a :class:`~ptxtrain.moe.Buffer`.
 
         Rank ``r`` of the ``R`` ranks of ``group`` keeps experts ``[r·E/R, (r+1)·E/R)`` (copies of
@@ -204,14 +219,33 @@ class MoE(nn.Module):
 
         Args:
             group: the expert-parallel process group; ``None`` = the default group.
+            buffer: an existing :class:`~ptxtrain.moe.Buffer` over ``group`` to use, typically one
+                shared by every MoE layer of a model (an ``"nvlink"`` buffer holds ``num_nvl_bytes``
+                of symmetric memory, 1 GiB by default: one per layer does not fit). Sharing is
+                safe as long as the layers' dispatch / combine (and their backward passes) run one
+                at a time on one CUDA stream, as with any collective (every rank in the same
+                order): all per-call state lives in the :class:`~ptxtrain.moe.DispatchHandle`.
+                ``None`` (default): a new ``Buffer(group)`` (``"all_to_all"``) for this layer.
 
         Raises:
-            ValueError: no initialized process group, ``E`` not a multiple of ``R``, or expert
-                parallelism already on.
+            TypeError: ``buffer`` is not a :class:`~ptxtrain.moe.Buffer`.
+            ValueError: no initialized process group, ``E`` not a multiple of ``R``, expert
+                parallelism already on, or ``buffer.group`` is not ``group`` (``None`` and the
+                default group count as the same).
         """
         if self.ep_buffer is not None:
             raise ValueError("expert parallelism is already enabled on this MoE layer")
-        buffer = Buffer(group)  # raises without an initialized process group
+        if buffer is None:
+            buffer = Buffer(group)  # raises without an initialized process group
+        elif not isinstance(buffer, Buffer):
+            raise TypeError(
+                f"buffer must be a ptxtrain.moe.Buffer or None, got {type(buffer).__name__}"
+            )
+        elif not _same_group(buffer.group, group):
+            raise ValueError(
+                f"buffer.group must be the expert-parallel group given (group={group!r}), got "
+                f"buffer.group={buffer.group!r}"
+            )
         n_ranks = buffer.num_ranks
         if self.n_routed_experts % n_ranks != 0:
             raise ValueError(

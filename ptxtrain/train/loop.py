@@ -89,6 +89,8 @@ from .pipeline import all_reduce_grads
 
 PRECISIONS = ("bf16", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
+EP_BACKENDS = ("all_to_all", "nvlink")  # ptxtrain.moe.Buffer backends (--ep-backend)
+PP_OVERLAP_ENV = "PTXTRAIN_PP_OVERLAP"  # read by ptxtrain.train.pipeline.PipelineRunner
 # TrainArgs fields that shape the training trajectory: a resumed run must match them exactly.
 TRAJECTORY_FIELDS = (
     "preset",
@@ -184,6 +186,7 @@ class TrainArgs:
     timeline: bool = False  # write each rank's schedule timeline into the run folder (pp > 1)
     # --- expert parallelism (torchrun --nproc-per-node EP -m ptxtrain train --ep EP) ---
     ep: int = 1  # expert-parallel (and data-parallel) ranks (WORLD_SIZE = pp * ep); 1 = none
+    ep_backend: str = "all_to_all"  # the MoE layers' shared Buffer: "all_to_all" or "nvlink"
     # --- Python API only ---
     progress: bool = True  # show a tqdm progress bar
     stop_after: int | None = None  # stop (checkpointed) after this many steps of this call
@@ -242,6 +245,13 @@ class TrainArgs:
             raise TrainConfigError(
                 f"--batch-size {self.batch_size} must be divisible by --ep {self.ep} (each "
                 "rank trains on batch_size / ep sequences of every batch)"
+            )
+        if self.ep_backend not in EP_BACKENDS:
+            raise bad("ep_backend", f"must be one of {list(EP_BACKENDS)}")
+        if self.ep_backend == "nvlink" and self.ep == 1:
+            raise TrainConfigError(
+                "--ep-backend nvlink moves the MoE layers' tokens between expert-parallel "
+                "ranks: it needs --ep > 1"
             )
         if self.schedule not in SCHEDULES:
             raise bad("schedule", f"must be one of {list(SCHEDULES)}")
@@ -769,6 +779,8 @@ class _PipeSetup:
         else:
             flags, want, what = f"--ep {self.ep}", self.ep, "expert-parallel rank"
         device = resolve_device(args.device)
+        if args.ep_backend == "nvlink":
+            self._check_nvlink(device)
         if dist.is_initialized():
             world = dist.get_world_size()
         else:
@@ -804,6 +816,33 @@ class _PipeSetup:
             self.pp_rank = self.rank
         else:
             self.ep_rank = self.rank
+
+    def _check_nvlink(self, device: torch.device) -> None:
+        """``--ep-backend nvlink``: raise before any communication unless it can work."""
+        import torch.distributed as dist
+
+        args = self.args
+        if device.type != "cuda":
+            raise TrainConfigError(
+                f"--ep-backend nvlink needs CUDA GPUs (NVLink-connected, one node), got device "
+                f"{device.type!r}; use --ep-backend all_to_all (the default) on CPU"
+            )
+        if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+            raise TrainConfigError(
+                f"--ep-backend nvlink needs an NCCL process group, got {dist.get_backend()!r}; "
+                "use --ep-backend all_to_all"
+            )
+        overlap = os.environ.get(PP_OVERLAP_ENV, "0").strip() == "1"
+        if self.pipeline and args.schedule in ("dualpipe", "dualpipev") and overlap:
+            # The overlap hook runs one micro-batch's forward and another's backward on two
+            # CUDA streams; the nvlink kernels of the shared Buffer assume one operation at a
+            # time in issue order (one epoch counter, one symmetric buffer), so they would race.
+            raise TrainConfigError(
+                f"--ep-backend nvlink cannot run with {PP_OVERLAP_ENV}=1 (--schedule "
+                f"{args.schedule}): the overlapped forward and backward would use the MoE "
+                f"layers' shared nvlink buffer from two CUDA streams at once; unset "
+                f"{PP_OVERLAP_ENV} or use --ep-backend all_to_all"
+            )
 
     @property
     def evaluates(self) -> bool:
@@ -869,9 +908,19 @@ class _PipeSetup:
 
     # ------------------------------------------------------------------ expert parallelism
     def split_experts(self, model) -> None:
-        """``ep > 1``: keep this rank's experts of the (identically built) full model."""
+        """``ep > 1``: keep this rank's experts of the (identically built) full model; every MoE
+        layer uses one ``Buffer`` of ``--ep-backend`` (nvlink: sized for the largest forward)."""
         if self.ep > 1:
-            model.enable_expert_parallel(self.ep_group)
+            a = self.args
+            # The most tokens one rank's forward sees: an evaluation batch (batch_size / ep
+            # sequences; training micro-batches are no larger) or a sampling context.
+            max_tokens = max(a.batch_size // self.ep * a.seq_len, model.config.max_seq_len)
+            try:
+                model.enable_expert_parallel(
+                    self.ep_group, backend=a.ep_backend, max_tokens=max_tokens
+                )
+            except ValueError as e:
+                raise TrainConfigError(f"--ep {self.ep} --ep-backend {a.ep_backend}: {e}") from e
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's sequences of a batch ``[B, T]`` (all of them unless ``ep > 1``): rows
@@ -1064,7 +1113,9 @@ def train(
             bad schedule / ``num_chunks`` combination, raised on every rank; with ``ep > 1`` a
             world size other than ``ep``, ``n_routed_experts`` or ``batch_size`` not divisible
             by ``ep``, or a model without MoE layers; with both a world size other than
-            ``pp * ep`` or ``batch_size`` not divisible by ``ep * num_chunks``.
+            ``pp * ep`` or ``batch_size`` not divisible by ``ep * num_chunks``;
+            ``ep_backend="nvlink"`` without ``ep > 1``, off CUDA, on a non-NCCL process group or
+            with DualPipe / DualPipeV under ``PTXTRAIN_PP_OVERLAP=1`` (before any communication).
         CorpusError: ``--data`` missing, unreadable, empty or too short for ``seq_len``.
         CheckpointError: ``resume`` with a missing, corrupt or mismatched checkpoint (with
             ``pp > 1`` or ``ep > 1`` raised on every rank).

@@ -1,0 +1,177 @@
+"""One ``ptxtrain.moe.Buffer`` shared by every MoE layer of a model (CPU, gloo, 2 ranks).
+
+Oracle: the same model with one Buffer per layer (the behaviour before sharing). A dispatch keeps
+nothing on the Buffer (its layout lives in the handle), so sharing must not change a single bit:
+losses and gradients are compared with ``torch.equal`` over two steps with fresh random tokens.
+Also the argument errors of ``MoE.enable_expert_parallel`` / ``DeepSeekV3.enable_expert_parallel``
+and the ``--ep-backend nvlink`` refusals of ``ptxtrain train`` (before any communication).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ptxtrain.cli import _train_args_from as train_args_from
+from ptxtrain.cli import build_parser, main
+from ptxtrain.model import build_model, get_preset
+from ptxtrain.model.deepseek import ep_nvl_bytes
+from ptxtrain.moe import Buffer
+from ptxtrain.moe.layer import MoE
+from ptxtrain.train import TrainArgs, TrainConfigError, train
+from tests.moe._dist import run_gloo
+
+# tiny preset (8 routed experts top-2, 3 MoE layers + the MTP block's) at a small width: every
+# rank holds 4 experts of each of the 4 MoE layers.
+OVERRIDES = dict(dim=64, moe_inter_dim=32, dense_inter_dim=96, n_heads=2, vocab_size=64)
+BATCH, SEQ = 2, 12
+
+
+def _model(seed: int = 3):
+    config = type(get_preset("tiny")).from_dict({**get_preset("tiny").to_dict(), **OVERRIDES})
+    return build_model(config, dtype=torch.float32, seed=seed)
+
+
+def _steps(model, rank: int, steps: int = 2) -> list[tuple[torch.Tensor, dict]]:
+    """Forward + backward + an SGD update per step on fresh random tokens of this rank; the
+    loss and the gradients of every step."""
+    out = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1), generator=gen)
+        res = model(ids[:, :-1], labels=ids[:, 1:])
+        model.zero_grad(set_to_none=True)
+        res.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.sub_(0.1 * p.grad)
+        model.update_router_biases()  # collective: the global load on both models alike
+        out.append((res.loss.detach(), grads))
+    return out
+
+
+def _shared_worker(rank: int, world: int) -> None:
+    shared, per_layer = _model(), _model()
+    shared.enable_expert_parallel()
+    layers = shared.moe_layers()
+    assert len(layers) == 4 and shared.mtp is not None  # 3 main MoE layers + the MTP block's
+    assert isinstance(shared.ep_buffer, Buffer) and shared.ep_buffer.backend == "all_to_all"
+    assert all(m.ep_buffer is shared.ep_buffer for m in layers)
+    assert all(m.experts.expert_offset == rank * 4 for m in layers)
+
+    # The reference: one Buffer per layer, as each layer made before sharing.
+    for m in per_layer.moe_layers():
+        m.enable_expert_parallel()
+    per_layer.ep_group, per_layer.ep_size = dist.group.WORLD, world  # (what the model call sets)
+    assert len({id(m.ep_buffer) for m in per_layer.moe_layers()}) == 4
+
+    got, want = _steps(shared, rank), _steps(per_layer, rank)
+    for step, ((loss_s, g_s), (loss_p, g_p)) in enumerate(zip(got, want, strict=True)):
+        # Bitwise: the same ops in the same order; only which Buffer object carries them differs.
+        assert torch.equal(loss_s, loss_p), f"{rank=} {step=}: {loss_s} != {loss_p}"
+        assert g_s.keys() == g_p.keys()
+        assert any(".experts.w1" in n for n in g_s)  # the routed experts got gradients
+        for name in g_s:
+            assert torch.equal(g_s[name], g_p[name]), f"{rank=} {step=} {name}"
+    assert not torch.equal(got[0][0], got[1][0])  # the second step saw other tokens / weights
+
+    _argument_errors(rank, world)
+
+
+def _argument_errors(rank: int, world: int) -> None:
+    sub = dist.new_group(list(range(world)))  # the same ranks, another group object
+    buf = Buffer()
+    # Layer level: a non-Buffer, a Buffer of another group (either way round).
+    with pytest.raises(
+        TypeError, match=r"buffer must be a ptxtrain\.moe\.Buffer or None, got dict"
+    ):
+        MoE(32, 16, 8, 2).enable_expert_parallel(buffer={})
+    with pytest.raises(ValueError, match=r"buffer\.group must be the expert-parallel group"):
+        MoE(32, 16, 8, 2).enable_expert_parallel(sub, buffer=buf)
+    with pytest.raises(ValueError, match=r"buffer\.group must be the expert-parallel group"):
+        MoE(32, 16, 8, 2).enable_expert_parallel(buffer=Buffer(sub))
+    with pytest.raises(ValueError, match="n_routed_experts=3 must be divisible"):
+        MoE(32, 16, 3, 1).enable_expert_parallel(buffer=buf)
+    # None and the world group name the same group; a failed call leaves the layer as it was.
+    moe = MoE(32, 16, 8, 2)
+    moe.enable_expert_parallel(dist.group.WORLD, buffer=buf)
+    assert moe.ep_buffer is buf and moe.experts.num_local_experts == 8 // world
+    moe2 = MoE(32, 16, 8, 2)
+    moe2.enable_expert_parallel(sub, buffer=Buffer(sub))
+    assert moe2.ep_size == world
+
+    # Model level: unknown backend, bad max_tokens, nvlink on gloo; nothing changes on failure.
+    model = _model()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        model.enable_expert_parallel(backend="nccl")
+    with pytest.raises(ValueError, match="max_tokens"):
+        model.enable_expert_parallel(max_tokens=0)
+    with pytest.raises(ValueError, match=r"backend='nvlink' needs an NCCL process group.*'gloo'"):
+        model.enable_expert_parallel(backend="nvlink", max_tokens=64)
+    assert model.ep_group is None and model.ep_buffer is None and model.ep_size == 1
+    assert all(m.ep_buffer is None for m in model.moe_layers())
+    model.enable_expert_parallel(sub)
+    assert model.ep_buffer.group is sub and all(
+        m.ep_buffer is model.ep_buffer for m in model.moe_layers()
+    )
+
+
+def test_moe_layers_share_one_buffer_bitwise_like_per_layer_buffers():
+    run_gloo(_shared_worker, 2, timeout=120)
+
+
+def test_ep_nvl_bytes_sizes_the_largest_row():
+    config = get_preset("small")  # H = 768, k = 4
+    h, k, default = config.dim, config.n_activated_experts, ep_nvl_bytes(config, 1, 2)
+    assert default == 1 << 30  # the Buffer's default when the hint fits
+    big = 1 << 20  # tokens per rank: far past the default
+    got = ep_nvl_bytes(config, big, 4)
+    # The row sizes of Buffer.nvl_bytes_hint's docstring: the BF16 dispatch row is the largest.
+    bf16_dispatch = Buffer.nvl_bytes_hint(big, 2 * h + 12 * k + 8, 4)
+    fp8_dispatch = Buffer.nvl_bytes_hint(big, h + 4 * -(-h // 128) + 12 * k + 8, 4)
+    combine = Buffer.nvl_bytes_hint(big, 2 * h, 4)
+    assert got == bf16_dispatch and got > fp8_dispatch and got > combine
+    f64 = ep_nvl_bytes(config, big, 4, torch.float64)
+    assert f64 == Buffer.nvl_bytes_hint(big, 8 * h + 16 * k + 8, 4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        ep_nvl_bytes(config, 0, 2)
+    with pytest.raises(TypeError, match="dtype"):
+        ep_nvl_bytes(config, 1, 2, torch.int32)
+
+
+def test_cli_ep_backend_flag_and_refusals(tmp_path, capsys, monkeypatch):
+    a = train_args_from(build_parser().parse_args(["train", "--ep", "2", "--ep-backend", "nvlink"]))
+    assert (a.ep, a.ep_backend) == (2, "nvlink")
+    assert train_args_from(build_parser().parse_args(["train"])).ep_backend == "all_to_all"
+    with pytest.raises(TrainConfigError, match="--ep-backend must be one of"):
+        TrainArgs(ep=2, ep_backend="nccl").validate()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = ["--out", str(tmp_path), "--device", "cpu", "--no-progress"]
+    assert main(["train", "--ep-backend", "nvlink", *out]) == 2  # no expert parallelism
+    assert "--ep-backend nvlink" in capsys.readouterr().err
+    # CPU: refused before the process group (a world of one here) or any training step.
+    assert main(["train", "--ep", "2", "--ep-backend", "nvlink", *out]) == 2
+    err = capsys.readouterr().err
+    assert "--ep-backend nvlink needs CUDA GPUs" in err and "got device 'cpu'" in err
+    assert not dist.is_initialized() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_train_refuses_nvlink_with_pp_overlap(tmp_path, monkeypatch):
+    # A CUDA device as far as the argument checks go (none is touched before the refusal).
+    monkeypatch.setattr("ptxtrain.train.loop.resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setenv("PTXTRAIN_PP_OVERLAP", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    kw = dict(pp=2, ep=2, mtp=False, ep_backend="nvlink", out=str(tmp_path), progress=False)
+    for schedule in ("dualpipe", "dualpipev"):
+        with pytest.raises(TrainConfigError, match="PTXTRAIN_PP_OVERLAP=1"):
+            train(TrainArgs(schedule=schedule, **kw))
+    # Without the overlap (or with 1F1B) the next check is the world size: past the refusal.
+    with pytest.raises(TrainConfigError, match="needs 4 processes"):
+        train(TrainArgs(schedule="1f1b", **kw))
+    monkeypatch.setenv("PTXTRAIN_PP_OVERLAP", "0")
+    with pytest.raises(TrainConfigError, match="needs 4 processes"):
+        train(TrainArgs(schedule="dualpipe", **kw))
+    assert not dist.is_initialized()
