@@ -217,10 +217,13 @@ for stage in $stages; do
       common="--preset small --no-mtp --steps ${STEPS:-60} --no-progress --overwrite --precision ${PRECISION:-bf16}"
       python3 -m ptxtrain train $common --out /tmp/ep-1gpu > "$LOGS/train-ep1.log" 2>&1 || status=1
       grep -E "throughput|train loss|val" "$LOGS/train-ep1.log"
-      echo "--- ep$NPROC"
-      torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --ep "$NPROC" --out /tmp/ep-n \
-        > "$LOGS/train-ep$NPROC.log" 2>&1 || status=1
-      grep -E "throughput|train loss|val|Error|error" "$LOGS/train-ep$NPROC.log" | head -8
+      # EP_BACKENDS (default all_to_all): one EP run per Buffer backend (--ep-backend).
+      for epb in ${EP_BACKENDS:-all_to_all}; do
+        echo "--- ep$NPROC $epb"
+        torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --ep "$NPROC" --ep-backend "$epb" \
+          --out /tmp/ep-n-$epb > "$LOGS/train-ep$NPROC-$epb.log" 2>&1 || status=1
+        grep -E "throughput|train loss|val|Error|error" "$LOGS/train-ep$NPROC-$epb.log" | head -8
+      done
       ;;
     full)
       # FP8 + EP + a pipeline schedule on every GPU (--pp 2 --ep NPROC/2) against the 1-GPU FP8
