@@ -94,7 +94,8 @@ for stage in $stages; do
       ;;
     ncugemm)
       # ncu of the PTX GEMM and cuBLAS blockwise at real clocks (--clock-control none) per shape
-      # of GEMM_SHAPES ("M,N,K[,CONFIG]" items; CONFIG e.g. 128x128s5c1d, default the heuristic):
+      # of GEMM_SHAPES ("M,N,K[,CONFIG]" items; CONFIG e.g. 128x128s5c1d, default the heuristic;
+      # GEMM_KIND=1d1d for the wgrad kernel):
       # speed of light, tensor-pipe and memory throughput, warp states, and with NCU_SOURCE=1 the
       # stall reasons per SASS line of the PTX kernel.
       ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -109,7 +110,7 @@ for stage in $stages; do
         for be in ptx cublas; do
           [ "$be" = cublas ] && [ -n "$gcfg" ] && continue
           kre=fp8_gemm_nt_kernel; [ "$be" = cublas ] && kre='gemm|nvjet|xmma|cutlass'
-          args="--shape $gm $gn $gk --backend $be ${gcfg:+--config $gcfg}"
+          args="--kind ${GEMM_KIND:-1d2d} --shape $gm $gn $gk --backend $be ${gcfg:+--config $gcfg}"
           "$ncu_bin" --clock-control none -k "regex:$kre" --launch-skip 2 --launch-count 1 $secs \
             --metrics "$mets" python3 -m benchmarks.profile_gemm $args > "$LOGS/ncu-gemm-$tag-$be.txt" 2>&1 || status=1
           echo "--- $tag $be"
@@ -141,6 +142,11 @@ for stage in $stages; do
           "$LOGS/ncugrid-$kind-ptx.shapes" --cublas "$LOGS/ncugrid-$kind-cublas.csv" \
           "$LOGS/ncugrid-$kind-cublas.shapes" --json "$OUT/ncugrid-$kind-${PTXTRAIN_GIT_SHA:-local}.json" || status=1
       done
+      ;;
+    wgrad)
+      # The wgrad GEMM's costs: PTX 1D1D vs the same tiles without per-column scales or fp32 D.
+      python3 -m benchmarks.diag_wgrad --json "$OUT/diag_wgrad_${PTXTRAIN_GIT_SHA:-local}.json" \
+        2>&1 | grep -v "^W" || status=1
       ;;
     raster)
       # The PTX GEMM's rasterization (PtxConfig.raster_m): m-grouped vs dense, dense vs cuBLAS.
