@@ -3,7 +3,8 @@ one cost at a time, all timed in one process with ``ptxtrain bench``'s method.
 
     python3 -m benchmarks.diag_wgrad [--json OUT.json]
 
-Per DeepSeek-V3 wgrad shape (K = 4096 tokens): cuBLAS 1D1D; the PTX 1D1D kernel (fp32 out); the
+Per DeepSeek-V3 wgrad shape (K = 4096 tokens): cuBLAS 1D1D; the PTX 1D1D kernel (fp32 out), also
+with 0 and 4 (default 8) 8-column groups of column scales read before its wgmma wait; the
 PTX 1D2D kernel with fp32 out (the same tiles, one scale per 128x128 block of B: no per-column
 scale products in the promotion); the PTX 1D2D kernel with bf16 out (half the output bytes).
 The gaps say how much the per-column promotion and the fp32 output cost. The 1D2D runs use the
@@ -25,6 +26,14 @@ from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing.shapes import DSV3_WGRAD_MN
 
 
+def _defines(text: str) -> None:
+    """Switch the PTX kernels' source prefix (ptx._SOURCE_DEFINES) and drop the cached builds."""
+    if text != ptx._SOURCE_DEFINES:
+        ptx._SOURCE_DEFINES = text
+        ptx.compile_gemm.cache_clear()
+        ptx._plan.cache_clear()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json")
@@ -34,7 +43,10 @@ def main() -> None:
     timer = GpuTimer(repeats=args.repeats)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    print("M N K | cuBLAS 1D1D | PTX 1D1D fp32 | PTX 1D2D fp32 | PTX 1D2D bf16  (µs; TFLOPS)")
+    print(
+        "M N K | cuBLAS 1D1D | PTX 1D1D | PTX 1D2D fp32 | PTX 1D2D bf16 | 1D1D early 0 | early 4"
+        "  (µs TFLOPS)"
+    )
     for m, n in DSV3_WGRAD_MN:
         k = args.k
         x = torch.randn(m, k, device="cuda")
@@ -49,6 +61,17 @@ def main() -> None:
             "ptx_1d2d_bf16": lambda: ptx.run_with_config("1d2d", qa, qb2, cfg2, torch.bfloat16),
         }
         us = {name: timer(fn) for name, fn in runs.items()}  # (each lambda runs at once)
+        # The 1D1D kernel with fewer (0 = none: the earlier layout) of its column scales read
+        # before the wgmma wait (PTXTRAIN_GEMM_EARLY_SB_GROUPS; the default is 8); each switch
+        # holds for its whole timing, so its one rebuild falls in the warm-up.
+        for groups in (0, 4):
+            _defines(f"#define PTXTRAIN_GEMM_EARLY_SB_GROUPS {groups}\n")
+            try:
+                us[f"ptx_1d1d_early{groups}"] = timer(
+                    lambda: ptx.run_with_config("1d1d", qa, qb1, cfg, torch.float32)
+                )
+            finally:
+                _defines("")
         flops = 2.0 * m * n * k
         row = dict(
             m=m,

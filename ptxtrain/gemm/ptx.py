@@ -49,6 +49,10 @@ _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 _TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
 _1D1D_KINDS = ("1d1d", "k_grouped")  # kernel kinds with per-column scales of B
+# Lines put before the header in every kernel's source, e.g. a "#define" of one of the header's
+# compile-time switches (for A/B sweeps: benchmarks/diag_wgrad.py). The JIT cache keys on the
+# source; clear compile_gemm's and _plan's caches after changing it.
+_SOURCE_DEFINES = ""
 _GROUP_MODE = {"m_grouped": 1, "k_grouped": 2, "masked": 3}  # the kernel's kGroupMode (0: dense)
 
 
@@ -259,7 +263,7 @@ def kernel_source(
     ``"1d2d"``, ``"1d1d"``, ``"m_grouped"`` (the 1D2D kernel over an m-grouped contiguous A) or
     ``"k_grouped"`` (the 1D1D kernel over groups of K; ``k`` is then unused))."""
     # The name expression instantiates the template (NVRTC's nvrtcAddNameExpression).
-    src = f"#include <ptxtrain/fp8_gemm.cuh>\n{_wgmma_struct(cfg.block_n)}"
+    src = f"{_SOURCE_DEFINES}#include <ptxtrain/fp8_gemm.cuh>\n{_wgmma_struct(cfg.block_n)}"
     expr = (
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
         f"{n}, {k}, {'true' if kind in _1D1D_KINDS else 'false'}, {_OUT_CODE[out_dtype]}, "

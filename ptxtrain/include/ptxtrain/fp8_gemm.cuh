@@ -49,6 +49,12 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
+// 1D1D with double accumulators: 8-column groups of a block's column scales read before the
+// wgmma wait (see kEarlyGroups in fp8_gemm_math).
+#ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
+#define PTXTRAIN_GEMM_EARLY_SB_GROUPS 8
+#endif
+
 namespace ptxtrain {
 
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
@@ -347,12 +353,14 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         hi = has_hi ? __ldg(sfb_g + (sfb_block + 1) * kNumKBlocks + kb) : lo;
       }
     };
-    auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1]) {
+    // (j0 .. j1 - 1: the 8-column groups to load; all by default)
+    auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1], int j0 = 0,
+                       int j1 = kBlockN / 8) {
       if constexpr (k1D1D) {
         // col0 is even and the slot 128-B aligned: one 8-byte load per 8-column group.
         const float2* sfb = reinterpret_cast<const float2*>(smem_sfb + s * Smem::kSlotSfb);
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
+        for (int j = j0; j < j1; ++j) {
           const float2 v = sfb[4 * j + col0 / 2];
           sb[2 * j] = v.x;
           sb[2 * j + 1] = v.y;
@@ -366,6 +374,15 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       static_assert(kWaves == 1, "double accumulators need a single wave per warpgroup");
       float acc2[kBlockN / 2];
       const unsigned char* a_rows = smem_a + wg * 64 * 128;
+      // 1D1D: read block kb's row scales and the first kEarlyGroups 8-column groups of its
+      // column scales (in its stage since its `full` wait) before issuing block kb + 1 and
+      // waiting for kb, so their shared-memory latency hides behind the wait instead of stalling
+      // the promotion; more early groups hold more registers across the wait (all 16 of a
+      // 128-column tile spill). 0: every scale after the wait.
+      constexpr int kEarlyGroups =
+          k1D1D ? (PTXTRAIN_GEMM_EARLY_SB_GROUPS < kBlockN / 8 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS
+                                                                 : kBlockN / 8)
+                : 0;
       // Retire the oldest block (`cur`): with `next`, first issue block it + 1 into `nxt` and
       // wait until one group is pending; then read the scales, release the stage, promote.
 #define PTXTRAIN_FP8_GEMM_RETIRE(kb, cur, nxt, next)                                            \
@@ -373,6 +390,14 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const u32 s = it % kNumStages;                                                            \
     float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
     load_sfb((kb), sfb_lo, sfb_hi);                                                           \
+    const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
+    float sa0 = 0.0f, sa1 = 0.0f;                                                             \
+    float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
+    if constexpr (kEarlyGroups > 0) {                                                         \
+      sa0 = sfa[row0];                                                                        \
+      sa1 = sfa[row0 + 8];                                                                    \
+      load_sb(s, sb, 0, kEarlyGroups);                                                        \
+    }                                                                                         \
     if (next) {                                                                               \
       const u32 s1 = (it + 1) % kNumStages;                                                   \
       mbarrier_wait(&full[s1], ((it + 1) / kNumStages) & 1u);                                 \
@@ -382,10 +407,11 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       wgmma_wait_group<0>();                                                                  \
     }                                                                                         \
     wgmma_fence_operand(cur);                                                                 \
-    const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
-    const float sa0 = sfa[row0], sa1 = sfa[row0 + 8];                                         \
-    float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
-    load_sb(s, sb);                                                                           \
+    if constexpr (kEarlyGroups == 0) {                                                        \
+      sa0 = sfa[row0];                                                                        \
+      sa1 = sfa[row0 + 8];                                                                    \
+    }                                                                                         \
+    load_sb(s, sb, kEarlyGroups);                                                             \
     __syncwarp();                                                                             \
     release_stage<kCluster>(&empty[s], lane);                                                 \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
