@@ -20,18 +20,11 @@ import json
 
 import torch
 
+from benchmarks.ab_ptx import _defines
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, ptx
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing.shapes import DSV3_WGRAD_MN
-
-
-def _defines(text: str) -> None:
-    """Switch the PTX kernels' source prefix (ptx._SOURCE_DEFINES) and drop the cached builds."""
-    if text != ptx._SOURCE_DEFINES:
-        ptx._SOURCE_DEFINES = text
-        ptx.compile_gemm.cache_clear()
-        ptx._plan.cache_clear()
 
 
 def main() -> None:

@@ -143,6 +143,11 @@ for stage in $stages; do
           "$LOGS/ncugrid-$kind-cublas.shapes" --json "$OUT/ncugrid-$kind-${PTXTRAIN_GIT_SHA:-local}.json" || status=1
       done
       ;;
+    ab)
+      # A/B of PTX GEMM variants vs cuBLAS (AB_ARGS: --shapes ... --variants ...; see ab_ptx).
+      python3 -m benchmarks.ab_ptx ${AB_ARGS:-} --json "$OUT/ab_ptx_${AB_TAG:-x}_${PTXTRAIN_GIT_SHA:-local}.json" \
+        2>&1 | grep -v "^W" || status=1
+      ;;
     wgrad)
       # The wgrad GEMM's costs: PTX 1D1D vs the same tiles without per-column scales or fp32 D.
       python3 -m benchmarks.diag_wgrad --json "$OUT/diag_wgrad_${PTXTRAIN_GIT_SHA:-local}.json" \

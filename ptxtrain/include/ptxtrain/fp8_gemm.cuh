@@ -49,6 +49,15 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
+// Double accumulators: K blocks per fully unrolled, drained chunk of the K loop (see
+// PTXTRAIN_FP8_GEMM_CHUNK in fp8_gemm_math).
+#ifndef PTXTRAIN_GEMM_CHUNK
+#define PTXTRAIN_GEMM_CHUNK 8
+#endif
+// 1D2D with double accumulators: read the row scales before the wgmma wait (1) or after (0).
+#ifndef PTXTRAIN_GEMM_EARLY_SA_1D2D
+#define PTXTRAIN_GEMM_EARLY_SA_1D2D 0
+#endif
 // 1D1D with double accumulators: 8-column groups of a block's column scales read before the
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
@@ -383,6 +392,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
           k1D1D ? (PTXTRAIN_GEMM_EARLY_SB_GROUPS < kBlockN / 8 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS
                                                                  : kBlockN / 8)
                 : 0;
+      // Row scales before the wait too: always with early column scales; 1D2D by switch.
+      constexpr bool kEarlySa = k1D1D ? kEarlyGroups > 0 : PTXTRAIN_GEMM_EARLY_SA_1D2D != 0;
       // Retire the oldest block (`cur`): with `next`, first issue block it + 1 into `nxt` and
       // wait until one group is pending; then read the scales, release the stage, promote.
 #define PTXTRAIN_FP8_GEMM_RETIRE(kb, cur, nxt, next)                                            \
@@ -393,11 +404,11 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
     float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
-    if constexpr (kEarlyGroups > 0) {                                                         \
+    if constexpr (kEarlySa) {                                                                 \
       sa0 = sfa[row0];                                                                        \
       sa1 = sfa[row0 + 8];                                                                    \
-      load_sb(s, sb, 0, kEarlyGroups);                                                        \
     }                                                                                         \
+    load_sb(s, sb, 0, kEarlyGroups);                                                          \
     if (next) {                                                                               \
       const u32 s1 = (it + 1) % kNumStages;                                                   \
       mbarrier_wait(&full[s1], ((it + 1) / kNumStages) & 1u);                                 \
@@ -407,7 +418,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       wgmma_wait_group<0>();                                                                  \
     }                                                                                         \
     wgmma_fence_operand(cur);                                                                 \
-    if constexpr (kEarlyGroups == 0) {                                                        \
+    if constexpr (!kEarlySa) {                                                                \
       sa0 = sfa[row0];                                                                        \
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
@@ -435,7 +446,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }                                                                                       \
     }                                                                                         \
   }
-      constexpr int kChunk = 8;
+      constexpr int kChunk = PTXTRAIN_GEMM_CHUNK;
 #pragma unroll 1
       for (int kb0 = 0; kb0 + kChunk <= kNumKBlocks; kb0 += kChunk) PTXTRAIN_FP8_GEMM_CHUNK(kb0, kChunk)
       if constexpr (kNumKBlocks % kChunk != 0) {

@@ -1,0 +1,101 @@
+"""A/B the PTX GEMM's variants on a GPU: block sizes and the header's compile-time switches, each
+checked (calc_diff < 1e-3) and timed against cuBLAS blockwise in one process (bench method).
+
+    python3 -m benchmarks.ab_ptx --shapes 4096,7168,16384 4096,4096,7168 \
+        --variants base "chunk16:#PTXTRAIN_GEMM_CHUNK=16" "c144:128x144s5c1" [--json OUT.json]
+
+A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[d]`` (block sizes, as
+``benchmarks.profile_gemm --config``; default the heuristic's pick) or ``#MACRO=VALUE`` (a
+``#define`` put before the header: ``ptx._SOURCE_DEFINES``). ``--kind 1d1d`` times the wgrad
+kernel (fp32 out) against cuBLAS 1D1D.
+"""
+
+# ruff: noqa: B023
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.profile_gemm import parse_config
+from ptxtrain.bench.timing import GpuTimer, environment
+from ptxtrain.gemm import cublas, ptx
+from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from ptxtrain.testing import calc_diff
+
+
+def parse_variant(text: str) -> tuple[str, str | None, str]:
+    """``"name:128x128s5c1d:#PTXTRAIN_GEMM_CHUNK=16"`` -> (name, config text or None, defines).
+
+    Raises:
+        ValueError: a SPEC that is neither a config nor ``#MACRO=VALUE``.
+    """
+    name, *specs = text.split(":")
+    cfg, defines = None, ""
+    for spec in specs:
+        if spec.startswith("#"):
+            macro, eq, value = spec[1:].partition("=")
+            if not eq or not macro.isidentifier():
+                raise ValueError(f"variant {text!r}: expected #MACRO=VALUE, got {spec!r}")
+            defines += f"#define {macro} {value}\n"
+        else:
+            parse_config(spec)  # raises on a malformed config
+            cfg = spec
+    return name, cfg, defines
+
+
+def _defines(text: str) -> None:
+    if text != ptx._SOURCE_DEFINES:
+        ptx._SOURCE_DEFINES = text
+        ptx.compile_gemm.cache_clear()
+        ptx._plan.cache_clear()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shapes", nargs="+", required=True, help="M,N,K items")
+    p.add_argument("--variants", nargs="+", default=["base"])
+    p.add_argument("--kind", choices=["1d2d", "1d1d"], default="1d2d")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--json")
+    args = p.parse_args()
+    variants = [parse_variant(v) for v in args.variants]
+    timer = GpuTimer(repeats=args.repeats)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out_dtype = torch.bfloat16 if args.kind == "1d2d" else torch.float32
+    rows = []
+    for item in args.shapes:
+        m, n, k = (int(v) for v in item.split(","))
+        x, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+        want = x @ w.t()
+        qa = per_token_cast_to_fp8(x)
+        qb = per_block_cast_to_fp8(w) if args.kind == "1d2d" else per_token_cast_to_fp8(w)
+        fn = cublas.fp8_gemm_nt if args.kind == "1d2d" else cublas.fp8_gemm_nt_1d1d
+        base_us = timer(lambda: fn(qa, qb))
+        flops = 2.0 * m * n * k
+        line = f"{m} {n} {k} | cuBLAS {base_us:8.1f} {flops / base_us / 1e6:5.0f}"
+        for name, cfg_text, defines in variants:
+            cfg = parse_config(cfg_text) if cfg_text else ptx.select_config(args.kind, m, n, k, sms)
+            _defines(defines)
+            try:
+                diff = calc_diff(
+                    ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype).float(), want
+                )
+                us = timer(lambda: ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype))
+            finally:
+                _defines("")
+            ok = diff < 1e-3  # the GEMM contract (DESIGN §2): FP8 inputs, FP32 promotion
+            rows.append(
+                dict(m=m, n=n, k=k, variant=name, cfg=cfg.__dict__, defines=defines, us=us,
+                     cublas_us=base_us, x_cublas=base_us / us, calc_diff=diff, ok=ok)
+            )  # fmt: skip
+            line += f" | {name} {us:8.1f} {base_us / us:.3f}{'' if ok else ' WRONG'}"
+        print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": environment(), "bench": "ab_ptx", "kind": args.kind, "rows": rows}, f)
+
+
+if __name__ == "__main__":
+    main()
