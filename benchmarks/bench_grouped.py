@@ -20,6 +20,7 @@ import json
 
 import torch
 
+from benchmarks.ab_ptx import _defines, parse_variant
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, grouped, ptx
 from ptxtrain.gemm import triton as tg
@@ -71,6 +72,13 @@ def main() -> None:
         default=f"{G}x{ROWS},8x4096,4x8192",
         help="m-grouped experts x rows per expert (DeepGEMM's tests: 8x4096 and 4x8192)",
     )
+    ap.add_argument(
+        "--ab",
+        nargs="*",
+        default=[],
+        help="header switches (#MACRO=VALUE, as benchmarks.ab_ptx) under which the m-grouped "
+        "contiguous GEMM is timed again, in the same process, against the same dense PTX",
+    )
     args = ap.parse_args()
     timer = GpuTimer(repeats=30)
     rows: list = []
@@ -91,6 +99,17 @@ def main() -> None:
         dptx = timed(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
                     shape, groups=g_, rows_per_group=rows_)  # fmt: skip
         summary[f"grouped_over_dense_ptx_{tag}"] = grp / dptx
+        for spec in args.ab:
+            _, _, defines = parse_variant(f"ab:{spec}")
+            _defines(defines)
+            try:
+                alt = timed(timer, f"m_grouped_contiguous {spec}",
+                            lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
+                                qa, qb, m_indices, check_indices=False),
+                            flops, want, rows, shape, groups=g_, rows_per_group=rows_)  # fmt: skip
+            finally:
+                _defines("")
+            summary[f"grouped[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
         if (g_, rows_) != (G, ROWS):
             del ops, x, w, qa, qws, qb, want, dense_want
             continue  # the other backends at the default setting only

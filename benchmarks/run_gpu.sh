@@ -49,7 +49,7 @@ for stage in $stages; do
       python3 -m ptxtrain bench "$stage" --json "$OUT/$(date -u +%Y%m%d)-$stage.json" || status=1
       ;;
     grouped)
-      python3 -m benchmarks.bench_grouped --json "$OUT/bench_grouped.json" || status=1
+      python3 -m benchmarks.bench_grouped ${GROUPED_ARGS:-} --json "$OUT/bench_grouped.json" || status=1
       ;;
     sweep)
       # The PTX GEMM's configs vs cuBLAS (SWEEP_ARGS adds e.g. "--only 128x128c1 --tma 0 1").

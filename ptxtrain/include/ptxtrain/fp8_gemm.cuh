@@ -54,6 +54,10 @@
 #ifndef PTXTRAIN_GEMM_CHUNK
 #define PTXTRAIN_GEMM_CHUNK 8
 #endif
+// M-grouped: load the rows' m_indices at the tile's start (1) or in its epilogue (0).
+#ifndef PTXTRAIN_GEMM_PREFETCH_MIDX
+#define PTXTRAIN_GEMM_PREFETCH_MIDX 1
+#endif
 // 1D2D with double accumulators: read the row scales before the wgmma wait (1) or after (0).
 #ifndef PTXTRAIN_GEMM_EARLY_SA_1D2D
 #define PTXTRAIN_GEMM_EARLY_SA_1D2D 0
@@ -343,6 +347,17 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const int n0 = nb * kBlockN;
     const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
     if (kGroupMode == 3 && group < 0) continue;  // masked off: neither computed nor stored
+    // M-grouped: this thread's rows' m_indices, loaded now so that their latency hides behind
+    // the main loop instead of stalling the epilogue (PTXTRAIN_GEMM_PREFETCH_MIDX; a padding
+    // row, -1, stores zeros).
+    int row_midx[kGroupMode == 1 ? 2 * kWaves : 1];
+    if constexpr (kGroupMode == 1 && PTXTRAIN_GEMM_PREFETCH_MIDX) {
+#pragma unroll
+      for (int wh = 0; wh < 2 * kWaves; ++wh) {
+        const int row = m0 + (wh / 2) * 64 * kNumMathWG + row0 + 8 * (wh % 2);
+        row_midx[wh] = (group >= 0 && row < m) ? __ldg(m_indices + row) : 0;
+      }
+    }
 #pragma unroll
     for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
@@ -493,7 +508,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       for (int wh = 0; wh < 2 * kWaves; ++wh) {
         const int w = wh / 2, h = wh % 2;
         const int row = m0 + w * 64 * kNumMathWG + row0 + 8 * h;
-        if (group >= 0 && row < m && __ldg(m_indices + row) < 0) {
+        const int midx = PTXTRAIN_GEMM_PREFETCH_MIDX ? row_midx[wh]
+                         : (group >= 0 && row < m) ? __ldg(m_indices + row) : 0;
+        if (midx < 0) {
 #pragma unroll
           for (int j = 0; j < kBlockN / 8; ++j) {
             fin[w][4 * j + 2 * h] = 0.0f;
