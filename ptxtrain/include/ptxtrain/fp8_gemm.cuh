@@ -54,10 +54,6 @@
 #ifndef PTXTRAIN_GEMM_CHUNK
 #define PTXTRAIN_GEMM_CHUNK 8
 #endif
-// M-grouped / masked: load the next tile's group while this one runs (1) or at its start (0).
-#ifndef PTXTRAIN_GEMM_PREFETCH_GROUP
-#define PTXTRAIN_GEMM_PREFETCH_GROUP 1
-#endif
 // M-grouped: load the rows' m_indices at the tile's start (1) or in its epilogue (0).
 #ifndef PTXTRAIN_GEMM_PREFETCH_MIDX
 #define PTXTRAIN_GEMM_PREFETCH_MIDX 1
@@ -343,34 +339,13 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   float fin[kWaves][kBlockN / 2];
   u32 it = 0;
   const int units_per_group = num_m_groups * kNumNBlocks;
-  // M-grouped / masked: a unit's group comes from a global load (tile_group). The next unit's is
-  // loaded when this one starts, so its latency hides behind this tile instead of delaying the
-  // next tile's first scale load (PTXTRAIN_GEMM_PREFETCH_GROUP).
-  constexpr bool kPrefetchGroup =
-      (kGroupMode == 1 || kGroupMode == 3) && PTXTRAIN_GEMM_PREFETCH_GROUP != 0;
-  auto group_of = [&](int u) {
-    int mg_, nb_, kg_, kb_begin_, num_kb_;
-    group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks>(
-        u, units_per_group, num_m_groups, group_info, mg_, nb_, kg_, kb_begin_, num_kb_);
-    const int m0_ = (mg_ * kCluster + static_cast<int>(rank)) * kBlockM;
-    return tile_group<kGroupMode, kBlockM>(block_group, group_info, m0_, kg_, num_groups);
-  };
-  int next_group = 0;
-  if constexpr (kPrefetchGroup) {
-    if (first_unit < num_units) next_group = group_of(first_unit);
-  }
   for (int unit = first_unit; unit < num_units; unit += unit_stride) {
     int mg, nb, kg, kb_begin, num_kb;
     group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks>(
         unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb);
     const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
     const int n0 = nb * kBlockN;
-    const int group =
-        kPrefetchGroup ? next_group
-                       : tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
-    if constexpr (kPrefetchGroup) {
-      if (unit + unit_stride < num_units) next_group = group_of(unit + unit_stride);
-    }
+    const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
     if (kGroupMode == 3 && group < 0) continue;  // masked off: neither computed nor stored
     // M-grouped: this thread's rows' m_indices, loaded now so that their latency hides behind
     // the main loop instead of stalling the epilogue (PTXTRAIN_GEMM_PREFETCH_MIDX; a padding
