@@ -86,14 +86,14 @@ def _sweep_shape(m: int, k: int, timer: GpuTimer, rows: list) -> None:
 
 
 def _token(row: bool, col: bool):
-    def run(cq, x, variant, pow2):
-        return cq._quant_token(x, pow2, "row", row=row, col=col, variant=variant)
+    def run(cq, x, variant, pow2, layout="row"):
+        return cq._quant_token(x, pow2, layout, row=row, col=col, variant=variant)
 
     return run
 
 
 def _block(transposed: bool):
-    def run(cq, x, variant, pow2):
+    def run(cq, x, variant, pow2, layout="row"):  # (128x128 scales have one layout)
         return cq._quant_block(x, pow2, transposed=transposed, variant=variant)
 
     return run
@@ -109,7 +109,9 @@ _CUDA_OPS = {
 }
 
 
-def _sweep_cuda(shapes, names, timer, rows: list, *, pow2: bool = False, device="cuda") -> None:
+def _sweep_cuda(
+    shapes, names, timer, rows: list, *, pow2: bool = False, layout: str = "row", device="cuda"
+) -> None:
     from ptxtrain.quant import cuda as cq
 
     for m, k in shapes:
@@ -117,17 +119,17 @@ def _sweep_cuda(shapes, names, timer, rows: list, *, pow2: bool = False, device=
         y = torch.empty_like(x)
         copy_gbs = 4 * m * k / (timer(lambda x=x, y=y: y.copy_(x)) * 1e-6) / 1e9
         for op, run in _CUDA_OPS.items():
-            want = run(cq, x, cq.DEFAULT_VARIANT, pow2)
+            want = run(cq, x, cq.DEFAULT_VARIANT, pow2, layout)
             for name in names:
                 variant = cq.VARIANTS[name]
-                got = run(cq, x, variant, pow2)
+                got = run(cq, x, variant, pow2, layout)
                 for g, w in zip(got, want, strict=True):
                     assert_bitwise_equal(g, w, f"cuda {op} {name} {m}x{k}")
-                us = timer(lambda r=run, v=variant, x=x: r(cq, x, v, pow2))
+                us = timer(lambda r=run, v=variant, x=x: r(cq, x, v, pow2, layout))
                 gbs = _bytes(op, m, k) / (us * 1e-6) / 1e9
                 frac = gbs / copy_gbs
                 rows.append(dict(m=m, k=k, op=op, config=f"cuda:{name}", us=us, gbs=gbs,
-                                 frac=frac))  # fmt: skip
+                                 frac=frac, sf_layout=layout))  # fmt: skip
                 print(
                     f"{m:>6} {k:>6} {op:>14} cuda:{name:<16} {us:8.1f} µs {gbs:6.0f} GB/s "
                     f"{frac:5.2f} of copy ({copy_gbs:.0f})",
@@ -150,6 +152,12 @@ def main() -> None:
     ap.add_argument("--variants", help="comma-separated VARIANTS names (with --cuda)")
     ap.add_argument("--shapes", help="comma-separated MxK (with --cuda)")
     ap.add_argument("--pow2", action="store_true", help="pow2_scale=True (with --cuda)")
+    ap.add_argument(
+        "--sf-layout",
+        choices=["row", "mn_major"],
+        default="row",
+        help="scale layout of the 1x128 / 128x1 ops (with --cuda; Fp8Linear uses mn_major on CUDA)",
+    )
     args = ap.parse_args()
     timer = GpuTimer(repeats=30)
     rows: list = []
@@ -165,7 +173,7 @@ def main() -> None:
         shapes = ((4096, 7168), (7168, 4096), (16384, 7168))
         if args.shapes:
             shapes = tuple(tuple(int(d) for d in s.split("x")) for s in args.shapes.split(","))
-        _sweep_cuda(shapes, names, timer, rows, pow2=args.pow2)
+        _sweep_cuda(shapes, names, timer, rows, pow2=args.pow2, layout=args.sf_layout)
     else:
         for m, k in ((4096, 7168), (8192, 7168), (4096, 2112)):
             _sweep_shape(m, k, timer, rows)
