@@ -170,11 +170,14 @@ VARIANTS: dict[str, Variant] = {
 # 7168x4096 and 16384x7168 bf16). Measured on an H200 with the FULL kernels
 # (benchmarks/results/2026-11-22-s7-h200/call9/sweep_quant_cuda_3725a1c.json): both 0.74
 # (lean 0.71, default 0.68), 128x1 0.78, 128x128 0.88, W+Wᵀ 0.83 (lean; lean_pair 0.82), 1x128
-# 0.81 (t512_pair; default 0.79).
+# 0.81 (t512_pair; default 0.79). With MN-major scales (the layout Fp8Linear asks for on CUDA;
+# sweep_quant --sf-layout mn_major over 4096x7168, 8192x7168, 16384x4096,
+# benchmarks/results/2026-11-22-s9-h200/call10/): both 0.865 with pair_occ4 (lean_pair 0.842),
+# 128x1 0.856 (lean_pair), 1x128 0.879 (t512_pair), 128x128 0.881 (lean_pair), W+Wᵀ 0.854 (lean).
 SELECT: dict[str, str] = {
     "per_token_cast_to_fp8": "t512_pair",
     "per_token_cast_to_fp8_t": "lean_pair",
-    "per_token_cast_to_fp8_both": "lean_pair",
+    "per_token_cast_to_fp8_both": "pair_occ4",
     "per_block_cast_to_fp8": "lean_pair",
     "per_block_cast_to_fp8_both": "lean",
 }
