@@ -14,6 +14,7 @@ kernel (fp32 out) against cuBLAS 1D1D.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -27,14 +28,18 @@ from ptxtrain.testing import calc_diff
 
 def parse_variant(text: str) -> tuple[str, str | None, str]:
     """``"name:128x128s5c1d:#PTXTRAIN_GEMM_CHUNK=16"`` -> (name, config text or None, defines).
+    A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block sizes with an N-stage ring (fewer
+    where shared memory ends); it is returned as the config text.
 
     Raises:
-        ValueError: a SPEC that is neither a config nor ``#MACRO=VALUE``.
+        ValueError: a SPEC that is neither a config, ``sN`` nor ``#MACRO=VALUE``.
     """
     name, *specs = text.split(":")
     cfg, defines = None, ""
     for spec in specs:
-        if spec.startswith("#"):
+        if spec[:1] == "s" and spec[1:].isdigit():
+            cfg = spec
+        elif spec.startswith("#"):
             macro, eq, value = spec[1:].partition("=")
             if not eq or not macro.isidentifier():
                 raise ValueError(f"variant {text!r}: expected #MACRO=VALUE, got {spec!r}")
@@ -43,6 +48,14 @@ def parse_variant(text: str) -> tuple[str, str | None, str]:
             parse_config(spec)  # raises on a malformed config
             cfg = spec
     return name, cfg, defines
+
+
+def _with_stages(cfg, stages: int, kind: str, out_dtype) -> ptx.PtxConfig:
+    """``cfg`` with ``stages`` (or as many as fit in shared memory) ring stages."""
+    cfg = dataclasses.replace(cfg, num_stages=stages)
+    while cfg.num_stages > 2 and ptx._config_smem(cfg, kind, out_dtype) > ptx._SMEM_BYTES:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
 
 
 def _defines(text: str) -> None:
@@ -76,7 +89,11 @@ def main() -> None:
         flops = 2.0 * m * n * k
         line = f"{m} {n} {k} | cuBLAS {base_us:8.1f} {flops / base_us / 1e6:5.0f}"
         for name, cfg_text, defines in variants:
-            cfg = parse_config(cfg_text) if cfg_text else ptx.select_config(args.kind, m, n, k, sms)
+            cfg = ptx.select_config(args.kind, m, n, k, sms)
+            if cfg_text and cfg_text[0] == "s":
+                cfg = _with_stages(cfg, int(cfg_text[1:]), args.kind, out_dtype)
+            elif cfg_text:
+                cfg = parse_config(cfg_text)
             _defines(defines)
             try:
                 diff = calc_diff(

@@ -41,7 +41,8 @@ BLOCK_K = 128
 _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc + fin in registers
 _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x block_n registers
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
-_MAX_STAGES = 8
+_MAX_STAGES = 8  # the heuristics' ring depth cap (see select_config)
+_MAX_STAGES_ANY = 32  # what run_with_config accepts (sweeps of deeper rings)
 _RASTER_MS = tuple(1 << i for i in range(7, 15))  # PtxConfig.raster_m: 128 .. 16384 rows
 _GROUPED_RASTER_M = 512  # grouped_config's raster_m (see there)
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
@@ -584,7 +585,7 @@ def run_with_config(
         or cfg.cluster not in (1, 2)
         or cfg.unroll_k not in (1, 2, 4)
         or (cfg.double_acc and (cfg.block_m == 256 or cfg.block_n > 128))
-        or not 1 <= cfg.num_stages <= _MAX_STAGES
+        or not 1 <= cfg.num_stages <= _MAX_STAGES_ANY
         or cfg.raster_m not in _RASTER_MS
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES
     ):
