@@ -28,18 +28,17 @@ from ptxtrain.testing import calc_diff
 
 def parse_variant(text: str) -> tuple[str, str | None, str]:
     """``"name:128x128s5c1d:#PTXTRAIN_GEMM_CHUNK=16"`` -> (name, config text or None, defines).
-    A SPEC ``sN`` (e.g. ``s16``) sets an N-stage ring (fewer where shared memory ends) and
-    ``rot`` sets ``rotate_k``, on the heuristic's config or the variant's own; the config and
-    these come back joined by ":" as the config text.
+    A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block sizes with an N-stage ring (fewer
+    where shared memory ends); it is returned as the config text.
 
     Raises:
-        ValueError: a SPEC that is neither a config, ``sN``, ``rot`` nor ``#MACRO=VALUE``.
+        ValueError: a SPEC that is neither a config, ``sN`` nor ``#MACRO=VALUE``.
     """
     name, *specs = text.split(":")
-    cfgs, defines = [], ""
+    cfg, defines = None, ""
     for spec in specs:
-        if (spec[:1] == "s" and spec[1:].isdigit()) or spec == "rot":
-            cfgs.append(spec)
+        if spec[:1] == "s" and spec[1:].isdigit():
+            cfg = spec
         elif spec.startswith("#"):
             macro, eq, value = spec[1:].partition("=")
             if not eq or not macro.isidentifier():
@@ -47,8 +46,8 @@ def parse_variant(text: str) -> tuple[str, str | None, str]:
             defines += f"#define {macro} {value}\n"
         else:
             parse_config(spec)  # raises on a malformed config
-            cfgs.insert(0, spec)
-    return name, ":".join(cfgs) or None, defines
+            cfg = spec
+    return name, cfg, defines
 
 
 def _with_stages(cfg, stages: int, kind: str, out_dtype) -> ptx.PtxConfig:
@@ -91,13 +90,10 @@ def main() -> None:
         line = f"{m} {n} {k} | cuBLAS {base_us:8.1f} {flops / base_us / 1e6:5.0f}"
         for name, cfg_text, defines in variants:
             cfg = ptx.select_config(args.kind, m, n, k, sms)
-            for part in (cfg_text or "").split(":") if cfg_text else ():
-                if part == "rot":
-                    cfg = dataclasses.replace(cfg, rotate_k=True)
-                elif part[0] == "s" and part[1:].isdigit():
-                    cfg = _with_stages(cfg, int(part[1:]), args.kind, out_dtype)
-                else:
-                    cfg = parse_config(part)
+            if cfg_text and cfg_text[0] == "s":
+                cfg = _with_stages(cfg, int(cfg_text[1:]), args.kind, out_dtype)
+            elif cfg_text:
+                cfg = parse_config(cfg_text)
             _defines(defines)
             try:
                 diff = calc_diff(

@@ -72,10 +72,7 @@ class PtxConfig:
     0 = the whole tile; fewer write the tile in rounds and leave shared memory to the stages),
     ``raster_m`` (rows of A per rasterization group: the persistent CTAs walk
     ``raster_m / (block_m · cluster)`` M-blocks, M fastest, before the next N-block, so the
-    tiles in flight share a few panels of A and B in L2; a power of two in [128, 16384]),
-    ``rotate_k`` (each unit walks its K blocks from its N-block index mod their count and wraps,
-    so CTAs on different N-blocks of the same rows read different blocks of A at once: decode
-    shapes, where every CTA reads all of A; only the FP32 summation order changes)."""
+    tiles in flight share a few panels of A and B in L2; a power of two in [128, 16384])."""
 
     block_m: int
     block_n: int
@@ -86,7 +83,6 @@ class PtxConfig:
     tma_store: bool = False
     epi_boxes: int = 0
     raster_m: int = 2048
-    rotate_k: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -274,7 +270,7 @@ def kernel_source(
         f"{n}, {k}, {'true' if kind in _1D1D_KINDS else 'false'}, {_OUT_CODE[out_dtype]}, "
         f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
         f"{'true' if cfg.double_acc else 'false'}, {_epi_boxes(cfg, out_dtype)}, "
-        f"{_GROUP_MODE.get(kind, 0)}, {cfg.raster_m}, {'true' if cfg.rotate_k else 'false'}>"
+        f"{_GROUP_MODE.get(kind, 0)}, {cfg.raster_m}>"
     )
     return src, expr
 
@@ -300,7 +296,7 @@ def compile_gemm(
     name = (
         f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}"
         f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}e{_epi_boxes(cfg, out_dtype)}"
-        f"r{cfg.raster_m}{'k' if cfg.rotate_k else ''}_n{n}_k{k}"
+        f"r{cfg.raster_m}_n{n}_k{k}"
     )
     compiled = compile_cuda(src, name=name, name_expressions=(expr,))
     return compiled, expr

@@ -86,11 +86,7 @@ def test_rasterization_group_per_kind():
     # The constant reaches the kernel's template arguments and its cache name.
     cfg = dataclasses.replace(ptx.grouped_config(4096, 4096, 7168, H200_SMS), raster_m=1024)
     src, expr = ptx.kernel_source("m_grouped", cfg, 4096, 7168, torch.bfloat16, False)
-    assert expr.endswith(", 1, 1024, false>") and "fp8_gemm.cuh" in src
-    # ... as does rotate_k (the last template argument)
-    cfg = dataclasses.replace(cfg, rotate_k=True)
-    _, expr = ptx.kernel_source("m_grouped", cfg, 4096, 7168, torch.bfloat16, False)
-    assert expr.endswith(", 1, 1024, true>")
+    assert expr.endswith(", 1, 1024>") and "fp8_gemm.cuh" in src
 
 
 def test_run_with_config_rejects_a_bad_rasterization_group():
@@ -281,10 +277,6 @@ def test_gpu_bad_k_raises_before_launch():
         ptx.PtxConfig(64, 64, 8, 1, double_acc=True, tma_store=True),
         ptx.PtxConfig(256, 128, 4, 2, tma_store=True, epi_boxes=1),
         ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, epi_boxes=2),
-        # K rotation: every N-block starts its K loop elsewhere and wraps (K tails included)
-        ptx.PtxConfig(64, 32, 8, 1, double_acc=True, rotate_k=True),
-        ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, rotate_k=True),
-        ptx.PtxConfig(256, 128, 4, 2, tma_store=True, epi_boxes=1, rotate_k=True),
     ],
     ids=str,
 )

@@ -269,15 +269,6 @@ __device__ __forceinline__ int tile_group(const int* block_group, const int* gro
   }
 }
 
-// K rotation (kRotateK): the unit on N-block nb walks its K blocks from nb mod num_kb and wraps,
-// so CTAs on different N-blocks of the same rows read different blocks of A at once (decode
-// shapes: every CTA reads all of A, and in step they ask L2 for the same lines together).
-// Only the FP32 summation order of the K blocks changes.
-__device__ __forceinline__ int rotate_kb(int kbi, int rot, int num_kb) {
-  const int r = kbi + rot;
-  return r >= num_kb ? r - num_kb : r;
-}
-
 // Work unit -> (M-group, N-block), rasterized in groups of kGroup M-groups so that the units
 // running at once share a few panels of A and of B in L2 (with M-groups fastest inside a group).
 template <int kGroup, int kNumNBlocks>
@@ -320,7 +311,7 @@ __device__ __forceinline__ void group_unit(int unit, int units_per_group, int nu
 // The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment and the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          int kGroupMode, int kRasterM = kDefaultRasterM, bool kRotateK = false>
+          int kGroupMode, int kRasterM = kDefaultRasterM>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
@@ -375,7 +366,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above.
     const int sfb_block = n0 / 128;
     const int split = 128 - n0 % 128;
-    const int rot = kRotateK && num_kb > 0 ? nb % num_kb : 0;  // (see rotate_kb)
     const bool has_hi = !k1D1D && split < kBlockN && sfb_block + 1 < kNumSfbBlocks;
     // 1D2D: B's scales of block kb (global, cached); 1D1D: per column from the stage.
     // (M-grouped: group g's scales start at g * kNumSfbBlocks * kNumKBlocks.)
@@ -425,7 +415,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   {                                                                                           \
     const u32 s = it % kNumStages;                                                            \
     float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
-    load_sfb(rotate_kb((kb), rot, num_kb), sfb_lo, sfb_hi);                                   \
+    load_sfb((kb), sfb_lo, sfb_hi);                                                           \
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
     float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
@@ -487,7 +477,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       const u32 s = it % kNumStages;
       const u32 phase = (it / kNumStages) & 1u;
       float sfb_lo = 1.0f, sfb_hi = 1.0f;
-      load_sfb(rotate_kb(kb, rot, num_kb), sfb_lo, sfb_hi);
+      load_sfb(kb, sfb_lo, sfb_hi);
       mbarrier_wait(&full[s], phase);
       const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
       float sb[k1D1D ? kBlockN / 4 : 1];
@@ -606,7 +596,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // group (unit_coords; kRasterM / (kBlockM * kCluster) M-blocks, at least one).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          int kGroupMode, int kRasterM = kDefaultRasterM, bool kRotateK = false>
+          int kGroupMode, int kRasterM = kDefaultRasterM>
 __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
@@ -697,8 +687,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         const int a_row = (kGroupMode == 3 ? kg * m : 0) + m0;
 #pragma unroll 1
         for (int kbi = 0; kbi < num_kb; ++kbi, ++it) {
-          // (K-grouped: this group's K blocks; kRotateK: from block nb mod num_kb, wrapping)
-          const int kb = kb_begin + (kRotateK ? rotate_kb(kbi, nb % num_kb, num_kb) : kbi);
+          const int kb = kb_begin + kbi;  // (K-grouped: this group's K blocks)
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
@@ -719,7 +708,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kRotateK>(
+                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
         num_groups, group_info);
