@@ -1,5 +1,6 @@
 """A/B the PTX GEMM's variants on a GPU: block sizes and the header's compile-time switches, each
-checked (calc_diff < 1e-3) and timed against cuBLAS blockwise in one process (bench method).
+checked (calc_diff < 1e-3) and timed against cuBLAS blockwise (or, ``--baseline triton``, the
+Triton kernel) in one process (bench method).
 
     python3 -m benchmarks.ab_ptx --shapes 4096,7168,16384 4096,4096,7168 \
         --variants base "chunk16:#PTXTRAIN_GEMM_CHUNK=16" "c144:128x144s5c1" [--json OUT.json]
@@ -22,6 +23,7 @@ import torch
 from benchmarks.profile_gemm import parse_config
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, ptx
+from ptxtrain.gemm import triton as triton_gemm
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing import calc_diff
 
@@ -71,6 +73,12 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["base"])
     p.add_argument("--kind", choices=["1d2d", "1d1d"], default="1d2d")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument(
+        "--baseline",
+        choices=["cublas", "triton"],
+        default="cublas",
+        help="the backend timed beside the variants (triton: for shapes cuBLAS cannot run)",
+    )
     p.add_argument("--json")
     args = p.parse_args()
     variants = [parse_variant(v) for v in args.variants]
@@ -84,10 +92,11 @@ def main() -> None:
         want = x @ w.t()
         qa = per_token_cast_to_fp8(x)
         qb = per_block_cast_to_fp8(w) if args.kind == "1d2d" else per_token_cast_to_fp8(w)
-        fn = cublas.fp8_gemm_nt if args.kind == "1d2d" else cublas.fp8_gemm_nt_1d1d
+        mod = cublas if args.baseline == "cublas" else triton_gemm
+        fn = mod.fp8_gemm_nt if args.kind == "1d2d" else mod.fp8_gemm_nt_1d1d
         base_us = timer(lambda: fn(qa, qb))
         flops = 2.0 * m * n * k
-        line = f"{m} {n} {k} | cuBLAS {base_us:8.1f} {flops / base_us / 1e6:5.0f}"
+        line = f"{m} {n} {k} | {args.baseline} {base_us:8.1f} {flops / base_us / 1e6:5.0f}"
         for name, cfg_text, defines in variants:
             cfg = ptx.select_config(args.kind, m, n, k, sms)
             if cfg_text and cfg_text[0] == "s":
@@ -105,7 +114,8 @@ def main() -> None:
             ok = diff < 1e-3  # the GEMM contract (DESIGN §2): FP8 inputs, FP32 promotion
             rows.append(
                 dict(m=m, n=n, k=k, variant=name, cfg=cfg.__dict__, defines=defines, us=us,
-                     cublas_us=base_us, x_cublas=base_us / us, calc_diff=diff, ok=ok)
+                     baseline=args.baseline, baseline_us=base_us, x_baseline=base_us / us,
+                     calc_diff=diff, ok=ok)
             )  # fmt: skip
             line += f" | {name} {us:8.1f} {base_us / us:.3f}{'' if ok else ' WRONG'}"
         print(line, flush=True)

@@ -57,6 +57,27 @@ def test_ptx_wins_rule():
     assert not gemm.ptx_wins("1d1d", 4096, 7168, 512)
 
 
+def test_ptx_takes_large_shapes_cublas_cannot_run(monkeypatch):
+    # A Hopper device faked on CPU: cuBLAS refuses the shape (K % 512 != 0), PTX and Triton run.
+    from ptxtrain import _backend
+    from ptxtrain.gemm import cublas, ptx
+
+    monkeypatch.delenv("PTXTRAIN_GEMM_BACKEND", raising=False)
+    monkeypatch.setattr(cublas, "supports", lambda m, n, k, device=None: k % 512 == 0)
+    monkeypatch.setattr(ptx, "supports", lambda m, n, k, device=None: k % 16 == 0)
+    monkeypatch.setattr(_backend, "triton_usable", lambda device: True)
+    dev = torch.device("cuda")
+    # the dgrad of the 2112-wide projection and a wgrad over 2112 tokens: PTX, not Triton
+    assert gemm.select_backend("1d2d", 4096, 7168, 2112, dev) == "ptx"
+    assert gemm.select_backend("1d1d", 7168, 2112, 2112, dev) == "ptx"
+    # decode-sized 1D2D with short K stays on Triton; shapes cuBLAS runs stay on cuBLAS
+    assert gemm.select_backend("1d2d", 64, 7168, 2112, dev) == "triton"
+    assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "cublas"
+    assert gemm.select_backend("1d1d", 7168, 2112, 4096, dev) == "cublas"
+    # a K the PTX kernels cannot take either (K % 16 != 0) falls to Triton
+    assert gemm.select_backend("1d2d", 4096, 7168, 2100, dev) == "triton"
+
+
 @pytest.mark.gpu
 def test_auto_on_hopper_uses_fast_backends(monkeypatch):
     monkeypatch.delenv("PTXTRAIN_GEMM_BACKEND", raising=False)

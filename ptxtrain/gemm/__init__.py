@@ -12,8 +12,9 @@ Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and thei
 ``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA, for 1D2D, ``ptx``
 where it measured fastest (:func:`ptx_wins`: decode-sized M with K >= 4096, large M with
 K <= 1536), then ``cublas`` for the shapes it runs correctly (:func:`ptxtrain.gemm.cublas.supports`)
-except decode-sized 1D2D (M <= 128, where the Triton kernel measured faster), otherwise
-``triton``, otherwise ``ref``. ``PTXTRAIN_GEMM_BACKEND`` forces one.
+except decode-sized 1D2D (M <= 128, where the Triton kernel measured faster), then ``ptx`` for
+the large-M 1D2D and the 1D1D shapes cuBLAS cannot run, otherwise ``triton``, otherwise ``ref``.
+``PTXTRAIN_GEMM_BACKEND`` forces one.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
     kernel beat Triton, the faster of the others there, by 0.99-1.30x on the three V3 shapes with
     K >= 7168 and lost (0.76-0.94x) on the three with K <= 2048; at M = 4096 it beat cuBLAS by
     1.01x (K = 1536) and 1.14x (K = 512) and tied or lost (0.94-0.99x) at K >= 2048. 1D1D: cuBLAS
-    stays ahead (PTX 0.92-0.97x).
+    stays first (PTX 0.92-0.97x then; 0.99-1.00x since its scales are read before the wgmma
+    wait, benchmarks/results/2026-11-22-s9-h200/call5).
     """
     if kind != "1d2d":
         return False
@@ -68,6 +70,12 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
     # wins for decode-sized 1D2D (M <= 128) and takes every shape cuBLAS cannot run correctly.
     if cublas.supports(m, n, k, device=device) and (kind == "1d1d" or m > 128):
         return "cublas"
+    # Where cuBLAS cannot run the shape (K % 512 != 0, e.g. the dgrad of the 2112-wide
+    # projection), the PTX kernels run at ~cuBLAS speed (1D2D 0.94-1.14x at M = 4096, 1D1D
+    # 0.99-1.00x) and beat Triton (0.68-0.86x and 0.61-0.70x; ptxtrain bench gemm,
+    # benchmarks/results/2026-11-22-s9-h200/call3 and call5).
+    if (kind == "1d1d" or m > 128) and ptx.supports(m, n, k, device=device):
+        return "ptx"
     return "triton" if _backend.triton_usable(device) else "ref"
 
 
