@@ -74,8 +74,10 @@ def test_ptx_takes_large_shapes_cublas_cannot_run(monkeypatch):
     assert gemm.select_backend("1d2d", 64, 7168, 2112, dev) == "triton"
     assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "cublas"
     assert gemm.select_backend("1d1d", 7168, 2112, 4096, dev) == "cublas"
-    # a K the PTX kernels cannot take either (K % 16 != 0) falls to Triton
+    # a K the PTX kernels cannot take either (K % 16 != 0) falls to Triton, and so does a shape
+    # with too few 128x128 tiles for the PTX kernels' large-M tiles (32 x 5 < 264)
     assert gemm.select_backend("1d2d", 4096, 7168, 2100, dev) == "triton"
+    assert gemm.select_backend("1d2d", 4096, 576, 2112, dev) == "triton"
 
 
 @pytest.mark.gpu

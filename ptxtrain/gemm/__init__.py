@@ -13,7 +13,8 @@ Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and thei
 where it measured fastest (:func:`ptx_wins`: decode-sized M with K >= 4096, large M with
 K <= 1536), then ``cublas`` for the shapes it runs correctly (:func:`ptxtrain.gemm.cublas.supports`)
 except decode-sized 1D2D (M <= 128, where the Triton kernel measured faster), then ``ptx`` for
-the large-M 1D2D and the 1D1D shapes cuBLAS cannot run, otherwise ``triton``, otherwise ``ref``.
+the large 1D2D and 1D1D shapes cuBLAS cannot run (M > 128 or 1D1D, at least 264 tiles of
+128x128), otherwise ``triton``, otherwise ``ref``.
 ``PTXTRAIN_GEMM_BACKEND`` forces one.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ptxtrain import _backend
+from ptxtrain._checks import ceil_div
 from ptxtrain.gemm import ref
 from ptxtrain.gemm.ref import Operand
 
@@ -71,10 +73,13 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
     if cublas.supports(m, n, k, device=device) and (kind == "1d1d" or m > 128):
         return "cublas"
     # Where cuBLAS cannot run the shape (K % 512 != 0, e.g. the dgrad of the 2112-wide
-    # projection), the PTX kernels run at ~cuBLAS speed (1D2D 0.94-1.14x at M = 4096, 1D1D
-    # 0.99-1.00x) and beat Triton (0.68-0.86x and 0.61-0.70x; ptxtrain bench gemm,
-    # benchmarks/results/2026-11-22-s9-h200/call3 and call5).
-    if (kind == "1d1d" or m > 128) and ptx.supports(m, n, k, device=device):
+    # projection) and its 128x128 tiles fill the SMs twice over, the PTX kernels run at ~cuBLAS
+    # speed and beat Triton: 1.20x / 1.16x (1D2D 4096 x 7168 x 2112, 4096 x 2112 x 4160) and
+    # 1.15x / 1.25x (1D1D 7168 x 2112 x 2112, 2112 x 7168 x 4160) in
+    # benchmarks/results/2026-11-22-s9-h200/call13. With fewer tiles the PTX heuristic takes
+    # decode-sized tiles and lost to Triton there (0.66x at 4096 x 576 x 7168).
+    tiles = ceil_div(max(m, 1), 128) * ceil_div(max(n, 1), 128)
+    if (kind == "1d1d" or m > 128) and tiles >= 2 * 132 and ptx.supports(m, n, k, device=device):
         return "ptx"
     return "triton" if _backend.triton_usable(device) else "ref"
 
