@@ -145,8 +145,11 @@ def main() -> None:
     if args.json:
         for r in ptx_rows + cublas_rows:
             r["limit"] = limit(r)
+        from ptxtrain.bench.timing import environment
+
+        record = {"env": environment(), "bench": "ncu_table", "kind": args.kind}
         with open(args.json, "w") as f:
-            json.dump({"kind": args.kind, "ptx": ptx_rows, "cublas": cublas_rows}, f, indent=1)
+            json.dump({**record, "ptx": ptx_rows, "cublas": cublas_rows}, f, indent=1)
 
 
 if __name__ == "__main__":
