@@ -58,10 +58,6 @@
 #ifndef PTXTRAIN_GEMM_PREFETCH_MIDX
 #define PTXTRAIN_GEMM_PREFETCH_MIDX 1
 #endif
-// 1D2D with double accumulators: load B's scales per chunk of K blocks (1) or per block (0).
-#ifndef PTXTRAIN_GEMM_SFB_CHUNK
-#define PTXTRAIN_GEMM_SFB_CHUNK 1
-#endif
 // 1D2D with double accumulators: read the row scales before the wgmma wait (1) or after (0).
 #ifndef PTXTRAIN_GEMM_EARLY_SA_1D2D
 #define PTXTRAIN_GEMM_EARLY_SA_1D2D 0
@@ -411,10 +407,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
           k1D1D ? (PTXTRAIN_GEMM_EARLY_SB_GROUPS < kBlockN / 8 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS
                                                                  : kBlockN / 8)
                 : 0;
-      // 1D2D: B's scales of a whole chunk of K blocks are loaded from global memory at the
-      // chunk's start, so one load latency is exposed per chunk instead of one per block (a
-      // decode-sized tile's wgmmas are too short to hide it; PTXTRAIN_GEMM_SFB_CHUNK).
-      constexpr bool kSfbChunk = !k1D1D && PTXTRAIN_GEMM_SFB_CHUNK != 0;
       // Row scales before the wait too: always with early column scales; 1D2D by switch.
       constexpr bool kEarlySa = k1D1D ? kEarlyGroups > 0 : PTXTRAIN_GEMM_EARLY_SA_1D2D != 0;
       // Retire the oldest block (`cur`): with `next`, first issue block it + 1 into `nxt` and
@@ -423,12 +415,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   {                                                                                           \
     const u32 s = it % kNumStages;                                                            \
     float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
-    if constexpr (kSfbChunk) {                                                                \
-      sfb_lo = sfb_lo_c[i];                                                                   \
-      sfb_hi = sfb_hi_c[i];                                                                   \
-    } else {                                                                                  \
-      load_sfb((kb), sfb_lo, sfb_hi);                                                         \
-    }                                                                                         \
+    load_sfb((kb), sfb_lo, sfb_hi);                                                           \
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
     float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
@@ -461,12 +448,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // unrolling, `i` is a constant and the parity / last-block branches fold away.
 #define PTXTRAIN_FP8_GEMM_CHUNK(kb0, count)                                                     \
   {                                                                                           \
-    float sfb_lo_c[kChunk], sfb_hi_c[kChunk];                                                 \
-    if constexpr (kSfbChunk) {                                                                \
-      _Pragma("unroll") for (int i = 0; i < (count); ++i) {                                   \
-        load_sfb((kb0) + i, sfb_lo_c[i], sfb_hi_c[i]);                                        \
-      }                                                                                       \
-    }                                                                                         \
     {                                                                                         \
       const u32 s = it % kNumStages;                                                          \
       mbarrier_wait(&full[s], (it / kNumStages) & 1u);                                        \
