@@ -4,8 +4,8 @@
 
 Runs the 1D2D PTX GEMM at 4096 x 2112 x 7168 with 128x128 double-accumulator tiles through the
 direct-store and the two TMA-store epilogues, under each header switch setting given in
-``VARIANTS``, three times each; prints calc_diff against the FP64 matmul of the unquantized inputs
-and whether repeated runs are bitwise equal.
+``VARIANTS``, ``REPEATS`` times each; prints calc_diff against the FP64 matmul of the unquantized
+inputs and whether repeated runs are bitwise equal.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from ptxtrain.gemm import ptx
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing import calc_diff
 
-VARIANTS = ("", "#define PTXTRAIN_GEMM_SFB_CHUNK 0\n")
+VARIANTS = ("",)
+REPEATS = 8
 
 
 def main() -> None:
@@ -32,12 +33,13 @@ def main() -> None:
         try:
             for tma, boxes in ((False, 0), (True, 0), (True, 1)):
                 cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=tma, epi_boxes=boxes)
-                outs = [ptx.run_with_config("1d2d", qa, qb, cfg, torch.bfloat16) for _ in range(3)]
+                outs = [
+                    ptx.run_with_config("1d2d", qa, qb, cfg, torch.bfloat16) for _ in range(REPEATS)
+                ]
                 diffs = [calc_diff(o.float(), want) for o in outs]
                 same = all(torch.equal(outs[0], o) for o in outs[1:])
-                bad = int((outs[0].float() - want).abs().gt(1.0 + 0.05 * want.abs()).sum())
                 print(f"{defines.strip() or 'default':<40} tma={tma!s:<5} boxes={boxes} "
-                      f"calc_diff {' '.join(f'{d:.1e}' for d in diffs)} repeat-equal {same} bad {bad}",
+                      f"calc_diff {max(diffs):.1e} (max) repeat-equal {same}",
                       flush=True)  # fmt: skip
         finally:
             _defines("")
