@@ -14,7 +14,10 @@ Design note (DESIGN §4; why: a dispatch is host-bound, ~10-20 µs of host time 
   tokens; the place of a (token, rank) pair is the rank's first place plus the rank's tokens in
   the earlier blocks plus a running ``tl.cumsum`` in the block) and the ``[T, R]`` slot table
   (the send place of every (token, rank) pair, ``-1`` if not sent), which the combine sum reads.
-  The message is written
+  Between the two, one ``torch.cumsum`` of the block counts over blocks gives each program its
+  earlier blocks' tokens per rank (its row minus its own counts) and the totals (the last row):
+  the order kernel reads O(1) rows per program, linear in the number of blocks (it re-read every
+  earlier block's counts, quadratic: ~37 M loads at 64 K tokens). The message is written
   into row 0 of a ``[2, R, W]`` buffer whose row 1 receives the exchange, so one device-to-host
   copy carries the send and the receive counts. Integer results only: the kernels and
   :func:`torch_send_layout` agree bit for bit (the twin builds no slot table).
@@ -110,34 +113,29 @@ if triton is not None:
         tl.store(hist_ptr + b.to(tl.int64) * BINS + tl.arange(0, BINS), tl.histogram(spill, BINS))
 
     @triton.jit
-    def _layout_order_kernel(idx_ptr, blk_ptr, hist_ptr, msg_ptr, order_ptr, slot_ptr, T, E, NB,
-                             R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr,
-                             KP: tl.constexpr, EPR: tl.constexpr, W: tl.constexpr,
+    def _layout_order_kernel(idx_ptr, blk_ptr, pre_ptr, tot_ptr, hist_ptr, msg_ptr, order_ptr,
+                             slot_ptr, T, E, NB, R: tl.constexpr, RP: tl.constexpr,
+                             K: tl.constexpr, KP: tl.constexpr, EPR: tl.constexpr, W: tl.constexpr,
                              BINS: tl.constexpr, BT: tl.constexpr,
                              CH: tl.constexpr):  # fmt: skip
         """Program ``b``: the send order and slot table of its tokens (each rank's first place
         plus the tokens for that rank in the blocks before ``b``, plus a running cumsum);
-        program 0 also writes the count message ``[R, W]`` from every block's counts."""
+        program 0 also writes the count message ``[R, W]``. ``pre [NB, RP + 1]`` is the
+        inclusive cumsum of ``blk`` over blocks and ``tot`` its last row (the totals): a program
+        reads its own rows of ``blk`` and ``pre`` and ``tot``, not every earlier block's."""
         b = tl.program_id(0)
         r = tl.arange(0, RP)
         r_ok = r < R
-        per_rank = tl.zeros([RP], dtype=tl.int64)
-        before = tl.zeros([RP], dtype=tl.int64)  # tokens per rank in blocks < b
-        n_bad = tl.zeros([CH], dtype=tl.int64)
-        for c0 in range(0, NB, CH):
-            c = c0 + tl.arange(0, CH)
-            c_ok = c < NB
-            cnt = tl.load(blk_ptr + c.to(tl.int64)[:, None] * (RP + 1) + r[None, :],
-                          mask=c_ok[:, None], other=0)  # fmt: skip
-            per_rank += tl.sum(cnt, axis=0)
-            before += tl.sum(tl.where((c < b)[:, None], cnt, 0), axis=0)
-            n_bad += tl.load(blk_ptr + c.to(tl.int64) * (RP + 1) + RP, mask=c_ok, other=0)
+        own = b.to(tl.int64) * (RP + 1)
+        per_rank = tl.load(tot_ptr + r)  # [RP] tokens per rank in all blocks
+        # tokens per rank in blocks < b: inclusive prefix minus this block's own counts
+        before = tl.load(pre_ptr + own + r) - tl.load(blk_ptr + own + r)
         if b == 0:
             tl.store(msg_ptr + r * W, per_rank, mask=r_ok)
             tl.store(msg_ptr + r * W + 1, tl.zeros([RP], tl.int64) + tl.max(per_rank, axis=0),
                      mask=r_ok)  # fmt: skip
-            tl.store(msg_ptr + r * W + 2, tl.zeros([RP], tl.int64) + tl.sum(n_bad, axis=0),
-                     mask=r_ok)  # fmt: skip
+            n_bad = tl.load(tot_ptr + RP)
+            tl.store(msg_ptr + r * W + 2, tl.zeros([RP], tl.int64) + n_bad, mask=r_ok)
             e = tl.arange(0, BINS)
             hist = tl.zeros([BINS], dtype=tl.int64)
             for c0 in range(0, NB, CH):
@@ -309,9 +307,10 @@ def send_layout(
     _layout_count_kernel[(n_blocks,)](
         idx, in_rank.view(torch.int8), blk, hist, n_tokens, num_experts, **meta
     )
+    pre = torch.cumsum(blk, 0)  # [NB, RP + 1] inclusive prefix over blocks (one cheap op)
     _layout_order_kernel[(n_blocks,)](
-        idx, blk, hist, counts, order, slot, n_tokens, num_experts, n_blocks, W=width,
-        CH=min(16, _pow2(n_blocks)), **meta,
+        idx, blk, pre, pre[n_blocks - 1], hist, counts, order, slot, n_tokens, num_experts,
+        n_blocks, W=width, CH=min(16, _pow2(n_blocks)), **meta,
     )  # fmt: skip
     return in_rank, counts, order[: n_tokens * num_ranks], slot
 

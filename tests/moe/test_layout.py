@@ -84,13 +84,31 @@ def test_send_layout_matches_torch(n_tokens, k, n_exp, n_ranks, opts):
 @runnable
 @pytest.mark.parametrize(("block_t", "n_tokens", "n_ranks"), [(4, 61, 4), (8, 8, 2), (2, 37, 3)])
 def test_send_layout_across_blocks(monkeypatch, block_t, n_tokens, n_ranks):
-    """Many programs (tokens per program forced small, more than 16 blocks so the order kernel
-    walks the block counts in several chunks): each block's places start after the earlier
+    """Many programs (tokens per program forced small, more than 16 blocks so program 0 walks
+    the block histograms in several chunks): each block's places start after the earlier
     blocks' tokens for the same rank, the histograms of all blocks add up."""
     monkeypatch.setattr(lay, "_LAYOUT_BLOCK_T", block_t)
     g = torch.Generator().manual_seed(block_t * 100 + n_tokens)
     idx = _topk(g, n_tokens, 4, 4 * n_ranks, bad=True)
     _check_layout(idx, 4 * n_ranks, n_ranks)
+
+
+@runnable
+@pytest.mark.parametrize(
+    ("block_t", "n_tokens", "n_ranks", "opts"),
+    [(1, 300, 4, {"bad": True}), (2, 333, 6, {"p_none": 0.7}), (2, 250, 5, {"deaf": 1, "per": 4})],
+)
+def test_send_layout_hundreds_of_blocks(monkeypatch, block_t, n_tokens, n_ranks, opts):
+    """100+ programs: each reads its earlier blocks' tokens per rank from the prefix over blocks
+    (and the totals from its last row); blocks with no token for a rank, a rank with none at
+    all, invalid ids in the first and last block."""
+    monkeypatch.setattr(lay, "_LAYOUT_BLOCK_T", block_t)
+    assert -(-n_tokens // block_t) >= 100  # the case this test is for: NB in the hundreds
+    g = torch.Generator().manual_seed(block_t * 1000 + n_tokens)
+    idx = _topk(g, n_tokens, 3, 4 * n_ranks, **opts)
+    _, want, _ = _check_layout(idx, 4 * n_ranks, n_ranks)
+    if "deaf" in opts:
+        assert int(want[1][0, opts["deaf"], 0]) == 0
 
 
 @runnable
