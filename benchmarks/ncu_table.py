@@ -1,9 +1,10 @@
 """Turn ncu's raw metrics of ``benchmarks.profile_gemm --grid`` runs into one table per shape:
 time, SM clock, tensor-core busy fraction, DRAM and L2 throughput, for the PTX GEMM and cuBLAS.
 
-    ncu --csv --page raw --metrics <METRICS> --log-file ptx.csv -k regex:fp8_gemm_nt_kernel \
+    ncu --csv --page raw --print-units base --metrics <METRICS> --nvtx --nvtx-include measure/ \
+        --log-file ptx.csv -k regex:fp8_gemm_nt_kernel \
         python3 -m benchmarks.profile_gemm --grid 1d2d --backend ptx > ptx.shapes
-    (the same for --backend cublas)
+    (the same for --backend cublas, with -k regex:'gemm|nvjet|xmma|cutlass'; run_gpu.sh ncugrid)
     python3 -m benchmarks.ncu_table --kind 1d2d --ptx ptx.csv ptx.shapes \
         --cublas cublas.csv cublas.shapes --json out.json
 

@@ -2,7 +2,7 @@
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
-#   [host] [ncuquant]
+#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [wgrad]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvldiag] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
@@ -111,14 +111,15 @@ for stage in $stages; do
           [ "$be" = cublas ] && [ -n "$gcfg" ] && continue
           kre=fp8_gemm_nt_kernel; [ "$be" = cublas ] && kre='gemm|nvjet|xmma|cutlass'
           args="--kind ${GEMM_KIND:-1d2d} --shape $gm $gn $gk --backend $be ${gcfg:+--config $gcfg}"
-          "$ncu_bin" --clock-control none -k "regex:$kre" --launch-skip 2 --launch-count 1 $secs \
+          "$ncu_bin" --clock-control none --nvtx --nvtx-include measure/ -k "regex:$kre" \
+            --launch-skip 1 --launch-count 1 $secs \
             --metrics "$mets" python3 -m benchmarks.profile_gemm $args > "$LOGS/ncu-gemm-$tag-$be.txt" 2>&1 || status=1
           echo "--- $tag $be"
           grep -E "ptx config|  [a-z_0-9]+(gemm|nvjet|xmma|cutlass)|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|gmma|lts__t_bytes|xbar2l1tex|hit_rate|dram__bytes|Warp Cycles Per Issued" \
             "$LOGS/ncu-gemm-$tag-$be.txt" | head -30
           if [ -n "${NCU_SOURCE:-}" ] && [ "$be" = ptx ]; then
-            "$ncu_bin" --clock-control none -k "regex:$kre" --launch-skip 2 --launch-count 1 \
-              --section SourceCounters --page source --print-source sass --csv \
+            "$ncu_bin" --clock-control none --nvtx --nvtx-include measure/ -k "regex:$kre" \
+              --launch-skip 1 --launch-count 1 --section SourceCounters --page source --print-source sass --csv \
               python3 -m benchmarks.profile_gemm $args > "$LOGS/ncu-gemm-$tag-source.csv" 2>&1 || status=1
             python3 -m benchmarks.ncu_stalls "$LOGS/ncu-gemm-$tag-source.csv" | head -40 || status=1
           fi

@@ -264,8 +264,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="how the MoE layers move tokens between the EP ranks, through one Buffer shared "
         "by every layer: all_to_all = torch.distributed all_to_all_single (NCCL or gloo, any "
         "devices); nvlink = the NVLink kernel through symmetric memory (CUDA GPUs of one node, "
-        "NCCL; the buffer is sized for batch-size/EP x seq-len tokens, at least 1 GiB per "
-        f"rank; not with PTXTRAIN_PP_OVERLAP=1); needs --ep > 1 (default: {d.ep_backend})",
+        "NCCL; the buffer is sized for the larger of batch-size/EP x seq-len tokens and the "
+        "end-of-run samples' contexts, at least 1 GiB per rank; not with PTXTRAIN_PP_OVERLAP=1 "
+        f"and DualPipe); needs --ep > 1 (default: {d.ep_backend})",
     )
 
     g = p.add_argument_group("data")

@@ -28,6 +28,7 @@ from ptxtrain.gemm import ref
 from ptxtrain.gemm.ref import Operand
 
 BACKENDS = ("ref", "cublas", "triton", "ptx")
+_H200_SMS = 132  # the measured rule's "two waves" (H100 SXM / H200); a constant keeps it pure
 ENV_VAR = "PTXTRAIN_GEMM_BACKEND"
 
 
@@ -44,7 +45,7 @@ def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
     kernel beat Triton, the faster of the others there, by 0.99-1.30x on the three V3 shapes with
     K >= 7168 and lost (0.76-0.94x) on the three with K <= 2048; at M = 4096 it beat cuBLAS by
     1.01x (K = 1536) and 1.14x (K = 512) and tied or lost (0.94-0.99x) at K >= 2048. 1D1D: cuBLAS
-    stays first (PTX 0.92-0.97x then; 0.99-1.00x since its scales are read before the wgmma
+    stays first (PTX 0.92-0.97x then; 0.99-1.01x since its scales are read before the wgmma
     wait, benchmarks/results/2026-11-22-s9-h200/call5).
     """
     if kind != "1d2d":
@@ -79,7 +80,8 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
     # benchmarks/results/2026-11-22-s9-h200/call13. With fewer tiles the PTX heuristic takes
     # decode-sized tiles and lost to Triton there (0.66x at 4096 x 576 x 7168).
     tiles = ceil_div(max(m, 1), 128) * ceil_div(max(n, 1), 128)
-    if (kind == "1d1d" or m > 128) and tiles >= 2 * 132 and ptx.supports(m, n, k, device=device):
+    large = (kind == "1d1d" or m > 128) and tiles >= 2 * _H200_SMS
+    if large and ptx.supports(m, n, k, device=device):
         return "ptx"
     return "triton" if _backend.triton_usable(device) else "ref"
 

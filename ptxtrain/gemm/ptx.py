@@ -585,6 +585,9 @@ def run_with_config(
         or cfg.cluster not in (1, 2)
         or cfg.unroll_k not in (1, 2, 4)
         or (cfg.double_acc and (cfg.block_m == 256 or cfg.block_n > 128))
+        # (double accumulators wait for block k + 1's stage while holding block k's: one stage
+        # would wait for itself)
+        or (cfg.double_acc and cfg.num_stages < 2)
         or not 1 <= cfg.num_stages <= _MAX_STAGES_ANY
         or cfg.raster_m not in _RASTER_MS
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES

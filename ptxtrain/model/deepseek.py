@@ -467,7 +467,7 @@ class DeepSeekV3(nn.Module):
             backend: the Buffer's backend, ``"all_to_all"`` (default; any process group) or
                 ``"nvlink"`` (an NCCL group of the GPUs of one node; :mod:`ptxtrain.moe.nvlink`).
             max_tokens: ``"nvlink"``: the most tokens one rank passes through the model in one
-                forward (``B·T`` of its largest batch), which sizes the buffer
+                forward (``B·T`` of its largest batch, sampling included), which sizes the buffer
                 (:func:`ep_nvl_bytes`); ``None``: the Buffer's default (1 GiB). Ignored by
                 ``"all_to_all"``.
 
@@ -477,6 +477,9 @@ class DeepSeekV3(nn.Module):
                 ``"nvlink"`` on a group that is not NCCL or without CUDA (raised before any
                 layer changes).
             TypeError / ValueError: ``max_tokens`` not a positive int.
+            RuntimeError: the ``"nvlink"`` transport could not be set up (symmetric memory,
+                NVRTC). This can happen on one rank alone; the others then wait in the
+                Buffer's collective setup until the process group's timeout.
         """
         if self.ep_group is not None:
             raise ValueError("expert parallelism is already enabled on this model")

@@ -172,8 +172,10 @@ VARIANTS: dict[str, Variant] = {
 # (lean 0.71, default 0.68), 128x1 0.78, 128x128 0.88, W+Wᵀ 0.83 (lean; lean_pair 0.82), 1x128
 # 0.81 (t512_pair; default 0.79). With MN-major scales (the layout Fp8Linear asks for on CUDA;
 # sweep_quant --sf-layout mn_major over 4096x7168, 8192x7168, 16384x4096,
-# benchmarks/results/2026-11-22-s9-h200/call10/): both 0.865 with pair_occ4 (lean_pair 0.842),
-# 128x1 0.856 (lean_pair), 1x128 0.879 (t512_pair), 128x128 0.881 (lean_pair), W+Wᵀ 0.854 (lean).
+# benchmarks/results/2026-11-22-s9-h200/call10/), worst shape each: both 0.865 with pair_occ4
+# (lean_pair 0.842), 128x1 0.856 (lean_pair), 1x128 0.879 (t512_pair; lean_pair 0.876 but 0.903
+# on average), 128x128 0.881 (lean_pair), W+Wᵀ 0.854 (lean). pair_occ4 with row-major scales was
+# within 1% of lean_pair in session 8 (benchmarks/results/2026-11-22-s8-h200/call12/).
 SELECT: dict[str, str] = {
     "per_token_cast_to_fp8": "t512_pair",
     "per_token_cast_to_fp8_t": "lean_pair",

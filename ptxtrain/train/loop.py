@@ -913,8 +913,13 @@ class _PipeSetup:
         if self.ep > 1:
             a = self.args
             # The most tokens one rank's forward sees: an evaluation batch (batch_size / ep
-            # sequences; training micro-batches are no larger) or a sampling context.
-            max_tokens = max(a.batch_size // self.ep * a.seq_len, model.config.max_seq_len)
+            # sequences; training micro-batches are no larger) or a sampling step (SAMPLE_COUNT
+            # sequences of up to max_seq_len tokens, on every rank).
+            sample = 0
+            if a.sample_tokens:
+                prompt = len(ByteTokenizer().encode(SAMPLE_PROMPT))
+                sample = SAMPLE_COUNT * min(model.config.max_seq_len, prompt + a.sample_tokens)
+            max_tokens = max(a.batch_size // self.ep * a.seq_len, sample, 1)
             try:
                 model.enable_expert_parallel(
                     self.ep_group, backend=a.ep_backend, max_tokens=max_tokens

@@ -197,8 +197,9 @@ class PipelineRunner:
     Raises:
         ValueError: an invalid combination (:func:`~ptxtrain.parallel.stages.check_pipeline`),
             a model that cannot be cut into stages (MTP on, tied embeddings, layer count), or
-            DualPipe with ``ep_group`` but no ``mirror_group``, or ``overlap`` with the model's
-            EP buffer on the ``"nvlink"`` backend (two streams would share it).
+            DualPipe with ``ep_group`` but no ``mirror_group``, or ``overlap`` under DualPipe /
+            DualPipeV with the model's EP buffer on the ``"nvlink"`` backend (two streams would
+            share it).
     """
 
     def __init__(
@@ -226,12 +227,17 @@ class PipelineRunner:
         if overlap is None:
             overlap = os.environ.get("PTXTRAIN_PP_OVERLAP", "0").strip() == "1"
         self.overlap = bool(overlap)
-        if self.overlap and getattr(model.ep_buffer, "backend", None) == "nvlink":
-            # Two micro-batches' MoE layers would use the one shared nvlink Buffer from two CUDA
-            # streams at once (one symmetric buffer, one epoch counter): a race.
+        if (
+            self.overlap
+            and schedule in ("dualpipe", "dualpipev")
+            and getattr(model.ep_buffer, "backend", None) == "nvlink"
+        ):
+            # DualPipe's overlapped F&B steps would use the one shared nvlink Buffer from two
+            # CUDA streams at once (one symmetric buffer, one epoch counter): a race. (1F1B
+            # ignores `overlap`.)
             raise ValueError(
-                "overlap=True (PTXTRAIN_PP_OVERLAP=1) cannot run with the model's nvlink EP "
-                "buffer: use overlap=False or the all_to_all backend"
+                f"overlap=True (PTXTRAIN_PP_OVERLAP=1) with schedule={schedule!r} cannot run "
+                "with the model's nvlink EP buffer: use overlap=False or the all_to_all backend"
             )
         self.runner = build_schedule(
             schedule, self.stages, group, overlap=self.overlap, p2p_groups=p2p_groups

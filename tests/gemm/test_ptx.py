@@ -96,6 +96,10 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
     cfg = dataclasses.replace(ptx.select_config("1d2d", 4, 128, 256, H200_SMS), raster_m=1000)
     with pytest.raises(ValueError, match="raster_m=1000"):
         ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
+    # one stage with double accumulators would wait for the stage it holds: refused, not hung
+    cfg = ptx.PtxConfig(64, 64, 1, 1, double_acc=True)
+    with pytest.raises(ValueError, match="num_stages=1"):
+        ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
 
 
 def test_generated_wgmma_wrapper_lists_every_accumulator():

@@ -403,14 +403,16 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // waiting for kb, so their shared-memory latency hides behind the wait instead of stalling
       // the promotion; more early groups hold more registers across the wait (all 16 of a
       // 128-column tile spill). 0: every scale after the wait.
+      static_assert(PTXTRAIN_GEMM_EARLY_SB_GROUPS >= 0, "PTXTRAIN_GEMM_EARLY_SB_GROUPS >= 0");
       constexpr int kEarlyGroups =
           k1D1D ? (PTXTRAIN_GEMM_EARLY_SB_GROUPS < kBlockN / 8 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS
                                                                  : kBlockN / 8)
                 : 0;
       // Row scales before the wait too: always with early column scales; 1D2D by switch.
       constexpr bool kEarlySa = k1D1D ? kEarlyGroups > 0 : PTXTRAIN_GEMM_EARLY_SA_1D2D != 0;
-      // Retire the oldest block (`cur`): with `next`, first issue block it + 1 into `nxt` and
-      // wait until one group is pending; then read the scales, release the stage, promote.
+      // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
+      // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
+      // rest of its scales, release the stage, promote.
 #define PTXTRAIN_FP8_GEMM_RETIRE(kb, cur, nxt, next)                                            \
   {                                                                                           \
     const u32 s = it % kNumStages;                                                            \
@@ -462,6 +464,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }                                                                                         \
   }
       constexpr int kChunk = PTXTRAIN_GEMM_CHUNK;
+      static_assert(kChunk >= 1, "PTXTRAIN_GEMM_CHUNK: at least one K block per chunk");
 #pragma unroll 1
       for (int kb0 = 0; kb0 + kChunk <= kNumKBlocks; kb0 += kChunk) PTXTRAIN_FP8_GEMM_CHUNK(kb0, kChunk)
       if constexpr (kNumKBlocks % kChunk != 0) {
