@@ -54,11 +54,6 @@
 #ifndef PTXTRAIN_GEMM_CHUNK
 #define PTXTRAIN_GEMM_CHUNK 8
 #endif
-// Double accumulators with BLOCK_N <= 64: split each block's wgmmas over two accumulator chains
-// (1) or keep one chain of four (0).
-#ifndef PTXTRAIN_GEMM_SPLIT_CHAIN
-#define PTXTRAIN_GEMM_SPLIT_CHAIN 0
-#endif
 // M-grouped: load the rows' m_indices at the tile's start (1) or in its epilogue (0).
 #ifndef PTXTRAIN_GEMM_PREFETCH_MIDX
 #define PTXTRAIN_GEMM_PREFETCH_MIDX 1
@@ -125,30 +120,6 @@ __device__ __forceinline__ void issue_kblock(float (&acc)[kBlockN / 2], const un
     Mma::mma(acc, da, db, kk > 0);
   }
   wgmma_commit_group();
-}
-
-// issue_kblock with the block's four K slices split over two accumulator chains when kSplit
-// (slices 0, 1 into `acc`, 2, 3 into `accb`, issued interleaved): two dependent wgmmas per
-// chain instead of four, so a small tile's block finishes in about half the wgmma latency.
-// The caller sums the chains before promoting.
-template <class Mma, int kBlockN, bool kSplit>
-__device__ __forceinline__ void issue_kblock_chains(float (&acc)[kBlockN / 2],
-                                                    float (&accb)[kSplit ? kBlockN / 2 : 1],
-                                                    const unsigned char* a_tile,
-                                                    const unsigned char* b_tile) {
-  if constexpr (!kSplit) {
-    issue_kblock<Mma, kBlockN>(acc, a_tile, b_tile);
-  } else {
-    wgmma_fence();
-    auto desc = [&](const unsigned char* t, int kk) {
-      return make_smem_desc(t + kk * 32, 0, 1024, SmemSwizzle::kB128);
-    };
-    Mma::mma(acc, desc(a_tile, 0), desc(b_tile, 0), false);
-    Mma::mma(accb, desc(a_tile, 2), desc(b_tile, 2), false);
-    Mma::mma(acc, desc(a_tile, 1), desc(b_tile, 1), true);
-    Mma::mma(accb, desc(a_tile, 3), desc(b_tile, 3), true);
-    wgmma_commit_group();
-  }
 }
 
 // FP32 promotion of one block's partial sums: fin += acc · sf_a[row] · sf_b. 1D2D: sf_b is
@@ -426,10 +397,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // the other; wait_group 1 then retires kb alone, which is promoted while kb + 1 runs.
       static_assert(kWaves == 1, "double accumulators need a single wave per warpgroup");
       float acc2[kBlockN / 2];
-      // Small tiles (BLOCK_N <= 64): each block's wgmmas in two chains (issue_kblock_chains);
-      // PTXTRAIN_GEMM_SPLIT_CHAIN.
-      constexpr bool kSplitChain = PTXTRAIN_GEMM_SPLIT_CHAIN != 0 && kBlockN <= 64;
-      float accB[kSplitChain ? kBlockN / 2 : 1], acc2B[kSplitChain ? kBlockN / 2 : 1];
       const unsigned char* a_rows = smem_a + wg * 64 * 128;
       // 1D1D: read block kb's row scales and the first kEarlyGroups 8-column groups of its
       // column scales (in its stage since its `full` wait) before issuing block kb + 1 and
@@ -446,7 +413,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
       // rest of its scales, release the stage, promote.
-#define PTXTRAIN_FP8_GEMM_RETIRE(kb, cur, curb, nxt, nxtb, next)                                \
+#define PTXTRAIN_FP8_GEMM_RETIRE(kb, cur, nxt, next)                                            \
   {                                                                                           \
     const u32 s = it % kNumStages;                                                            \
     float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
@@ -462,17 +429,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     if (next) {                                                                               \
       const u32 s1 = (it + 1) % kNumStages;                                                   \
       mbarrier_wait(&full[s1], ((it + 1) / kNumStages) & 1u);                                 \
-      issue_kblock_chains<Mma, kBlockN, kSplitChain>(nxt, nxtb, a_rows + s1 * Smem::kBytesA,    \
-                                                     smem_b + s1 * Smem::kBytesB);            \
+      issue_kblock<Mma, kBlockN>(nxt, a_rows + s1 * Smem::kBytesA, smem_b + s1 * Smem::kBytesB); \
       wgmma_wait_group<1>();                                                                  \
     } else {                                                                                  \
       wgmma_wait_group<0>();                                                                  \
     }                                                                                         \
     wgmma_fence_operand(cur);                                                                 \
-    if constexpr (kSplitChain) {                                                              \
-      wgmma_fence_operand(curb);                                                              \
-      _Pragma("unroll") for (int q = 0; q < kBlockN / 2; ++q) cur[q] += curb[q];              \
-    }                                                                                         \
     if constexpr (!kEarlySa) {                                                                \
       sa0 = sfa[row0];                                                                        \
       sa1 = sfa[row0 + 8];                                                                    \
@@ -491,14 +453,13 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     {                                                                                         \
       const u32 s = it % kNumStages;                                                          \
       mbarrier_wait(&full[s], (it / kNumStages) & 1u);                                        \
-      issue_kblock_chains<Mma, kBlockN, kSplitChain>(acc, accB, a_rows + s * Smem::kBytesA,     \
-                                                     smem_b + s * Smem::kBytesB);             \
+      issue_kblock<Mma, kBlockN>(acc, a_rows + s * Smem::kBytesA, smem_b + s * Smem::kBytesB); \
     }                                                                                         \
     _Pragma("unroll") for (int i = 0; i < (count); ++i) {                                     \
       if (i % 2 == 0) {                                                                       \
-        PTXTRAIN_FP8_GEMM_RETIRE((kb0) + i, acc, accB, acc2, acc2B, i + 1 < (count))          \
+        PTXTRAIN_FP8_GEMM_RETIRE((kb0) + i, acc, acc2, i + 1 < (count))                       \
       } else {                                                                                \
-        PTXTRAIN_FP8_GEMM_RETIRE((kb0) + i, acc2, acc2B, acc, accB, i + 1 < (count))          \
+        PTXTRAIN_FP8_GEMM_RETIRE((kb0) + i, acc2, acc, i + 1 < (count))                       \
       }                                                                                       \
     }                                                                                         \
   }
