@@ -219,6 +219,17 @@ def worker_model(rank: int, world: int) -> None:
             os.environ["PTXTRAIN_PP_OVERLAP"] = env
         assert PipelineRunner(_model(), "dualpipe", n_chunks).overlap is want, env
     os.environ.pop("PTXTRAIN_PP_OVERLAP", None)
+    # A model whose MoE layers share an nvlink EP buffer: DualPipe's two-stream overlap would
+    # use it from two streams at once, so it is refused; without overlap, or under 1F1B (which
+    # ignores overlap), it is not.
+    from types import SimpleNamespace
+
+    nvl = _model()
+    nvl.ep_buffer = SimpleNamespace(backend="nvlink")
+    with pytest.raises(ValueError, match="nvlink EP buffer"):
+        PipelineRunner(nvl, "dualpipe", n_chunks, overlap=True)
+    assert not PipelineRunner(nvl, "dualpipe", n_chunks, overlap=False).overlap
+    assert PipelineRunner(nvl, "1f1b", n_chunks, overlap=True).overlap
 
 
 def test_overlap_hook_model_stages_pp2():
