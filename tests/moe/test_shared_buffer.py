@@ -175,3 +175,33 @@ def test_train_refuses_nvlink_with_pp_overlap(tmp_path, monkeypatch):
     with pytest.raises(TrainConfigError, match="needs 4 processes"):
         train(TrainArgs(schedule="dualpipe", **kw))
     assert not dist.is_initialized()
+
+
+def test_nvlink_buffer_is_sized_for_training_and_sampling():
+    # The nvlink Buffer is sized for the most tokens one rank's forward sees: an evaluation
+    # batch (batch_size / ep sequences of seq_len) or an end-of-run sampling step (SAMPLE_COUNT
+    # contexts of up to max_seq_len tokens, on every EP rank). Exact integers: no tolerance.
+    from types import SimpleNamespace
+
+    from ptxtrain.data import ByteTokenizer
+    from ptxtrain.train import loop
+
+    prompt = len(ByteTokenizer().encode(loop.SAMPLE_PROMPT))
+    seen = []
+    model = SimpleNamespace(
+        config=SimpleNamespace(max_seq_len=512),
+        enable_expert_parallel=lambda group, backend, max_tokens: seen.append(max_tokens),
+    )
+    setup = loop._PipeSetup.__new__(loop._PipeSetup)
+    setup.ep, setup.ep_group = 2, None
+    for sample_tokens, batch, seq, want in (
+        (0, 8, 64, 8 // 2 * 64),  # no samples: the batch
+        (200, 8, 64, loop.SAMPLE_COUNT * (prompt + 200)),  # short samples: their contexts
+        (5000, 8, 64, loop.SAMPLE_COUNT * 512),  # long samples: capped at max_seq_len
+        (200, 64, 512, 64 // 2 * 512),  # a large batch dominates
+    ):
+        setup.args = SimpleNamespace(
+            batch_size=batch, seq_len=seq, sample_tokens=sample_tokens, ep_backend="nvlink"
+        )
+        setup.split_experts(model)
+        assert seen[-1] == want, (sample_tokens, batch, seq, seen[-1], want)
