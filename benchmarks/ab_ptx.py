@@ -7,7 +7,7 @@ Triton kernel) in one process (bench method).
 
 A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[d]`` (block sizes, as
 ``benchmarks.profile_gemm --config``; default the heuristic's pick) or ``#MACRO=VALUE`` (a
-``#define`` put before the header: ``ptx._SOURCE_DEFINES``). ``--kind 1d1d`` times the wgrad
+``#define`` put before the header: ``ptx.set_source_defines``). ``--kind 1d1d`` times the wgrad
 kernel (fp32 out) against cuBLAS 1D1D.
 """
 
@@ -60,13 +60,6 @@ def _with_stages(cfg, stages: int, kind: str, out_dtype) -> ptx.PtxConfig:
     return cfg
 
 
-def _defines(text: str) -> None:
-    if text != ptx._SOURCE_DEFINES:
-        ptx._SOURCE_DEFINES = text
-        ptx.compile_gemm.cache_clear()
-        ptx._plan.cache_clear()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shapes", nargs="+", required=True, help="M,N,K items")
@@ -103,14 +96,14 @@ def main() -> None:
                 cfg = _with_stages(cfg, int(cfg_text[1:]), args.kind, out_dtype)
             elif cfg_text:
                 cfg = parse_config(cfg_text)
-            _defines(defines)
+            ptx.set_source_defines(defines)
             try:
                 diff = calc_diff(
                     ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype).float(), want
                 )
                 us = timer(lambda: ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype))
             finally:
-                _defines("")
+                ptx.set_source_defines("")
             ok = diff < 1e-3  # the GEMM contract (DESIGN §2): FP8 inputs, FP32 promotion
             rows.append(
                 dict(m=m, n=n, k=k, variant=name, cfg=cfg.__dict__, defines=defines, us=us,

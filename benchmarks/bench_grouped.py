@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from benchmarks.ab_ptx import _defines, parse_variant
+from benchmarks.ab_ptx import parse_variant
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, grouped, ptx
 from ptxtrain.gemm import triton as tg
@@ -101,14 +101,14 @@ def main() -> None:
         summary[f"grouped_over_dense_ptx_{tag}"] = grp / dptx
         for spec in args.ab:
             _, _, defines = parse_variant(f"ab:{spec}")
-            _defines(defines)
+            ptx.set_source_defines(defines)
             try:
                 alt = timed(timer, f"m_grouped_contiguous {spec}",
                             lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
                                 qa, qb, m_indices, check_indices=False),
                             flops, want, rows, shape, groups=g_, rows_per_group=rows_)  # fmt: skip
             finally:
-                _defines("")
+                ptx.set_source_defines("")
             summary[f"grouped[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
         if (g_, rows_) != (G, ROWS):
             del ops, x, w, qa, qws, qb, want, dense_want

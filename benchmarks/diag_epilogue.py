@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.ab_ptx import _defines
 from ptxtrain.gemm import ptx
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing import calc_diff
@@ -29,7 +28,7 @@ def main() -> None:
     want = (x.double() @ w.double().t()).float()
     qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
     for defines in VARIANTS:
-        _defines(defines)
+        ptx.set_source_defines(defines)
         try:
             for tma, boxes in ((False, 0), (True, 0), (True, 1)):
                 cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=tma, epi_boxes=boxes)
@@ -42,7 +41,7 @@ def main() -> None:
                       f"calc_diff {max(diffs):.1e} (max) repeat-equal {same}",
                       flush=True)  # fmt: skip
         finally:
-            _defines("")
+            ptx.set_source_defines("")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import json
 
 import torch
 
-from benchmarks.ab_ptx import _defines
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, ptx
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
@@ -46,25 +45,24 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda")
         qa, qb1, qb2 = per_token_cast_to_fp8(x), per_token_cast_to_fp8(w), per_block_cast_to_fp8(w)
         cfg = ptx.select_config("1d1d", m, n, k, sms)
-        cfg2 = ptx.PtxConfig(**{**cfg.__dict__})
         runs = {
             "cublas_1d1d": lambda: cublas.fp8_gemm_nt_1d1d(qa, qb1),
             "ptx_1d1d": lambda: ptx.run_with_config("1d1d", qa, qb1, cfg, torch.float32),
-            "ptx_1d2d_fp32": lambda: ptx.run_with_config("1d2d", qa, qb2, cfg2, torch.float32),
-            "ptx_1d2d_bf16": lambda: ptx.run_with_config("1d2d", qa, qb2, cfg2, torch.bfloat16),
+            "ptx_1d2d_fp32": lambda: ptx.run_with_config("1d2d", qa, qb2, cfg, torch.float32),
+            "ptx_1d2d_bf16": lambda: ptx.run_with_config("1d2d", qa, qb2, cfg, torch.bfloat16),
         }
         us = {name: timer(fn) for name, fn in runs.items()}  # (each lambda runs at once)
         # The 1D1D kernel with fewer (0 = none: the earlier layout) of its column scales read
         # before the wgmma wait (PTXTRAIN_GEMM_EARLY_SB_GROUPS; the default is 8); each switch
         # holds for its whole timing, so its one rebuild falls in the warm-up.
         for groups in (0, 4):
-            _defines(f"#define PTXTRAIN_GEMM_EARLY_SB_GROUPS {groups}\n")
+            ptx.set_source_defines(f"#define PTXTRAIN_GEMM_EARLY_SB_GROUPS {groups}\n")
             try:
                 us[f"ptx_1d1d_early{groups}"] = timer(
                     lambda: ptx.run_with_config("1d1d", qa, qb1, cfg, torch.float32)
                 )
             finally:
-                _defines("")
+                ptx.set_source_defines("")
         flops = 2.0 * m * n * k
         row = dict(
             m=m,

@@ -25,10 +25,10 @@ import torch
 from ptxtrain import _backend
 from ptxtrain._checks import ceil_div
 from ptxtrain.gemm import ref
+from ptxtrain.gemm.heuristics import H100_SMS
 from ptxtrain.gemm.ref import Operand
 
 BACKENDS = ("ref", "cublas", "triton", "ptx")
-_H200_SMS = 132  # the measured rule's "two waves" (H100 SXM / H200); a constant keeps it pure
 ENV_VAR = "PTXTRAIN_GEMM_BACKEND"
 
 
@@ -80,7 +80,8 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
     # benchmarks/results/2026-11-22-s9-h200/call13. With fewer tiles the PTX heuristic takes
     # decode-sized tiles and lost to Triton there (0.66x at 4096 x 576 x 7168).
     tiles = ceil_div(max(m, 1), 128) * ceil_div(max(n, 1), 128)
-    large = (kind == "1d1d" or m > 128) and tiles >= 2 * _H200_SMS
+    # (two waves on the measured GPU's SMs; a constant keeps the rule pure)
+    large = (kind == "1d1d" or m > 128) and tiles >= 2 * H100_SMS
     if large and ptx.supports(m, n, k, device=device):
         return "ptx"
     return "triton" if _backend.triton_usable(device) else "ref"

@@ -50,9 +50,7 @@ _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 _TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
 _1D1D_KINDS = ("1d1d", "k_grouped")  # kernel kinds with per-column scales of B
-# Lines put before the header in every kernel's source, e.g. a "#define" of one of the header's
-# compile-time switches (for A/B sweeps: benchmarks/diag_wgrad.py). The JIT cache keys on the
-# source; clear compile_gemm's and _plan's caches after changing it.
+# Lines put before the header in every kernel's source (set_source_defines).
 _SOURCE_DEFINES = ""
 _GROUP_MODE = {"m_grouped": 1, "k_grouped": 2, "masked": 3}  # the kernel's kGroupMode (0: dense)
 
@@ -273,6 +271,24 @@ def kernel_source(
         f"{_GROUP_MODE.get(kind, 0)}, {cfg.raster_m}>"
     )
     return src, expr
+
+
+def set_source_defines(text: str) -> None:
+    """Put ``text`` (e.g. ``"#define PTXTRAIN_GEMM_CHUNK 16\n"``, one of the kernel header's
+    compile-time switches) before the header in every kernel compiled from now on, for A/B
+    sweeps in one process (benchmarks/ab_ptx.py); ``""`` restores the defaults. The JIT disk
+    cache keys on the source; the in-process caches of builds and launch plans are dropped.
+
+    Raises:
+        TypeError: ``text`` is not a str.
+    """
+    global _SOURCE_DEFINES
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if text != _SOURCE_DEFINES:
+        _SOURCE_DEFINES = text
+        compile_gemm.cache_clear()
+        _plan.cache_clear()
 
 
 @functools.lru_cache(maxsize=256)

@@ -102,6 +102,21 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
         ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
 
 
+def test_source_defines_reach_the_kernel_source_and_reset():
+    # The A/B hook of benchmarks/ab_ptx.py: the text goes before the header and "" restores it.
+    cfg = ptx.select_config("1d2d", 4096, 7168, 2048, H200_SMS)
+    plain, _ = ptx.kernel_source("1d2d", cfg, 7168, 2048, torch.bfloat16, False)
+    try:
+        ptx.set_source_defines("#define PTXTRAIN_GEMM_CHUNK 4\n")
+        src, _ = ptx.kernel_source("1d2d", cfg, 7168, 2048, torch.bfloat16, False)
+        assert src == "#define PTXTRAIN_GEMM_CHUNK 4\n" + plain
+    finally:
+        ptx.set_source_defines("")
+    assert ptx.kernel_source("1d2d", cfg, 7168, 2048, torch.bfloat16, False)[0] == plain
+    with pytest.raises(TypeError, match="text must be a str"):
+        ptx.set_source_defines(None)
+
+
 def test_generated_wgmma_wrapper_lists_every_accumulator():
     src = ptx._wgmma_struct(112)
     assert "m64n112k32.f32.e4m3.e4m3" in src

@@ -54,14 +54,6 @@
 #ifndef PTXTRAIN_GEMM_CHUNK
 #define PTXTRAIN_GEMM_CHUNK 8
 #endif
-// M-grouped: load the rows' m_indices at the tile's start (1) or in its epilogue (0).
-#ifndef PTXTRAIN_GEMM_PREFETCH_MIDX
-#define PTXTRAIN_GEMM_PREFETCH_MIDX 1
-#endif
-// 1D2D with double accumulators: read the row scales before the wgmma wait (1) or after (0).
-#ifndef PTXTRAIN_GEMM_EARLY_SA_1D2D
-#define PTXTRAIN_GEMM_EARLY_SA_1D2D 0
-#endif
 // 1D1D with double accumulators: 8-column groups of a block's column scales read before the
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
@@ -348,10 +340,10 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
     if (kGroupMode == 3 && group < 0) continue;  // masked off: neither computed nor stored
     // M-grouped: this thread's rows' m_indices, loaded now so that their latency hides behind
-    // the main loop instead of stalling the epilogue (PTXTRAIN_GEMM_PREFETCH_MIDX; a padding
-    // row, -1, stores zeros).
+    // the main loop instead of stalling the epilogue (a padding row, -1, stores zeros; measured
+    // 1-9% faster than loading them in the epilogue, benchmarks/results/2026-11-22-s9-h200/call7).
     int row_midx[kGroupMode == 1 ? 2 * kWaves : 1];
-    if constexpr (kGroupMode == 1 && PTXTRAIN_GEMM_PREFETCH_MIDX) {
+    if constexpr (kGroupMode == 1) {
 #pragma unroll
       for (int wh = 0; wh < 2 * kWaves; ++wh) {
         const int row = m0 + (wh / 2) * 64 * kNumMathWG + row0 + 8 * (wh % 2);
@@ -408,8 +400,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
           k1D1D ? (PTXTRAIN_GEMM_EARLY_SB_GROUPS < kBlockN / 8 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS
                                                                  : kBlockN / 8)
                 : 0;
-      // Row scales before the wait too: always with early column scales; 1D2D by switch.
-      constexpr bool kEarlySa = k1D1D ? kEarlyGroups > 0 : PTXTRAIN_GEMM_EARLY_SA_1D2D != 0;
+      // Row scales before the wait too, with early column scales (1D2D: after it; reading them
+      // early measured no different, 2026-11-22-s9-h200/call6).
+      constexpr bool kEarlySa = kEarlyGroups > 0;
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
       // rest of its scales, release the stage, promote.
@@ -510,10 +503,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 #pragma unroll
       for (int wh = 0; wh < 2 * kWaves; ++wh) {
         const int w = wh / 2, h = wh % 2;
-        const int row = m0 + w * 64 * kNumMathWG + row0 + 8 * h;
-        const int midx = PTXTRAIN_GEMM_PREFETCH_MIDX ? row_midx[wh]
-                         : (group >= 0 && row < m) ? __ldg(m_indices + row) : 0;
-        if (midx < 0) {
+        if (row_midx[wh] < 0) {
 #pragma unroll
           for (int j = 0; j < kBlockN / 8; ++j) {
             fin[w][4 * j + 2 * h] = 0.0f;
