@@ -61,6 +61,8 @@ class PtxConfig:
     each covering ``block_m / 128`` waves of 64 rows), ``block_n`` (a multiple of 16 in [16, 160];
     at most 128 with ``block_m = 256``), ``num_stages`` (shared-memory ring depth),
     ``cluster`` (1, or 2: two CTAs on adjacent M-blocks share each B tile by TMA multicast),
+    ``multicast_a`` (with ``cluster = 2``: the two CTAs take adjacent N-blocks of one M-block
+    and share each A tile instead, DeepGEMM's multicast on A for decode-sized M),
     ``unroll_k`` (unroll factor of the single-accumulator K loop), ``double_acc`` (two wgmma
     accumulators: block k + 1's MMAs run while block k is promoted; one wave, block_n <= 128),
     ``tma_store`` (the epilogue stages the tile in shared memory and writes it with TMA stores,
@@ -81,6 +83,7 @@ class PtxConfig:
     tma_store: bool = False
     epi_boxes: int = 0
     raster_m: int = 2048
+    multicast_a: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -268,7 +271,7 @@ def kernel_source(
         f"{n}, {k}, {'true' if kind in _1D1D_KINDS else 'false'}, {_OUT_CODE[out_dtype]}, "
         f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
         f"{'true' if cfg.double_acc else 'false'}, {_epi_boxes(cfg, out_dtype)}, "
-        f"{_GROUP_MODE.get(kind, 0)}, {cfg.raster_m}>"
+        f"{_GROUP_MODE.get(kind, 0)}, {cfg.raster_m}, {'true' if cfg.multicast_a else 'false'}>"
     )
     return src, expr
 
@@ -311,6 +314,7 @@ def compile_gemm(
     src, expr = kernel_source(kind, cfg, n, k, out_dtype, accumulate)
     name = (
         f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}"
+        f"{'a' if cfg.multicast_a else ''}"
         f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}e{_epi_boxes(cfg, out_dtype)}"
         f"r{cfg.raster_m}_n{n}_k{k}"
     )
@@ -411,7 +415,10 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
     with torch.cuda.device(device_index):
         kernel = load_kernel(compiled, expr)
-    units = ceil_div(ceil_div(m, cfg.block_m), cfg.cluster) * ceil_div(n, cfg.block_n)
+    if cfg.multicast_a:  # units: one M-block x `cluster` N-blocks
+        units = ceil_div(m, cfg.block_m) * ceil_div(ceil_div(n, cfg.block_n), cfg.cluster)
+    else:  # units: `cluster` M-blocks x one N-block
+        units = ceil_div(ceil_div(m, cfg.block_m), cfg.cluster) * ceil_div(n, cfg.block_n)
     if kind in ("k_grouped", "masked"):  # m is per group there; m_grouped's m is the total
         units *= num_groups
     smem = _config_smem(cfg, kind, out_dtype)
@@ -480,8 +487,10 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
     a8 = _k_major(a_fp8)
     b8 = _k_major(b_fp8)
     sfa = _mn_major_padded(sf_a if sf_a.dtype == torch.float32 else sf_a.float())
-    tma_a = tma_2d_bytes(a8, cfg.block_m, BLOCK_K, swizzle="128B")
-    tma_b = tma_2d_bytes(b8, cfg.block_n // cfg.cluster, BLOCK_K, swizzle="128B")
+    # Each CTA of a cluster loads its part of the multicast operand (A or B).
+    split_a, split_b = (cfg.cluster, 1) if cfg.multicast_a else (1, cfg.cluster)
+    tma_a = tma_2d_bytes(a8, cfg.block_m // split_a, BLOCK_K, swizzle="128B")
+    tma_b = tma_2d_bytes(b8, cfg.block_n // split_b, BLOCK_K, swizzle="128B")
     tma_sfa = tma_2d_bytes(sfa, 1, cfg.block_m)
     if kind in _1D1D_KINDS:
         sfb_t = _mn_major_padded(sf_b if sf_b.dtype == torch.float32 else sf_b.float())
@@ -533,6 +542,8 @@ def grouped_config(m: int, n: int, k: int, num_sms: int, num_groups: int = 0) ->
         per_group = max(1, m // num_groups)
         raster = min(2048, max(_GROUPED_RASTER_M, 1 << (per_group.bit_length() - 1)))
     cfg = select_config("1d2d", m, n, k, num_sms)
+    if cfg.multicast_a:  # adjacent N-blocks may still share A; not built for groups
+        cfg = dataclasses.replace(cfg, cluster=1, multicast_a=False)
     if cfg.block_m <= 128 and cfg.cluster == 1:
         return dataclasses.replace(cfg, raster_m=raster)
     bn = min(cfg.block_n, 128)
@@ -599,6 +610,7 @@ def run_with_config(
         cfg.block_m not in (64, 128, 256)
         or cfg.block_n not in (_BLOCK_NS if cfg.block_m < 256 else _BLOCK_NS_256)
         or cfg.cluster not in (1, 2)
+        or (cfg.multicast_a and cfg.cluster != 2)
         or cfg.unroll_k not in (1, 2, 4)
         or (cfg.double_acc and (cfg.block_m == 256 or cfg.block_n > 128))
         # (double accumulators wait for block k + 1's stage while holding block k's: one stage

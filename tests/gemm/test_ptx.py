@@ -86,7 +86,7 @@ def test_rasterization_group_per_kind():
     # The constant reaches the kernel's template arguments and its cache name.
     cfg = dataclasses.replace(ptx.grouped_config(4096, 4096, 7168, H200_SMS), raster_m=1024)
     src, expr = ptx.kernel_source("m_grouped", cfg, 4096, 7168, torch.bfloat16, False)
-    assert expr.endswith(", 1, 1024>") and "fp8_gemm.cuh" in src
+    assert expr.endswith(", 1, 1024, false>") and "fp8_gemm.cuh" in src
 
 
 def test_run_with_config_rejects_a_bad_rasterization_group():
@@ -296,13 +296,17 @@ def test_gpu_bad_k_raises_before_launch():
         ptx.PtxConfig(64, 64, 8, 1, double_acc=True, tma_store=True),
         ptx.PtxConfig(256, 128, 4, 2, tma_store=True, epi_boxes=1),
         ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, epi_boxes=2),
+        ptx.PtxConfig(64, 16, 16, 2, double_acc=True, multicast_a=True),
+        ptx.PtxConfig(64, 64, 8, 2, double_acc=True, tma_store=True, multicast_a=True),
+        ptx.PtxConfig(128, 48, 8, 2, multicast_a=True),
     ],
     ids=str,
 )
 @pytest.mark.parametrize("m,n,k", [(129, 2112, 1536), (1000, 576, 7168), (13, 300, 272)])
 def test_gpu_every_block_shape_and_cluster(kind, cfg, m, n, k):
-    # Odd M-block counts leave the second CTA of a cluster a zero-filled phantom block; N tails
-    # cut a tile and its multicast half; BLOCK_N = 112 / 160 straddle two scale blocks of B.
+    # Odd M-block counts leave the second CTA of a cluster a zero-filled phantom block (odd
+    # N-block counts with multicast_a: 2112 / 64, 300 / 16, 300 / 64); N tails cut a tile and
+    # its multicast half; BLOCK_N = 112 / 160 straddle two scale blocks of B.
     x, w = _inputs(m, n, k, seed=m + k)
     qa = per_token_cast_to_fp8(x)
     qb = per_block_cast_to_fp8(w) if kind == "1d2d" else per_token_cast_to_fp8(w)

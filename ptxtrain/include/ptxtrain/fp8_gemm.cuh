@@ -25,7 +25,10 @@
 //
 // Clusters (kCluster = 2): the two CTAs take adjacent M-blocks of one N-block; each loads half
 // of B and multicasts it to both, halving B's L2 -> shared-memory traffic. A stage is free only
-// when the math warps of both CTAs released it (remote mbarrier arrivals).
+// when the math warps of both CTAs released it (remote mbarrier arrivals). With kMcastA (decode-
+// sized M, one M-block) the roles flip: the two CTAs take adjacent N-blocks of one M-block and
+// share A, each loading half of its rows (DeepGEMM's multicast on A); A is then read from L2 by
+// half the CTAs.
 //
 // Epilogue (kEpiBoxes > 0): the tile goes registers -> stmatrix -> 128-byte-swizzled shared
 // boxes -> TMA stores (or TMA reduce-adds for accumulate), issued by one thread per warpgroup;
@@ -261,6 +264,24 @@ __device__ __forceinline__ int tile_group(const int* block_group, const int* gro
   }
 }
 
+// Work units of a cluster: kCluster adjacent M-blocks of one N-block (B multicast), or with
+// kMcastA one M-block and kCluster adjacent N-blocks (A multicast); CTA `rank` of the cluster
+// takes the rank-th block of its unit. kGroup: M-groups per rasterization group (unit_coords).
+template <int kBlockM, int kBlockN, int kN, int kCluster, bool kMcastA, int kRasterM>
+struct UnitShape {
+  static constexpr int kClusterM = kMcastA ? 1 : kCluster;  // M-blocks per unit
+  static constexpr int kClusterN = kMcastA ? kCluster : 1;  // N-blocks per unit
+  static constexpr int kNumNUnits = ((kN + kBlockN - 1) / kBlockN + kClusterN - 1) / kClusterN;
+  static constexpr int kGroup =
+      kRasterM / (kBlockM * kClusterM) > 0 ? kRasterM / (kBlockM * kClusterM) : 1;
+  __device__ __forceinline__ static int m0(int mg, u32 rank) {
+    return (mg * kClusterM + (kMcastA ? 0 : static_cast<int>(rank))) * kBlockM;
+  }
+  __device__ __forceinline__ static int n0(int nb, u32 rank) {
+    return (nb * kClusterN + (kMcastA ? static_cast<int>(rank) : 0)) * kBlockN;
+  }
+};
+
 // Work unit -> (M-group, N-block), rasterized in groups of kGroup M-groups so that the units
 // running at once share a few panels of A and of B in L2 (with M-groups fastest inside a group).
 template <int kGroup, int kNumNBlocks>
@@ -303,7 +324,7 @@ __device__ __forceinline__ void group_unit(int unit, int units_per_group, int nu
 // The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment and the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          int kGroupMode, int kRasterM = kDefaultRasterM>
+          int kGroupMode, int kRasterM = kDefaultRasterM, bool kMcastA = false>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
@@ -317,9 +338,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kWaves = MathShape<kBlockM>::kWaves;
   constexpr int kNumKBlocks = (kK + 127) / 128;
-  constexpr int kNumNBlocks = (kN + kBlockN - 1) / kBlockN;
   constexpr int kNumSfbBlocks = (kN + 127) / 128;
-  constexpr int kGroup = kRasterM / (kBlockM * kCluster) > 0 ? kRasterM / (kBlockM * kCluster) : 1;
+  using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
+  constexpr int kGroup = Units::kGroup;
   const int wg = threadIdx.x / 128;
   if constexpr (kNumMathWG == 2) setmaxnreg_inc<232>();
   const int warp = (threadIdx.x / 32) % 4;
@@ -330,13 +351,13 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   float acc[kBlockN / 2];
   float fin[kWaves][kBlockN / 2];
   u32 it = 0;
-  const int units_per_group = num_m_groups * kNumNBlocks;
+  const int units_per_group = num_m_groups * Units::kNumNUnits;
   for (int unit = first_unit; unit < num_units; unit += unit_stride) {
     int mg, nb, kg, kb_begin, num_kb;
-    group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks>(
+    group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks>(
         unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb);
-    const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
-    const int n0 = nb * kBlockN;
+    const int m0 = Units::m0(mg, rank);
+    const int n0 = Units::n0(nb, rank);
     const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
     if (kGroupMode == 3 && group < 0) continue;  // masked off: neither computed nor stored
     // M-grouped: this thread's rows' m_indices, loaded now so that their latency hides behind
@@ -356,7 +377,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       for (int i = 0; i < kBlockN / 2; ++i) fin[w][i] = 0.0f;
     }
     // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above.
-    const int sfb_block = n0 / 128;
+    // (kMcastA: an N-block past N, the odd CTA of the last pair, reads the last block's scales;
+    // it computes on zero-filled B and stores nothing.)
+    const int sfb_block = min(n0 / 128, kNumSfbBlocks - 1);
     const int split = 128 - n0 % 128;
     const bool has_hi = !k1D1D && split < kBlockN && sfb_block + 1 < kNumSfbBlocks;
     // 1D2D: B's scales of block kb (global, cached); 1D1D: per column from the stage.
@@ -586,10 +609,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // masked (DeepGEMM's decode layout): A [G, M_max, K], B [G, N, K], D [G, M_max, N] seen as 2D,
 // `m` = M_max, group_info = masked_m; tiles at or past masked_m[g] are skipped (rows past it in
 // a computed tile are written, as the contract allows). kRasterM: rows of A per rasterization
-// group (unit_coords; kRasterM / (kBlockM * kCluster) M-blocks, at least one).
+// group (unit_coords; UnitShape::kGroup M-groups, at least one). kMcastA (kCluster = 2, dense
+// only): the cluster shares A over adjacent N-blocks instead of B over adjacent M-blocks; tma_a's
+// box is then BLOCK_M / 2 rows, tma_b's BLOCK_N.
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          int kGroupMode, int kRasterM = kDefaultRasterM>
+          int kGroupMode, int kRasterM = kDefaultRasterM, bool kMcastA = false>
 __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
@@ -602,8 +627,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kNumKBlocks = (kK + 127) / 128;
-  constexpr int kNumNBlocks = (kN + kBlockN - 1) / kBlockN;
-  constexpr int kGroup = kRasterM / (kBlockM * kCluster) > 0 ? kRasterM / (kBlockM * kCluster) : 1;
+  using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
+  constexpr int kGroup = Units::kGroup;
   static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 256, "BLOCK_M: 64, 128 or 256");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 160,
                 "BLOCK_N must be a multiple of 16 in [16, 160] (a tile then spans at most two "
@@ -616,7 +641,9 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                 "K-grouped: 1D1D, BLOCK_M 64 or 128, no multicast, one accumulator (runtime K)");
   static_assert(kGroupMode != 3 || (kCluster == 1 && kBlockM <= 128 && !k1D1D),
                 "masked: 1D2D, BLOCK_M 64 or 128, no multicast");
+  static_assert(!kMcastA || kCluster == 2, "multicast of A: clusters of 2 CTAs");
   constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
+  constexpr u32 kHalfA = Smem::kBytesA / kCluster;  // kMcastA: the part of A one CTA loads
 
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -630,12 +657,13 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
 
   const int wg = threadIdx.x / 128;
   const int num_m_blocks = (m + kBlockM - 1) / kBlockM;
-  // Work units: kCluster adjacent M-blocks of one N-block; the CTAs of a cluster take one unit
-  // together (CTA rank r its M-block r) and share B through multicast. An M-block past M (odd
-  // count) is computed on zero-filled A and not stored.
+  // Work units (UnitShape): kCluster adjacent M-blocks of one N-block; the CTAs of a cluster
+  // take one unit together (CTA rank r its M-block r) and share B through multicast; with
+  // kMcastA, adjacent N-blocks sharing A. A block past M or N (odd count) is computed on
+  // zero-filled operands and not stored.
   const u32 rank = kCluster > 1 ? cluster_ctarank() : 0u;
-  const int num_m_groups = (num_m_blocks + kCluster - 1) / kCluster;
-  const int num_units = num_m_groups * kNumNBlocks * (kGroupMode >= 2 ? num_groups : 1);
+  const int num_m_groups = (num_m_blocks + Units::kClusterM - 1) / Units::kClusterM;
+  const int num_units = num_m_groups * Units::kNumNUnits * (kGroupMode >= 2 ? num_groups : 1);
   const int first_unit = blockIdx.x / kCluster;
   const int unit_stride = gridDim.x / kCluster;
 
@@ -666,11 +694,11 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
       u32 it = 0;
       for (int unit = first_unit; unit < num_units; unit += unit_stride) {
         int mg, nb, kg, kb_begin, num_kb;
-        group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks>(
-            unit, num_m_groups * kNumNBlocks, num_m_groups, group_info, mg, nb, kg, kb_begin,
-            num_kb);
-        const int m0 = (mg * kCluster + static_cast<int>(rank)) * kBlockM;
-        const int n0 = nb * kBlockN;
+        group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks>(
+            unit, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, mg, nb, kg,
+            kb_begin, num_kb);
+        const int m0 = Units::m0(mg, rank);
+        const int n0 = Units::n0(nb, rank);
         // M-grouped / masked: B is [G * N, K], group g's rows start at g * N; all-padding and
         // masked-off tiles load nothing (the math warpgroups skip them too, so the stage ring
         // stays in step). Masked: A is [G * M_max, K], group g's rows start at g * M_max.
@@ -684,10 +712,16 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
-          // The full tile of B arrives: this CTA's part plus the peers' multicast parts.
+          // The full tiles arrive: this CTA's part plus the peer's multicast part.
           mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
-          tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, a_row);
-          if constexpr (kCluster > 1) {
+          if constexpr (kMcastA) {
+            tma_load_2d_multicast(smem_a + s * Smem::kBytesA + rank * kHalfA, &tma_a, &full[s],
+                                  kb * 128, a_row + static_cast<int>(rank) * (kBlockM / kCluster),
+                                  static_cast<u16>((1u << kCluster) - 1u));
+          } else {
+            tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, a_row);
+          }
+          if constexpr (kCluster > 1 && !kMcastA) {
             tma_load_2d_multicast(smem_b + s * Smem::kBytesB + rank * kHalfB, &tma_b, &full[s],
                                   kb * 128, n0 + static_cast<int>(rank) * (kBlockN / kCluster),
                                   static_cast<u16>((1u << kCluster) - 1u));
@@ -701,7 +735,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM>(
+                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kMcastA>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
         num_groups, group_info);
