@@ -100,19 +100,20 @@ __device__ __forceinline__ void release_stage(u64* bar, int lane) {
   }
 }
 
-// One 128-K block of one wave: 4 wgmma m64nBLOCK_Nk32 from the stage's A rows `a_tile` and B
-// tile `b_tile` into `acc` (overwritten: scale-d = 0 on the first), committed as one group.
+// One 128-K block of one wave: 4 wgmma m64nBLOCK_Nk32 from the stage's A rows and B tile, given
+// as shared addresses >> 4 (`a_lo`, `b_lo`: the descriptors' low words, smem_desc_hi), into `acc`
+// (overwritten: scale-d = 0 on the first), committed as one group. K-major, 128-byte swizzle:
+// 8-row atoms 1024 B apart; the kk-th 32-byte K slice starts kk * 32 bytes into each row (the
+// swizzle applies to the absolute address), i.e. 2 kk in the low word. Stepping 32-bit words
+// instead of building 64-bit descriptors from generic pointers takes the per-block address math
+// from ~60 instructions to ~16, which is what a decode tile's K loop is made of.
 template <class Mma, int kBlockN>
-__device__ __forceinline__ void issue_kblock(float (&acc)[kBlockN / 2], const unsigned char* a_tile,
-                                             const unsigned char* b_tile) {
+__device__ __forceinline__ void issue_kblock(float (&acc)[kBlockN / 2], u32 a_lo, u32 b_lo) {
+  constexpr u32 kHi = smem_desc_hi(1024, SmemSwizzle::kB128);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    // K-major, 128-byte swizzle: 8-row atoms 1024 B apart; the k-th 32-byte K slice starts kk * 32
-    // bytes into each row (the swizzle applies to the absolute address).
-    const u64 da = make_smem_desc(a_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
-    const u64 db = make_smem_desc(b_tile + kk * 32, 0, 1024, SmemSwizzle::kB128);
-    Mma::mma(acc, da, db, kk > 0);
+    Mma::mma(acc, smem_desc(a_lo + 2 * kk, kHi), smem_desc(b_lo + 2 * kk, kHi), kk > 0);
   }
   wgmma_commit_group();
 }
@@ -348,6 +349,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   // This thread's rows in wave w: w * 64 * kNumMathWG + row0 and + 8; columns 8j + col0 + {0, 1}.
   const int row0 = wg * 64 + warp * 16 + lane / 4;
   const int col0 = 2 * (lane % 4);
+  // Descriptor low words (issue_kblock) of stage 0: this warpgroup's first 64 rows of A, and B.
+  const u32 a_lo0 = (smem_addr(smem_a) + wg * 64 * 128) >> 4;
+  const u32 b_lo0 = smem_addr(smem_b) >> 4;
   float acc[kBlockN / 2];
   float fin[kWaves][kBlockN / 2];
   u32 it = 0;
@@ -412,7 +416,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // the other; wait_group 1 then retires kb alone, which is promoted while kb + 1 runs.
       static_assert(kWaves == 1, "double accumulators need a single wave per warpgroup");
       float acc2[kBlockN / 2];
-      const unsigned char* a_rows = smem_a + wg * 64 * 128;
       // 1D1D: read block kb's row scales and the first kEarlyGroups 8-column groups of its
       // column scales (in its stage since its `full` wait) before issuing block kb + 1 and
       // waiting for kb, so their shared-memory latency hides behind the wait instead of stalling
@@ -445,7 +448,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     if (next) {                                                                               \
       const u32 s1 = (it + 1) % kNumStages;                                                   \
       mbarrier_wait(&full[s1], ((it + 1) / kNumStages) & 1u);                                 \
-      issue_kblock<Mma, kBlockN>(nxt, a_rows + s1 * Smem::kBytesA, smem_b + s1 * Smem::kBytesB); \
+      issue_kblock<Mma, kBlockN>(nxt, a_lo0 + s1 * (Smem::kBytesA >> 4),                    \
+                                 b_lo0 + s1 * (Smem::kBytesB >> 4));                          \
       wgmma_wait_group<1>();                                                                  \
     } else {                                                                                  \
       wgmma_wait_group<0>();                                                                  \
@@ -469,7 +473,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     {                                                                                         \
       const u32 s = it % kNumStages;                                                          \
       mbarrier_wait(&full[s], (it / kNumStages) & 1u);                                        \
-      issue_kblock<Mma, kBlockN>(acc, a_rows + s * Smem::kBytesA, smem_b + s * Smem::kBytesB); \
+      issue_kblock<Mma, kBlockN>(acc, a_lo0 + s * (Smem::kBytesA >> 4),                     \
+                                 b_lo0 + s * (Smem::kBytesB >> 4));                           \
     }                                                                                         \
     _Pragma("unroll") for (int i = 0; i < (count); ++i) {                                     \
       if (i % 2 == 0) {                                                                       \
@@ -508,8 +513,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         const float sa0 = sfa[wrow];
         const float sa1 = sfa[wrow + 8];
         issue_kblock<Mma, kBlockN>(
-            acc, smem_a + s * Smem::kBytesA + (w * 64 * kNumMathWG + wg * 64) * 128,
-            smem_b + s * Smem::kBytesB);
+            acc, a_lo0 + s * (Smem::kBytesA >> 4) + w * 64 * kNumMathWG * 128 / 16,
+            b_lo0 + s * (Smem::kBytesB >> 4));
         wgmma_wait_group<0>();
         wgmma_fence_operand(acc);
         if (w == kWaves - 1) {

@@ -54,6 +54,18 @@ __device__ __forceinline__ u64 make_smem_desc(const void* smem_ptr, u32 leading_
   return desc;
 }
 
+// The same descriptor in two 32-bit words, for kernels that step through shared memory: the
+// high word (stride byte offset, swizzle) is fixed per tile shape, and the low word is the start
+// address >> 4 (leading byte offset 0, as for K-major swizzled tiles), so moving the tile by
+// `bytes` (a multiple of 16) adds bytes >> 4 to it. Shared-memory addresses on sm_90 stay below
+// 256 KB, so the 14-bit field never carries into the leading-byte-offset bits.
+__host__ __device__ constexpr u32 smem_desc_hi(u32 stride_byte_offset, SmemSwizzle swizzle) {
+  return ((stride_byte_offset >> 4) & 0x3FFFu) | ((static_cast<u32>(swizzle) & 0x3u) << 30);
+}
+__device__ __forceinline__ u64 smem_desc(u32 lo, u32 hi) {
+  return (static_cast<u64>(hi) << 32) | lo;
+}
+
 // "wgmma.mma_async" m64n128k32, FP32 accumulate, E4M3 x E4M3, both operands from shared memory.
 // d[64] += A(64x32) . B(128x32)^T when accumulate != 0, else d = A . B^T.
 __device__ __forceinline__ void wgmma_m64n128k32_f32_e4m3(float (&d)[64], u64 desc_a, u64 desc_b,
