@@ -42,6 +42,7 @@ _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc
 _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x block_n registers
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8  # the heuristics' ring depth cap (see select_config)
+_MAX_STAGES_DECODE = 16  # the cap for decode-sized tiles (see select_config)
 _MAX_STAGES_ANY = 32  # what run_with_config accepts (sweeps of deeper rings)
 _RASTER_MS = tuple(1 << i for i in range(7, 15))  # PtxConfig.raster_m: 128 .. 16384 rows
 _GROUPED_RASTER_M = 512  # grouped_config's raster_m (see there)
@@ -167,8 +168,10 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
       and 16-column tiles were slower or unmeasured, and 64-row tiles won at M = 128 too.
 
     Ties go to the larger tile. ``cluster = 2`` (B multicast over two CTAs) when the tiles fill
-    the SMs and an odd M-block count wastes little. Stages: as many as fit in shared memory
-    (at most 8).
+    the SMs and an odd M-block count wastes little. Stages: as many as fit in shared memory,
+    at most 8, or 16 for decode-sized tiles (their K loop streams B from HBM with little math
+    per block: 16 stages ran 1.04-1.07x faster than 8 at M = 64 on an H200 in one process,
+    benchmarks/results/2026-11-22-s10-h200/call2).
 
     Raises:
         ValueError: unknown ``kind`` or a non-positive ``num_sms``.
@@ -205,7 +208,7 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     # one of their four K stages.
     epi_boxes = 1 if bm == 256 else 0
     epi = epilogue_bytes(bm, bn, _default_out(kind), epi_boxes) if tma_store else 0
-    stages = _MAX_STAGES
+    stages = _MAX_STAGES if large else _MAX_STAGES_DECODE
     while stages > 2 and smem_bytes(bm, bn, stages, kind, epi) > _SMEM_BYTES:
         stages -= 1
     # Multicast B over two CTAs when there are enough tiles to fill the SMs and the extra
