@@ -21,6 +21,7 @@ import json
 import torch
 
 from benchmarks.ab_ptx import parse_variant
+from ptxtrain.bench.gemm import SF_LAYOUT
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, grouped, ptx
 from ptxtrain.gemm import triton as tg
@@ -56,7 +57,7 @@ def m_grouped_operands(n: int, k: int, groups: int = G, rows: int = ROWS) -> dic
         m=m,
         x=x,
         w=w,
-        qa=per_token_cast_to_fp8(x),
+        qa=per_token_cast_to_fp8(x, sf_layout=SF_LAYOUT),
         qws=qws,
         qb=(torch.stack([q for q, _ in qws]), torch.stack([s for _, s in qws])),
         m_indices=torch.arange(groups, device="cuda", dtype=torch.int32).repeat_interleave(rows),

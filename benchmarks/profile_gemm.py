@@ -21,6 +21,7 @@ import re
 
 import torch
 
+from ptxtrain.bench.gemm import SF_LAYOUT
 from ptxtrain.gemm import cublas, ptx
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_M, DSV3_WGRAD_MN
@@ -55,9 +56,11 @@ def grid(kind: str) -> list[tuple[int, int, int]]:
 
 
 def _operands(kind: str, m: int, n: int, k: int):
-    a = per_token_cast_to_fp8(torch.randn(m, k, device="cuda"))
+    a = per_token_cast_to_fp8(torch.randn(m, k, device="cuda"), sf_layout=SF_LAYOUT)
     w = torch.randn(n, k, device="cuda")
-    return a, (per_block_cast_to_fp8(w) if kind == "1d2d" else per_token_cast_to_fp8(w))
+    if kind == "1d2d":
+        return a, per_block_cast_to_fp8(w)
+    return a, per_token_cast_to_fp8(w, sf_layout=SF_LAYOUT)
 
 
 def main() -> None:

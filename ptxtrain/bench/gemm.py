@@ -17,6 +17,12 @@ from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing import calc_diff
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_M, DSV3_WGRAD_MN
 
+# The 1x128 scales are quantized MN-major ("mn_major"), the layout Fp8Linear's CUDA path writes
+# and the one cuBLAS blockwise and the PTX kernels read: with row-major scales both copy them
+# into it inside the timed call (a second kernel, ~2 µs of a decode-sized GEMM), which Triton,
+# reading any strides, does not.
+SF_LAYOUT = "mn_major"
+
 
 def fp8_backends(kind: str = "1d2d") -> dict[str, Callable]:
     """The FP8 GEMM backends importable here, by name (``cublas`` first: it is the baseline)."""
@@ -69,7 +75,7 @@ def bench_1d2d(ms=DSV3_M, shapes=DSV3_DENSE_NK, *, repeats: int = 50) -> dict:
             w = torch.randn(n, k, device="cuda")
             want = x @ w.t()
             xb, wb = x.bfloat16(), w.bfloat16()
-            qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+            qa, qb = per_token_cast_to_fp8(x, sf_layout=SF_LAYOUT), per_block_cast_to_fp8(w)
             row = {"m": m, "n": n, "k": k, "us": {}, "tflops": {}, "calc_diff": {}}
             row["us"]["bf16"] = timer(lambda xb=xb, wb=wb: xb @ wb.t())
             _time_backends(row, backends, qa, qb, want, timer)
@@ -96,7 +102,8 @@ def bench_1d1d(k_tokens: int = 4096, pairs=DSV3_WGRAD_MN, *, repeats: int = 50) 
         b = torch.randn(n, k, device="cuda")
         want = a @ b.t()
         ab, bb = a.bfloat16(), b.bfloat16()
-        qa, qb = per_token_cast_to_fp8(a), per_token_cast_to_fp8(b)
+        qa = per_token_cast_to_fp8(a, sf_layout=SF_LAYOUT)
+        qb = per_token_cast_to_fp8(b, sf_layout=SF_LAYOUT)
         row = {"m": m, "n": n, "k": k, "us": {}, "tflops": {}, "calc_diff": {}}
         if has_out_dtype:
             row["us"]["bf16"] = timer(
@@ -131,7 +138,8 @@ def _mm_has_out_dtype() -> bool:
 _METHOD = (
     "CUDA events around single calls; 256 MB memset before each call (L2 flush); device "
     "sleep queued before the start event (launch overhead hidden); median of repeats; "
-    "TFLOPS = 2*M*N*K/time; calc_diff vs fp32 matmul of the unquantized inputs"
+    "TFLOPS = 2*M*N*K/time; calc_diff vs fp32 matmul of the unquantized inputs; 1x128 "
+    f"scales quantized {SF_LAYOUT}"
 )
 
 

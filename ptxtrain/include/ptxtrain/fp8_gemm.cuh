@@ -59,10 +59,6 @@
 #endif
 // 1D1D with double accumulators: 8-column groups of a block's column scales read before the
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
-// A/B (temporary): wait only for the last TMA stores' shared-memory reads before exiting.
-#ifndef PTXTRAIN_GEMM_END_WAIT_READ
-#define PTXTRAIN_GEMM_END_WAIT_READ 0
-#endif
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS 8
 #endif
@@ -597,11 +593,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   }
   // The staging boxes stay valid (and the kernel alive) until the last stores completed.
   if constexpr (kEpiBoxes > 0) {
-#if PTXTRAIN_GEMM_END_WAIT_READ
-    if (threadIdx.x % 128 == 0) tma_store_wait_read<0>();
-#else
     if (threadIdx.x % 128 == 0) tma_store_wait<0>();
-#endif
   }
 }
 
