@@ -49,12 +49,16 @@ def test_dispatch_validates_before_selecting(monkeypatch):
 
 
 def test_ptx_wins_rule():
-    # 1D2D only: decode-sized M with long K, large M with short K (bench_gemm.json, H200).
-    assert gemm.ptx_wins("1d2d", 64, 7168, 16384) and gemm.ptx_wins("1d2d", 128, 4096, 7168)
-    assert not gemm.ptx_wins("1d2d", 128, 7168, 2048)
-    assert gemm.ptx_wins("1d2d", 4096, 32768, 512) and gemm.ptx_wins("1d2d", 4096, 24576, 1536)
-    assert not gemm.ptx_wins("1d2d", 4096, 7168, 2048)
-    assert not gemm.ptx_wins("1d1d", 4096, 7168, 512)
+    # Decode-sized 1D2D always; larger 1D2D / 1D1D where the PTX tiles fill their waves
+    # (benchmarks/results/2026-11-22-s10-h200/call4, H200).
+    assert gemm.ptx_wins("1d2d", 64, 7168, 16384) and gemm.ptx_wins("1d2d", 128, 7168, 2048)
+    assert gemm.ptx_wins("1d2d", 4096, 32768, 512) and gemm.ptx_wins("1d2d", 4096, 7168, 2048)
+    # 544 tiles of 128x128 are 4.12 waves of 132 SMs (PTX ran 0.96x cuBLAS there)
+    assert not gemm.ptx_wins("1d2d", 4096, 2112, 7168)
+    assert gemm.ptx_wins("1d1d", 7168, 2112, 4096) and gemm.ptx_wins("1d1d", 512, 32768, 4096)
+    # too few tiles for the large-M kernels: the other backends
+    assert not gemm.ptx_wins("1d1d", 576, 256, 512) and not gemm.ptx_wins("1d2d", 4096, 576, 7168)
+    assert not gemm.ptx_wins("m_grouped", 64, 7168, 2048)
 
 
 def test_ptx_takes_large_shapes_cublas_cannot_run(monkeypatch):
@@ -70,10 +74,12 @@ def test_ptx_takes_large_shapes_cublas_cannot_run(monkeypatch):
     # the dgrad of the 2112-wide projection and a wgrad over 2112 tokens: PTX, not Triton
     assert gemm.select_backend("1d2d", 4096, 7168, 2112, dev) == "ptx"
     assert gemm.select_backend("1d1d", 7168, 2112, 2112, dev) == "ptx"
-    # decode-sized 1D2D with short K stays on Triton; shapes cuBLAS runs stay on cuBLAS
-    assert gemm.select_backend("1d2d", 64, 7168, 2112, dev) == "triton"
-    assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "cublas"
-    assert gemm.select_backend("1d1d", 7168, 2112, 4096, dev) == "cublas"
+    # decode-sized 1D2D and shapes whose tiles fill the waves: PTX; the rest that cuBLAS runs
+    # stays on cuBLAS
+    assert gemm.select_backend("1d2d", 64, 7168, 2112, dev) == "ptx"
+    assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "ptx"
+    assert gemm.select_backend("1d1d", 7168, 2112, 4096, dev) == "ptx"
+    assert gemm.select_backend("1d2d", 4096, 2112, 7168, dev) == "cublas"
     # a K the PTX kernels cannot take either (K % 16 != 0) falls to Triton, and so does a shape
     # with too few 128x128 tiles for the PTX kernels' large-M tiles (32 x 5 < 264)
     assert gemm.select_backend("1d2d", 4096, 7168, 2100, dev) == "triton"
@@ -86,11 +92,11 @@ def test_auto_on_hopper_uses_fast_backends(monkeypatch):
     monkeypatch.delenv("PTXTRAIN_QUANT_BACKEND", raising=False)
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability() == (9, 0):
-        assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "cublas"
-        assert gemm.select_backend("1d1d", 7168, 2048, 4096, dev) == "cublas"
-        assert gemm.select_backend("1d2d", 128, 7168, 2048, dev) == "triton"  # decode: Triton won
+        assert gemm.select_backend("1d2d", 4096, 2112, 7168, dev) == "cublas"
         # The PTX kernels where they measured fastest (see gemm.ptx_wins).
-        assert gemm.select_backend("1d2d", 4096, 32768, 512, dev) == "ptx"
+        assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "ptx"
+        assert gemm.select_backend("1d1d", 7168, 2048, 4096, dev) == "ptx"
+        assert gemm.select_backend("1d2d", 128, 7168, 2048, dev) == "ptx"
         assert gemm.select_backend("1d2d", 64, 7168, 16384, dev) == "ptx"
     assert gemm.select_backend("1d2d", 13, 200, 300, dev) == "triton"  # N, K not % 16: no cuBLAS
     assert gemm.select_backend("1d2d", 13, 256, 512, dev) == "triton"  # M % 4 != 0: no cuBLAS

@@ -9,12 +9,12 @@ Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and thei
 - ``ptx``: hand-written sm_90a kernels (wgmma, TMA, mbarriers), NVRTC-compiled per shape
   (:mod:`ptxtrain.gemm.ptx`; K % 16 == 0).
 
-``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA, for 1D2D, ``ptx``
-where it measured fastest (:func:`ptx_wins`: decode-sized M with K >= 4096, large M with
-K <= 1536), then ``cublas`` for the shapes it runs correctly (:func:`ptxtrain.gemm.cublas.supports`)
-except decode-sized 1D2D (M <= 128, where the Triton kernel measured faster), then ``ptx`` for
-the large 1D2D and 1D1D shapes cuBLAS cannot run (M > 128 or 1D1D, at least 264 tiles of
-128x128), otherwise ``triton``, otherwise ``ref``.
+``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA ``ptx`` where it
+measured fastest (:func:`ptx_wins`: decode-sized 1D2D, and large 1D2D / 1D1D whose tiles fill
+the SMs' waves), then ``cublas`` for the shapes it runs correctly
+(:func:`ptxtrain.gemm.cublas.supports`) except decode-sized 1D2D, then ``ptx`` for the large
+1D2D and 1D1D shapes cuBLAS cannot run (M > 128 or 1D1D, at least 264 tiles of 128x128),
+otherwise ``triton``, otherwise ``ref``.
 ``PTXTRAIN_GEMM_BACKEND`` forces one.
 """
 
@@ -40,17 +40,25 @@ def backends() -> dict[str, str]:
 def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
     """Whether ``auto`` prefers the PTX kernels for this shape (pure rule, device not checked).
 
-    From ``ptxtrain bench gemm`` on an H200, all backends in one process
-    (benchmarks/results/2026-11-22-ptx-s4-h200/bench_gemm.json): 1D2D at M = 64 / 128 the PTX
-    kernel beat Triton, the faster of the others there, by 0.99-1.30x on the three V3 shapes with
-    K >= 7168 and lost (0.76-0.94x) on the three with K <= 2048; at M = 4096 it beat cuBLAS by
-    1.01x (K = 1536) and 1.14x (K = 512) and tied or lost (0.94-0.99x) at K >= 2048. 1D1D: cuBLAS
-    stays first (PTX 0.92-0.97x then; 0.99-1.01x since its scales are read before the wgmma
-    wait, benchmarks/results/2026-11-22-s9-h200/call5).
+    From ``ptxtrain bench gemm`` on an H200, all backends in one process, scales MN-major
+    (benchmarks/results/2026-11-22-s10-h200/call4): 1D2D at M = 64 / 128 PTX ran 0.95-1.30x the
+    faster of Triton and cuBLAS on the twelve V3 shapes (ties or better on ten); at M = 4096
+    1.01-1.21x cuBLAS except 0.96x at 4096 x 2112 x 7168, whose 544 tiles of 128x128 fill 4.12
+    waves of 132 SMs; 1D1D (wgrad, K = 4096) 1.05-1.11x cuBLAS. So: every decode-sized 1D2D
+    (M <= 128); larger 1D2D and every 1D1D where the PTX heuristic's tiles fill at least two
+    waves (two waves of 128x128 tiles) with at most 15% of the last wave idle.
     """
-    if kind != "1d2d":
+    if kind not in ("1d2d", "1d1d"):
         return False
-    return k >= 4096 if m <= 128 else k <= 1536
+    if kind == "1d2d" and m <= 128:
+        return True
+    from ptxtrain.gemm import ptx
+
+    if ceil_div(max(m, 1), 128) * ceil_div(max(n, 1), 128) < 2 * H100_SMS:
+        return False
+    cfg = ptx.select_config(kind, m, n, k, H100_SMS)
+    tiles = ceil_div(max(m, 1), cfg.block_m) * ceil_div(max(n, 1), cfg.block_n)
+    return tiles / (ceil_div(tiles, H100_SMS) * H100_SMS) >= 0.85
 
 
 def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> str:
@@ -69,8 +77,9 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
 
     if ptx_wins(kind, m, n, k) and ptx.supports(m, n, k, device=device):
         return "ptx"
-    # cuBLAS wins at M = 4096 for both kinds (benchmarks/results/2026-11-22-issue3-*); Triton
-    # wins for decode-sized 1D2D (M <= 128) and takes every shape cuBLAS cannot run correctly.
+    # cuBLAS next (it beats Triton at M = 4096 for both kinds,
+    # benchmarks/results/2026-11-22-issue3-*); Triton takes decode-sized 1D2D where PTX cannot
+    # run and every shape cuBLAS cannot run correctly.
     if cublas.supports(m, n, k, device=device) and (kind == "1d1d" or m > 128):
         return "cublas"
     # Where cuBLAS cannot run the shape (K % 512 != 0, e.g. the dgrad of the 2112-wide
