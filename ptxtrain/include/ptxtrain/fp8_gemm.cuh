@@ -59,6 +59,11 @@
 #endif
 // 1D1D with double accumulators: 8-column groups of a block's column scales read before the
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
+// Diagnostics (temporary, wrong results): 1 = the math warps release each stage as soon as it is
+// full (no MMA: times the data supply); 2 = the producer loads nothing (times the math).
+#ifndef PTXTRAIN_GEMM_DIAG
+#define PTXTRAIN_GEMM_DIAG 0
+#endif
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS 8
 #endif
@@ -410,7 +415,14 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         }
       }
     };
-    if (group >= 0) {  // (always, unless an M-grouped tile is all padding)
+    if (PTXTRAIN_GEMM_DIAG == 1 && group >= 0) {
+      for (int kb = 0; kb < num_kb; ++kb, ++it) {
+        const u32 s = it % kNumStages;
+        mbarrier_wait(&full[s], (it / kNumStages) & 1u);
+        __syncwarp();
+        release_stage<kCluster>(&empty[s], lane);
+      }
+    } else if (group >= 0) {  // (always, unless an M-grouped tile is all padding)
     if constexpr (kDoubleAcc) {
       // Block kb's wgmmas are in flight in one accumulator while block kb + 1's are issued into
       // the other; wait_group 1 then retires kb alone, which is promoted while kb + 1 runs.
@@ -717,6 +729,10 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
+          if constexpr (PTXTRAIN_GEMM_DIAG == 2) {
+            mbarrier_arrive(&full[s]);
+            continue;
+          }
           // The full tiles arrive: this CTA's part plus the peer's multicast part.
           mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
           if constexpr (kMcastA) {
