@@ -60,9 +60,15 @@
 // 1D1D with double accumulators: 8-column groups of a block's column scales read before the
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
 // Diagnostics (temporary, wrong results): 1 = the math warps release each stage as soon as it is
-// full (no MMA: times the data supply); 2 = the producer loads nothing (times the math).
+// full (no MMA: times the data supply); 2 = the producer loads nothing (times the math); 3 / 4 =
+// as 1, loading only B / only A and B.
 #ifndef PTXTRAIN_GEMM_DIAG
 #define PTXTRAIN_GEMM_DIAG 0
+#endif
+// A/B (temporary): producer threads (1, or 2: one warp's lane 0 loads A and the scales, the next
+// warp's lane 0 loads B, both waiting on the stage's `empty` barrier).
+#ifndef PTXTRAIN_GEMM_PRODUCERS
+#define PTXTRAIN_GEMM_PRODUCERS 1
 #endif
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS 8
@@ -415,7 +421,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         }
       }
     };
-    if (PTXTRAIN_GEMM_DIAG == 1 && group >= 0) {
+    if ((PTXTRAIN_GEMM_DIAG == 1 || PTXTRAIN_GEMM_DIAG >= 3) && group >= 0) {
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const u32 s = it % kNumStages;
         mbarrier_wait(&full[s], (it / kNumStages) & 1u);
@@ -686,7 +692,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
-      mbarrier_init(&full[s], 1);
+      mbarrier_init(&full[s], PTXTRAIN_GEMM_PRODUCERS);
       // One arrival per math warp of every CTA of the cluster: a stage is free only when no CTA
       // still reads the B that this CTA multicasts into it.
       mbarrier_init(&empty[s], kNumMathWG * 4 * kCluster);
@@ -702,7 +708,16 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   if (wg == kNumMathWG) {
     // ---- producer warpgroup: one thread issues every TMA load ----------------------------
     if constexpr (kNumMathWG == 2) setmaxnreg_dec<40>();
-    if (threadIdx.x % 128 == 0) {
+    constexpr int kProducers = PTXTRAIN_GEMM_PRODUCERS;
+    static_assert(kProducers == 1 || kProducers == 2, "1 or 2 producer threads");
+    const int pwarp = (threadIdx.x / 32) % 4;
+    // role 0 (or the only producer): A and the scales; role 1 (or the only producer): B
+    const bool load_a = pwarp == 0 && PTXTRAIN_GEMM_DIAG != 3;
+    const bool load_sf = pwarp == 0 && PTXTRAIN_GEMM_DIAG < 3;
+    const bool load_b = pwarp == (kProducers - 1);
+    const u32 tx_bytes = (load_a ? Smem::kBytesA : 0u) + (load_b ? Smem::kBytesB : 0u) +
+                         (load_sf ? Smem::kBytesSfa + Smem::kBytesSfb : 0u);
+    if (threadIdx.x % 32 == 0 && pwarp < kProducers) {
       tma_prefetch_desc(&tma_a);
       tma_prefetch_desc(&tma_b);
       tma_prefetch_desc(&tma_sfa);
@@ -734,23 +749,29 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
             continue;
           }
           // The full tiles arrive: this CTA's part plus the peer's multicast part.
-          mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
-          if constexpr (kMcastA) {
+          mbarrier_arrive_expect_tx(&full[s], tx_bytes);
+          if (!load_a) {
+          } else if constexpr (kMcastA) {
             tma_load_2d_multicast(smem_a + s * Smem::kBytesA + rank * kHalfA, &tma_a, &full[s],
                                   kb * 128, a_row + static_cast<int>(rank) * (kBlockM / kCluster),
                                   static_cast<u16>((1u << kCluster) - 1u));
           } else {
             tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, a_row);
           }
-          if constexpr (kCluster > 1 && !kMcastA) {
+          if (!load_b) {
+          } else if constexpr (kCluster > 1 && !kMcastA) {
             tma_load_2d_multicast(smem_b + s * Smem::kBytesB + rank * kHalfB, &tma_b, &full[s],
                                   kb * 128, n0 + static_cast<int>(rank) * (kBlockN / kCluster),
                                   static_cast<u16>((1u << kCluster) - 1u));
           } else {
             tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, group * kN + n0);
           }
-          tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
-          if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
+          if (load_sf) {
+            tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
+            if constexpr (k1D1D) {
+              tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
+            }
+          }
         }
       }
     }
