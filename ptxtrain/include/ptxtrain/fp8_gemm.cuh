@@ -61,9 +61,14 @@
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
 // Diagnostics (temporary, wrong results): 1 = the math warps release each stage as soon as it is
 // full (no MMA: times the data supply); 2 = the producer loads nothing (times the math); 3 / 4 =
-// as 1, loading only B / only A and B.
+// as 1, loading only B / only A and B; 5 = no epilogue stores.
 #ifndef PTXTRAIN_GEMM_DIAG
 #define PTXTRAIN_GEMM_DIAG 0
+#endif
+// A/B: the 1D2D double-accumulator kernels read A's row scales from global memory (one block
+// ahead, into registers) instead of a third TMA load per stage (see SfaFromGlobal).
+#ifndef PTXTRAIN_GEMM_SFA_LDG
+#define PTXTRAIN_GEMM_SFA_LDG 0
 #endif
 // A/B (temporary): producer threads (1, or 2: one warp's lane 0 loads A and the scales, the next
 // warp's lane 0 loads B, both waiting on the stage's `empty` barrier).
@@ -157,6 +162,14 @@ __device__ __forceinline__ void promote(float (&fin)[kBlockN / 2], const float (
     }
   }
 }
+
+// Whether A's row scales come from global memory (the math threads' loads) instead of a TMA
+// load per stage: a TMA load costs about as much per stage whatever its size, and the 256-byte
+// scale load of a decode tile cost as much as its 8 KB of A (s10 call6).
+template <bool k1D1D, bool kDoubleAcc, int kGroupMode>
+struct SfaFromGlobal {
+  static constexpr bool value = PTXTRAIN_GEMM_SFA_LDG && kDoubleAcc && !k1D1D && kGroupMode != 2;
+};
 
 // Math warpgroups of a BLOCK_M tile: one for 64 rows, two for 128 and 256 (each then covers
 // BLOCK_M / 128 "waves" of 64 rows).
@@ -344,7 +357,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank,
                                               const int* m_indices, const int* block_group,
-                                              int num_groups, const int* group_info) {
+                                              int num_groups, const int* group_info,
+                                              const float* sf_a, int sfa_ld) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -407,6 +421,15 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         hi = has_hi ? __ldg(sfb_g + (sfb_block + 1) * kNumKBlocks + kb) : lo;
       }
     };
+    // SfaFromGlobal: this thread's two rows' scales of block kb from the MN-major [KB, sfa_ld]
+    // sf_a (rows past A's end read as 0; they are not stored).
+    const int sfa_row = (kGroupMode == 3 ? kg * m : 0) + m0 + row0;
+    const int sfa_rows = kGroupMode == 3 ? num_groups * m : m;
+    auto load_sa = [&](int kb, float& v0, float& v1) {
+      const float* p = sf_a + static_cast<long long>(kb) * sfa_ld + sfa_row;
+      v0 = sfa_row < sfa_rows ? __ldg(p) : 0.0f;
+      v1 = sfa_row + 8 < sfa_rows ? __ldg(p + 8) : 0.0f;
+    };
     // (j0 .. j1 - 1: the 8-column groups to load; all by default)
     auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1], int j0 = 0,
                        int j1 = kBlockN / 8) {
@@ -447,6 +470,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // Row scales before the wait too, with early column scales (1D2D: after it; reading them
       // early measured no different, 2026-11-22-s9-h200/call6).
       constexpr bool kEarlySa = kEarlyGroups > 0;
+      constexpr bool kSfaLdg = SfaFromGlobal<k1D1D, kDoubleAcc, kGroupMode>::value;
+      float sa_pre0 = 0.0f, sa_pre1 = 0.0f;  // kSfaLdg: the next block's row scales
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
       // rest of its scales, release the stage, promote.
@@ -458,7 +483,11 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
     float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
-    if constexpr (kEarlySa) {                                                                 \
+    if constexpr (kSfaLdg) {                                                                  \
+      sa0 = sa_pre0;                                                                          \
+      sa1 = sa_pre1;                                                                          \
+      if (next) load_sa((kb) + 1, sa_pre0, sa_pre1);                                          \
+    } else if constexpr (kEarlySa) {                                                          \
       sa0 = sfa[row0];                                                                        \
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
@@ -473,7 +502,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       wgmma_wait_group<0>();                                                                  \
     }                                                                                         \
     wgmma_fence_operand(cur);                                                                 \
-    if constexpr (!kEarlySa) {                                                                \
+    if constexpr (!kEarlySa && !kSfaLdg) {                                                    \
       sa0 = sfa[row0];                                                                        \
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
@@ -488,6 +517,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // unrolling, `i` is a constant and the parity / last-block branches fold away.
 #define PTXTRAIN_FP8_GEMM_CHUNK(kb0, count)                                                     \
   {                                                                                           \
+    if constexpr (kSfaLdg) load_sa((kb0), sa_pre0, sa_pre1);                                  \
     {                                                                                         \
       const u32 s = it % kNumStages;                                                          \
       mbarrier_wait(&full[s], (it / kNumStages) & 1u);                                        \
@@ -560,6 +590,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }
 
     // ---- epilogue ------------------------------------------------------------------------
+    if constexpr (PTXTRAIN_GEMM_DIAG == 5) continue;  // (diagnostic: no stores)
     if constexpr (kEpiBoxes > 0) {
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
@@ -645,7 +676,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
                        int m, const int* m_indices, const int* block_group, int num_groups,
-                       const int* group_info) {
+                       const int* group_info, const float* sf_a, int sfa_ld) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -714,9 +745,10 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     // role 0 (or the only producer): A and the scales; role 1 (or the only producer): B
     const bool load_a = pwarp == 0 && PTXTRAIN_GEMM_DIAG != 3;
     const bool load_sf = pwarp == 0 && PTXTRAIN_GEMM_DIAG < 3;
+    constexpr bool kSfaLdg = SfaFromGlobal<k1D1D, kDoubleAcc, kGroupMode>::value;
     const bool load_b = pwarp == (kProducers - 1);
     const u32 tx_bytes = (load_a ? Smem::kBytesA : 0u) + (load_b ? Smem::kBytesB : 0u) +
-                         (load_sf ? Smem::kBytesSfa + Smem::kBytesSfb : 0u);
+                         (load_sf ? (kSfaLdg ? 0u : Smem::kBytesSfa) + Smem::kBytesSfb : 0u);
     if (threadIdx.x % 32 == 0 && pwarp < kProducers) {
       tma_prefetch_desc(&tma_a);
       tma_prefetch_desc(&tma_b);
@@ -767,7 +799,9 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
             tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, group * kN + n0);
           }
           if (load_sf) {
-            tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
+            if constexpr (!kSfaLdg) {
+              tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
+            }
             if constexpr (k1D1D) {
               tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
             }
@@ -780,7 +814,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                   kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kMcastA>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
-        num_groups, group_info);
+        num_groups, group_info, sf_a, sfa_ld);
   }
   // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) {
