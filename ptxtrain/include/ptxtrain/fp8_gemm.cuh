@@ -59,22 +59,6 @@
 #endif
 // 1D1D with double accumulators: 8-column groups of a block's column scales read before the
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
-// Diagnostics (temporary, wrong results): 1 = the math warps release each stage as soon as it is
-// full (no MMA: times the data supply); 2 = the producer loads nothing (times the math); 3 / 4 =
-// as 1, loading only B / only A and B; 5 = no epilogue stores.
-#ifndef PTXTRAIN_GEMM_DIAG
-#define PTXTRAIN_GEMM_DIAG 0
-#endif
-// A/B: the 1D2D double-accumulator kernels read A's row scales from global memory (one block
-// ahead, into registers) instead of a third TMA load per stage (see SfaFromGlobal).
-#ifndef PTXTRAIN_GEMM_SFA_LDG
-#define PTXTRAIN_GEMM_SFA_LDG 0
-#endif
-// A/B (temporary): producer threads (1, or 2: one warp's lane 0 loads A and the scales, the next
-// warp's lane 0 loads B, both waiting on the stage's `empty` barrier).
-#ifndef PTXTRAIN_GEMM_PRODUCERS
-#define PTXTRAIN_GEMM_PRODUCERS 1
-#endif
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS 8
 #endif
@@ -162,14 +146,6 @@ __device__ __forceinline__ void promote(float (&fin)[kBlockN / 2], const float (
     }
   }
 }
-
-// Whether A's row scales come from global memory (the math threads' loads) instead of a TMA
-// load per stage: a TMA load costs about as much per stage whatever its size, and the 256-byte
-// scale load of a decode tile cost as much as its 8 KB of A (s10 call6).
-template <bool k1D1D, bool kDoubleAcc, int kGroupMode>
-struct SfaFromGlobal {
-  static constexpr bool value = PTXTRAIN_GEMM_SFA_LDG && kDoubleAcc && !k1D1D && kGroupMode != 2;
-};
 
 // Math warpgroups of a BLOCK_M tile: one for 64 rows, two for 128 and 256 (each then covers
 // BLOCK_M / 128 "waves" of 64 rows).
@@ -357,8 +333,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank,
                                               const int* m_indices, const int* block_group,
-                                              int num_groups, const int* group_info,
-                                              const float* sf_a, int sfa_ld) {
+                                              int num_groups, const int* group_info) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -421,15 +396,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         hi = has_hi ? __ldg(sfb_g + (sfb_block + 1) * kNumKBlocks + kb) : lo;
       }
     };
-    // SfaFromGlobal: this thread's two rows' scales of block kb from the MN-major [KB, sfa_ld]
-    // sf_a (rows past A's end read as 0; they are not stored).
-    const int sfa_row = (kGroupMode == 3 ? kg * m : 0) + m0 + row0;
-    const int sfa_rows = kGroupMode == 3 ? num_groups * m : m;
-    auto load_sa = [&](int kb, float& v0, float& v1) {
-      const float* p = sf_a + static_cast<long long>(kb) * sfa_ld + sfa_row;
-      v0 = sfa_row < sfa_rows ? __ldg(p) : 0.0f;
-      v1 = sfa_row + 8 < sfa_rows ? __ldg(p + 8) : 0.0f;
-    };
     // (j0 .. j1 - 1: the 8-column groups to load; all by default)
     auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1], int j0 = 0,
                        int j1 = kBlockN / 8) {
@@ -444,14 +410,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         }
       }
     };
-    if ((PTXTRAIN_GEMM_DIAG == 1 || PTXTRAIN_GEMM_DIAG >= 3) && group >= 0) {
-      for (int kb = 0; kb < num_kb; ++kb, ++it) {
-        const u32 s = it % kNumStages;
-        mbarrier_wait(&full[s], (it / kNumStages) & 1u);
-        __syncwarp();
-        release_stage<kCluster>(&empty[s], lane);
-      }
-    } else if (group >= 0) {  // (always, unless an M-grouped tile is all padding)
+    if (group >= 0) {  // (always, unless an M-grouped tile is all padding)
     if constexpr (kDoubleAcc) {
       // Block kb's wgmmas are in flight in one accumulator while block kb + 1's are issued into
       // the other; wait_group 1 then retires kb alone, which is promoted while kb + 1 runs.
@@ -470,8 +429,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // Row scales before the wait too, with early column scales (1D2D: after it; reading them
       // early measured no different, 2026-11-22-s9-h200/call6).
       constexpr bool kEarlySa = kEarlyGroups > 0;
-      constexpr bool kSfaLdg = SfaFromGlobal<k1D1D, kDoubleAcc, kGroupMode>::value;
-      float sa_pre0 = 0.0f, sa_pre1 = 0.0f;  // kSfaLdg: the next block's row scales
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
       // rest of its scales, release the stage, promote.
@@ -483,11 +440,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
     float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
-    if constexpr (kSfaLdg) {                                                                  \
-      sa0 = sa_pre0;                                                                          \
-      sa1 = sa_pre1;                                                                          \
-      if (next) load_sa((kb) + 1, sa_pre0, sa_pre1);                                          \
-    } else if constexpr (kEarlySa) {                                                          \
+    if constexpr (kEarlySa) {                                                                 \
       sa0 = sfa[row0];                                                                        \
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
@@ -502,7 +455,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       wgmma_wait_group<0>();                                                                  \
     }                                                                                         \
     wgmma_fence_operand(cur);                                                                 \
-    if constexpr (!kEarlySa && !kSfaLdg) {                                                    \
+    if constexpr (!kEarlySa) {                                                                \
       sa0 = sfa[row0];                                                                        \
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
@@ -517,7 +470,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // unrolling, `i` is a constant and the parity / last-block branches fold away.
 #define PTXTRAIN_FP8_GEMM_CHUNK(kb0, count)                                                     \
   {                                                                                           \
-    if constexpr (kSfaLdg) load_sa((kb0), sa_pre0, sa_pre1);                                  \
     {                                                                                         \
       const u32 s = it % kNumStages;                                                          \
       mbarrier_wait(&full[s], (it / kNumStages) & 1u);                                        \
@@ -590,7 +542,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }
 
     // ---- epilogue ------------------------------------------------------------------------
-    if constexpr (PTXTRAIN_GEMM_DIAG == 5) continue;  // (diagnostic: no stores)
     if constexpr (kEpiBoxes > 0) {
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
@@ -676,7 +627,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
                        int m, const int* m_indices, const int* block_group, int num_groups,
-                       const int* group_info, const float* sf_a, int sfa_ld) {
+                       const int* group_info) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -723,7 +674,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
-      mbarrier_init(&full[s], PTXTRAIN_GEMM_PRODUCERS);
+      mbarrier_init(&full[s], 1);
       // One arrival per math warp of every CTA of the cluster: a stage is free only when no CTA
       // still reads the B that this CTA multicasts into it.
       mbarrier_init(&empty[s], kNumMathWG * 4 * kCluster);
@@ -739,17 +690,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   if (wg == kNumMathWG) {
     // ---- producer warpgroup: one thread issues every TMA load ----------------------------
     if constexpr (kNumMathWG == 2) setmaxnreg_dec<40>();
-    constexpr int kProducers = PTXTRAIN_GEMM_PRODUCERS;
-    static_assert(kProducers == 1 || kProducers == 2, "1 or 2 producer threads");
-    const int pwarp = (threadIdx.x / 32) % 4;
-    // role 0 (or the only producer): A and the scales; role 1 (or the only producer): B
-    const bool load_a = pwarp == 0 && PTXTRAIN_GEMM_DIAG != 3;
-    const bool load_sf = pwarp == 0 && PTXTRAIN_GEMM_DIAG < 3;
-    constexpr bool kSfaLdg = SfaFromGlobal<k1D1D, kDoubleAcc, kGroupMode>::value;
-    const bool load_b = pwarp == (kProducers - 1);
-    const u32 tx_bytes = (load_a ? Smem::kBytesA : 0u) + (load_b ? Smem::kBytesB : 0u) +
-                         (load_sf ? (kSfaLdg ? 0u : Smem::kBytesSfa) + Smem::kBytesSfb : 0u);
-    if (threadIdx.x % 32 == 0 && pwarp < kProducers) {
+    if (threadIdx.x % 128 == 0) {
       tma_prefetch_desc(&tma_a);
       tma_prefetch_desc(&tma_b);
       tma_prefetch_desc(&tma_sfa);
@@ -776,36 +717,24 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
-          if constexpr (PTXTRAIN_GEMM_DIAG == 2) {
-            mbarrier_arrive(&full[s]);
-            continue;
-          }
           // The full tiles arrive: this CTA's part plus the peer's multicast part.
-          mbarrier_arrive_expect_tx(&full[s], tx_bytes);
-          if (!load_a) {
-          } else if constexpr (kMcastA) {
+          mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
+          if constexpr (kMcastA) {
             tma_load_2d_multicast(smem_a + s * Smem::kBytesA + rank * kHalfA, &tma_a, &full[s],
                                   kb * 128, a_row + static_cast<int>(rank) * (kBlockM / kCluster),
                                   static_cast<u16>((1u << kCluster) - 1u));
           } else {
             tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, a_row);
           }
-          if (!load_b) {
-          } else if constexpr (kCluster > 1 && !kMcastA) {
+          if constexpr (kCluster > 1 && !kMcastA) {
             tma_load_2d_multicast(smem_b + s * Smem::kBytesB + rank * kHalfB, &tma_b, &full[s],
                                   kb * 128, n0 + static_cast<int>(rank) * (kBlockN / kCluster),
                                   static_cast<u16>((1u << kCluster) - 1u));
           } else {
             tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, group * kN + n0);
           }
-          if (load_sf) {
-            if constexpr (!kSfaLdg) {
-              tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
-            }
-            if constexpr (k1D1D) {
-              tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
-            }
-          }
+          tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
+          if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
         }
       }
     }
@@ -814,7 +743,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                   kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kMcastA>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
-        num_groups, group_info, sf_a, sfa_ld);
+        num_groups, group_info);
   }
   // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) {
