@@ -393,8 +393,8 @@ def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
 
 
 # The kernel's parameters (fp8_gemm.cuh): the TMA descriptors of A, B, sf_a, sf_b and D, then
-# sf_b, out, m, m_indices, block_group, num_groups, the K-grouped / masked info pointer and B.
-_SIGNATURE = "TTTTTppippipp"
+# sf_b, out, m, m_indices, block_group, num_groups and the K-grouped / masked info pointer.
+_SIGNATURE = "TTTTTppippip"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -521,7 +521,6 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         block_group.data_ptr(),
         num_groups,
         k_offsets.data_ptr(),
-        b8.data_ptr(),
     )
     if torch.cuda.current_device() == index:
         bound(grid, *args)

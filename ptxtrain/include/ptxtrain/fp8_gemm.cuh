@@ -59,12 +59,6 @@
 #endif
 // 1D1D with double accumulators: 8-column groups of a block's column scales read before the
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
-// A/B: the producer prefetches each tile's B rows (BLOCK_N x K bytes, contiguous in a K-major
-// B) into L2 at the tile's start as one sequential stream: 1 = this tile's, 2 = also the next
-// tile's of this CTA.
-#ifndef PTXTRAIN_GEMM_PREFETCH_B
-#define PTXTRAIN_GEMM_PREFETCH_B 0
-#endif
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS 8
 #endif
@@ -633,7 +627,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
                        int m, const int* m_indices, const int* block_group, int num_groups,
-                       const int* group_info, const unsigned char* b_ptr) {
+                       const int* group_info) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -717,31 +711,6 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
             tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
         if (group < 0) continue;
         const int a_row = (kGroupMode == 3 ? kg * m : 0) + m0;
-        if constexpr (PTXTRAIN_GEMM_PREFETCH_B > 0 && kGroupMode != 2) {
-          // This tile's B rows (and with 2 the next tile's, on its first tile both), in 32 KB
-          // pieces; rows past N are not touched.
-          for (int ahead = unit == first_unit ? 0 : PTXTRAIN_GEMM_PREFETCH_B - 1;
-               ahead < PTXTRAIN_GEMM_PREFETCH_B; ++ahead) {
-            int pu = unit + ahead * unit_stride;
-            if (pu >= num_units) break;
-            int pmg, pnb, pkg, pkb0, pnkb;
-            group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks>(
-                pu, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, pmg, pnb, pkg,
-                pkb0, pnkb);
-            const int pn0 = Units::n0(pnb, rank);
-            const int pgroup = tile_group<kGroupMode, kBlockM>(block_group, group_info,
-                                                               Units::m0(pmg, rank), pkg,
-                                                               num_groups);
-            if (pgroup < 0 || pn0 >= kN) continue;
-            const int rows = min(kBlockN, kN - pn0);
-            const unsigned char* p =
-                b_ptr + (static_cast<long long>(pgroup) * kN + pn0) * static_cast<long long>(kK);
-            const long long bytes = static_cast<long long>(rows) * kK;
-            for (long long off = 0; off < bytes; off += 32768) {
-              bulk_prefetch_l2(p + off, static_cast<u32>(min(bytes - off, 32768LL)));
-            }
-          }
-        }
 #pragma unroll 1
         for (int kbi = 0; kbi < num_kb; ++kbi, ++it) {
           const int kb = kb_begin + kbi;  // (K-grouped: this group's K blocks)

@@ -21,12 +21,6 @@ __device__ __forceinline__ void tma_prefetch_desc(const TmaDescriptor* desc) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(desc) : "memory");
 }
 
-// "cp.async.bulk.prefetch.L2": asynchronously brings `bytes` (a multiple of 16) of global memory
-// at `src` (16-byte aligned) into L2; a hint, nothing waits for it. PTX ISA "cp.async.bulk.prefetch".
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
-
 // 2D tiled load global -> shared completing on an mbarrier (complete_tx::bytes): the box at
 // (c0 = inner coordinate, c1 = outer coordinate) lands at `smem_dst`; the barrier's phase must
 // expect the box's bytes (mbarrier_arrive_expect_tx).
