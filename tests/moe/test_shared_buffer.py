@@ -5,6 +5,8 @@ nothing on the Buffer (its layout lives in the handle), so sharing must not chan
 losses and gradients are compared with ``torch.equal`` over two steps with fresh random tokens.
 Also the argument errors of ``MoE.enable_expert_parallel`` / ``DeepSeekV3.enable_expert_parallel``
 and the ``--ep-backend nvlink`` refusals of ``ptxtrain train`` (before any communication).
+On 2 and 4 GPUs (``multigpu``): the model with one shared NVLink Buffer trains bit for bit like
+the same model on the NCCL all_to_all backend, backward included.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ptxtrain.model.deepseek import ep_nvl_bytes
 from ptxtrain.moe import Buffer
 from ptxtrain.moe.layer import MoE
 from ptxtrain.train import TrainArgs, TrainConfigError, train
-from tests.moe._dist import run_gloo
+from tests.moe._dist import run_dist, run_gloo
 
 # tiny preset (8 routed experts top-2, 3 MoE layers + the MTP block's) at a small width: every
 # rank holds 4 experts of each of the 4 MoE layers.
@@ -33,13 +35,16 @@ def _model(seed: int = 3):
     return build_model(config, dtype=torch.float32, seed=seed)
 
 
-def _steps(model, rank: int, steps: int = 2) -> list[tuple[torch.Tensor, dict]]:
+def _steps(
+    model, rank: int, steps: int = 2, device: str = "cpu"
+) -> list[tuple[torch.Tensor, dict]]:
     """Forward + backward + an SGD update per step on fresh random tokens of this rank; the
     loss and the gradients of every step."""
     out = []
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
         ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1), generator=gen)
+        ids = ids.to(device)
         res = model(ids[:, :-1], labels=ids[:, 1:])
         model.zero_grad(set_to_none=True)
         res.loss.backward()
@@ -121,6 +126,37 @@ def _argument_errors(rank: int, world: int) -> None:
 
 def test_moe_layers_share_one_buffer_bitwise_like_per_layer_buffers():
     run_gloo(_shared_worker, 2, timeout=120)
+
+
+def _nvlink_worker(rank: int, world: int) -> None:
+    """The model on GPUs with ONE shared NVLink Buffer for all its MoE layers (forward and the
+    backward's dispatch/combine) against the same model on the NCCL all_to_all backend."""
+    nvl, a2a = _model().cuda(), _model().cuda()
+    nvl.enable_expert_parallel(backend="nvlink", max_tokens=BATCH * SEQ)
+    a2a.enable_expert_parallel(backend="all_to_all")
+    assert nvl.ep_buffer.backend == "nvlink"
+    assert all(m.ep_buffer is nvl.ep_buffer for m in nvl.moe_layers())
+    got = _steps(nvl, rank, steps=3, device="cuda")
+    want = _steps(a2a, rank, steps=3, device="cuda")
+    nvl.ep_buffer.check_errors()
+    for step, ((loss_n, g_n), (loss_a, g_a)) in enumerate(zip(got, want, strict=True)):
+        # Both backends deliver the same rows to the same slots and combine in the same order
+        # (tests/moe/test_nvlink.py checks that bit for bit), and the rest of the step runs the
+        # same kernels on the same inputs: equal to the last bit.
+        assert torch.equal(loss_n, loss_a), f"{rank=} {step=}: {loss_n} != {loss_a}"
+        assert g_n.keys() == g_a.keys() and any(".experts.w1" in n for n in g_n)
+        for name in g_n:
+            assert torch.equal(g_n[name], g_a[name]), f"{rank=} {step=} {name}"
+    assert not torch.equal(got[0][0], got[1][0])
+    dist.barrier()  # no rank frees the symmetric buffer while a peer may still write to it
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_nvlink_buffer_trains_like_all_to_all(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
+    run_dist(_nvlink_worker, world, timeout=300.0, backend="nccl")
 
 
 def test_ep_nvl_bytes_sizes_the_largest_row():
