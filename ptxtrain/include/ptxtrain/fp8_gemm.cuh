@@ -59,11 +59,6 @@
 #endif
 // 1D1D with double accumulators: 8-column groups of a block's column scales read before the
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
-// Diagnostic (temporary, wrong results): 5 = no epilogue stores (the results stay live: stored
-// only if M < 0); 6 = the promotion only every 8th K block.
-#ifndef PTXTRAIN_GEMM_DIAG
-#define PTXTRAIN_GEMM_DIAG 0
-#endif
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS 8
 #endif
@@ -467,8 +462,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     load_sb(s, sb, kEarlyGroups);                                                             \
     __syncwarp();                                                                             \
     release_stage<kCluster>(&empty[s], lane);                                                 \
-    if (PTXTRAIN_GEMM_DIAG != 6 || (kb) % 8 == 0)                                             \
-      promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);              \
+    promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
     ++it;                                                                                     \
   }
       // Chunks of kChunk blocks, each fully unrolled and drained at its end (wait_group 0): ptxas
@@ -548,7 +542,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }
 
     // ---- epilogue ------------------------------------------------------------------------
-    if (PTXTRAIN_GEMM_DIAG == 5 && m >= 0) continue;
     if constexpr (kEpiBoxes > 0) {
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
