@@ -1,5 +1,7 @@
 """Backend selection for ptxtrain.gemm and ptxtrain.quant."""
 
+import functools
+
 import pytest
 import torch
 
@@ -70,6 +72,10 @@ def test_ptx_takes_large_shapes_cublas_cannot_run(monkeypatch):
     monkeypatch.setattr(cublas, "supports", lambda m, n, k, device=None: k % 512 == 0)
     monkeypatch.setattr(ptx, "supports", lambda m, n, k, device=None: k % 16 == 0)
     monkeypatch.setattr(_backend, "triton_usable", lambda device: True)
+    # select_backend caches its CUDA choices: none made with the real functions may answer here,
+    # and none made with these fakes may outlive the test.
+    gemm._auto_cuda.cache_clear()
+    monkeypatch.setattr(gemm, "_auto_cuda", functools.lru_cache(gemm._auto_cuda.__wrapped__))
     dev = torch.device("cuda")
     # the dgrad of the 2112-wide projection and a wgrad over 2112 tokens: PTX, not Triton
     assert gemm.select_backend("1d2d", 4096, 7168, 2112, dev) == "ptx"

@@ -20,6 +20,8 @@ otherwise ``triton``, otherwise ``ref``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ptxtrain import _backend
@@ -73,8 +75,18 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
         return forced
     if device.type != "cuda":
         return "ref"
+    # The choice is a pure function of the shape and the device (its capability, the toolchain,
+    # Triton's presence): cached per call site's shape, since the per-call checks cost ~10 µs of
+    # host time per GEMM in a host-bound training step.
+    return _auto_cuda(kind, m, n, k, device.index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _auto_cuda(kind: str, m: int, n: int, k: int, index: int | None) -> str:
+    """``select_backend``'s ``auto`` choice on CUDA device ``index`` (None: the current one)."""
     from ptxtrain.gemm import cublas, ptx
 
+    device = torch.device("cuda", index) if index is not None else torch.device("cuda")
     if ptx_wins(kind, m, n, k) and ptx.supports(m, n, k, device=device):
         return "ptx"
     # cuBLAS next (it beats Triton at M = 4096 for both kinds,

@@ -16,6 +16,8 @@ every op). Dequantization (``*_cast_back``) is always the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ptxtrain import _backend
@@ -55,9 +57,17 @@ def select_backend(x: torch.Tensor, op: str = "per_token_cast_to_fp8") -> str:
         return forced
     if x.device.type != "cuda":
         return "ref"
-    if _cuda_usable(x.device, op):
+    return _auto_cuda(x.device.index, op)
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_cuda(index: int | None, op: str) -> str:
+    """``select_backend``'s ``auto`` choice for ``op`` on CUDA device ``index`` (None: the
+    current one); cached: it depends on the device and the installed toolchain only."""
+    device = torch.device("cuda", index) if index is not None else torch.device("cuda")
+    if _cuda_usable(device, op):
         return "cuda"
-    if _backend.triton_usable(x.device):
+    if _backend.triton_usable(device):
         return "triton"
     return "ref"
 
