@@ -59,12 +59,6 @@
 #endif
 // 1D1D with double accumulators: 8-column groups of a block's column scales read before the
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
-// A/B: with two math warpgroups and double accumulators, warpgroup 1 starts its first tile once
-// warpgroup 0 has issued this many K blocks of it, so that the two stay that far apart and one's
-// promotion and epilogue run under the other's MMAs (0: both start together).
-#ifndef PTXTRAIN_GEMM_WG_LAG
-#define PTXTRAIN_GEMM_WG_LAG 0
-#endif
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS 8
 #endif
@@ -361,14 +355,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   float acc[kBlockN / 2];
   float fin[kWaves][kBlockN / 2];
   u32 it = 0;
-  // PTXTRAIN_GEMM_WG_LAG: until the first computed tile's handshake (named barrier 3, both
-  // warpgroups' 256 threads) has happened.
-  // (at most kNumStages - 1: warpgroup 0 must get its kLag + 1 blocks without a stage release)
-  constexpr int kLag = kNumMathWG == 2 ? (PTXTRAIN_GEMM_WG_LAG < kNumStages - 1
-                                              ? PTXTRAIN_GEMM_WG_LAG
-                                              : kNumStages - 1)
-                                       : 0;
-  bool lag_pending = kLag > 0;
   const int units_per_group = num_m_groups * Units::kNumNUnits;
   for (int unit = first_unit; unit < num_units; unit += unit_stride) {
     int mg, nb, kg, kb_begin, num_kb;
@@ -430,10 +416,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // the other; wait_group 1 then retires kb alone, which is promoted while kb + 1 runs.
       static_assert(kWaves == 1, "double accumulators need a single wave per warpgroup");
       float acc2[kBlockN / 2];
-      if (kLag > 0 && lag_pending && wg == 1) {
-        named_barrier_sync(3, 256);  // warpgroup 0 has issued kLag blocks of this tile
-        lag_pending = false;
-      }
       // 1D1D: read block kb's row scales and the first kEarlyGroups 8-column groups of its
       // column scales (in its stage since its `full` wait) before issuing block kb + 1 and
       // waiting for kb, so their shared-memory latency hides behind the wait instead of stalling
@@ -468,10 +450,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       mbarrier_wait(&full[s1], ((it + 1) / kNumStages) & 1u);                                 \
       issue_kblock<Mma, kBlockN>(nxt, a_lo0 + s1 * (Smem::kBytesA >> 4),                    \
                                  b_lo0 + s1 * (Smem::kBytesB >> 4));                          \
-      if (kLag > 0 && lag_pending && wg == 0 && (kb) + 1 >= kLag) {                           \
-        named_barrier_arrive(3, 256);                                                         \
-        lag_pending = false;                                                                  \
-      }                                                                                       \
       wgmma_wait_group<1>();                                                                  \
     } else {                                                                                  \
       wgmma_wait_group<0>();                                                                  \
@@ -515,10 +493,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
 #undef PTXTRAIN_FP8_GEMM_CHUNK
 #undef PTXTRAIN_FP8_GEMM_RETIRE
-      if (kLag > 0 && lag_pending && wg == 0) {  // a first tile of at most kLag blocks
-        named_barrier_arrive(3, 256);
-        lag_pending = false;
-      }
     } else {
     // kUnrollK: how far the compiler may unroll the K loop (more overlaps one block's scale
     // loads and address math with the previous block's promotion; too much spills).
