@@ -5,8 +5,9 @@ Triton kernel) in one process (bench method).
     python3 -m benchmarks.ab_ptx --shapes 4096,7168,16384 4096,4096,7168 \
         --variants base "chunk16:#PTXTRAIN_GEMM_CHUNK=16" "c144:128x144s5c1" [--json OUT.json]
 
-A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[d]`` (block sizes, as
-``benchmarks.profile_gemm --config``; default the heuristic's pick) or ``#MACRO=VALUE`` (a
+A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[a][d]`` (block sizes, as
+``benchmarks.profile_gemm --config``; default the heuristic's pick), ``sN`` (the heuristic's
+block sizes with an N-stage ring) or ``#MACRO=VALUE`` (a
 ``#define`` put before the header: ``ptx.set_source_defines``). ``--kind 1d1d`` times the wgrad
 kernel (fp32 out) against cuBLAS 1D1D.
 """

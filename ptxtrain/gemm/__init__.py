@@ -10,11 +10,11 @@ Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and thei
   (:mod:`ptxtrain.gemm.ptx`; K % 16 == 0).
 
 ``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA ``ptx`` where it
-measured fastest (:func:`ptx_wins`: decode-sized 1D2D, and large 1D2D / 1D1D whose tiles fill
-the SMs' waves), then ``cublas`` for the shapes it runs correctly
-(:func:`ptxtrain.gemm.cublas.supports`) except decode-sized 1D2D, then ``ptx`` for the large
-1D2D and 1D1D shapes cuBLAS cannot run (M > 128 or 1D1D, at least 264 tiles of 128x128),
-otherwise ``triton``, otherwise ``ref``.
+measured fastest (:func:`ptx_wins`: decode-sized 1D2D, and large 1D2D / 1D1D whose tiles use
+at least 85% of the SMs' tile slots over their waves), then ``cublas`` for the shapes it runs
+correctly (:func:`ptxtrain.gemm.cublas.supports`) except decode-sized 1D2D, then ``ptx`` for
+the large 1D2D and 1D1D shapes cuBLAS cannot run (M > 128 or 1D1D, at least 264 tiles of
+128x128), otherwise ``triton``, otherwise ``ref``.
 ``PTXTRAIN_GEMM_BACKEND`` forces one.
 """
 
@@ -43,12 +43,13 @@ def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
     """Whether ``auto`` prefers the PTX kernels for this shape (pure rule, device not checked).
 
     From ``ptxtrain bench gemm`` on an H200, all backends in one process, scales MN-major
-    (benchmarks/results/2026-11-22-s10-h200/call4): 1D2D at M = 64 / 128 PTX ran 0.95-1.30x the
+    (benchmarks/results/2026-11-22-s10-h200/call4): 1D2D at M = 64 / 128 PTX ran 0.95-1.32x the
     faster of Triton and cuBLAS on the twelve V3 shapes (ties or better on ten); at M = 4096
     1.01-1.21x cuBLAS except 0.96x at 4096 x 2112 x 7168, whose 544 tiles of 128x128 fill 4.12
     waves of 132 SMs; 1D1D (wgrad, K = 4096) 1.05-1.11x cuBLAS. So: every decode-sized 1D2D
     (M <= 128); larger 1D2D and every 1D1D where the PTX heuristic's tiles fill at least two
-    waves (two waves of 128x128 tiles) with at most 15% of the last wave idle.
+    waves (two waves of 128x128 tiles) and use at least 85% of the SMs' tile slots over all
+    their waves (4096 x 2112 x 7168: 544 / 660 = 0.82).
     """
     if kind not in ("1d2d", "1d1d"):
         return False
@@ -75,10 +76,13 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
         return forced
     if device.type != "cuda":
         return "ref"
+    index = device.index
+    if index is None and torch.cuda.is_available():
+        index = torch.cuda.current_device()  # the device a bare "cuda" means now
     # The choice is a pure function of the shape and the device (its capability, the toolchain,
     # Triton's presence): cached per call site's shape, since the per-call checks cost ~10 µs of
     # host time per GEMM in a host-bound training step.
-    return _auto_cuda(kind, m, n, k, device.index)
+    return _auto_cuda(kind, m, n, k, index)
 
 
 @functools.lru_cache(maxsize=4096)

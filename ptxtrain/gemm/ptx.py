@@ -72,7 +72,8 @@ class PtxConfig:
     ``epi_boxes`` (TMA store: 64-row x 128-byte boxes of D staged per math warpgroup at once;
     0 = the whole tile; fewer write the tile in rounds and leave shared memory to the stages),
     ``raster_m`` (rows of A per rasterization group: the persistent CTAs walk
-    ``raster_m / (block_m · cluster)`` M-blocks, M fastest, before the next N-block, so the
+    ``raster_m / (block_m · cluster)`` M-blocks (``raster_m / block_m`` with ``multicast_a``),
+    M fastest, before the next N-block, so the
     tiles in flight share a few panels of A and B in L2; a power of two in [128, 16384])."""
 
     block_m: int
@@ -545,7 +546,7 @@ def grouped_config(m: int, n: int, k: int, num_sms: int, num_groups: int = 0) ->
         per_group = max(1, m // num_groups)
         raster = min(2048, max(_GROUPED_RASTER_M, 1 << (per_group.bit_length() - 1)))
     cfg = select_config("1d2d", m, n, k, num_sms)
-    if cfg.multicast_a:  # adjacent N-blocks may still share A; not built for groups
+    if cfg.multicast_a:  # (select_config does not pick it today) not built for groups
         cfg = dataclasses.replace(cfg, cluster=1, multicast_a=False)
     if cfg.block_m <= 128 and cfg.cluster == 1:
         return dataclasses.replace(cfg, raster_m=raster)

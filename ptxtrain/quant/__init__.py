@@ -57,7 +57,10 @@ def select_backend(x: torch.Tensor, op: str = "per_token_cast_to_fp8") -> str:
         return forced
     if x.device.type != "cuda":
         return "ref"
-    return _auto_cuda(x.device.index, op)
+    index = x.device.index
+    if index is None and torch.cuda.is_available():
+        index = torch.cuda.current_device()  # the device a bare "cuda" means now
+    return _auto_cuda(index, op)
 
 
 @functools.lru_cache(maxsize=256)

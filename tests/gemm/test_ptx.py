@@ -102,6 +102,21 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
     cfg = ptx.PtxConfig(64, 64, 1, 1, double_acc=True)
     with pytest.raises(ValueError, match="num_stages=1"):
         ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
+    # multicast of A pairs two CTAs: a cluster of one has no peer to share it with
+    cfg = ptx.PtxConfig(64, 64, 8, 1, double_acc=True, multicast_a=True)
+    with pytest.raises(ValueError, match="multicast_a=True"):
+        ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
+
+
+def test_multicast_a_reaches_the_kernel():
+    # The kernel's kMcastA template argument follows the config (SASS: the compile test).
+    cfg = ptx.PtxConfig(64, 16, 16, 2, double_acc=True, multicast_a=True)
+    _, expr = ptx.kernel_source("1d2d", cfg, 2112, 7168, torch.bfloat16, False)
+    assert expr.endswith(", 2048, true>")
+    plain = dataclasses.replace(cfg, multicast_a=False)
+    assert ptx.kernel_source("1d2d", plain, 2112, 7168, torch.bfloat16, False)[1].endswith(
+        ", 2048, false>"
+    )
 
 
 def test_source_defines_reach_the_kernel_source_and_reset():
@@ -147,6 +162,11 @@ def _variants():
     for n, k in ((4096, 7168), (7168, 2048)):  # and the masked (decode) GEMM
         cfg = ptx.grouped_config(8 * 256, n, k, H200_SMS)
         seen[("masked", cfg, n, k, torch.bfloat16, False)] = None
+    # Multicast of A (no heuristic picks it; run_with_config can): both kinds, TMA-store epilogue.
+    a16 = ptx.PtxConfig(64, 16, 16, 2, double_acc=True, multicast_a=True)
+    seen[("1d2d", a16, 2112, 7168, torch.bfloat16, False)] = None
+    a64 = ptx.PtxConfig(64, 64, 8, 2, double_acc=True, tma_store=True, multicast_a=True)
+    seen[("1d1d", a64, 576, 7168, torch.float32, True)] = None
     return list(seen)
 
 
