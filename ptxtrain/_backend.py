@@ -29,6 +29,14 @@ def requested(env_var: str, names: tuple[str, ...]) -> str:
     return value
 
 
+def cuda_index(device: torch.device) -> int | None:
+    """The index of CUDA device ``device``: its own, else the current device's (None where
+    CUDA is not available, e.g. a CUDA device named on a CPU-only machine)."""
+    if device.index is not None or not torch.cuda.is_available():
+        return device.index
+    return torch.cuda.current_device()
+
+
 def triton_usable(device: torch.device) -> bool:
     """Triton kernels can run on ``device``: a CUDA tensor with triton installed, or the Triton
     interpreter (``TRITON_INTERPRET=1``) for CPU tensors."""

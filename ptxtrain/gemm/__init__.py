@@ -76,13 +76,10 @@ def select_backend(kind: str, m: int, n: int, k: int, device: torch.device) -> s
         return forced
     if device.type != "cuda":
         return "ref"
-    index = device.index
-    if index is None and torch.cuda.is_available():
-        index = torch.cuda.current_device()  # the device a bare "cuda" means now
     # The choice is a pure function of the shape and the device (its capability, the toolchain,
     # Triton's presence): cached per call site's shape, since the per-call checks cost ~10 µs of
     # host time per GEMM in a host-bound training step.
-    return _auto_cuda(kind, m, n, k, index)
+    return _auto_cuda(kind, m, n, k, _backend.cuda_index(device))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -546,8 +546,6 @@ def grouped_config(m: int, n: int, k: int, num_sms: int, num_groups: int = 0) ->
         per_group = max(1, m // num_groups)
         raster = min(2048, max(_GROUPED_RASTER_M, 1 << (per_group.bit_length() - 1)))
     cfg = select_config("1d2d", m, n, k, num_sms)
-    if cfg.multicast_a:  # (select_config does not pick it today) not built for groups
-        cfg = dataclasses.replace(cfg, cluster=1, multicast_a=False)
     if cfg.block_m <= 128 and cfg.cluster == 1:
         return dataclasses.replace(cfg, raster_m=raster)
     bn = min(cfg.block_n, 128)

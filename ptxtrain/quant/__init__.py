@@ -57,10 +57,7 @@ def select_backend(x: torch.Tensor, op: str = "per_token_cast_to_fp8") -> str:
         return forced
     if x.device.type != "cuda":
         return "ref"
-    index = x.device.index
-    if index is None and torch.cuda.is_available():
-        index = torch.cuda.current_device()  # the device a bare "cuda" means now
-    return _auto_cuda(index, op)
+    return _auto_cuda(_backend.cuda_index(x.device), op)
 
 
 @functools.lru_cache(maxsize=256)

@@ -44,26 +44,23 @@ enum class SmemSwizzle : u32 { kNone = 0, kB128 = 1, kB64 = 2, kB32 = 3 };
 // shared memory. Bits 0..13: start address >> 4; 16..29: leading-dimension byte offset >> 4;
 // 32..45: stride-dimension byte offset >> 4; 49..51: base offset (0 for 1024-B aligned
 // swizzled tiles); 62..63: swizzle mode. Byte offsets must be multiples of 16.
-__device__ __forceinline__ u64 make_smem_desc(const void* smem_ptr, u32 leading_byte_offset,
-                                              u32 stride_byte_offset, SmemSwizzle swizzle) {
-  u64 desc = 0;
-  desc |= static_cast<u64>((smem_addr(smem_ptr) >> 4) & 0x3FFFu);
-  desc |= static_cast<u64>((leading_byte_offset >> 4) & 0x3FFFu) << 16;
-  desc |= static_cast<u64>((stride_byte_offset >> 4) & 0x3FFFu) << 32;
-  desc |= static_cast<u64>(static_cast<u32>(swizzle) & 0x3u) << 62;
-  return desc;
-}
-
-// The same descriptor in two 32-bit words, for kernels that step through shared memory: the
-// high word (stride byte offset, swizzle) is fixed per tile shape, and the low word is the start
-// address >> 4 (leading byte offset 0, as for K-major swizzled tiles), so moving the tile by
-// `bytes` (a multiple of 16) adds bytes >> 4 to it. Shared-memory addresses on sm_90 stay below
-// 256 KB, so the 14-bit field never carries into the leading-byte-offset bits.
+//
+// Kernels that step through shared memory keep it as two 32-bit words: the high word (stride
+// byte offset, swizzle: smem_desc_hi) is fixed per tile shape, and the low word holds the start
+// address >> 4, so moving the tile by `bytes` (a multiple of 16) adds bytes >> 4 to it.
+// Shared-memory addresses on sm_90 stay below 256 KB, so the 14-bit field never carries into
+// the leading-byte-offset bits.
 __host__ __device__ constexpr u32 smem_desc_hi(u32 stride_byte_offset, SmemSwizzle swizzle) {
   return ((stride_byte_offset >> 4) & 0x3FFFu) | ((static_cast<u32>(swizzle) & 0x3u) << 30);
 }
 __device__ __forceinline__ u64 smem_desc(u32 lo, u32 hi) {
   return (static_cast<u64>(hi) << 32) | lo;
+}
+__device__ __forceinline__ u64 make_smem_desc(const void* smem_ptr, u32 leading_byte_offset,
+                                              u32 stride_byte_offset, SmemSwizzle swizzle) {
+  const u32 lo =
+      ((smem_addr(smem_ptr) >> 4) & 0x3FFFu) | (((leading_byte_offset >> 4) & 0x3FFFu) << 16);
+  return smem_desc(lo, smem_desc_hi(stride_byte_offset, swizzle));
 }
 
 // "wgmma.mma_async" m64n128k32, FP32 accumulate, E4M3 x E4M3, both operands from shared memory.
