@@ -5,9 +5,10 @@ Triton kernel) in one process (bench method).
     python3 -m benchmarks.ab_ptx --shapes 4096,7168,16384 4096,4096,7168 \
         --variants base "chunk16:#PTXTRAIN_GEMM_CHUNK=16" "c144:128x144s5c1" [--json OUT.json]
 
-A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[a][d]`` (block sizes, as
-``benchmarks.profile_gemm --config``; default the heuristic's pick), ``sN`` (the heuristic's
-block sizes with an N-stage ring) or ``#MACRO=VALUE`` (a
+A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[a][d][k]`` (block sizes,
+as ``benchmarks.profile_gemm --config``; default the heuristic's pick), ``sN`` (the heuristic's
+block sizes with an N-stage ring), ``split`` / ``nosplit`` (the config with / without the split
+tail, ``PtxConfig.split_k``) or ``#MACRO=VALUE`` (a
 ``#define`` put before the header: ``ptx.set_source_defines``). ``--kind 1d1d`` times the wgrad
 kernel (fp32 out) against cuBLAS 1D1D.
 """
@@ -33,7 +34,8 @@ from ptxtrain.testing import calc_diff
 def parse_variant(text: str) -> tuple[str, str | None, str]:
     """``"name:128x128s5c1d:#PTXTRAIN_GEMM_CHUNK=16"`` -> (name, config text or None, defines).
     A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block sizes with an N-stage ring (fewer
-    where shared memory ends); it is returned as the config text.
+    where shared memory ends); it is returned as the config text. ``split`` / ``nosplit`` come
+    back as a ``//split`` / ``//nosplit`` line of the defines (a comment to the compiler).
 
     Raises:
         ValueError: a SPEC that is neither a config, ``sN`` nor ``#MACRO=VALUE``.
@@ -43,6 +45,8 @@ def parse_variant(text: str) -> tuple[str, str | None, str]:
     for spec in specs:
         if spec[:1] == "s" and spec[1:].isdigit():
             cfg = spec
+        elif spec in ("split", "nosplit"):
+            defines += f"//{spec}\n"
         elif spec.startswith("#"):
             macro, eq, value = spec[1:].partition("=")
             if not eq or not macro.isidentifier():
@@ -102,6 +106,8 @@ def main() -> None:
                 cfg = _with_stages(cfg, int(cfg_text[1:]), args.kind, out_dtype)
             elif cfg_text:
                 cfg = parse_config(cfg_text)
+            if "//split\n" in defines or "//nosplit\n" in defines:
+                cfg = dataclasses.replace(cfg, split_k="//split\n" in defines)
             ptx.set_source_defines(defines)
             try:
                 diff = calc_diff(

@@ -55,8 +55,12 @@ def test_ptx_wins_rule():
     # (benchmarks/results/2026-11-22-s10-h200/call4, H200).
     assert gemm.ptx_wins("1d2d", 64, 7168, 16384) and gemm.ptx_wins("1d2d", 128, 7168, 2048)
     assert gemm.ptx_wins("1d2d", 4096, 32768, 512) and gemm.ptx_wins("1d2d", 4096, 7168, 2048)
-    # 544 tiles of 128x128 are 4.12 waves of 132 SMs (PTX ran 0.96x cuBLAS there)
-    assert not gemm.ptx_wins("1d2d", 4096, 2112, 7168)
+    # 544 tiles of 128x128 are 4.12 waves of 132 SMs: the split tail runs the last 16 as K-slices
+    assert gemm.ptx_wins("1d2d", 4096, 2112, 7168)
+    # 7168 x 2112 x 7168 (1D1D, no split tail): 952 tiles, 7.2 waves, 90% of the slots
+    assert gemm.ptx_wins("1d1d", 7168, 2112, 7168)
+    # 2048 x 1536 x 7168: 16 x 12 = 192 tiles of 128x128, under two waves: the other backends
+    assert not gemm.ptx_wins("1d1d", 2048, 1536, 7168)
     assert gemm.ptx_wins("1d1d", 7168, 2112, 4096) and gemm.ptx_wins("1d1d", 512, 32768, 4096)
     # too few tiles for the large-M kernels: the other backends
     assert not gemm.ptx_wins("1d1d", 576, 256, 512) and not gemm.ptx_wins("1d2d", 4096, 576, 7168)
@@ -85,7 +89,8 @@ def test_ptx_takes_large_shapes_cublas_cannot_run(monkeypatch):
     assert gemm.select_backend("1d2d", 64, 7168, 2112, dev) == "ptx"
     assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "ptx"
     assert gemm.select_backend("1d1d", 7168, 2112, 4096, dev) == "ptx"
-    assert gemm.select_backend("1d2d", 4096, 2112, 7168, dev) == "cublas"
+    assert gemm.select_backend("1d2d", 4096, 2112, 7168, dev) == "ptx"  # split tail
+    assert gemm.select_backend("1d1d", 2048, 1536, 7168, dev) == "cublas"  # under two waves
     # a K the PTX kernels cannot take either (K % 16 != 0) falls to Triton, and so does a shape
     # with too few 128x128 tiles for the PTX kernels' large-M tiles (32 x 5 < 264)
     assert gemm.select_backend("1d2d", 4096, 7168, 2100, dev) == "triton"
@@ -98,7 +103,7 @@ def test_auto_on_hopper_uses_fast_backends(monkeypatch):
     monkeypatch.delenv("PTXTRAIN_QUANT_BACKEND", raising=False)
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability() == (9, 0):
-        assert gemm.select_backend("1d2d", 4096, 2112, 7168, dev) == "cublas"
+        assert gemm.select_backend("1d2d", 4096, 2112, 7168, dev) == "ptx"  # split tail
         # The PTX kernels where they measured fastest (see gemm.ptx_wins).
         assert gemm.select_backend("1d2d", 4096, 7168, 2048, dev) == "ptx"
         assert gemm.select_backend("1d1d", 7168, 2048, 4096, dev) == "ptx"

@@ -61,6 +61,9 @@ def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
         return False
     cfg = ptx.select_config(kind, m, n, k, H100_SMS)
     tiles = ceil_div(max(m, 1), cfg.block_m) * ceil_div(max(n, 1), cfg.block_n)
+    if cfg.split_k:
+        # The partial last wave's tiles run as K-slices on every SM (ptx.split_tail).
+        return True
     return tiles / (ceil_div(tiles, H100_SMS) * H100_SMS) >= 0.85
 
 

@@ -50,6 +50,8 @@ _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of 
 _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 _TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
+_SPLIT_MIN_KB = 4  # split tail, single accumulator: K blocks per slice at least (split_tail)
+_SPLIT_TAIL = True  # select_config may set PtxConfig.split_k
 _1D1D_KINDS = ("1d1d", "k_grouped")  # kernel kinds with per-column scales of B
 # Lines put before the header in every kernel's source (set_source_defines).
 _SOURCE_DEFINES = ""
@@ -74,7 +76,11 @@ class PtxConfig:
     ``raster_m`` (rows of A per rasterization group: the persistent CTAs walk
     ``raster_m / (block_m · cluster)`` M-blocks (``raster_m / block_m`` with ``multicast_a``),
     M fastest, before the next N-block, so the
-    tiles in flight share a few panels of A and B in L2; a power of two in [128, 16384])."""
+    tiles in flight share a few panels of A and B in L2; a power of two in [128, 16384]),
+    ``split_k`` (dense 1D2D / 1D1D: the tiles of a partial last wave are cut along K into
+    slices that run on the otherwise idle SMs; each slice writes FP32 partial sums to a
+    workspace and the last one of a tile sums them in slice order and stores the tile, so
+    results are bitwise repeatable; see :func:`split_tail`; 1D2D with ``double_acc`` only)."""
 
     block_m: int
     block_n: int
@@ -86,6 +92,7 @@ class PtxConfig:
     epi_boxes: int = 0
     raster_m: int = 2048
     multicast_a: bool = False
+    split_k: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -225,9 +232,18 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     # Two wgmma accumulators (the next block's MMAs overlap this block's promotion) fit in the
     # registers up to 64 x 128 per math warpgroup (3 x 64 + 32 for 1D1D's scales of B).
     double_acc = bm <= 128 and bn <= 128
-    return PtxConfig(
+    cfg = PtxConfig(
         bm, bn, stages, cluster, _UNROLL_K, double_acc, tma_store, epi_boxes if tma_store else 0
     )
+    # Split tail where whole waves leave SMs idle at the end that K-slices of the last tiles can
+    # fill (e.g. 4096 x 2112 x 7168: 4 waves + 16 tiles of 128x128). 1D2D with double
+    # accumulators only: the 1D1D kernel (B's column scales in registers) and 256-row tiles
+    # spill registers with the slice loop compiled in.
+    if large and _SPLIT_TAIL and kind == "1d2d" and double_acc:
+        units = ceil_div(m_blocks, cluster) * ceil_div(n, bn)
+        _, splits = split_tail(units, num_sms // cluster, ceil_div(k, BLOCK_K), _split_quantum(cfg))
+        cfg = dataclasses.replace(cfg, split_k=splits > 1)
+    return cfg
 
 
 def _wgmma_struct(block_n: int) -> str:
@@ -275,7 +291,8 @@ def kernel_source(
         f"{n}, {k}, {'true' if kind in _1D1D_KINDS else 'false'}, {_OUT_CODE[out_dtype]}, "
         f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
         f"{'true' if cfg.double_acc else 'false'}, {_epi_boxes(cfg, out_dtype)}, "
-        f"{_GROUP_MODE.get(kind, 0)}, {cfg.raster_m}, {'true' if cfg.multicast_a else 'false'}>"
+        f"{_GROUP_MODE.get(kind, 0)}, {cfg.raster_m}, {'true' if cfg.multicast_a else 'false'}, "
+        f"{'true' if cfg.split_k else 'false'}>"
     )
     return src, expr
 
@@ -320,7 +337,7 @@ def compile_gemm(
         f"fp8_gemm_{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}c{cfg.cluster}"
         f"{'a' if cfg.multicast_a else ''}"
         f"u{cfg.unroll_k}{'d' if cfg.double_acc else ''}e{_epi_boxes(cfg, out_dtype)}"
-        f"r{cfg.raster_m}_n{n}_k{k}"
+        f"r{cfg.raster_m}{'s' if cfg.split_k else ''}_n{n}_k{k}"
     )
     compiled = compile_cuda(src, name=name, name_expressions=(expr,))
     return compiled, expr
@@ -394,8 +411,61 @@ def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
 
 
 # The kernel's parameters (fp8_gemm.cuh): the TMA descriptors of A, B, sf_a, sf_b and D, then
-# sf_b, out, m, m_indices, block_group, num_groups and the K-grouped / masked info pointer.
-_SIGNATURE = "TTTTTppippip"
+# sf_b, out, m, m_indices, block_group, num_groups, the K-grouped / masked info pointer, and the
+# split tail's num_dp_units, splits, workspace and counters.
+_SIGNATURE = "TTTTTppippipiipp"
+
+
+def split_tail(units: int, grid_units: int, num_kb: int, quantum: int) -> tuple[int, int]:
+    """``(num_dp_units, splits)`` of a persistent launch of ``units`` work units on
+    ``grid_units`` CTAs (clusters) with ``num_kb`` K blocks per tile, for ``PtxConfig.split_k``
+    (pure function).
+
+    The first ``num_dp_units`` units are whole tiles: full waves, each CTA the same number. The
+    ``tail = units - num_dp_units`` tiles of the partial last wave are cut into ``splits``
+    K-slices of whole ``quantum``-block steps (the double-accumulator chunk, or the least K
+    worth a slice), as many as the idle CTAs take in one round: ``splits = min(grid_units //
+    tail, num_kb // quantum)``. ``splits == 1`` (nothing cut) when there is no full wave, no
+    partial one, or fewer than two slices fit. E.g. 4096 x 2112 x 7168 with 128x128 tiles on 132
+    SMs: 544 tiles = 4 waves + 16, cut into 7 slices of 8 K blocks (112 units).
+
+    Raises:
+        ValueError: a non-positive ``grid_units`` or ``quantum``, or negative ``units`` /
+            ``num_kb``.
+    """
+    if grid_units < 1 or quantum < 1:
+        raise ValueError(f"grid_units and quantum must be positive, got {grid_units}, {quantum}")
+    if units < 0 or num_kb < 0:
+        raise ValueError(f"units and num_kb must be >= 0, got {units}, {num_kb}")
+    tail = units % grid_units
+    if units <= grid_units or tail == 0:
+        return units, 1
+    splits = min(grid_units // tail, num_kb // quantum)
+    if splits < 2:
+        return units, 1
+    return units - tail, splits
+
+
+def _split_quantum(cfg: PtxConfig) -> int:
+    """K blocks per step of a slice's range (mirrors kSplitQuantum in fp8_gemm.cuh for double
+    accumulators, whose chunks are PTXTRAIN_GEMM_CHUNK = 8 blocks; a single accumulator takes
+    any range, and 4 blocks keep the slice's fixed costs small)."""
+    return 8 if cfg.double_acc else _SPLIT_MIN_KB
+
+
+# Per (device, stream): the split tail's tile counters, zero between launches (the last slice of
+# a tile resets its counters), so one buffer serves every launch in stream order.
+_SPLIT_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _split_counters(device_index: int, count: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device_index).cuda_stream
+    key = (device_index, stream)
+    buf = _SPLIT_COUNTERS.get(key)
+    if buf is None or buf.numel() < count:
+        buf = torch.zeros(max(count, 1024), dtype=torch.int32, device=f"cuda:{device_index}")
+        _SPLIT_COUNTERS[key] = buf
+    return buf
 
 
 @functools.lru_cache(maxsize=1024)
@@ -433,6 +503,15 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
         grid = min(units, max(resident, 1)) * cfg.cluster
     else:
         grid = min(units, _num_sms(device_index))
+    # Split tail: (num_dp_units, splits, workspace floats, counters); splits == 1: none.
+    split = (units, 1, 0, 0)
+    if cfg.split_k:
+        num_kb = ceil_div(k, BLOCK_K)
+        dp, splits = split_tail(units, grid // cfg.cluster, num_kb, _split_quantum(cfg))
+        if splits > 1:
+            tiles = (units - dp) * cfg.cluster  # CTA tiles cut into slices
+            math_warps = 4 * min(cfg.block_m // 64, 2)
+            split = (dp, splits, tiles * splits * cfg.block_m * cfg.block_n, tiles * math_warps)
     bound = BoundLaunch(
         kernel,
         _SIGNATURE,
@@ -440,7 +519,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
         smem_bytes=smem,
         cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
     )
-    return cfg, bound, grid
+    return cfg, bound, grid, split
 
 
 def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
@@ -475,7 +554,7 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         k_offsets = out  # unused pointer
     aligned = out.data_ptr() % 16 == 0
     index = _index(a_fp8.device)
-    cfg, bound, grid = _plan(
+    cfg, bound, grid, (num_dp, splits, ws_floats, num_counters) = _plan(
         kind,
         m,
         n,
@@ -509,6 +588,12 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         tma_d = tma_2d_bytes(out, 64, 128 // out.element_size(), swizzle="128B")
     else:
         tma_d = tma_a  # unused with direct stores
+    ws = counters = out  # unused pointers without a split tail
+    if splits > 1:
+        # FP32 partial sums of the cut tiles (no initialization: every slice writes its part
+        # before the counters let anyone read it); freed like the other temporaries below.
+        ws = torch.empty(ws_floats, dtype=torch.float32, device=out.device)
+        counters = _split_counters(index, num_counters)
     args = (
         tma_a,
         tma_b,
@@ -522,6 +607,10 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         block_group.data_ptr(),
         num_groups,
         k_offsets.data_ptr(),
+        num_dp,
+        splits,
+        ws.data_ptr(),
+        counters.data_ptr(),
     )
     if torch.cuda.current_device() == index:
         bound(grid, *args)
@@ -545,7 +634,7 @@ def grouped_config(m: int, n: int, k: int, num_sms: int, num_groups: int = 0) ->
     if num_groups > 0:
         per_group = max(1, m // num_groups)
         raster = min(2048, max(_GROUPED_RASTER_M, 1 << (per_group.bit_length() - 1)))
-    cfg = select_config("1d2d", m, n, k, num_sms)
+    cfg = dataclasses.replace(select_config("1d2d", m, n, k, num_sms), split_k=False)
     if cfg.block_m <= 128 and cfg.cluster == 1:
         return dataclasses.replace(cfg, raster_m=raster)
     bn = min(cfg.block_n, 128)
@@ -618,6 +707,8 @@ def run_with_config(
         # (double accumulators wait for block k + 1's stage while holding block k's: one stage
         # would wait for itself)
         or (cfg.double_acc and cfg.num_stages < 2)
+        # (split tail: built for the 1D2D double-accumulator kernel; the others spill with it)
+        or (cfg.split_k and (kind != "1d2d" or not cfg.double_acc))
         or not 1 <= cfg.num_stages <= _MAX_STAGES_ANY
         or cfg.raster_m not in _RASTER_MS
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES

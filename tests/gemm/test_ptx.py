@@ -88,7 +88,7 @@ def test_rasterization_group_per_kind():
     # The constant reaches the kernel's template arguments and its cache name.
     cfg = dataclasses.replace(ptx.grouped_config(4096, 4096, 7168, H200_SMS), raster_m=1024)
     src, expr = ptx.kernel_source("m_grouped", cfg, 4096, 7168, torch.bfloat16, False)
-    assert expr.endswith(", 1, 1024, false>") and "fp8_gemm.cuh" in src
+    assert expr.endswith(", 1, 1024, false, false>") and "fp8_gemm.cuh" in src
 
 
 def test_run_with_config_rejects_a_bad_rasterization_group():
@@ -106,16 +106,65 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
     cfg = ptx.PtxConfig(64, 64, 8, 1, double_acc=True, multicast_a=True)
     with pytest.raises(ValueError, match="multicast_a=True"):
         ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
+    # the split tail is built for the 1D2D double-accumulator kernel only
+    for kind, cfg in (
+        ("1d2d", ptx.PtxConfig(256, 128, 4, 2, split_k=True)),
+        ("1d1d", ptx.PtxConfig(128, 128, 5, 1, double_acc=True, split_k=True)),
+    ):
+        b1 = per_token_cast_to_fp8(torch.randn(128, 256, generator=g)) if kind == "1d1d" else b
+        with pytest.raises(ValueError, match="split_k=True"):
+            ptx.run_with_config(kind, a, b1, cfg, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "units,grid,num_kb,quantum,want",
+    [
+        (544, 132, 56, 8, (528, 7)),  # 4096 x 2112 x 7168, 128x128: 4 waves + 16 tiles, 7 chunks
+        (544, 132, 200, 8, (528, 8)),  # more K: as many slices as the idle SMs take (132 // 16)
+        (153, 132, 17, 8, (132, 2)),  # 2 whole chunks (+ 1 block for the last slice)
+        (136, 132, 24, 4, (132, 6)),  # single accumulator: slices of >= 4 blocks
+        (1024, 132, 56, 8, (1024, 1)),  # 100 tail tiles: no two slices of each fit
+        (528, 132, 56, 8, (528, 1)),  # whole waves only
+        (100, 132, 56, 8, (100, 1)),  # no whole wave to hide behind
+        (544, 132, 4, 8, (544, 1)),  # K = 512: no whole chunk to cut at
+    ],
+)
+def test_split_tail(units, grid, num_kb, quantum, want):
+    assert ptx.split_tail(units, grid, num_kb, quantum) == want
+
+
+def test_split_tail_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="grid_units and quantum must be positive"):
+        ptx.split_tail(10, 0, 8, 8)
+    with pytest.raises(ValueError, match="units and num_kb must be >= 0"):
+        ptx.split_tail(-1, 132, 8, 8)
+
+
+def test_select_config_splits_the_tail_of_4096x2112x7168_only():
+    # 4.12 waves of 128x128 tiles: the only V3 1D2D shape at M = 4096 with a short last wave
+    # that K-slices can fill; 1D1D never (its kernel spills with the slice loop compiled in).
+    split = {
+        (n, k): ptx.select_config("1d2d", 4096, n, k, H200_SMS).split_k for n, k in DSV3_DENSE_NK
+    }
+    assert split == {(n, k): (n, k) == (2112, 7168) for n, k in DSV3_DENSE_NK}
+    assert not ptx.select_config("1d1d", 7168, 2112, 4096, H200_SMS).split_k
+    assert not ptx.select_config("1d2d", 64, 2112, 7168, H200_SMS).split_k  # decode regime
+    assert not ptx.grouped_config(4096, 2112, 7168, H200_SMS).split_k
+    _, expr = ptx.kernel_source(
+        "1d2d", ptx.select_config("1d2d", 4096, 2112, 7168, H200_SMS), 2112, 7168,
+        torch.bfloat16, False,
+    )  # fmt: skip
+    assert expr.endswith(", false, true>")
 
 
 def test_multicast_a_reaches_the_kernel():
     # The kernel's kMcastA template argument follows the config (SASS: the compile test).
     cfg = ptx.PtxConfig(64, 16, 16, 2, double_acc=True, multicast_a=True)
     _, expr = ptx.kernel_source("1d2d", cfg, 2112, 7168, torch.bfloat16, False)
-    assert expr.endswith(", 2048, true>")
+    assert expr.endswith(", 2048, true, false>")
     plain = dataclasses.replace(cfg, multicast_a=False)
     assert ptx.kernel_source("1d2d", plain, 2112, 7168, torch.bfloat16, False)[1].endswith(
-        ", 2048, false>"
+        ", 2048, false, false>"
     )
 
 
@@ -335,6 +384,39 @@ def test_gpu_every_block_shape_and_cluster(kind, cfg, m, n, k):
     out_dtype = torch.bfloat16 if kind == "1d2d" else torch.float32
     got = ptx.run_with_config(kind, qa, qb, cfg, out_dtype)
     _check(got, x.double() @ w.double().t(), m, n, k, f"{kind} {cfg}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,n,k,out_dtype",
+    [
+        (4096, 2112, 7168, torch.bfloat16),  # the V3 shape: 4 waves + 16 tiles in 7 slices
+        (1037, 2112, 2176, torch.bfloat16),  # M tail; 17 K blocks: 2 chunks + 1 in the last slice
+        (2112, 1000, 3008, torch.float32),  # N tail (direct stores), K tail, 3 slices of 8 blocks
+    ],
+)
+def test_gpu_split_tail(m, n, k, out_dtype):
+    # Split tail against the unquantized product and the same config without it (a different
+    # FP32 summation order of the cut tiles: equal up to rounding, not bitwise); the slices are
+    # summed in slice order, so repeated runs are bitwise equal, and they also show that each
+    # run leaves its tile counters at zero for the next (a stale count would skip stores).
+    x, w = _inputs(m, n, k, seed=m + 3 * n + k)
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, split_k=True)
+    units = ((m + 127) // 128) * ((n + 127) // 128)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ptx.split_tail(units, sms, (k + 127) // 128, 8)[1] > 1, "the shape must cut slices"
+    got = [ptx.run_with_config("1d2d", qa, qb, cfg, out_dtype) for _ in range(3)]
+    for again in got[1:]:
+        torch.testing.assert_close(again, got[0], rtol=0, atol=0)
+    _check(got[0], x.double() @ w.double().t(), m, n, k, f"split tail {cfg}")
+    whole = ptx.run_with_config("1d2d", qa, qb, dataclasses.replace(cfg, split_k=False), out_dtype)
+    # Both sum the same FP32 block products; only the cut tiles' order of additions differs.
+    assert calc_diff(got[0], whole) < 1e-6
+    # Into a given D (the finisher's direct stores write every element of the cut tiles).
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+    ptx.run_with_config("1d2d", qa, qb, cfg, out_dtype, out=out)
+    torch.testing.assert_close(out, got[0], rtol=0, atol=0)
 
 
 @pytest.mark.gpu

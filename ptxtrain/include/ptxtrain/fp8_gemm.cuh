@@ -30,6 +30,15 @@
 // share A, each loading half of its rows (DeepGEMM's multicast on A); A is then read from L2 by
 // half the CTAs.
 //
+// Split tail (kSplitK, dense 1D2D): a persistent grid of G CTAs runs `units` tiles in whole
+// waves of G plus a partial last wave that leaves SMs idle (4096 x 2112 x 7168 with 128x128
+// tiles: 4 waves + 16 tiles on 132 SMs). The host (ptx.split_tail) passes num_dp_units, the
+// tiles of the whole waves, and `splits`: each remaining tile becomes `splits` units over K
+// ranges of whole double-accumulator chunks, run after the whole tiles (a second unit loop, so
+// the first keeps its registers). A slice writes its FP32 partial tile to a workspace and
+// counts itself in on a per-warp counter; the warp that arrives last sums the slices in slice
+// order (bitwise repeatable), stores the tile with direct stores and zeroes the counter.
+//
 // Epilogue (kEpiBoxes > 0): the tile goes registers -> stmatrix -> 128-byte-swizzled shared
 // boxes -> TMA stores (or TMA reduce-adds for accumulate), issued by one thread per warpgroup;
 // the warpgroup starts its next tile while they drain (see EpiShape / store_tile_tma).
@@ -299,11 +308,17 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
 // A work unit's tile and K range. K-grouped (kGroupMode 2) and masked (3): unit =
 // g · units_per_group + the unit within D[g]; K-grouped: group g's K blocks are group_info[g] ..
 // group_info[g + 1] - 1 (prefix sums of the groups' K / 128); otherwise all kNumKBlocks blocks
-// (and g = 0 for kGroupMode 0 / 1).
-template <int kGroupMode, int kGroup, int kNumNBlocks, int kNumKBlocks>
+// (and g = 0 for kGroupMode 0 / 1). Split tail (kSplitK, dense): units from num_dp_units on are
+// `splits` K-slices of each remaining tile (tile num_dp_units + t / splits, slice t % splits);
+// the slices cut K at multiples of kQuantum blocks (the double-accumulator chunk), the last one
+// also takes the K blocks past the last whole quantum; `slice` is the slice, -1 for a whole tile.
+template <int kGroupMode, int kGroup, int kNumNBlocks, int kNumKBlocks, bool kSplitK = false,
+          int kQuantum = 1>
 __device__ __forceinline__ void group_unit(int unit, int units_per_group, int num_m_groups,
                                            const int* group_info, int& mg, int& nb, int& kg,
-                                           int& kb_begin, int& num_kb) {
+                                           int& kb_begin, int& num_kb, int& slice,
+                                           int num_dp_units = 0, int splits = 1) {
+  slice = -1;
   if constexpr (kGroupMode == 2) {
     kg = unit / units_per_group;
     unit_coords<kGroup, kNumNBlocks>(unit % units_per_group, num_m_groups, mg, nb);
@@ -316,16 +331,84 @@ __device__ __forceinline__ void group_unit(int unit, int units_per_group, int nu
     num_kb = kNumKBlocks;
   } else {
     kg = 0;
-    unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
     kb_begin = 0;
     num_kb = kNumKBlocks;
+    if constexpr (kSplitK) {
+      if (unit >= num_dp_units) {
+        constexpr int kQuanta = kNumKBlocks / kQuantum;
+        const int t = unit - num_dp_units;
+        slice = t % splits;
+        unit = num_dp_units + t / splits;
+        kb_begin = slice * kQuanta / splits * kQuantum;
+        const int kb_end =
+            slice + 1 == splits ? kNumKBlocks : (slice + 1) * kQuanta / splits * kQuantum;
+        num_kb = kb_end - kb_begin;  // (0 when splits > kQuanta: the slice adds zeros)
+      }
+    }
+    unit_coords<kGroup, kNumNBlocks>(unit, num_m_groups, mg, nb);
   }
+}
+
+// Split tail (kSplitK): this warp's FP32 partial sums of a K-slice of tile `tail_tile` go to
+// the workspace (slice `slice` of the tile's `splits`, laid out [wave][column pair][lane] so that
+// each store is a coalesced 256-byte row), then the warp counts itself in on its counter. The
+// warp that arrives last sums the tile's slices in slice order (the result does not depend on
+// the arrival order, so runs are bitwise repeatable), leaves the sum
+// in `fin`, resets the counter for the next launch and returns true; the others return false.
+// Release / acquire as in the CUDA programming guide's threadfence reduction: stores, fence,
+// then the atomic; the last warp fences before it reads (L2, __ldcg: another SM wrote them).
+template <int kBlockN, int kWaves, int kNumMathWG>
+__device__ __forceinline__ bool split_fixup(float (&fin)[kWaves][kBlockN / 2], float* workspace,
+                                            int* counters, int tail_tile, int slice, int splits,
+                                            int wg, int warp, int lane) {
+  constexpr int kPairs = kBlockN / 4;                      // float2 per lane per wave
+  constexpr int kWarpPairs = kWaves * kPairs * 32;         // one warp's rows of one tile
+  constexpr int kTilePairs = kNumMathWG * 4 * kWarpPairs;  // one slice of one tile
+  const int slot = wg * 4 + warp;
+  float2* tile = reinterpret_cast<float2*>(workspace) +
+                 static_cast<long long>(tail_tile) * splits * kTilePairs + slot * kWarpPairs + lane;
+  float2* mine = tile + static_cast<long long>(slice) * kTilePairs;
+#pragma unroll
+  for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      mine[(w * kPairs + i) * 32] = make_float2(fin[w][2 * i], fin[w][2 * i + 1]);
+    }
+  }
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) {
+    int* counter = counters + tail_tile * kNumMathWG * 4 + slot;
+    last = atomicAdd(counter, 1) == splits - 1;
+    if (last) *counter = 0;  // every slice of this launch has counted itself in
+  }
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return false;
+  __threadfence();
+  // Slice 0 replaces this warp's registers, the others add to them in order; this warp's own
+  // slice is read back too (one L2 read), so no second register tile is needed.
+#pragma unroll 1
+  for (int s = 0; s < splits; ++s) {
+    const float2* src = tile + static_cast<long long>(s) * kTilePairs;
+#pragma unroll
+    for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        const float2 v = __ldcg(src + (w * kPairs + i) * 32);
+        fin[w][2 * i] = s == 0 ? v.x : fin[w][2 * i] + v.x;
+        fin[w][2 * i + 1] = s == 0 ? v.y : fin[w][2 * i + 1] + v.y;
+      }
+    }
+  }
+  return true;
 }
 
 // The math warpgroups' part of fp8_gemm_nt_kernel (see the header comment and the kernel).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          int kGroupMode, int kRasterM = kDefaultRasterM, bool kMcastA = false>
+          int kGroupMode, int kRasterM = kDefaultRasterM, bool kMcastA = false,
+          bool kSplitK = false>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
@@ -333,7 +416,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank,
                                               const int* m_indices, const int* block_group,
-                                              int num_groups, const int* group_info) {
+                                              int num_groups, const int* group_info,
+                                              int num_dp_units, int splits, float* split_ws,
+                                              int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -342,6 +427,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   constexpr int kNumSfbBlocks = (kN + 127) / 128;
   using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
   constexpr int kGroup = Units::kGroup;
+  constexpr int kSplitQuantum = kDoubleAcc ? PTXTRAIN_GEMM_CHUNK : 1;
   const int wg = threadIdx.x / 128;
   if constexpr (kNumMathWG == 2) setmaxnreg_inc<232>();
   const int warp = (threadIdx.x / 32) % 4;
@@ -352,14 +438,27 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   // Descriptor low words (issue_kblock) of stage 0: this warpgroup's first 64 rows of A, and B.
   const u32 a_lo0 = (smem_addr(smem_a) + wg * 64 * 128) >> 4;
   const u32 b_lo0 = smem_addr(smem_b) >> 4;
-  float acc[kBlockN / 2];
-  float fin[kWaves][kBlockN / 2];
   u32 it = 0;
   const int units_per_group = num_m_groups * Units::kNumNUnits;
-  for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-    int mg, nb, kg, kb_begin, num_kb;
-    group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks>(
-        unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb);
+  float acc[kBlockN / 2];
+  float fin[kWaves][kBlockN / 2];
+  // Whole tiles, then (split tail) the K-slices of the last tiles: the phase loop unrolls into
+  // two unit loops, so that the whole tiles' loop keeps the registers of a kernel without
+  // slices. A slice (kSlice) stores only if it completes its tile's sum (split_fixup).
+  int unit = first_unit;
+#pragma unroll
+  for (int phase = 0; phase < (kSplitK ? 2 : 1); ++phase) {
+  const bool kSlice = phase == 1;
+  for (; unit < (kSplitK && !kSlice ? num_dp_units : num_units); unit += unit_stride) {
+    int mg, nb, kg, kb_begin, num_kb, slice;
+    if (kSlice) {
+      group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK, kSplitQuantum>(
+          unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb, slice,
+          num_dp_units, splits);
+    } else {
+      group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks>(
+          unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb, slice);
+    }
     const int m0 = Units::m0(mg, rank);
     const int n0 = Units::n0(nb, rank);
     const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
@@ -486,10 +585,17 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   }
       constexpr int kChunk = PTXTRAIN_GEMM_CHUNK;
       static_assert(kChunk >= 1, "PTXTRAIN_GEMM_CHUNK: at least one K block per chunk");
+      // (Split tail: a slice's K range is whole chunks, plus the remainder for the last slice;
+      // a whole tile is blocks 0 .. kNumKBlocks - 1 as constants.)
+      const int kb_first = kSlice ? kb_begin : 0;
+      const int kb_full = kSlice ? kb_begin + num_kb / kChunk * kChunk
+                                  : kNumKBlocks / kChunk * kChunk;
 #pragma unroll 1
-      for (int kb0 = 0; kb0 + kChunk <= kNumKBlocks; kb0 += kChunk) PTXTRAIN_FP8_GEMM_CHUNK(kb0, kChunk)
+      for (int kb0 = kb_first; kb0 < kb_full; kb0 += kChunk) PTXTRAIN_FP8_GEMM_CHUNK(kb0, kChunk)
       if constexpr (kNumKBlocks % kChunk != 0) {
-        PTXTRAIN_FP8_GEMM_CHUNK(kNumKBlocks - kNumKBlocks % kChunk, kNumKBlocks % kChunk)
+        if (!kSlice || kb_begin + num_kb == kNumKBlocks) {
+          PTXTRAIN_FP8_GEMM_CHUNK(kNumKBlocks - kNumKBlocks % kChunk, kNumKBlocks % kChunk)
+        }
       }
 #undef PTXTRAIN_FP8_GEMM_CHUNK
 #undef PTXTRAIN_FP8_GEMM_RETIRE
@@ -501,7 +607,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       const u32 s = it % kNumStages;
       const u32 phase = (it / kNumStages) & 1u;
       float sfb_lo = 1.0f, sfb_hi = 1.0f;
-      load_sfb(kb, sfb_lo, sfb_hi);
+      load_sfb(kSlice ? kb_begin + kb : kb, sfb_lo, sfb_hi);
       mbarrier_wait(&full[s], phase);
       const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
       float sb[k1D1D ? kBlockN / 4 : 1];
@@ -542,16 +648,31 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }
 
     // ---- epilogue ------------------------------------------------------------------------
+    // Split tail: only the warp that completes a tile's sum stores it, with direct stores (the
+    // TMA store's staging is per warpgroup, and the warps of one finish at different times).
+    bool direct = kEpiBoxes == 0;
+    if constexpr (kSplitK) {
+      if (kSlice) {
+        const int tail_tile = ((unit - num_dp_units) / splits) * kCluster + static_cast<int>(rank);
+        if (!split_fixup<kBlockN, kWaves, kNumMathWG>(fin, split_ws, split_counters, tail_tile,
+                                                      slice, splits, wg, warp, lane)) {
+          continue;
+        }
+        direct = true;
+      }
+    }
     if constexpr (kEpiBoxes > 0) {
+      if (!direct) {
 #pragma unroll
-      for (int w = 0; w < kWaves; ++w) {
+        for (int w = 0; w < kWaves; ++w) {
         // (K-grouped / masked: D[g] is rows g·M.. of the [G·M, N] view (M = M_max when masked);
         // TMA stores only where M % BLOCK_M == 0, so no box reaches the next group's rows.)
-        store_tile_tma<kBlockN, kOut, kAccumulate, kN, kEpiBoxes>(
-            fin[w], smem_d + wg * Epi::kWgBytes, tma_d,
-            kg * m + m0 + w * 64 * kNumMathWG + wg * 64, n0, wg, threadIdx.x % 128 == 0);
+          store_tile_tma<kBlockN, kOut, kAccumulate, kN, kEpiBoxes>(
+              fin[w], smem_d + wg * Epi::kWgBytes, tma_d,
+              kg * m + m0 + w * 64 * kNumMathWG + wg * 64, n0, wg, threadIdx.x % 128 == 0);
+        }
+        continue;
       }
-      continue;
     }
     // Direct stores: registers -> global, rows >= M and columns >= N masked.
 #pragma unroll
@@ -591,6 +712,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
     }
   }
+  }
   // The staging boxes stay valid (and the kernel alive) until the last stores completed.
   if constexpr (kEpiBoxes > 0) {
     if (threadIdx.x % 128 == 0) tma_store_wait<0>();
@@ -616,10 +738,14 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // a computed tile are written, as the contract allows). kRasterM: rows of A per rasterization
 // group (unit_coords; UnitShape::kGroup M-groups, at least one). kMcastA (kCluster = 2, dense
 // only): the cluster shares A over adjacent N-blocks instead of B over adjacent M-blocks; tma_a's
-// box is then BLOCK_M / 2 rows, tma_b's BLOCK_N.
+// box is then BLOCK_M / 2 rows, tma_b's BLOCK_N. kSplitK (dense): units from num_dp_units on are
+// `splits` K-slices of the last tiles (group_unit, split_fixup), with `split_ws` (FP32, splits x
+// BLOCK_M x BLOCK_N per cut tile) and `split_counters` (int, 4 per math warpgroup per cut tile,
+// zero before the launch and left zero after it).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
-          int kGroupMode, int kRasterM = kDefaultRasterM, bool kMcastA = false>
+          int kGroupMode, int kRasterM = kDefaultRasterM, bool kMcastA = false,
+          bool kSplitK = false>
 __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
@@ -627,7 +753,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
                        int m, const int* m_indices, const int* block_group, int num_groups,
-                       const int* group_info) {
+                       const int* group_info, int num_dp_units, int splits, float* split_ws,
+                       int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
@@ -647,6 +774,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   static_assert(kGroupMode != 3 || (kCluster == 1 && kBlockM <= 128 && !k1D1D),
                 "masked: 1D2D, BLOCK_M 64 or 128, no multicast");
   static_assert(!kMcastA || kCluster == 2, "multicast of A: clusters of 2 CTAs");
+  static_assert(!kSplitK || kGroupMode == 0, "split tail: dense GEMMs only");
   constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
   constexpr u32 kHalfA = Smem::kBytesA / kCluster;  // kMcastA: the part of A one CTA loads
 
@@ -668,7 +796,9 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   // zero-filled operands and not stored.
   const u32 rank = kCluster > 1 ? cluster_ctarank() : 0u;
   const int num_m_groups = (num_m_blocks + Units::kClusterM - 1) / Units::kClusterM;
-  const int num_units = num_m_groups * Units::kNumNUnits * (kGroupMode >= 2 ? num_groups : 1);
+  int num_units = num_m_groups * Units::kNumNUnits * (kGroupMode >= 2 ? num_groups : 1);
+  // Split tail: the units past num_dp_units become `splits` K-slices each (group_unit).
+  if constexpr (kSplitK) num_units = num_dp_units + (num_units - num_dp_units) * splits;
   const int first_unit = blockIdx.x / kCluster;
   const int unit_stride = gridDim.x / kCluster;
 
@@ -697,11 +827,23 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
       if constexpr (k1D1D) tma_prefetch_desc(&tma_sfb);
       if constexpr (kEpiBoxes > 0) tma_prefetch_desc(&tma_d);
       u32 it = 0;
-      for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-        int mg, nb, kg, kb_begin, num_kb;
-        group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks>(
-            unit, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, mg, nb, kg,
-            kb_begin, num_kb);
+      // The math warpgroups' two unit loops (fp8_gemm_math), unit for unit.
+      int unit = first_unit;
+#pragma unroll
+      for (int phase = 0; phase < (kSplitK ? 2 : 1); ++phase) {
+      const bool kSlice = phase == 1;
+      for (; unit < (kSplitK && !kSlice ? num_dp_units : num_units); unit += unit_stride) {
+        int mg, nb, kg, kb_begin, num_kb, slice;
+        if (kSlice) {
+          group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK,
+                     kDoubleAcc ? PTXTRAIN_GEMM_CHUNK : 1>(
+              unit, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, mg, nb, kg,
+              kb_begin, num_kb, slice, num_dp_units, splits);
+        } else {
+          group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks>(
+              unit, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, mg, nb, kg,
+              kb_begin, num_kb, slice);
+        }
         const int m0 = Units::m0(mg, rank);
         const int n0 = Units::n0(nb, rank);
         // M-grouped / masked: B is [G * N, K], group g's rows start at g * N; all-padding and
@@ -737,13 +879,14 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
         }
       }
+      }
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kMcastA>(
+                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kMcastA, kSplitK>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
-        num_groups, group_info);
+        num_groups, group_info, num_dp_units, splits, split_ws, split_counters);
   }
   // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) {
