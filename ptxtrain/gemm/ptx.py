@@ -80,7 +80,7 @@ class PtxConfig:
     ``split_k`` (dense 1D2D / 1D1D: the tiles of a partial last wave are cut along K into
     slices that run on the otherwise idle SMs; each slice writes FP32 partial sums to a
     workspace and the last one of a tile sums them in slice order and stores the tile, so
-    results are bitwise repeatable; see :func:`split_tail`; 1D2D with ``double_acc`` only)."""
+    results are bitwise repeatable; see :func:`split_tail`; with ``double_acc`` only)."""
 
     block_m: int
     block_n: int
@@ -236,10 +236,9 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
         bm, bn, stages, cluster, _UNROLL_K, double_acc, tma_store, epi_boxes if tma_store else 0
     )
     # Split tail where whole waves leave SMs idle at the end that K-slices of the last tiles can
-    # fill (e.g. 4096 x 2112 x 7168: 4 waves + 16 tiles of 128x128). 1D2D with double
-    # accumulators only: the 1D1D kernel (B's column scales in registers) and 256-row tiles
-    # spill registers with the slice loop compiled in.
-    if large and _SPLIT_TAIL and kind == "1d2d" and double_acc:
+    # fill (e.g. 4096 x 2112 x 7168: 4 waves + 16 tiles of 128x128). Double accumulators only:
+    # 256-row tiles spill registers with the slice loop compiled in.
+    if large and _SPLIT_TAIL and double_acc:
         units = ceil_div(m_blocks, cluster) * ceil_div(n, bn)
         _, splits = split_tail(units, num_sms // cluster, ceil_div(k, BLOCK_K), _split_quantum(cfg))
         cfg = dataclasses.replace(cfg, split_k=splits > 1)
@@ -707,8 +706,8 @@ def run_with_config(
         # (double accumulators wait for block k + 1's stage while holding block k's: one stage
         # would wait for itself)
         or (cfg.double_acc and cfg.num_stages < 2)
-        # (split tail: built for the 1D2D double-accumulator kernel; the others spill with it)
-        or (cfg.split_k and (kind != "1d2d" or not cfg.double_acc))
+        # (split tail: built for the double-accumulator kernels; the others spill with it)
+        or (cfg.split_k and not cfg.double_acc)
         or not 1 <= cfg.num_stages <= _MAX_STAGES_ANY
         or cfg.raster_m not in _RASTER_MS
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES

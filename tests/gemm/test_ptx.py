@@ -106,14 +106,10 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
     cfg = ptx.PtxConfig(64, 64, 8, 1, double_acc=True, multicast_a=True)
     with pytest.raises(ValueError, match="multicast_a=True"):
         ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
-    # the split tail is built for the 1D2D double-accumulator kernel only
-    for kind, cfg in (
-        ("1d2d", ptx.PtxConfig(256, 128, 4, 2, split_k=True)),
-        ("1d1d", ptx.PtxConfig(128, 128, 5, 1, double_acc=True, split_k=True)),
-    ):
-        b1 = per_token_cast_to_fp8(torch.randn(128, 256, generator=g)) if kind == "1d1d" else b
-        with pytest.raises(ValueError, match="split_k=True"):
-            ptx.run_with_config(kind, a, b1, cfg, torch.float32)
+    # the split tail is built for the double-accumulator kernels only
+    cfg = ptx.PtxConfig(256, 128, 4, 2, split_k=True)
+    with pytest.raises(ValueError, match="split_k=True"):
+        ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -140,14 +136,20 @@ def test_split_tail_rejects_bad_arguments():
         ptx.split_tail(-1, 132, 8, 8)
 
 
-def test_select_config_splits_the_tail_of_4096x2112x7168_only():
+def test_select_config_splits_short_last_waves():
     # 4.12 waves of 128x128 tiles: the only V3 1D2D shape at M = 4096 with a short last wave
-    # that K-slices can fill; 1D1D never (its kernel spills with the slice loop compiled in).
+    # that K-slices can fill.
     split = {
         (n, k): ptx.select_config("1d2d", 4096, n, k, H200_SMS).split_k for n, k in DSV3_DENSE_NK
     }
     assert split == {(n, k): (n, k) == (2112, 7168) for n, k in DSV3_DENSE_NK}
-    assert not ptx.select_config("1d1d", 7168, 2112, 4096, H200_SMS).split_k
+    # Wgrad (K = 4096, 4 chunks): 952 tiles = 7 waves + 28 (4 slices), 2304 = 17 + 60 (2),
+    # 7168 = 54 + 40 (3); 1024 and 1792 tiles leave 100 and 76 (no two slices fit), 896 (64-row
+    # tiles) leaves 104.
+    want = {(7168, 2112): True, (1536, 24576): True, (16384, 7168): True}
+    for m, n in DSV3_WGRAD_MN:
+        got = ptx.select_config("1d1d", m, n, 4096, H200_SMS).split_k
+        assert got == want.get((m, n), False), (m, n)
     assert not ptx.select_config("1d2d", 64, 2112, 7168, H200_SMS).split_k  # decode regime
     assert not ptx.grouped_config(4096, 2112, 7168, H200_SMS).split_k
     _, expr = ptx.kernel_source(
@@ -388,35 +390,48 @@ def test_gpu_every_block_shape_and_cluster(kind, cfg, m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "m,n,k,out_dtype",
+    "kind,m,n,k,out_dtype,accumulate",
     [
-        (4096, 2112, 7168, torch.bfloat16),  # the V3 shape: 4 waves + 16 tiles in 7 slices
-        (1037, 2112, 2176, torch.bfloat16),  # M tail; 17 K blocks: 2 chunks + 1 in the last slice
-        (2112, 1000, 3008, torch.float32),  # N tail (direct stores), K tail, 3 slices of 8 blocks
+        ("1d2d", 4096, 2112, 7168, torch.bfloat16, False),  # V3: 4 waves + 16 tiles, 7 slices
+        ("1d2d", 1037, 2112, 2176, torch.bfloat16, False),  # M tail; 17 K blocks: 2 chunks + 1
+        ("1d2d", 2112, 1000, 3008, torch.float32, False),  # N tail (direct stores), K tail
+        ("1d1d", 7168, 2112, 4096, torch.float32, True),  # V3 wgrad: 7 waves + 28 tiles, 4 slices
+        ("1d1d", 1037, 1000, 2176, torch.float32, False),  # 1D1D with M, N and K tails
+        ("1d1d", 1037, 2112, 2176, torch.bfloat16, False),
     ],
 )
-def test_gpu_split_tail(m, n, k, out_dtype):
+def test_gpu_split_tail(kind, m, n, k, out_dtype, accumulate):
     # Split tail against the unquantized product and the same config without it (a different
     # FP32 summation order of the cut tiles: equal up to rounding, not bitwise); the slices are
     # summed in slice order, so repeated runs are bitwise equal, and they also show that each
     # run leaves its tile counters at zero for the next (a stale count would skip stores).
     x, w = _inputs(m, n, k, seed=m + 3 * n + k)
-    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    qa = per_token_cast_to_fp8(x)
+    qb = per_block_cast_to_fp8(w) if kind == "1d2d" else per_token_cast_to_fp8(w)
     cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, split_k=True)
     units = ((m + 127) // 128) * ((n + 127) // 128)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert ptx.split_tail(units, sms, (k + 127) // 128, 8)[1] > 1, "the shape must cut slices"
-    got = [ptx.run_with_config("1d2d", qa, qb, cfg, out_dtype) for _ in range(3)]
+    base = torch.randn(m, n, device="cuda") if accumulate else None
+
+    def run(c, out=None):
+        if accumulate:
+            out = base.clone()
+        return ptx.run_with_config(kind, qa, qb, c, out_dtype, out=out, accumulate=accumulate)
+
+    got = [run(cfg) for _ in range(3)]
     for again in got[1:]:
         torch.testing.assert_close(again, got[0], rtol=0, atol=0)
-    _check(got[0], x.double() @ w.double().t(), m, n, k, f"split tail {cfg}")
-    whole = ptx.run_with_config("1d2d", qa, qb, dataclasses.replace(cfg, split_k=False), out_dtype)
+    want = x.double() @ w.double().t() + (base.double() if accumulate else 0)
+    _check(got[0], want, m, n, k, f"{kind} split tail {cfg}")
+    whole = run(dataclasses.replace(cfg, split_k=False))
     # Both sum the same FP32 block products; only the cut tiles' order of additions differs.
     assert calc_diff(got[0], whole) < 1e-6
-    # Into a given D (the finisher's direct stores write every element of the cut tiles).
-    out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
-    ptx.run_with_config("1d2d", qa, qb, cfg, out_dtype, out=out)
-    torch.testing.assert_close(out, got[0], rtol=0, atol=0)
+    if not accumulate:
+        # Into a given D (the finisher's direct stores write every element of the cut tiles).
+        out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+        run(cfg, out)
+        torch.testing.assert_close(out, got[0], rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@
 // share A, each loading half of its rows (DeepGEMM's multicast on A); A is then read from L2 by
 // half the CTAs.
 //
-// Split tail (kSplitK, dense 1D2D): a persistent grid of G CTAs runs `units` tiles in whole
+// Split tail (kSplitK, dense): a persistent grid of G CTAs runs `units` tiles in whole
 // waves of G plus a partial last wave that leaves SMs idle (4096 x 2112 x 7168 with 128x128
 // tiles: 4 waves + 16 tiles on 132 SMs). The host (ptx.split_tail) passes num_dp_units, the
 // tiles of the whole waves, and `splits`: each remaining tile becomes `splits` units over K
@@ -70,6 +70,10 @@
 // wgmma wait (see kEarlyGroups in fp8_gemm_math).
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS 8
+#endif
+// The same with the split tail's slice loop compiled in (kSplitK): 8 spills there.
+#ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT
+#define PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT 6
 #endif
 
 namespace ptxtrain {
@@ -520,11 +524,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // waiting for kb, so their shared-memory latency hides behind the wait instead of stalling
       // the promotion; more early groups hold more registers across the wait (all 16 of a
       // 128-column tile spill). 0: every scale after the wait.
-      static_assert(PTXTRAIN_GEMM_EARLY_SB_GROUPS >= 0, "PTXTRAIN_GEMM_EARLY_SB_GROUPS >= 0");
+      static_assert(PTXTRAIN_GEMM_EARLY_SB_GROUPS >= 0 && PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT >= 0,
+                    "PTXTRAIN_GEMM_EARLY_SB_GROUPS(_SPLIT) >= 0");
+      constexpr int kEarlyWant =
+          kSplitK ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT : PTXTRAIN_GEMM_EARLY_SB_GROUPS;
       constexpr int kEarlyGroups =
-          k1D1D ? (PTXTRAIN_GEMM_EARLY_SB_GROUPS < kBlockN / 8 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS
-                                                                 : kBlockN / 8)
-                : 0;
+          k1D1D ? (kEarlyWant < kBlockN / 8 ? kEarlyWant : kBlockN / 8) : 0;
       // Row scales before the wait too, with early column scales (1D2D: after it; reading them
       // early measured no different, 2026-11-22-s9-h200/call6).
       constexpr bool kEarlySa = kEarlyGroups > 0;
