@@ -11,8 +11,9 @@ Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and thei
 
 ``auto`` (the default) picks, per call: ``ref`` for CPU tensors; on CUDA ``ptx`` where it
 measured fastest (:func:`ptx_wins`: decode-sized 1D2D, and large 1D2D / 1D1D whose tiles use
-at least 85% of the SMs' tile slots over their waves), then ``cublas`` for the shapes it runs
-correctly (:func:`ptxtrain.gemm.cublas.supports`) except decode-sized 1D2D, then ``ptx`` for
+at least 85% of the SMs' tile slots over their waves or split a short last wave along K), then
+``cublas`` for the shapes it runs correctly (:func:`ptxtrain.gemm.cublas.supports`) except
+decode-sized 1D2D, then ``ptx`` for
 the large 1D2D and 1D1D shapes cuBLAS cannot run (M > 128 or 1D1D, at least 264 tiles of
 128x128), otherwise ``triton``, otherwise ``ref``.
 ``PTXTRAIN_GEMM_BACKEND`` forces one.
@@ -48,8 +49,10 @@ def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
     1.01-1.21x cuBLAS except 0.96x at 4096 x 2112 x 7168, whose 544 tiles of 128x128 fill 4.12
     waves of 132 SMs; 1D1D (wgrad, K = 4096) 1.05-1.11x cuBLAS. So: every decode-sized 1D2D
     (M <= 128); larger 1D2D and every 1D1D where the PTX heuristic's tiles fill at least two
-    waves (two waves of 128x128 tiles) and use at least 85% of the SMs' tile slots over all
-    their waves (4096 x 2112 x 7168: 544 / 660 = 0.82).
+    waves (two waves of 128x128 tiles) and either use at least 85% of the SMs' tile slots over
+    all their waves or cut the partial last wave's tiles into K-slices (``PtxConfig.split_k``).
+    4096 x 2112 x 7168 fills 544 / 660 = 0.82 of the slots; with the split tail PTX ran 1.04x
+    cuBLAS there, 0.97x without (benchmarks/results/2026-11-22-s11-h200/call2).
     """
     if kind not in ("1d2d", "1d1d"):
         return False
