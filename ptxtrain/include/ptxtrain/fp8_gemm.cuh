@@ -353,6 +353,23 @@ __device__ __forceinline__ void group_unit(int unit, int units_per_group, int nu
   }
 }
 
+// group_unit of the unit loops' two phases: whole tiles (`slices` false: no split-tail code) or
+// the split tail's K-slices.
+template <int kGroupMode, int kGroup, int kNumNBlocks, int kNumKBlocks, bool kSplitK, int kQuantum>
+__device__ __forceinline__ void phase_unit(bool slices, int unit, int units_per_group,
+                                           int num_m_groups, const int* group_info, int& mg,
+                                           int& nb, int& kg, int& kb_begin, int& num_kb,
+                                           int& slice, int num_dp_units, int splits) {
+  if (slices) {
+    group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks, kSplitK, kQuantum>(
+        unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb, slice,
+        num_dp_units, splits);
+  } else {
+    group_unit<kGroupMode, kGroup, kNumNBlocks, kNumKBlocks>(
+        unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb, slice);
+  }
+}
+
 // Split tail (kSplitK): this warp's FP32 partial sums of a K-slice of tile `tail_tile` go to
 // the workspace (slice `slice` of the tile's `splits`, laid out [wave][column pair][lane] so that
 // each store is a coalesced 256-byte row), then the warp counts itself in on its counter. The
@@ -455,14 +472,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   const bool kSlice = phase == 1;
   for (; unit < (kSplitK && !kSlice ? num_dp_units : num_units); unit += unit_stride) {
     int mg, nb, kg, kb_begin, num_kb, slice;
-    if (kSlice) {
-      group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK, kSplitQuantum>(
-          unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb, slice,
-          num_dp_units, splits);
-    } else {
-      group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks>(
-          unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb, slice);
-    }
+    phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK, kSplitQuantum>(
+        kSlice, unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb,
+        slice, num_dp_units, splits);
     const int m0 = Units::m0(mg, rank);
     const int n0 = Units::n0(nb, rank);
     const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
@@ -839,16 +851,10 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
       const bool kSlice = phase == 1;
       for (; unit < (kSplitK && !kSlice ? num_dp_units : num_units); unit += unit_stride) {
         int mg, nb, kg, kb_begin, num_kb, slice;
-        if (kSlice) {
-          group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK,
-                     kDoubleAcc ? PTXTRAIN_GEMM_CHUNK : 1>(
-              unit, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, mg, nb, kg,
-              kb_begin, num_kb, slice, num_dp_units, splits);
-        } else {
-          group_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks>(
-              unit, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, mg, nb, kg,
-              kb_begin, num_kb, slice);
-        }
+        phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK,
+                   kDoubleAcc ? PTXTRAIN_GEMM_CHUNK : 1>(
+            kSlice, unit, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, mg, nb, kg,
+            kb_begin, num_kb, slice, num_dp_units, splits);
         const int m0 = Units::m0(mg, rank);
         const int n0 = Units::n0(nb, rank);
         // M-grouped / masked: B is [G * N, K], group g's rows start at g * N; all-padding and
