@@ -52,7 +52,8 @@ def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
     waves (two waves of 128x128 tiles) and either use at least 85% of the SMs' tile slots over
     all their waves or cut the partial last wave's tiles into K-slices (``PtxConfig.split_k``).
     4096 x 2112 x 7168 fills 544 / 660 = 0.82 of the slots; with the split tail PTX ran 1.04x
-    cuBLAS there, 0.97x without (benchmarks/results/2026-11-22-s11-h200/call2).
+    cuBLAS there, 0.97x without (benchmarks/results/2026-11-22-s11-h200/call2). The rule sizes
+    the grid for 132 SMs (H100 / H200); on other SM counts the launch plans its own split.
     """
     if kind not in ("1d2d", "1d1d"):
         return False

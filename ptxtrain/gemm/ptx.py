@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -449,7 +450,10 @@ def _split_quantum(cfg: PtxConfig) -> int:
     """K blocks per step of a slice's range (mirrors kSplitQuantum in fp8_gemm.cuh for double
     accumulators, whose chunks are PTXTRAIN_GEMM_CHUNK = 8 blocks; a single accumulator takes
     any range, and 4 blocks keep the slice's fixed costs small)."""
-    return 8 if cfg.double_acc else _SPLIT_MIN_KB
+    if not cfg.double_acc:
+        return _SPLIT_MIN_KB
+    chunk = re.search(r"#define\s+PTXTRAIN_GEMM_CHUNK\s+(\d+)", _SOURCE_DEFINES)
+    return int(chunk.group(1)) if chunk else 8
 
 
 # Per (device, stream): the split tail's tile counters, zero between launches (the last slice of
@@ -458,6 +462,10 @@ _SPLIT_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _split_counters(device_index: int, count: int) -> torch.Tensor:
+    if torch.cuda.is_current_stream_capturing():
+        # A CUDA graph gets counters of its own (zeroed inside the graph, from its private pool):
+        # graphs captured on one stream may replay at once on different streams.
+        return torch.zeros(count, dtype=torch.int32, device=f"cuda:{device_index}")
     stream = torch.cuda.current_stream(device_index).cuda_stream
     key = (device_index, stream)
     buf = _SPLIT_COUNTERS.get(key)

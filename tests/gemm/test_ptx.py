@@ -129,6 +129,19 @@ def test_split_tail(units, grid, num_kb, quantum, want):
     assert ptx.split_tail(units, grid, num_kb, quantum) == want
 
 
+def test_split_quantum_follows_the_chunk_define():
+    # Double accumulators cut slices at whole chunks of PTXTRAIN_GEMM_CHUNK blocks (8 unless an
+    # A/B overrides it); a single accumulator at the minimum slice length.
+    cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, split_k=True)
+    assert ptx._split_quantum(cfg) == 8
+    try:
+        ptx.set_source_defines("#define PTXTRAIN_GEMM_CHUNK 16\n")
+        assert ptx._split_quantum(cfg) == 16
+    finally:
+        ptx.set_source_defines("")
+    assert ptx._split_quantum(dataclasses.replace(cfg, double_acc=False)) == ptx._SPLIT_MIN_KB
+
+
 def test_split_tail_rejects_bad_arguments():
     with pytest.raises(ValueError, match="grid_units and quantum must be positive"):
         ptx.split_tail(10, 0, 8, 8)
@@ -432,6 +445,35 @@ def test_gpu_split_tail(kind, m, n, k, out_dtype, accumulate):
         out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
         run(cfg, out)
         torch.testing.assert_close(out, got[0], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_split_tail_in_cuda_graphs():
+    # Two graphs captured on the same stream, each with counters of its own, replayed on two
+    # streams at once: each must give the eager result bitwise (shared counters would let a
+    # warp of one graph count the other's slices and store an incomplete sum).
+    m, n, k = 4096, 2112, 7168
+    x, w = _inputs(m, n, k, seed=11)
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, split_k=True)
+    want = ptx.run_with_config("1d2d", qa, qb, cfg, torch.bfloat16)
+    outs = [torch.empty_like(want) for _ in range(2)]
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    ptx.run_with_config("1d2d", qa, qb, cfg, torch.bfloat16, out=outs[0])  # warm: compile
+    for g, out in zip(graphs, outs, strict=True):
+        with torch.cuda.graph(g):
+            ptx.run_with_config("1d2d", qa, qb, cfg, torch.bfloat16, out=out)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for _ in range(3):
+        for out in outs:
+            out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for g, st in zip(graphs, streams, strict=True):
+            with torch.cuda.stream(st):
+                g.replay()
+        torch.cuda.synchronize()
+        for out in outs:
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

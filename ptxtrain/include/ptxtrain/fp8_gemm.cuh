@@ -35,7 +35,8 @@
 // tiles: 4 waves + 16 tiles on 132 SMs). The host (ptx.split_tail) passes num_dp_units, the
 // tiles of the whole waves, and `splits`: each remaining tile becomes `splits` units over K
 // ranges of whole double-accumulator chunks, run after the whole tiles (a second unit loop, so
-// the first keeps its registers). A slice writes its FP32 partial tile to a workspace and
+// the first keeps a register allocation close to a kernel's without slices; the 1D1D kernel
+// reads 6 instead of 8 column-scale groups early in both loops, 8 spill). A slice writes its FP32 partial tile to a workspace and
 // counts itself in on a per-warp counter; the warp that arrives last sums the slices in slice
 // order (bitwise repeatable), stores the tile with direct stores and zeroes the counter.
 //
