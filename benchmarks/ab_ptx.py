@@ -31,22 +31,23 @@ from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing import calc_diff
 
 
-def parse_variant(text: str) -> tuple[str, str | None, str]:
-    """``"name:128x128s5c1d:#PTXTRAIN_GEMM_CHUNK=16"`` -> (name, config text or None, defines).
-    A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block sizes with an N-stage ring (fewer
-    where shared memory ends); it is returned as the config text. ``split`` / ``nosplit`` come
-    back as a ``//split`` / ``//nosplit`` line of the defines (a comment to the compiler).
+def parse_variant(text: str) -> tuple[str, str | None, str, bool | None]:
+    """``"name:128x128s5c1d:#PTXTRAIN_GEMM_CHUNK=16"`` -> (name, config text or None, defines,
+    split). A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block sizes with an N-stage ring
+    (fewer where shared memory ends); it is returned as the config text. ``split`` / ``nosplit``
+    set the config's ``split_k`` (split: True / False; None keeps the config's).
 
     Raises:
-        ValueError: a SPEC that is neither a config, ``sN`` nor ``#MACRO=VALUE``.
+        ValueError: a SPEC that is neither a config, ``sN``, ``split`` / ``nosplit`` nor
+            ``#MACRO=VALUE``.
     """
     name, *specs = text.split(":")
-    cfg, defines = None, ""
+    cfg, defines, split = None, "", None
     for spec in specs:
         if spec[:1] == "s" and spec[1:].isdigit():
             cfg = spec
         elif spec in ("split", "nosplit"):
-            defines += f"//{spec}\n"
+            split = spec == "split"
         elif spec.startswith("#"):
             macro, eq, value = spec[1:].partition("=")
             if not eq or not macro.isidentifier():
@@ -55,7 +56,7 @@ def parse_variant(text: str) -> tuple[str, str | None, str]:
         else:
             parse_config(spec)  # raises on a malformed config
             cfg = spec
-    return name, cfg, defines
+    return name, cfg, defines, split
 
 
 def _with_stages(cfg, stages: int, kind: str, out_dtype) -> ptx.PtxConfig:
@@ -100,14 +101,14 @@ def main() -> None:
         base_us = timer(lambda: fn(qa, qb))
         flops = 2.0 * m * n * k
         line = f"{m} {n} {k} | {args.baseline} {base_us:8.1f} {flops / base_us / 1e6:5.0f}"
-        for name, cfg_text, defines in variants:
+        for name, cfg_text, defines, split in variants:
             cfg = ptx.select_config(args.kind, m, n, k, sms)
             if cfg_text and cfg_text[0] == "s":
                 cfg = _with_stages(cfg, int(cfg_text[1:]), args.kind, out_dtype)
             elif cfg_text:
                 cfg = parse_config(cfg_text)
-            if "//split\n" in defines or "//nosplit\n" in defines:
-                cfg = dataclasses.replace(cfg, split_k="//split\n" in defines)
+            if split is not None:
+                cfg = dataclasses.replace(cfg, split_k=split)
             ptx.set_source_defines(defines)
             try:
                 diff = calc_diff(

@@ -64,10 +64,9 @@ def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
     if ceil_div(max(m, 1), 128) * ceil_div(max(n, 1), 128) < 2 * H100_SMS:
         return False
     cfg = ptx.select_config(kind, m, n, k, H100_SMS)
-    tiles = ceil_div(max(m, 1), cfg.block_m) * ceil_div(max(n, 1), cfg.block_n)
-    if cfg.split_k:
-        # The partial last wave's tiles run as K-slices on every SM (ptx.split_tail).
+    if cfg.split_k:  # the partial last wave's tiles run as K-slices on every SM (split_tail)
         return True
+    tiles = ceil_div(max(m, 1), cfg.block_m) * ceil_div(max(n, 1), cfg.block_n)
     return tiles / (ceil_div(tiles, H100_SMS) * H100_SMS) >= 0.85
 
 

@@ -51,7 +51,6 @@ _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of 
 _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 _TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
-_SPLIT_MIN_KB = 4  # split tail, single accumulator: K blocks per slice at least (split_tail)
 _SPLIT_TAIL = True  # select_config may set PtxConfig.split_k
 _1D1D_KINDS = ("1d1d", "k_grouped")  # kernel kinds with per-column scales of B
 # Lines put before the header in every kernel's source (set_source_defines).
@@ -239,9 +238,9 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     # Split tail where whole waves leave SMs idle at the end that K-slices of the last tiles can
     # fill (e.g. 4096 x 2112 x 7168: 4 waves + 16 tiles of 128x128). Double accumulators only:
     # 256-row tiles spill registers with the slice loop compiled in.
+    # (Such tiles never take a cluster here: one unit per tile.)
     if large and _SPLIT_TAIL and double_acc:
-        units = ceil_div(m_blocks, cluster) * ceil_div(n, bn)
-        _, splits = split_tail(units, num_sms // cluster, ceil_div(k, BLOCK_K), _split_quantum(cfg))
+        _, splits = split_tail(tiles, num_sms, ceil_div(k, BLOCK_K), _split_quantum())
         cfg = dataclasses.replace(cfg, split_k=splits > 1)
     return cfg
 
@@ -423,11 +422,11 @@ def split_tail(units: int, grid_units: int, num_kb: int, quantum: int) -> tuple[
 
     The first ``num_dp_units`` units are whole tiles: full waves, each CTA the same number. The
     ``tail = units - num_dp_units`` tiles of the partial last wave are cut into ``splits``
-    K-slices of whole ``quantum``-block steps (the double-accumulator chunk, or the least K
-    worth a slice), as many as the idle CTAs take in one round: ``splits = min(grid_units //
-    tail, num_kb // quantum)``. ``splits == 1`` (nothing cut) when there is no full wave, no
-    partial one, or fewer than two slices fit. E.g. 4096 x 2112 x 7168 with 128x128 tiles on 132
-    SMs: 544 tiles = 4 waves + 16, cut into 7 slices of 8 K blocks (112 units).
+    K-slices of whole ``quantum``-block steps (the double-accumulator chunk), as many as the
+    idle CTAs take in one round: ``splits = min(grid_units // tail, num_kb // quantum)``.
+    ``splits == 1`` (nothing cut) when there is no full wave, no partial one, or fewer than two
+    slices fit. E.g. 4096 x 2112 x 7168 with 128x128 tiles on 132 SMs: 544 tiles = 4 waves +
+    16, cut into 7 slices of 8 K blocks (112 units).
 
     Raises:
         ValueError: a non-positive ``grid_units`` or ``quantum``, or negative ``units`` /
@@ -446,12 +445,9 @@ def split_tail(units: int, grid_units: int, num_kb: int, quantum: int) -> tuple[
     return units - tail, splits
 
 
-def _split_quantum(cfg: PtxConfig) -> int:
-    """K blocks per step of a slice's range (mirrors kSplitQuantum in fp8_gemm.cuh for double
-    accumulators, whose chunks are PTXTRAIN_GEMM_CHUNK = 8 blocks; a single accumulator takes
-    any range, and 4 blocks keep the slice's fixed costs small)."""
-    if not cfg.double_acc:
-        return _SPLIT_MIN_KB
+def _split_quantum() -> int:
+    """K blocks per step of a slice's range: the double-accumulator chunk, PTXTRAIN_GEMM_CHUNK
+    in fp8_gemm.cuh (8 unless :func:`set_source_defines` overrides it)."""
     chunk = re.search(r"#define\s+PTXTRAIN_GEMM_CHUNK\s+(\d+)", _SOURCE_DEFINES)
     return int(chunk.group(1)) if chunk else 8
 
@@ -514,7 +510,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     split = (units, 1, 0, 0)
     if cfg.split_k:
         num_kb = ceil_div(k, BLOCK_K)
-        dp, splits = split_tail(units, grid // cfg.cluster, num_kb, _split_quantum(cfg))
+        dp, splits = split_tail(units, grid // cfg.cluster, num_kb, _split_quantum())
         if splits > 1:
             tiles = (units - dp) * cfg.cluster  # CTA tiles cut into slices
             math_warps = 4 * min(cfg.block_m // 64, 2)

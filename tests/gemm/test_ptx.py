@@ -118,7 +118,7 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
         (544, 132, 56, 8, (528, 7)),  # 4096 x 2112 x 7168, 128x128: 4 waves + 16 tiles, 7 chunks
         (544, 132, 200, 8, (528, 8)),  # more K: as many slices as the idle SMs take (132 // 16)
         (153, 132, 17, 8, (132, 2)),  # 2 whole chunks (+ 1 block for the last slice)
-        (136, 132, 24, 4, (132, 6)),  # single accumulator: slices of >= 4 blocks
+        (136, 132, 24, 4, (132, 6)),  # 4-block chunks (PTXTRAIN_GEMM_CHUNK=4): 6 of 33 fit
         (1024, 132, 56, 8, (1024, 1)),  # 100 tail tiles: no two slices of each fit
         (528, 132, 56, 8, (528, 1)),  # whole waves only
         (100, 132, 56, 8, (100, 1)),  # no whole wave to hide behind
@@ -130,16 +130,14 @@ def test_split_tail(units, grid, num_kb, quantum, want):
 
 
 def test_split_quantum_follows_the_chunk_define():
-    # Double accumulators cut slices at whole chunks of PTXTRAIN_GEMM_CHUNK blocks (8 unless an
-    # A/B overrides it); a single accumulator at the minimum slice length.
-    cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, split_k=True)
-    assert ptx._split_quantum(cfg) == 8
+    # Slices are cut at whole chunks of PTXTRAIN_GEMM_CHUNK blocks (8 unless an A/B overrides it).
+    assert ptx._split_quantum() == 8
     try:
         ptx.set_source_defines("#define PTXTRAIN_GEMM_CHUNK 16\n")
-        assert ptx._split_quantum(cfg) == 16
+        assert ptx._split_quantum() == 16
     finally:
         ptx.set_source_defines("")
-    assert ptx._split_quantum(dataclasses.replace(cfg, double_acc=False)) == ptx._SPLIT_MIN_KB
+    assert ptx._split_quantum() == 8
 
 
 def test_split_tail_rejects_bad_arguments():

@@ -449,7 +449,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   constexpr int kNumSfbBlocks = (kN + 127) / 128;
   using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
   constexpr int kGroup = Units::kGroup;
-  constexpr int kSplitQuantum = kDoubleAcc ? PTXTRAIN_GEMM_CHUNK : 1;
   const int wg = threadIdx.x / 128;
   if constexpr (kNumMathWG == 2) setmaxnreg_inc<232>();
   const int warp = (threadIdx.x / 32) % 4;
@@ -473,7 +472,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   const bool kSlice = phase == 1;
   for (; unit < (kSplitK && !kSlice ? num_dp_units : num_units); unit += unit_stride) {
     int mg, nb, kg, kb_begin, num_kb, slice;
-    phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK, kSplitQuantum>(
+    phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK, PTXTRAIN_GEMM_CHUNK>(
         kSlice, unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb,
         slice, num_dp_units, splits);
     const int m0 = Units::m0(mg, rank);
@@ -625,7 +624,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       const u32 s = it % kNumStages;
       const u32 phase = (it / kNumStages) & 1u;
       float sfb_lo = 1.0f, sfb_hi = 1.0f;
-      load_sfb(kSlice ? kb_begin + kb : kb, sfb_lo, sfb_hi);
+      load_sfb(kb, sfb_lo, sfb_hi);
       mbarrier_wait(&full[s], phase);
       const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
       float sb[k1D1D ? kBlockN / 4 : 1];
@@ -792,7 +791,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   static_assert(kGroupMode != 3 || (kCluster == 1 && kBlockM <= 128 && !k1D1D),
                 "masked: 1D2D, BLOCK_M 64 or 128, no multicast");
   static_assert(!kMcastA || kCluster == 2, "multicast of A: clusters of 2 CTAs");
-  static_assert(!kSplitK || kGroupMode == 0, "split tail: dense GEMMs only");
+  static_assert(!kSplitK || (kGroupMode == 0 && kDoubleAcc),
+                "split tail: dense GEMMs with double accumulators (K-slices of whole chunks)");
   constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
   constexpr u32 kHalfA = Smem::kBytesA / kCluster;  // kMcastA: the part of A one CTA loads
 
@@ -853,7 +853,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
       for (; unit < (kSplitK && !kSlice ? num_dp_units : num_units); unit += unit_stride) {
         int mg, nb, kg, kb_begin, num_kb, slice;
         phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK,
-                   kDoubleAcc ? PTXTRAIN_GEMM_CHUNK : 1>(
+                   PTXTRAIN_GEMM_CHUNK>(
             kSlice, unit, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, mg, nb, kg,
             kb_begin, num_kb, slice, num_dp_units, splits);
         const int m0 = Units::m0(mg, rank);
