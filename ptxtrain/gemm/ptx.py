@@ -41,6 +41,9 @@ from ptxtrain.quant.ref import to_mn_major
 BLOCK_K = 128
 _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc + fin in registers
 _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x block_n registers
+# 1D2D with block_m <= 128 also takes 192 (one accumulator: 96 + 96 registers per thread; a
+# tile still spans at most two 128-column scale blocks). Not chosen by select_config.
+_BLOCK_NS_WIDE = (192,)
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8  # the heuristics' ring depth cap (see select_config)
 _MAX_STAGES_DECODE = 16  # the cap for decode-sized tiles (see select_config)
@@ -102,6 +105,13 @@ class PtxConfig:
 
 def _out_bytes(out_dtype: torch.dtype) -> int:
     return 2 if out_dtype == torch.bfloat16 else 4
+
+
+def _block_ns(kind: str, block_m: int) -> tuple[int, ...]:
+    """The block_n values run_with_config takes for ``kind`` and ``block_m``."""
+    if block_m == 256:
+        return _BLOCK_NS_256
+    return _BLOCK_NS + (_BLOCK_NS_WIDE if kind == "1d2d" else ())
 
 
 def _tile_boxes(block_n: int, out_dtype: torch.dtype) -> int:
@@ -702,7 +712,7 @@ def run_with_config(
         raise ValueError(f"kind must be '1d2d' or '1d1d', got {kind!r}")
     if (
         cfg.block_m not in (64, 128, 256)
-        or cfg.block_n not in (_BLOCK_NS if cfg.block_m < 256 else _BLOCK_NS_256)
+        or cfg.block_n not in _block_ns(kind, cfg.block_m)
         or cfg.cluster not in (1, 2)
         or (cfg.multicast_a and cfg.cluster != 2)
         or cfg.unroll_k not in (1, 2, 4)

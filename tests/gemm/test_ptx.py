@@ -110,6 +110,15 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
     cfg = ptx.PtxConfig(256, 128, 4, 2, split_k=True)
     with pytest.raises(ValueError, match="split_k=True"):
         ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
+    # 192-column tiles: 1D2D only (1D1D's per-column scales of B would spill), not with
+    # 256-row tiles, and 176 spans three scale blocks of B at some tiles
+    cfg = ptx.PtxConfig(128, 192, 4, 1)
+    b1 = per_token_cast_to_fp8(torch.randn(128, 256, generator=g))
+    with pytest.raises(ValueError, match="block_n=192"):
+        ptx.run_with_config("1d1d", a, b1, cfg, torch.float32)
+    for bad in (ptx.PtxConfig(256, 192, 3, 1), ptx.PtxConfig(128, 176, 4, 1)):
+        with pytest.raises(ValueError, match=f"block_n={bad.block_n}"):
+            ptx.run_with_config("1d2d", a, b, bad, torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -397,6 +406,32 @@ def test_gpu_every_block_shape_and_cluster(kind, cfg, m, n, k):
     out_dtype = torch.bfloat16 if kind == "1d2d" else torch.float32
     got = ptx.run_with_config(kind, qa, qb, cfg, out_dtype)
     _check(got, x.double() @ w.double().t(), m, n, k, f"{kind} {cfg}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ptx.PtxConfig(128, 192, 4, 1, tma_store=True),
+        ptx.PtxConfig(128, 192, 4, 2, tma_store=True),
+        ptx.PtxConfig(128, 192, 5, 1),
+        ptx.PtxConfig(128, 192, 4, 2, multicast_a=True),
+        ptx.PtxConfig(64, 192, 8, 1, tma_store=True),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize(
+    "m,n,k", [(129, 2112, 1536), (1000, 576, 7168), (13, 300, 272), (4096, 2112, 7168)]
+)
+def test_gpu_1d2d_192_column_tiles(cfg, m, n, k):
+    # 192-column tiles start 0 or 64 columns into a scale block of B (2112 = 11 x 192, 576 = 3 x
+    # 192; 300: an N tail inside the second block), with TMA-store and direct epilogues and both
+    # multicasts.
+    x, w = _inputs(m, n, k, seed=m + n)
+    got = ptx.run_with_config(
+        "1d2d", per_token_cast_to_fp8(x), per_block_cast_to_fp8(w), cfg, torch.bfloat16
+    )
+    _check(got, x.double() @ w.double().t(), m, n, k, f"1d2d {cfg}")
 
 
 @pytest.mark.gpu

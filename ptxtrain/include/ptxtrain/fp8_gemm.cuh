@@ -779,8 +779,12 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
   constexpr int kGroup = Units::kGroup;
   static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 256, "BLOCK_M: 64, 128 or 256");
-  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 160,
-                "BLOCK_N must be a multiple of 16 in [16, 160] (a tile then spans at most two "
+  // A tile at n0 = j * BLOCK_N starts at most 128 - gcd(BLOCK_N, 128) columns into its scale
+  // block, so it spans at most two 128-column scale blocks of B iff BLOCK_N <= 128 + that gcd
+  // (16..160 in steps of 16, and 192).
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 192 &&
+                    kBlockN <= 128 + (kBlockN & -kBlockN < 128 ? kBlockN & -kBlockN : 128),
+                "BLOCK_N: a multiple of 16 in [16, 160], or 192 (a tile then spans at most two "
                 "128-column scale blocks of B)");
   static_assert(kOut == 1 || !kAccumulate, "accumulate needs an fp32 output");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
