@@ -76,6 +76,14 @@
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT 6
 #endif
+// Diagnostic only (benchmarks.ab_ptx "#PTXTRAIN_GEMM_DIAG_NO_PROMOTE=1"; wrong results): the
+// one-accumulator K loop of single-wave tiles without the FP32 promotion, i.e. a plain FP8
+// GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
+// speed bounds what the promotion's overlap can reach with the same tiles, TMA ring and
+// epilogue.
+#ifndef PTXTRAIN_GEMM_DIAG_NO_PROMOTE
+#define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
+#endif
 
 namespace ptxtrain {
 
@@ -616,6 +624,36 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
 #undef PTXTRAIN_FP8_GEMM_CHUNK
 #undef PTXTRAIN_FP8_GEMM_RETIRE
+    } else if constexpr (PTXTRAIN_GEMM_DIAG_NO_PROMOTE != 0 && kWaves == 1) {
+      // (diagnostic, see PTXTRAIN_GEMM_DIAG_NO_PROMOTE: block kb's wgmmas accumulate onto block
+      // kb - 1's in flight; the stage of kb - 1 is released once only kb's group is pending)
+      constexpr u32 kHi = smem_desc_hi(1024, SmemSwizzle::kB128);
+#pragma unroll 1
+      for (int kb = 0; kb < num_kb; ++kb, ++it) {
+        const u32 s = it % kNumStages;
+        mbarrier_wait(&full[s], (it / kNumStages) & 1u);
+        const u32 a_lo = a_lo0 + s * (Smem::kBytesA >> 4), b_lo = b_lo0 + s * (Smem::kBytesB >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          Mma::mma(acc, smem_desc(a_lo + 2 * kk, kHi), smem_desc(b_lo + 2 * kk, kHi),
+                   kk > 0 || kb > 0);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<1>();
+        if (kb > 0) {
+          __syncwarp();
+          release_stage<kCluster>(&empty[(it - 1) % kNumStages], lane);
+        }
+      }
+      wgmma_wait_group<0>();
+      wgmma_fence_operand(acc);
+      if (num_kb > 0) {
+        __syncwarp();
+        release_stage<kCluster>(&empty[(it - 1) % kNumStages], lane);
+      }
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) fin[0][i] = acc[i];
     } else {
     // kUnrollK: how far the compiler may unroll the K loop (more overlaps one block's scale
     // loads and address math with the previous block's promotion; too much spills).
