@@ -84,13 +84,6 @@
 #ifndef PTXTRAIN_GEMM_DIAG_NO_PROMOTE
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
-// One-accumulator kernels with two math warpgroups (dense): 1 = the warpgroups take turns on
-// the tensor core (ping-pong): a warpgroup issues a block's wgmmas only once the other's
-// previous batch completed (named barriers 3 and 4), so its promotion runs under the other's
-// MMAs instead of both batches sharing the tensor core and finishing, then promoting, together.
-#ifndef PTXTRAIN_GEMM_PINGPONG
-#define PTXTRAIN_GEMM_PINGPONG 0
-#endif
 
 namespace ptxtrain {
 
@@ -476,11 +469,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   const u32 b_lo0 = smem_addr(smem_b) >> 4;
   u32 it = 0;
   const int units_per_group = num_m_groups * Units::kNumNUnits;
-  // (PTXTRAIN_GEMM_PINGPONG: dense one-accumulator tiles of two warpgroups, which run the same
-  // batches in the same order)
-  constexpr bool kPingPong =
-      PTXTRAIN_GEMM_PINGPONG != 0 && !kDoubleAcc && kNumMathWG == 2 && kGroupMode == 0;
-  bool first_batch = true;
   float acc[kBlockN / 2];
   float fin[kWaves][kBlockN / 2];
   // Whole tiles, then (split tail) the K-slices of the last tiles: the phase loop unrolls into
@@ -685,22 +673,11 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         // Scales first: once this warp releases the stage, the producer may overwrite it.
         const float sa0 = sfa[wrow];
         const float sa1 = sfa[wrow + 8];
-        // Ping-pong: warpgroup 0's turn comes when warpgroup 1's previous batch completed
-        // (barrier 4; not before its very first batch), warpgroup 1's when 0's did (barrier 3).
-        if constexpr (kPingPong) {
-          if (wg == 1) {
-            named_barrier_sync(3, 256);
-          } else if (!first_batch) {
-            named_barrier_sync(4, 256);
-          }
-          first_batch = false;
-        }
         issue_kblock<Mma, kBlockN>(
             acc, a_lo0 + s * (Smem::kBytesA >> 4) + w * 64 * kNumMathWG * 128 / 16,
             b_lo0 + s * (Smem::kBytesB >> 4));
         wgmma_wait_group<0>();
         wgmma_fence_operand(acc);
-        if constexpr (kPingPong) named_barrier_arrive(wg == 0 ? 3 : 4, 256);
         if (w == kWaves - 1) {
           __syncwarp();
           release_stage<kCluster>(&empty[s], lane);
@@ -790,10 +767,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
     }
   }
-  }
-  // Ping-pong: warpgroup 1's arrival after its last batch completes barrier 4 here.
-  if constexpr (kPingPong) {
-    if (wg == 0 && !first_batch) named_barrier_sync(4, 256);
   }
   // The staging boxes stay valid (and the kernel alive) until the last stores completed.
   if constexpr (kEpiBoxes > 0) {
