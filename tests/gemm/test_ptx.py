@@ -416,7 +416,7 @@ def test_gpu_every_block_shape_and_cluster(kind, cfg, m, n, k):
         ptx.PtxConfig(128, 192, 4, 2, tma_store=True),
         ptx.PtxConfig(128, 192, 5, 1),
         ptx.PtxConfig(128, 192, 4, 2, multicast_a=True),
-        ptx.PtxConfig(64, 192, 8, 1, tma_store=True),
+        ptx.PtxConfig(64, 192, 6, 1, tma_store=True),
     ],
     ids=str,
 )
