@@ -9,7 +9,9 @@
 // warpgroup is the producer: one thread issues the TMA loads of A (BLOCK_M x 128, 128-byte
 // swizzle), B (BLOCK_N x 128, 128-byte swizzle) and the scales of A (and of B for 1D1D) of each
 // 128-K block into a ring of kNumStages shared-memory stages, each guarded by a `full` and an
-// `empty` mbarrier. The math warpgroups (one for BLOCK_M = 64, two for 128 and 256, each then
+// `empty` mbarrier; for 1D2D it also copies the block's two 128x128-block scales of B into the
+// stage with cp.async tracked by the same `full` barrier (a global load in the math warps waited
+// ~L2 latency before each promotion). The math warpgroups (one for BLOCK_M = 64, two for 128 and 256, each then
 // covering BLOCK_M / 128 waves of 64 rows) wait on `full`, issue 4 wgmma m64nBLOCK_Nk32 per wave
 // (operands straight from shared memory), wait for them, release the stage (`empty`, one arrival
 // per warp) and promote the block's partial sums into FP32 accumulators on the CUDA cores:
@@ -81,6 +83,11 @@
 // GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
 // speed bounds what the promotion's overlap can reach with the same tiles, TMA ring and
 // epilogue.
+// TEMPORARY A/B switch (removed after the A/B): 1 = the math warps load B's 1D2D scales from
+// global memory per block, as before the cp.async copy into the stage.
+#ifndef PTXTRAIN_GEMM_SFB_LDG_AB
+#define PTXTRAIN_GEMM_SFB_LDG_AB 0
+#endif
 #ifndef PTXTRAIN_GEMM_DIAG_NO_PROMOTE
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
@@ -101,7 +108,9 @@ struct Fp8GemmSmem {
   static constexpr u32 kBytesSfa = kBlockM * 4;                 // fp32 scales of A's rows
   static constexpr u32 kBytesSfb = k1D1D ? kBlockN * 4 : 0;     // fp32 scales of B's rows
   static constexpr u32 kSlotSfa = (kBytesSfa + 127) / 128 * 128;  // TMA destinations: 128-B aligned
-  static constexpr u32 kSlotSfb = (kBytesSfb + 127) / 128 * 128;
+  // (1D2D: the two 128x128-block scales of B a stage's block needs, lo and hi, copied in by the
+  // producer with cp.async; not part of the TMA transaction bytes)
+  static constexpr u32 kSlotSfb = k1D1D ? (kBytesSfb + 127) / 128 * 128 : 16;
   static constexpr u32 kOffB = kOffA + kNumStages * kBytesA;
   static constexpr u32 kOffSfa = kOffB + kNumStages * kBytesB;
   static constexpr u32 kOffSfb = kOffSfa + kNumStages * kSlotSfa;
@@ -379,6 +388,24 @@ __device__ __forceinline__ void phase_unit(bool slices, int unit, int units_per_
   }
 }
 
+// 1D2D: the rows of sf_b ([⌈N/128⌉, ⌈K/128⌉] fp32, per group when M-grouped / masked) that hold
+// the scales of the tile at column n0: `rows[0]` for its columns left of the next 128-column
+// boundary, `rows[1]` for those right of it (the same row where the tile lies in one scale block
+// or the next block is past N). (kMcastA: an N-block past N, the odd CTA of the last pair, reads
+// the last block's scales; it computes on zero-filled B and stores nothing.)
+template <int kN, int kK, int kBlockN, int kGroupMode>
+__device__ __forceinline__ void sfb_rows(const float* sf_b, int group, int n0,
+                                         const float* (&rows)[2]) {
+  constexpr int kNumKBlocks = (kK + 127) / 128;
+  constexpr int kNumSfbBlocks = (kN + 127) / 128;
+  const int block = min(n0 / 128, kNumSfbBlocks - 1);
+  const bool has_hi = 128 - n0 % 128 < kBlockN && block + 1 < kNumSfbBlocks;
+  const float* g =
+      sf_b + (kGroupMode == 1 || kGroupMode == 3 ? group * kNumSfbBlocks * kNumKBlocks : 0);
+  rows[0] = g + block * kNumKBlocks;
+  rows[1] = has_hi ? rows[0] + kNumKBlocks : rows[0];
+}
+
 // Split tail (kSplitK): this warp's FP32 partial sums of a K-slice of tile `tail_tile` go to
 // the workspace (slice `slice` of the tile's `splits`, laid out [wave][column pair][lane] so that
 // each store is a coalesced 256-byte row), then the warp counts itself in on its counter. The
@@ -442,7 +469,7 @@ template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, b
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
-                                              const float* sf_b, const TmaDescriptor* tma_d,
+                                              const float* sf_b_ab, const TmaDescriptor* tma_d,
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank,
                                               const int* m_indices, const int* block_group,
@@ -454,7 +481,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kWaves = MathShape<kBlockM>::kWaves;
   constexpr int kNumKBlocks = (kK + 127) / 128;
-  constexpr int kNumSfbBlocks = (kN + 127) / 128;
   using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
   constexpr int kGroup = Units::kGroup;
   const int wg = threadIdx.x / 128;
@@ -503,20 +529,25 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) fin[w][i] = 0.0f;
     }
-    // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above.
-    // (kMcastA: an N-block past N, the odd CTA of the last pair, reads the last block's scales;
-    // it computes on zero-filled B and stores nothing.)
-    const int sfb_block = min(n0 / 128, kNumSfbBlocks - 1);
+    // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above
+    // (the producer puts both blocks' scales into each stage, see sfb_lo_hi).
     const int split = 128 - n0 % 128;
-    const bool has_hi = !k1D1D && split < kBlockN && sfb_block + 1 < kNumSfbBlocks;
-    // 1D2D: B's scales of block kb (global, cached); 1D1D: per column from the stage.
-    // (M-grouped: group g's scales start at g * kNumSfbBlocks * kNumKBlocks.)
-    const float* sfb_g =
-        sf_b + (kGroupMode == 1 || kGroupMode == 3 ? group * kNumSfbBlocks * kNumKBlocks : 0);
-    auto load_sfb = [&](int kb, float& lo, float& hi) {
+    // 1D2D: B's two block scales of the block in stage s, which the producer copied into the
+    // stage (hi = lo where the tile lies in one scale block); 1D1D: per column from the stage.
+#if PTXTRAIN_GEMM_SFB_LDG_AB
+    const float* ab_rows[2];
+    sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b_ab, group, n0, ab_rows);
+#endif
+    auto load_sfb = [&](u32 s, float& lo, float& hi, int kb_ab = 0) {
       if constexpr (!k1D1D) {
-        lo = __ldg(sfb_g + sfb_block * kNumKBlocks + kb);
-        hi = has_hi ? __ldg(sfb_g + (sfb_block + 1) * kNumKBlocks + kb) : lo;
+#if PTXTRAIN_GEMM_SFB_LDG_AB
+        lo = __ldg(ab_rows[0] + kb_ab);
+        hi = __ldg(ab_rows[1] + kb_ab);
+#else
+        const float2 v = *reinterpret_cast<const float2*>(smem_sfb + s * Smem::kSlotSfb);
+        lo = v.x;
+        hi = v.y;
+#endif
       }
     };
     // (j0 .. j1 - 1: the 8-column groups to load; all by default)
@@ -560,7 +591,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   {                                                                                           \
     const u32 s = it % kNumStages;                                                            \
     float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
-    load_sfb((kb), sfb_lo, sfb_hi);                                                           \
+    load_sfb(s, sfb_lo, sfb_hi, (kb));                                                        \
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
     float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
@@ -662,8 +693,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       const u32 s = it % kNumStages;
       const u32 phase = (it / kNumStages) & 1u;
       float sfb_lo = 1.0f, sfb_hi = 1.0f;
-      load_sfb(kb, sfb_lo, sfb_hi);
       mbarrier_wait(&full[s], phase);
+      load_sfb(s, sfb_lo, sfb_hi, kb);
       const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
       float sb[k1D1D ? kBlockN / 4 : 1];
       load_sb(s, sb);
@@ -907,12 +938,22 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
             tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
         if (group < 0) continue;
         const int a_row = (kGroupMode == 3 ? kg * m : 0) + m0;
+        const float* sfb_lo_hi[2];
+        if constexpr (!k1D1D) sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b, group, n0, sfb_lo_hi);
 #pragma unroll 1
         for (int kbi = 0; kbi < num_kb; ++kbi, ++it) {
           const int kb = kb_begin + kbi;  // (K-grouped: this group's K blocks)
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
+          if constexpr (!k1D1D && !PTXTRAIN_GEMM_SFB_LDG_AB) {
+            // 1D2D: block kb's two scales of B into the stage; the stage's phase completes only
+            // once they have landed (read by the math warps after their `full` wait).
+            unsigned char* slot = smem_sfb + s * Smem::kSlotSfb;
+            cp_async_4(slot, sfb_lo_hi[0] + kb);
+            cp_async_4(slot + 4, sfb_lo_hi[1] + kb);
+            cp_async_mbarrier_arrive(&full[s]);
+          }
           // The full tiles arrive: this CTA's part plus the peer's multicast part.
           mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
           if constexpr (kMcastA) {

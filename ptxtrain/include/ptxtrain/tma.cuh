@@ -79,6 +79,20 @@ __device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* src, u3
       : "memory");
 }
 
+// 4-byte asynchronous copy global -> shared through L1 (both addresses 4-byte aligned); its
+// completion is tracked with cp_async_mbarrier_arrive. PTX ISA "cp.async" (.ca, sm_80+).
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem_dst)), "l"(src)
+               : "memory");
+}
+
+// Makes `bar` track this thread's cp.async copies issued so far: its pending count goes up by one
+// now and down by one once they have landed, so the phase cannot complete before them (and a
+// thread that waits on the phase sees their data). PTX ISA "cp.async.mbarrier.arrive" (no .noinc).
+__device__ __forceinline__ void cp_async_mbarrier_arrive(u64* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // 1D bulk copy shared -> global (the address may be a peer GPU's, mapped for this one), tracked
 // by bulk async-groups like tma_store_2d. PTX ISA "cp.async.bulk" (.bulk_group).
 __device__ __forceinline__ void bulk_store_1d(void* dst, const void* smem_src, u32 bytes) {
