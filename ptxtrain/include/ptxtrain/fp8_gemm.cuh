@@ -83,10 +83,12 @@
 // GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
 // speed bounds what the promotion's overlap can reach with the same tiles, TMA ring and
 // epilogue.
-// TEMPORARY A/B switch (removed after the A/B): 1 = the math warps load B's 1D2D scales from
-// global memory per block, as before the cp.async copy into the stage.
-#ifndef PTXTRAIN_GEMM_SFB_LDG_AB
-#define PTXTRAIN_GEMM_SFB_LDG_AB 0
+// TEMPORARY A/B switch (removed after the A/B) for B's 1D2D scales: 0 = the math warps load them
+// from global memory per block; 1 = the producer copies them into the stage with cp.async;
+// 2 = the producer loads them (before its `empty` wait) and stores them into the stage before
+// its arrival on `full`.
+#ifndef PTXTRAIN_GEMM_SFB_MODE
+#define PTXTRAIN_GEMM_SFB_MODE 1
 #endif
 #ifndef PTXTRAIN_GEMM_DIAG_NO_PROMOTE
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
@@ -534,13 +536,13 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const int split = 128 - n0 % 128;
     // 1D2D: B's two block scales of the block in stage s, which the producer copied into the
     // stage (hi = lo where the tile lies in one scale block); 1D1D: per column from the stage.
-#if PTXTRAIN_GEMM_SFB_LDG_AB
+#if PTXTRAIN_GEMM_SFB_MODE == 0
     const float* ab_rows[2];
     sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b_ab, group, n0, ab_rows);
 #endif
     auto load_sfb = [&](u32 s, float& lo, float& hi, int kb_ab = 0) {
       if constexpr (!k1D1D) {
-#if PTXTRAIN_GEMM_SFB_LDG_AB
+#if PTXTRAIN_GEMM_SFB_MODE == 0
         lo = __ldg(ab_rows[0] + kb_ab);
         hi = __ldg(ab_rows[1] + kb_ab);
 #else
@@ -945,8 +947,18 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           const int kb = kb_begin + kbi;  // (K-grouped: this group's K blocks)
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
+          float sfb_v0 = 0.0f, sfb_v1 = 0.0f;
+          if constexpr (!k1D1D && PTXTRAIN_GEMM_SFB_MODE == 2) {
+            sfb_v0 = __ldg(sfb_lo_hi[0] + kb);
+            sfb_v1 = __ldg(sfb_lo_hi[1] + kb);
+          }
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
-          if constexpr (!k1D1D && !PTXTRAIN_GEMM_SFB_LDG_AB) {
+          if constexpr (!k1D1D && PTXTRAIN_GEMM_SFB_MODE == 2) {
+            // (the arrival below releases this store to the math warps' `full` wait)
+            *reinterpret_cast<float2*>(smem_sfb + s * Smem::kSlotSfb) =
+                make_float2(sfb_v0, sfb_v1);
+          }
+          if constexpr (!k1D1D && PTXTRAIN_GEMM_SFB_MODE == 1) {
             // 1D2D: block kb's two scales of B into the stage; the stage's phase completes only
             // once they have landed (read by the math warps after their `full` wait).
             unsigned char* slot = smem_sfb + s * Smem::kSlotSfb;
