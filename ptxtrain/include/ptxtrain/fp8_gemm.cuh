@@ -9,10 +9,10 @@
 // warpgroup is the producer: one thread issues the TMA loads of A (BLOCK_M x 128, 128-byte
 // swizzle), B (BLOCK_N x 128, 128-byte swizzle) and the scales of A (and of B for 1D1D) of each
 // 128-K block into a ring of kNumStages shared-memory stages, each guarded by a `full` and an
-// `empty` mbarrier; for 1D2D it also copies the block's two 128x128-block scales of B into the
-// stage with cp.async tracked by the same `full` barrier (a global load in the math warps waited
-// ~L2 latency before each promotion). The math warpgroups (one for BLOCK_M = 64, two for 128 and 256, each then
-// covering BLOCK_M / 128 waves of 64 rows) wait on `full`, issue 4 wgmma m64nBLOCK_Nk32 per wave
+// `empty` mbarrier; for decode-sized 1D2D tiles of short K (sfb_in_stage) it also copies the
+// block's two 128x128-block scales of B into the stage with cp.async, tracked by the same `full`
+// barrier. The math warpgroups (one for BLOCK_M = 64, two for 128 and 256, each then covering
+// BLOCK_M / 128 waves of 64 rows) wait on `full`, issue 4 wgmma m64nBLOCK_Nk32 per wave
 // (operands straight from shared memory), wait for them, release the stage (`empty`, one arrival
 // per warp) and promote the block's partial sums into FP32 accumulators on the CUDA cores:
 // fin += acc · sf_a[row] · sf_b[col block]. While one math warpgroup promotes, the other's
@@ -83,13 +83,6 @@
 // GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
 // speed bounds what the promotion's overlap can reach with the same tiles, TMA ring and
 // epilogue.
-// TEMPORARY A/B switch (removed after the A/B) for B's 1D2D scales: 0 = the math warps load them
-// from global memory per block; 1 = the producer copies them into the stage with cp.async;
-// 2 = the producer loads them (before its `empty` wait) and stores them into the stage before
-// its arrival on `full`.
-#ifndef PTXTRAIN_GEMM_SFB_MODE
-#define PTXTRAIN_GEMM_SFB_MODE 1
-#endif
 #ifndef PTXTRAIN_GEMM_DIAG_NO_PROMOTE
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
@@ -98,6 +91,18 @@ namespace ptxtrain {
 
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
 constexpr int kDefaultRasterM = 2048;
+
+// 1D2D: where B's two 128x128-block scales of a K block come from. Decode-sized tiles (BLOCK_M
+// = 64) of short K: the producer copies them into the stage with cp.async, so the math warps do
+// not wait on a global load at every tile start (their tiles change every few blocks: 3-7%
+// faster at K = 512-2048, M = 64 / 128 on an H200). Otherwise the math warps load them from
+// global memory per block, which their early issue hides (the copy measured 6-10% slower at
+// K >= 7168, M = 64 / 128, and 2% slower at 4096 x 32768 x 512;
+// benchmarks/results/2026-11-22-s12-h200/call7).
+template <bool k1D1D, int kBlockM, int kK>
+__host__ __device__ constexpr bool sfb_in_stage() {
+  return !k1D1D && kBlockM == 64 && (kK + 127) / 128 <= 16;
+}
 
 template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0>
 struct Fp8GemmSmem {
@@ -110,8 +115,8 @@ struct Fp8GemmSmem {
   static constexpr u32 kBytesSfa = kBlockM * 4;                 // fp32 scales of A's rows
   static constexpr u32 kBytesSfb = k1D1D ? kBlockN * 4 : 0;     // fp32 scales of B's rows
   static constexpr u32 kSlotSfa = (kBytesSfa + 127) / 128 * 128;  // TMA destinations: 128-B aligned
-  // (1D2D: the two 128x128-block scales of B a stage's block needs, lo and hi, copied in by the
-  // producer with cp.async; not part of the TMA transaction bytes)
+  // (1D2D: room for the two 128x128-block scales of B of a stage's block, lo and hi, when the
+  // producer copies them in, see sfb_in_stage; not part of the TMA transaction bytes)
   static constexpr u32 kSlotSfb = k1D1D ? (kBytesSfb + 127) / 128 * 128 : 16;
   static constexpr u32 kOffB = kOffA + kNumStages * kBytesA;
   static constexpr u32 kOffSfa = kOffB + kNumStages * kBytesB;
@@ -471,7 +476,7 @@ template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, b
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
-                                              const float* sf_b_ab, const TmaDescriptor* tma_d,
+                                              const float* sf_b, const TmaDescriptor* tma_d,
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank,
                                               const int* m_indices, const int* block_group,
@@ -536,20 +541,22 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const int split = 128 - n0 % 128;
     // 1D2D: B's two block scales of the block in stage s, which the producer copied into the
     // stage (hi = lo where the tile lies in one scale block); 1D1D: per column from the stage.
-#if PTXTRAIN_GEMM_SFB_MODE == 0
-    const float* ab_rows[2];
-    sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b_ab, group, n0, ab_rows);
-#endif
-    auto load_sfb = [&](u32 s, float& lo, float& hi, int kb_ab = 0) {
-      if constexpr (!k1D1D) {
-#if PTXTRAIN_GEMM_SFB_MODE == 0
-        lo = __ldg(ab_rows[0] + kb_ab);
-        hi = __ldg(ab_rows[1] + kb_ab);
-#else
+    // 1D2D: B's two block scales of block kb (in stage s): from the stage where the producer
+    // copied them (sfb_in_stage), else from global memory (cached; hi = lo where the tile lies
+    // in one scale block). 1D1D: per column from the stage (load_sb).
+    constexpr bool kSfbInStage = sfb_in_stage<k1D1D, kBlockM, kK>();
+    const float* sfb_lo_hi[2];
+    if constexpr (!k1D1D && !kSfbInStage) {
+      sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b, group, n0, sfb_lo_hi);
+    }
+    auto load_sfb = [&](u32 s, int kb, float& lo, float& hi) {
+      if constexpr (kSfbInStage) {
         const float2 v = *reinterpret_cast<const float2*>(smem_sfb + s * Smem::kSlotSfb);
         lo = v.x;
         hi = v.y;
-#endif
+      } else if constexpr (!k1D1D) {
+        lo = __ldg(sfb_lo_hi[0] + kb);
+        hi = __ldg(sfb_lo_hi[1] + kb);
       }
     };
     // (j0 .. j1 - 1: the 8-column groups to load; all by default)
@@ -593,7 +600,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   {                                                                                           \
     const u32 s = it % kNumStages;                                                            \
     float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
-    load_sfb(s, sfb_lo, sfb_hi, (kb));                                                        \
+    load_sfb(s, (kb), sfb_lo, sfb_hi);                                                        \
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
     float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
@@ -695,8 +702,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       const u32 s = it % kNumStages;
       const u32 phase = (it / kNumStages) & 1u;
       float sfb_lo = 1.0f, sfb_hi = 1.0f;
+      if constexpr (!kSfbInStage) load_sfb(s, kb, sfb_lo, sfb_hi);
       mbarrier_wait(&full[s], phase);
-      load_sfb(s, sfb_lo, sfb_hi, kb);
+      if constexpr (kSfbInStage) load_sfb(s, kb, sfb_lo, sfb_hi);
       const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
       float sb[k1D1D ? kBlockN / 4 : 1];
       load_sb(s, sb);
@@ -941,24 +949,16 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         if (group < 0) continue;
         const int a_row = (kGroupMode == 3 ? kg * m : 0) + m0;
         const float* sfb_lo_hi[2];
-        if constexpr (!k1D1D) sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b, group, n0, sfb_lo_hi);
+        if constexpr (sfb_in_stage<k1D1D, kBlockM, kK>()) {
+          sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b, group, n0, sfb_lo_hi);
+        }
 #pragma unroll 1
         for (int kbi = 0; kbi < num_kb; ++kbi, ++it) {
           const int kb = kb_begin + kbi;  // (K-grouped: this group's K blocks)
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
-          float sfb_v0 = 0.0f, sfb_v1 = 0.0f;
-          if constexpr (!k1D1D && PTXTRAIN_GEMM_SFB_MODE == 2) {
-            sfb_v0 = __ldg(sfb_lo_hi[0] + kb);
-            sfb_v1 = __ldg(sfb_lo_hi[1] + kb);
-          }
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
-          if constexpr (!k1D1D && PTXTRAIN_GEMM_SFB_MODE == 2) {
-            // (the arrival below releases this store to the math warps' `full` wait)
-            *reinterpret_cast<float2*>(smem_sfb + s * Smem::kSlotSfb) =
-                make_float2(sfb_v0, sfb_v1);
-          }
-          if constexpr (!k1D1D && PTXTRAIN_GEMM_SFB_MODE == 1) {
+          if constexpr (sfb_in_stage<k1D1D, kBlockM, kK>()) {
             // 1D2D: block kb's two scales of B into the stage; the stage's phase completes only
             // once they have landed (read by the math warps after their `full` wait).
             unsigned char* slot = smem_sfb + s * Smem::kSlotSfb;
