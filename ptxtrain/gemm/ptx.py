@@ -42,7 +42,9 @@ BLOCK_K = 128
 _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc + fin in registers
 _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x block_n registers
 # 1D2D with block_m <= 128 also takes 192 (one accumulator: 96 + 96 registers per thread; a
-# tile still spans at most two 128-column scale blocks). Not chosen by select_config.
+# tile still spans at most two 128-column scale blocks). Not chosen by select_config: 0.79-0.96x
+# cuBLAS at M = 4096 and 0.72-1.09x at M = 64 / 128 on an H200, below the heuristic's tiles
+# everywhere (benchmarks/results/2026-11-22-s12-h200/, calls 1 and 5).
 _BLOCK_NS_WIDE = (192,)
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8  # the heuristics' ring depth cap (see select_config)
@@ -64,8 +66,9 @@ _GROUP_MODE = {"m_grouped": 1, "k_grouped": 2, "masked": 3}  # the kernel's kGro
 @dataclass(frozen=True)
 class PtxConfig:
     """Block sizes of one compiled PTX GEMM: ``block_m`` (64: one math warpgroup; 128 or 256: two,
-    each covering ``block_m / 128`` waves of 64 rows), ``block_n`` (a multiple of 16 in [16, 160];
-    at most 128 with ``block_m = 256``), ``num_stages`` (shared-memory ring depth),
+    each covering ``block_m / 128`` waves of 64 rows), ``block_n`` (a multiple of 16 in [16, 160],
+    or 192 for 1D2D with one accumulator; at most 128 with ``block_m = 256``), ``num_stages``
+    (shared-memory ring depth),
     ``cluster`` (1, or 2: two CTAs on adjacent M-blocks share each B tile by TMA multicast),
     ``multicast_a`` (with ``cluster = 2``: the two CTAs take adjacent N-blocks of one M-block
     and share each A tile instead, DeepGEMM's multicast on A for decode-sized M),
