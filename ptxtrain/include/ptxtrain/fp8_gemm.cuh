@@ -86,12 +86,6 @@
 #ifndef PTXTRAIN_GEMM_DIAG_NO_PROMOTE
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
-// 1D2D double-accumulator dense kernels with the TMA-store epilogue: 1 = a tile's epilogue runs
-// after the next tile's first block is issued (deferred), so the tensor core works through it;
-// both math warpgroups finish a tile together (they share the stages), so otherwise it idles.
-#ifndef PTXTRAIN_GEMM_DEFER_EPILOGUE
-#define PTXTRAIN_GEMM_DEFER_EPILOGUE 1
-#endif
 // Diagnostic only (wrong results): the tiles are computed but not stored, which bounds what the
 // epilogue costs.
 #ifndef PTXTRAIN_GEMM_DIAG_NO_EPILOGUE
@@ -518,23 +512,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   // Whole tiles, then (split tail) the K-slices of the last tiles: the phase loop unrolls into
   // two unit loops, so that the whole tiles' loop keeps the registers of a kernel without
   // slices. A slice (kSlice) stores only if it completes its tile's sum (split_fixup).
-  // Deferred epilogue (PTXTRAIN_GEMM_DEFER_EPILOGUE, whole tiles only): the previous tile's
-  // results wait in `fin` for its store until this tile's first block is issued.
-  // (1D2D only: the 1D1D kernels, which hold B's column scales too, spill with it.)
-  constexpr bool kDeferEpi = PTXTRAIN_GEMM_DEFER_EPILOGUE != 0 && kDoubleAcc && kGroupMode == 0 &&
-                             kEpiBoxes > 0 && kWaves == 1 && !k1D1D;
-  bool pending = false;
-  int pending_row = 0, pending_n0 = 0;
-  auto store_pending = [&]() {
-    if constexpr (kDeferEpi) {
-      if (pending) {
-        store_tile_tma<kBlockN, kOut, kAccumulate, kN, kEpiBoxes>(
-            fin[0], smem_d + wg * Epi::kWgBytes, tma_d, pending_row, pending_n0, wg,
-            threadIdx.x % 128 == 0);
-        pending = false;
-      }
-    }
-  };
   int unit = first_unit;
 #pragma unroll
   for (int phase = 0; phase < (kSplitK ? 2 : 1); ++phase) {
@@ -559,19 +536,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         row_midx[wh] = (group >= 0 && row < m) ? __ldg(m_indices + row) : 0;
       }
     }
-    // Deferred epilogue: this tile's first block goes to the tensor core, then the previous
-    // tile is stored from `fin` (no wgmma in flight crosses a loop's back edge this way).
-    bool first_issued = false;
-    if constexpr (kDeferEpi) {
-      if (!kSlice) {
-        const u32 s = it % kNumStages;
-        mbarrier_wait(&full[s], (it / kNumStages) & 1u);
-        issue_kblock<Mma, kBlockN>(acc, a_lo0 + s * (Smem::kBytesA >> 4),
-                                   b_lo0 + s * (Smem::kBytesB >> 4));
-        first_issued = true;
-        store_pending();
-      }
-    }
 #pragma unroll
     for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
@@ -580,6 +544,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above
     // (the producer puts both blocks' scales into each stage, see sfb_lo_hi).
     const int split = 128 - n0 % 128;
+    // 1D2D: B's two block scales of the block in stage s, which the producer copied into the
+    // stage (hi = lo where the tile lies in one scale block); 1D1D: per column from the stage.
     // 1D2D: B's two block scales of block kb (in stage s): from the stage where the producer
     // copied them (sfb_in_stage), else from global memory (cached; hi = lo where the tile lies
     // in one scale block). 1D1D: per column from the stage (load_sb).
@@ -673,13 +639,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // unrolling, `i` is a constant and the parity / last-block branches fold away.
 #define PTXTRAIN_FP8_GEMM_CHUNK(kb0, count)                                                     \
   {                                                                                           \
-    if (!first_issued) {                                                                      \
+    {                                                                                         \
       const u32 s = it % kNumStages;                                                          \
       mbarrier_wait(&full[s], (it / kNumStages) & 1u);                                        \
       issue_kblock<Mma, kBlockN>(acc, a_lo0 + s * (Smem::kBytesA >> 4),                     \
                                  b_lo0 + s * (Smem::kBytesB >> 4));                           \
     }                                                                                         \
-    first_issued = false;                                                                     \
     _Pragma("unroll") for (int i = 0; i < (count); ++i) {                                     \
       if (i % 2 == 0) {                                                                       \
         PTXTRAIN_FP8_GEMM_RETIRE((kb0) + i, acc, acc2, i + 1 < (count))                       \
@@ -806,14 +771,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         direct = true;
       }
     }
-    if constexpr (kDeferEpi) {
-      if (!direct) {  // stored once the next tile's first block is issued, or after the loop
-        pending = true;
-        pending_row = kg * m + m0 + wg * 64;
-        pending_n0 = n0;
-        continue;
-      }
-    }
     if constexpr (kEpiBoxes > 0) {
       if (!direct) {
 #pragma unroll
@@ -865,7 +822,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
     }
   }
-  store_pending();  // the phase's last tile (before the split tail's slices, or the kernel's end)
   }
   // The staging boxes stay valid (and the kernel alive) until the last stores completed.
   if constexpr (kEpiBoxes > 0) {
