@@ -86,11 +86,6 @@
 #ifndef PTXTRAIN_GEMM_DIAG_NO_PROMOTE
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
-// Diagnostic only (wrong results): the tiles are computed but not stored, which bounds what the
-// epilogue costs.
-#ifndef PTXTRAIN_GEMM_DIAG_NO_EPILOGUE
-#define PTXTRAIN_GEMM_DIAG_NO_EPILOGUE 0
-#endif
 
 namespace ptxtrain {
 
@@ -749,15 +744,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }
 
     // ---- epilogue ------------------------------------------------------------------------
-    // (diagnostic, see PTXTRAIN_GEMM_DIAG_NO_EPILOGUE: nothing is stored)
-    if constexpr (PTXTRAIN_GEMM_DIAG_NO_EPILOGUE != 0 && !kSplitK) {
-      // keep the results live so that the main loop is not optimized away
-      float sink = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) sink += fin[0][i];
-      if (sink == 1.2345f) reinterpret_cast<float*>(out)[threadIdx.x] = sink;
-      continue;
-    }
     // Split tail: only the warp that completes a tile's sum stores it, with direct stores (the
     // TMA store's staging is per warpgroup, and the warps of one finish at different times).
     bool direct = kEpiBoxes == 0;
