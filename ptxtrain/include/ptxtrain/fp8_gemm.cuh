@@ -537,10 +537,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       for (int i = 0; i < kBlockN / 2; ++i) fin[w][i] = 0.0f;
     }
     // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above
-    // (the producer puts both blocks' scales into each stage, see sfb_lo_hi).
+    // (both blocks' scales are loaded for every K block, see sfb_rows).
     const int split = 128 - n0 % 128;
-    // 1D2D: B's two block scales of the block in stage s, which the producer copied into the
-    // stage (hi = lo where the tile lies in one scale block); 1D1D: per column from the stage.
     // 1D2D: B's two block scales of block kb (in stage s): from the stage where the producer
     // copied them (sfb_in_stage), else from global memory (cached; hi = lo where the tile lies
     // in one scale block). 1D1D: per column from the stage (load_sb).
