@@ -1,0 +1,74 @@
+"""Where the time of one ``Fp8Linear`` forward + backward goes, per GPU kernel (torch.profiler),
+for the DeepSeek-V3 layer shapes of ``ptxtrain bench linear`` (M = 4096 tokens).
+
+    python3 -m benchmarks.profile_linear [--json OUT.json] [--iters 5]
+
+Prints, per (N, K), each kernel's device time per fwd + bwd (µs, summed over its launches) next
+to the BF16 ``nn.Linear``'s kernels. No L2 flush between iterations (unlike the bench), so the
+totals read a little lower than ``bench linear``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from ptxtrain.bench.timing import environment
+from ptxtrain.nn import Fp8Linear, Fp8LinearConfig
+from ptxtrain.testing.shapes import DSV3_DENSE_NK
+
+
+def kernel_times(run, iters: int) -> dict[str, float]:
+    """µs of device time per call of ``run``, per kernel name."""
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    out: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            out[evt.name[:90]] += evt.device_time / iters
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--m", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--json")
+    args = p.parse_args()
+    rows = []
+    for n, k in DSV3_DENSE_NK:
+        bf16 = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        fp8 = Fp8Linear.from_linear(bf16, Fp8LinearConfig.from_recipe_name("deepseek"))
+        x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(args.m, n, device="cuda", dtype=torch.bfloat16)
+        row = {"m": args.m, "n": n, "k": k}
+        for name, layer in (("bf16", bf16), ("fp8", fp8)):
+
+            def run(layer=layer, x=x, dy=dy):
+                layer.weight.grad = None
+                x.grad = None
+                layer(x).backward(dy)
+
+            times = kernel_times(run, args.iters)
+            row[name] = times
+            print(f"--- {args.m} x {n} x {k} {name}: {sum(times.values()):.1f} µs", flush=True)
+            for kname, us in times.items():
+                print(f"  {us:8.1f}  {kname}")
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": environment(), "bench": "profile_linear", "rows": rows}, f)
+
+
+if __name__ == "__main__":
+    main()
