@@ -438,9 +438,11 @@ def split_tail(units: int, grid_units: int, num_kb: int, quantum: int) -> tuple[
     ``tail = units - num_dp_units`` tiles of the partial last wave are cut into ``splits``
     K-slices of whole ``quantum``-block steps (the double-accumulator chunk), as many as the
     idle CTAs take in one round: ``splits = min(grid_units // tail, num_kb // quantum)``.
-    ``splits == 1`` (nothing cut) when there is no full wave, no partial one, or fewer than two
-    slices fit. E.g. 4096 x 2112 x 7168 with 128x128 tiles on 132 SMs: 544 tiles = 4 waves +
-    16, cut into 7 slices of 8 K blocks (112 units).
+    A single partial wave (``units < grid_units``, decode-sized M) is cut the same way, with no
+    whole tiles in front: 64 x 2112 x 7168 with 64x32 tiles is 66 tiles on 132 SMs, cut in 2.
+    ``splits == 1`` (nothing cut) when there is no partial wave or fewer than two slices fit.
+    E.g. 4096 x 2112 x 7168 with 128x128 tiles on 132 SMs: 544 tiles = 4 waves + 16, cut into
+    7 slices of 8 K blocks (112 units).
 
     Raises:
         ValueError: a non-positive ``grid_units`` or ``quantum``, or negative ``units`` /
@@ -451,7 +453,7 @@ def split_tail(units: int, grid_units: int, num_kb: int, quantum: int) -> tuple[
     if units < 0 or num_kb < 0:
         raise ValueError(f"units and num_kb must be >= 0, got {units}, {num_kb}")
     tail = units % grid_units
-    if units <= grid_units or tail == 0:
+    if units == 0 or tail == 0:
         return units, 1
     splits = min(grid_units // tail, num_kb // quantum)
     if splits < 2:
@@ -524,8 +526,12 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     split = (units, 1, 0, 0)
     if cfg.split_k:
         num_kb = ceil_div(k, BLOCK_K)
-        dp, splits = split_tail(units, grid // cfg.cluster, num_kb, _split_quantum())
+        # (one CTA per SM: a single partial wave's slices fill the SMs its tiles leave idle)
+        grid_units = grid // cfg.cluster if cfg.cluster > 1 else _num_sms(device_index)
+        dp, splits = split_tail(units, grid_units, num_kb, _split_quantum())
         if splits > 1:
+            if cfg.cluster == 1:
+                grid = min(dp + (units - dp) * splits, grid_units)
             tiles = (units - dp) * cfg.cluster  # CTA tiles cut into slices
             math_warps = 4 * min(cfg.block_m // 64, 2)
             split = (dp, splits, tiles * splits * cfg.block_m * cfg.block_n, tiles * math_warps)

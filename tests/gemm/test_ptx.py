@@ -130,7 +130,10 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
         (136, 132, 24, 4, (132, 6)),  # 4-block chunks (PTXTRAIN_GEMM_CHUNK=4): 6 of 33 fit
         (1024, 132, 56, 8, (1024, 1)),  # 100 tail tiles: no two slices of each fit
         (528, 132, 56, 8, (528, 1)),  # whole waves only
-        (100, 132, 56, 8, (100, 1)),  # no whole wave to hide behind
+        (66, 132, 56, 8, (0, 2)),  # 64 x 2112 x 7168, 64x32: one partial wave, cut in 2
+        (40, 132, 56, 8, (0, 3)),  # 132 // 40 slices per tile
+        (100, 132, 56, 8, (100, 1)),  # one partial wave, no two slices of each fit
+        (0, 132, 56, 8, (0, 1)),  # M = 0: nothing to cut
         (544, 132, 4, 8, (544, 1)),  # K = 512: no whole chunk to cut at
     ],
 )
@@ -447,6 +450,36 @@ def test_gpu_1d2d_192_column_tiles(cfg, m, n, k):
     ],
 )
 def test_gpu_split_tail(kind, m, n, k, out_dtype, accumulate):
+    cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, split_k=True)
+    _check_split(kind, m, n, k, out_dtype, accumulate, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        # decode-sized M: one partial wave of tiles, each cut into K-slices on the idle SMs
+        (64, 2112, 7168, ptx.PtxConfig(64, 32, 16, 1, double_acc=True, split_k=True)),  # 66 x 2
+        (
+            13,
+            1000,
+            3008,
+            ptx.PtxConfig(64, 64, 13, 1, double_acc=True, tma_store=True, split_k=True),
+        ),  # 16 tiles x 2 (23 blocks: 2 chunks)
+        (
+            129,
+            576,
+            7168,
+            ptx.PtxConfig(128, 64, 8, 1, double_acc=True, tma_store=True, split_k=True),
+        ),  # 18 tiles x 7, M tail
+    ],
+    ids=str,
+)
+def test_gpu_split_of_a_single_partial_wave(m, n, k, cfg):
+    _check_split("1d2d", m, n, k, torch.bfloat16, False, cfg)
+
+
+def _check_split(kind, m, n, k, out_dtype, accumulate, cfg):
     # Split tail against the unquantized product and the same config without it (a different
     # FP32 summation order of the cut tiles: equal up to rounding, not bitwise); the slices are
     # summed in slice order, so repeated runs are bitwise equal, and they also show that each
@@ -454,8 +487,7 @@ def test_gpu_split_tail(kind, m, n, k, out_dtype, accumulate):
     x, w = _inputs(m, n, k, seed=m + 3 * n + k)
     qa = per_token_cast_to_fp8(x)
     qb = per_block_cast_to_fp8(w) if kind == "1d2d" else per_token_cast_to_fp8(w)
-    cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, split_k=True)
-    units = ((m + 127) // 128) * ((n + 127) // 128)
+    units = ((m + cfg.block_m - 1) // cfg.block_m) * ((n + cfg.block_n - 1) // cfg.block_n)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert ptx.split_tail(units, sms, (k + 127) // 128, 8)[1] > 1, "the shape must cut slices"
     base = torch.randn(m, n, device="cuda") if accumulate else None
