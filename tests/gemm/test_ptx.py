@@ -173,7 +173,16 @@ def test_select_config_splits_short_last_waves():
     for m, n in DSV3_WGRAD_MN:
         got = ptx.select_config("1d1d", m, n, 4096, H200_SMS).split_k
         assert got == want.get((m, n), False), (m, n)
-    assert not ptx.select_config("1d2d", 64, 2112, 7168, H200_SMS).split_k  # decode regime
+    # Decode-sized M: 1D2D tiles that leave at least half the SMs idle are cut too (64 x 2112 x
+    # 7168: 66 tiles of 64x32 in 2 slices); the other V3 decode shapes fill the SMs.
+    for m in (64, 128):
+        split = {
+            (n, k): ptx.select_config("1d2d", m, n, k, H200_SMS).split_k for n, k in DSV3_DENSE_NK
+        }
+        assert split == {(n, k): m == 64 and (n, k) == (2112, 7168) for n, k in DSV3_DENSE_NK}
+    assert ptx.select_config("1d2d", 13, 1000, 3008, H200_SMS).split_k  # 16 tiles, 23 blocks
+    assert not ptx.select_config("1d2d", 13, 1000, 1024, H200_SMS).split_k  # one 8-block chunk
+    assert not ptx.select_config("1d1d", 64, 2112, 7168, H200_SMS).split_k  # 1D2D only
     assert not ptx.grouped_config(4096, 2112, 7168, H200_SMS).split_k
     _, expr = ptx.kernel_source(
         "1d2d", ptx.select_config("1d2d", 4096, 2112, 7168, H200_SMS), 2112, 7168,
