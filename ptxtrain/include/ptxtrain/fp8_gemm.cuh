@@ -127,6 +127,17 @@ struct Fp8GemmSmem {
   static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
 };
 
+// A math warp's release of a stage whose scales it read with ordinary shared-memory loads:
+// fence.proxy.async orders those generic-proxy reads before the producer's next TMA (async
+// proxy) writes into the stage, which the release / acquire through `empty` alone does not
+// (PTX ISA "Memory Consistency Model: proxies"). Without it ptxas may place the arrival before
+// the loads have returned; at 4096 x 2112 x 7168 a row scale then read the next block's value
+// in rare runs (8 rows x 128 columns of one tile off, benchmarks/results/2026-11-22-s12-h200/
+// call14). PTXTRAIN_GEMM_RELEASE_FENCE=0 drops the fence (A/B only).
+#ifndef PTXTRAIN_GEMM_RELEASE_FENCE
+#define PTXTRAIN_GEMM_RELEASE_FENCE 1
+#endif
+
 // One arrival per warp on the stage's `empty` barrier of every CTA of the cluster (lane c
 // arrives for CTA c, so the remote arrivals go out in parallel).
 template <int kCluster>
@@ -622,6 +633,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
     load_sb(s, sb, kEarlyGroups);                                                             \
+    if (PTXTRAIN_GEMM_RELEASE_FENCE) fence_proxy_async_shared_cta();                         \
     __syncwarp();                                                                             \
     release_stage<kCluster>(&empty[s], lane);                                                 \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
@@ -718,6 +730,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         wgmma_wait_group<0>();
         wgmma_fence_operand(acc);
         if (w == kWaves - 1) {
+          if (PTXTRAIN_GEMM_RELEASE_FENCE) fence_proxy_async_shared_cta();
           __syncwarp();
           release_stage<kCluster>(&empty[s], lane);
         }
