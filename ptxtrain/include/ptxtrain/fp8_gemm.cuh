@@ -137,6 +137,10 @@ struct Fp8GemmSmem {
 #ifndef PTXTRAIN_GEMM_RELEASE_FENCE
 #define PTXTRAIN_GEMM_RELEASE_FENCE 1
 #endif
+// Double accumulators: 1 = read a block's row scales before waiting for its wgmmas (A/B only).
+#ifndef PTXTRAIN_GEMM_EARLY_SA
+#define PTXTRAIN_GEMM_EARLY_SA 1
+#endif
 
 // One arrival per warp on the stage's `empty` barrier of every CTA of the cluster (lane c
 // arrives for CTA c, so the remote arrivals go out in parallel).
@@ -599,9 +603,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
           kSplitK ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT : PTXTRAIN_GEMM_EARLY_SB_GROUPS;
       constexpr int kEarlyGroups =
           k1D1D ? (kEarlyWant < kBlockN / 8 ? kEarlyWant : kBlockN / 8) : 0;
-      // Row scales before the wait too, with early column scales (1D2D: after it; reading them
-      // early measured no different, 2026-11-22-s9-h200/call6).
-      constexpr bool kEarlySa = kEarlyGroups > 0;
+      // Row scales before the wait too (1D2D as well: the fence before the stage's release then
+      // finds their loads done instead of waiting for them, PTXTRAIN_GEMM_RELEASE_FENCE).
+      constexpr bool kEarlySa = PTXTRAIN_GEMM_EARLY_SA != 0 || kEarlyGroups > 0;
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
       // rest of its scales, release the stage, promote.
