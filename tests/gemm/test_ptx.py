@@ -522,6 +522,26 @@ def _check_split(kind, m, n, k, out_dtype, accumulate, cfg):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma_store", [False, True])
+def test_gpu_repeated_runs_are_bitwise_equal(tma_store):
+    # The double-accumulator kernel adds its FP32 block products in a fixed order, so runs on
+    # the same operands must agree bitwise. A race between a math warp's shared-memory reads of
+    # a stage's scales and the producer's next TMA into that stage broke this in 3 of 40 runs
+    # (8 rows x 128 columns of one tile; benchmarks/results/2026-11-22-s12-h200/call15); 40 runs
+    # then fail with probability ~0.95.
+    m, n, k = 4096, 2112, 7168
+    x, w = _inputs(m, n, k, seed=11)
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=tma_store)
+    first = ptx.run_with_config("1d2d", qa, qb, cfg, torch.float32)
+    differing = [
+        int((ptx.run_with_config("1d2d", qa, qb, cfg, torch.float32) != first).sum())
+        for _ in range(40)
+    ]
+    assert not any(differing), f"runs differing from the first: {differing}"
+
+
+@pytest.mark.gpu
 def test_gpu_split_tail_in_cuda_graphs():
     # Two graphs captured on the same stream, each with counters of its own, replayed on two
     # streams at once: each must give the eager result bitwise (shared counters would let a

@@ -127,20 +127,14 @@ struct Fp8GemmSmem {
   static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
 };
 
-// A math warp's release of a stage whose scales it read with ordinary shared-memory loads:
-// fence.proxy.async orders those generic-proxy reads before the producer's next TMA (async
-// proxy) writes into the stage, which the release / acquire through `empty` alone does not
-// (PTX ISA "Memory Consistency Model: proxies"). Without it ptxas may place the arrival before
-// the loads have returned; at 4096 x 2112 x 7168 a row scale then read the next block's value
-// in rare runs (8 rows x 128 columns of one tile off, benchmarks/results/2026-11-22-s12-h200/
-// call14). PTXTRAIN_GEMM_RELEASE_FENCE=0 drops the fence (A/B only).
-#ifndef PTXTRAIN_GEMM_RELEASE_FENCE
-#define PTXTRAIN_GEMM_RELEASE_FENCE 1
-#endif
-// Double accumulators: 1 = read a block's row scales before waiting for its wgmmas (A/B only).
-#ifndef PTXTRAIN_GEMM_EARLY_SA
-#define PTXTRAIN_GEMM_EARLY_SA 1
-#endif
+// Before a math warp releases a stage whose scales it read with ordinary shared-memory loads, it
+// runs fence_proxy_async_shared_cta(): fence.proxy.async orders those generic-proxy reads before
+// the producer's next TMA (async proxy) writes into the stage, which the release / acquire
+// through `empty` alone does not (PTX ISA "Memory Consistency Model: proxies"). Without it
+// ptxas may place the arrival before the loads have returned; at 4096 x 2112 x 7168 a row scale
+// then read the next block's value in rare runs (8 rows x 128 columns of one tile off,
+// benchmarks/results/2026-11-22-s12-h200/call14; benchmarks.diag_race: 3 of 40 runs of the
+// direct-store kernel differed without the fence, none with it, call15).
 
 // One arrival per warp on the stage's `empty` barrier of every CTA of the cluster (lane c
 // arrives for CTA c, so the remote arrivals go out in parallel).
@@ -603,9 +597,11 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
           kSplitK ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT : PTXTRAIN_GEMM_EARLY_SB_GROUPS;
       constexpr int kEarlyGroups =
           k1D1D ? (kEarlyWant < kBlockN / 8 ? kEarlyWant : kBlockN / 8) : 0;
-      // Row scales before the wait too (1D2D as well: the fence before the stage's release then
-      // finds their loads done instead of waiting for them, PTXTRAIN_GEMM_RELEASE_FENCE).
-      constexpr bool kEarlySa = PTXTRAIN_GEMM_EARLY_SA != 0 || kEarlyGroups > 0;
+      // Row scales before the wait too (1D2D as well once K spans a whole chunk: the fence before
+      // the stage's release then finds their loads done instead of waiting for them, up to 1.4%
+      // faster at K = 2048-7168; at K = 512 reading them late was 3% faster,
+      // benchmarks/results/2026-11-22-s12-h200/call16).
+      constexpr bool kEarlySa = kEarlyGroups > 0 || kNumKBlocks >= PTXTRAIN_GEMM_CHUNK;
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
       // rest of its scales, release the stage, promote.
@@ -637,7 +633,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
     load_sb(s, sb, kEarlyGroups);                                                             \
-    if (PTXTRAIN_GEMM_RELEASE_FENCE) fence_proxy_async_shared_cta();                         \
+    fence_proxy_async_shared_cta();                                                           \
     __syncwarp();                                                                             \
     release_stage<kCluster>(&empty[s], lane);                                                 \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
@@ -734,7 +730,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         wgmma_wait_group<0>();
         wgmma_fence_operand(acc);
         if (w == kWaves - 1) {
-          if (PTXTRAIN_GEMM_RELEASE_FENCE) fence_proxy_async_shared_cta();
+          fence_proxy_async_shared_cta();
           __syncwarp();
           release_stage<kCluster>(&empty[s], lane);
         }
