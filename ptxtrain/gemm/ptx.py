@@ -251,12 +251,13 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     )
     # Split tail where whole waves leave SMs idle at the end that K-slices of the last tiles can
     # fill (e.g. 4096 x 2112 x 7168: 4 waves + 16 tiles of 128x128), and (1D2D) where the tiles of
-    # decode-sized M leave at least half the SMs idle (64 x 2112 x 7168: 66 tiles of 64x32, cut
-    # in 2: 1.20x faster on an H200; cutting wider tiles of shapes that fill the SMs was not
-    # faster except at 128 x 2112 x 7168, benchmarks/results/2026-11-22-s12-h200/call13).
+    # decode-sized M are one wave that leaves at least half the SMs idle (64 x 2112 x 7168: 66
+    # tiles of 64x32, cut in 2: 1.20x faster on an H200; cutting wider tiles of shapes that fill
+    # the SMs was not faster except at 128 x 2112 x 7168; the tails of several decode-sized waves
+    # were not measured, so they are not cut: benchmarks/results/2026-11-22-s12-h200/call13).
     # Double accumulators only: 256-row tiles spill registers with the slice loop compiled in.
     # (Such tiles never take a cluster here: one unit per tile.)
-    if (large or kind == "1d2d") and _SPLIT_TAIL and double_acc:
+    if (large or (kind == "1d2d" and tiles < num_sms)) and _SPLIT_TAIL and double_acc:
         _, splits = split_tail(tiles, num_sms, ceil_div(k, BLOCK_K), _split_quantum())
         cfg = dataclasses.replace(cfg, split_k=splits > 1)
     return cfg

@@ -180,7 +180,7 @@ def test_select_config_splits_short_last_waves():
             (n, k): ptx.select_config("1d2d", m, n, k, H200_SMS).split_k for n, k in DSV3_DENSE_NK
         }
         assert split == {(n, k): m == 64 and (n, k) == (2112, 7168) for n, k in DSV3_DENSE_NK}
-    assert ptx.select_config("1d2d", 13, 1000, 3008, H200_SMS).split_k  # 16 tiles, 23 blocks
+    assert ptx.select_config("1d2d", 13, 1000, 3008, H200_SMS).split_k  # 16 tiles, 24 blocks
     assert not ptx.select_config("1d2d", 13, 1000, 1024, H200_SMS).split_k  # one 8-block chunk
     assert not ptx.select_config("1d1d", 64, 2112, 7168, H200_SMS).split_k  # 1D2D only
     assert not ptx.grouped_config(4096, 2112, 7168, H200_SMS).split_k
@@ -251,6 +251,22 @@ def _variants():
     a64 = ptx.PtxConfig(64, 64, 8, 2, double_acc=True, tma_store=True, multicast_a=True)
     seen[("1d1d", a64, 576, 7168, torch.float32, True)] = None
     return list(seen)
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+@pytest.mark.parametrize("block_n,ok", [(176, False), (208, False), (144, True), (192, True)])
+def test_kernel_block_n_rule_matches_the_scale_blocks(block_n, ok, tmp_path, monkeypatch):
+    # The kernel itself refuses tiles that can span three 128-column scale blocks of B (176: a
+    # tile starting 112 columns into a block ends at 288), not only run_with_config.
+    from ptxtrain.jit import JitCompileError
+
+    monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path))
+    cfg = ptx.PtxConfig(64, block_n, 4, 1)
+    if ok:
+        ptx.compile_gemm("1d2d", cfg, 2112, 1536, torch.bfloat16, False)
+    else:
+        with pytest.raises(JitCompileError, match="BLOCK_N"):
+            ptx.compile_gemm("1d2d", cfg, 2112, 1536, torch.bfloat16, False)
 
 
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
@@ -474,7 +490,9 @@ def test_gpu_split_tail(kind, m, n, k, out_dtype, accumulate):
             1000,
             3008,
             ptx.PtxConfig(64, 64, 13, 1, double_acc=True, tma_store=True, split_k=True),
-        ),  # 16 tiles x 2 (23 blocks: 2 chunks)
+        ),  # 16 tiles x 3 (24 blocks: 3 chunks)
+        # 64-row tiles of K <= 2048: B's scales through the stage (sfb_in_stage), sliced
+        (13, 1000, 2048, ptx.PtxConfig(64, 32, 16, 1, double_acc=True, split_k=True)),  # 32 x 2
         (
             129,
             576,
@@ -498,6 +516,9 @@ def _check_split(kind, m, n, k, out_dtype, accumulate, cfg):
     qb = per_block_cast_to_fp8(w) if kind == "1d2d" else per_token_cast_to_fp8(w)
     units = ((m + cfg.block_m - 1) // cfg.block_m) * ((n + cfg.block_n - 1) // cfg.block_n)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # the launch itself cuts slices (not only split_tail's arithmetic)
+    plan = ptx._plan(kind, m, n, k, out_dtype, accumulate, cfg, True, torch.cuda.current_device())
+    assert plan[3][1] > 1, f"no split planned: {plan[3]}"
     assert ptx.split_tail(units, sms, (k + 127) // 128, 8)[1] > 1, "the shape must cut slices"
     base = torch.randn(m, n, device="cuda") if accumulate else None
 
@@ -526,10 +547,11 @@ def _check_split(kind, m, n, k, out_dtype, accumulate, cfg):
 def test_gpu_repeated_runs_are_bitwise_equal(tma_store):
     # The double-accumulator kernel adds its FP32 block products in a fixed order, so runs on
     # the same operands must agree bitwise. A race between a math warp's shared-memory reads of
-    # a stage's scales and the producer's next TMA into that stage broke this in 3 of 40 runs
-    # (8 rows x 128 columns of one tile; benchmarks/results/2026-11-22-s12-h200/call15); 40 runs
-    # then fail with probability ~0.95.
-    m, n, k = 4096, 2112, 7168
+    # a stage's scales and the producer's next TMA into that stage broke this (8 rows x 128
+    # columns of one tile; benchmarks/results/2026-11-22-s12-h200/call15). K = 512 keeps the
+    # row-scale reads after the wgmma wait, where the race lives; with the release fence removed
+    # (PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE) such runs differed, see call19 there.
+    m, n, k = 4096, 32768, 512
     x, w = _inputs(m, n, k, seed=11)
     qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
     cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=tma_store)

@@ -136,6 +136,12 @@ struct Fp8GemmSmem {
 // benchmarks/results/2026-11-22-s12-h200/call14; benchmarks.diag_race: 3 of 40 runs of the
 // direct-store kernel differed without the fence, none with it, call15).
 
+// Diagnostic only (racy by design): 1 drops that fence, to check that the repeated-runs test
+// and benchmarks.diag_race still catch the race.
+#ifndef PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE
+#define PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE 0
+#endif
+
 // One arrival per warp on the stage's `empty` barrier of every CTA of the cluster (lane c
 // arrives for CTA c, so the remote arrivals go out in parallel).
 template <int kCluster>
@@ -633,7 +639,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
     load_sb(s, sb, kEarlyGroups);                                                             \
-    fence_proxy_async_shared_cta();                                                           \
+    if (!PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE) fence_proxy_async_shared_cta();                  \
     __syncwarp();                                                                             \
     release_stage<kCluster>(&empty[s], lane);                                                 \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
@@ -730,7 +736,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         wgmma_wait_group<0>();
         wgmma_fence_operand(acc);
         if (w == kWaves - 1) {
-          fence_proxy_async_shared_cta();
+          if (!PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE) fence_proxy_async_shared_cta();
           __syncwarp();
           release_stage<kCluster>(&empty[s], lane);
         }
@@ -873,7 +879,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   // block, so it spans at most two 128-column scale blocks of B iff BLOCK_N <= 128 + that gcd
   // (16..160 in steps of 16, and 192).
   static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 192 &&
-                    kBlockN <= 128 + (kBlockN & -kBlockN < 128 ? kBlockN & -kBlockN : 128),
+                    kBlockN <= 128 + ((kBlockN & -kBlockN) < 128 ? (kBlockN & -kBlockN) : 128),
                 "BLOCK_N: a multiple of 16 in [16, 160], or 192 (a tile then spans at most two "
                 "128-column scale blocks of B)");
   static_assert(kOut == 1 || !kAccumulate, "accumulate needs an fp32 output");
