@@ -2,7 +2,7 @@
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
-#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [wgrad]
+#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [wgrad] [race]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvldiag] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
@@ -148,6 +148,19 @@ for stage in $stages; do
       # A/B of PTX GEMM variants vs cuBLAS (AB_ARGS: --shapes ... --variants ...; see ab_ptx).
       python3 -m benchmarks.ab_ptx ${AB_ARGS:-} --json "$OUT/ab_ptx_${AB_TAG:-x}_${PTXTRAIN_GIT_SHA:-local}.json" \
         2>&1 | grep -v "^W" || status=1
+      ;;
+    race)
+      # Repeatability of the double-accumulator kernel (benchmarks.diag_race): 40 runs compared
+      # bitwise with the first, with the release fence and without it (the diagnostic
+      # PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE), at K = 512 (row scales read late) and K = 7168.
+      for shp in "4096 32768 512" "4096 2112 7168"; do
+        for d in --direct ""; do
+          python3 -m benchmarks.diag_race --shape $shp --config 128x128s5c1d $d --runs 40 \
+            --defines "" "#define PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE 1" \
+            --json "$OUT/diag_race_${shp// /x}${d}_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 \
+            | grep -v "^W" || status=1
+        done
+      done
       ;;
     wgrad)
       # The wgrad GEMM's costs: PTX 1D1D vs the same tiles without per-column scales or fp32 D.
