@@ -80,9 +80,12 @@ __device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* src, u3
 }
 
 // 4-byte asynchronous copy global -> shared through L1 (both addresses 4-byte aligned); its
-// completion is tracked with cp_async_mbarrier_arrive. PTX ISA "cp.async" (.ca, sm_80+).
+// completion is tracked with cp_async_mbarrier_arrive. `src` is a generic pointer to global
+// memory, converted to the .global address the instruction takes. PTX ISA "cp.async" (.ca,
+// sm_80+), "Generic Addressing" (cvta).
 __device__ __forceinline__ void cp_async_4(void* smem_dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem_dst)), "l"(src)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem_dst)),
+               "l"(static_cast<unsigned long long>(__cvta_generic_to_global(src)))
                : "memory");
 }
 
