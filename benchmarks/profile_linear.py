@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from ptxtrain.bench.linear import _fwd_bwd  # the timed call of `ptxtrain bench linear`
 from ptxtrain.bench.timing import environment
 from ptxtrain.nn import Fp8Linear, Fp8LinearConfig
 from ptxtrain.testing.shapes import DSV3_DENSE_NK
@@ -53,13 +54,7 @@ def main() -> None:
         dy = torch.randn(args.m, n, device="cuda", dtype=torch.bfloat16)
         row = {"m": args.m, "n": n, "k": k}
         for name, layer in (("bf16", bf16), ("fp8", fp8)):
-
-            def run(layer=layer, x=x, dy=dy):
-                layer.weight.grad = None
-                x.grad = None
-                layer(x).backward(dy)
-
-            times = kernel_times(run, args.iters)
+            times = kernel_times(_fwd_bwd(layer, x, dy), args.iters)
             row[name] = times
             print(f"--- {args.m} x {n} x {k} {name}: {sum(times.values()):.1f} µs", flush=True)
             for kname, us in times.items():

@@ -457,7 +457,7 @@ def split_tail(units: int, grid_units: int, num_kb: int, quantum: int) -> tuple[
     if units < 0 or num_kb < 0:
         raise ValueError(f"units and num_kb must be >= 0, got {units}, {num_kb}")
     tail = units % grid_units
-    if units == 0 or tail == 0:
+    if tail == 0:  # (also M = 0: no units)
         return units, 1
     splits = min(grid_units // tail, num_kb // quantum)
     if splits < 2:

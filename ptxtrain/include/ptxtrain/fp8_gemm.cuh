@@ -127,17 +127,8 @@ struct Fp8GemmSmem {
   static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
 };
 
-// Before a math warp releases a stage whose scales it read with ordinary shared-memory loads, it
-// runs fence_proxy_async_shared_cta(): fence.proxy.async orders those generic-proxy reads before
-// the producer's next TMA (async proxy) writes into the stage, which the release / acquire
-// through `empty` alone does not (PTX ISA "Memory Consistency Model: proxies"). Without it
-// ptxas may place the arrival before the loads have returned; at 4096 x 2112 x 7168 a row scale
-// then read the next block's value in rare runs (8 rows x 128 columns of one tile off,
-// benchmarks/results/2026-11-22-s12-h200/call14; benchmarks.diag_race: 3 of 40 runs of the
-// direct-store kernel differed without the fence, none with it, call15).
-
-// Diagnostic only (racy by design): 1 drops that fence, to check that the repeated-runs test
-// and benchmarks.diag_race still catch the race.
+// Diagnostic only (racy by design): 1 drops the fence of release_read_stage, to check that the
+// repeated-runs test and benchmarks.diag_race still catch the race it prevents.
 #ifndef PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE
 #define PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE 0
 #endif
@@ -151,6 +142,21 @@ __device__ __forceinline__ void release_stage(u64* bar, int lane) {
   } else {
     if (lane < kCluster) mbarrier_arrive_cluster(bar, static_cast<u32>(lane));
   }
+}
+
+// release_stage for a math warp that read the stage's scales with ordinary shared-memory loads:
+// fence.proxy.async first orders those generic-proxy reads before the producer's next TMA
+// (async proxy) writes into the stage, which the release / acquire through `empty` alone does
+// not (PTX ISA "Memory Consistency Model: proxies"). Without it ptxas may place the arrival
+// before the loads have returned; at 4096 x 2112 x 7168 a row scale then read the next block's
+// value in rare runs (8 rows x 128 columns of one tile off,
+// benchmarks/results/2026-11-22-s12-h200/call14; benchmarks.diag_race: 3 of 40 runs of the
+// direct-store kernel differed without the fence, none with it, call15).
+template <int kCluster>
+__device__ __forceinline__ void release_read_stage(u64* bar, int lane) {
+  if (!PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE) fence_proxy_async_shared_cta();
+  __syncwarp();
+  release_stage<kCluster>(bar, lane);
 }
 
 // One 128-K block of one wave: 4 wgmma m64nBLOCK_Nk32 from the stage's A rows and B tile, given
@@ -639,9 +645,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
     load_sb(s, sb, kEarlyGroups);                                                             \
-    if (!PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE) fence_proxy_async_shared_cta();                  \
-    __syncwarp();                                                                             \
-    release_stage<kCluster>(&empty[s], lane);                                                 \
+    release_read_stage<kCluster>(&empty[s], lane);                                            \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
     ++it;                                                                                     \
   }
@@ -736,9 +740,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         wgmma_wait_group<0>();
         wgmma_fence_operand(acc);
         if (w == kWaves - 1) {
-          if (!PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE) fence_proxy_async_shared_cta();
-          __syncwarp();
-          release_stage<kCluster>(&empty[s], lane);
+          release_read_stage<kCluster>(&empty[s], lane);
         }
         promote<kBlockN, k1D1D>(fin[w], acc, sa0, sa1, sfb_lo, sfb_hi, split, sb);
       }
