@@ -173,8 +173,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --out from its checkpoint; flags not given are "
-        "taken from the checkpoint",
+        help="continue the run in --out from its checkpoint; the model, schedule, optimizer, "
+        "seed, --data, --eval-every, --eval-batches, --ckpt-every and --sample-tokens flags "
+        "not given are taken from the checkpoint (--device and the parallelism flags are not)",
     )
     g.add_argument(
         "--overwrite",
@@ -299,9 +300,14 @@ _RUN_FIELDS = (
 
 
 def _train_args_from(ns: argparse.Namespace):
-    """Build ``TrainArgs``: given flags, else (with --resume) the checkpoint's, else defaults."""
+    """Build ``TrainArgs``: given flags, else (with --resume) the checkpoint's, else defaults.
+
+    With --resume the checkpoint supplies the trajectory fields, ``--data``, ``--n-layers``,
+    ``--no-mtp`` and ``RESUMED_RUN_FIELDS`` (evaluation, checkpoint and sample settings); the
+    device and parallelism flags come from the command line only.
+    """
     from .train.checkpoint import read_checkpoint_meta
-    from .train.loop import TRAJECTORY_FIELDS, TrainArgs
+    from .train.loop import RESUMED_RUN_FIELDS, TRAJECTORY_FIELDS, TrainArgs
 
     fields = TRAJECTORY_FIELDS + _RUN_FIELDS
     given = {k: getattr(ns, k) for k in fields if getattr(ns, k) is not None}
@@ -310,6 +316,10 @@ def _train_args_from(ns: argparse.Namespace):
         meta = read_checkpoint_meta(probe.run_dir())
         saved = meta["config"].get("train", {})
         inherited = {k: saved[k] for k in TRAJECTORY_FIELDS if k in saved and k not in given}
+        saved_run = meta["extra"].get("run") or {}
+        inherited.update(
+            {k: saved_run[k] for k in RESUMED_RUN_FIELDS if k in saved_run and k not in given}
+        )
         if "data" not in given and meta["extra"].get("data"):
             inherited["data"] = meta["extra"]["data"]
         if "mtp" not in given and meta["config"].get("model", {}).get("mtp_depth") == 0:

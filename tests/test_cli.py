@@ -90,6 +90,8 @@ def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
     out = str(tmp_path / "r")
     empty = tmp_path / "empty"
     empty.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
     cases = [
         (["--data", str(tmp_path / "missing.txt")], "does not exist"),
         (["--data", str(empty)], "holds no *.txt or *.md"),
@@ -99,6 +101,9 @@ def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
         (["--ep", "2"], "--ep 2 needs 2 processes"),  # this process is a world of 1
         (["--ep", "3"], "--batch-size 16 must be divisible by --ep 3"),
         (["--ep", "2", "--pp", "2", "--no-mtp"], "--pp 2 --ep 2 needs 4 processes"),
+        (["--seed", str(2**64)], "--seed must be < 2**64"),  # torch.Generator's limit
+        (["--out", str(a_file)], "is a file, not a run folder"),
+        (["--out", str(a_file / "run")], "cannot be used as a run folder"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "no CUDA device"))
@@ -212,6 +217,22 @@ def test_plot_timeline_user_errors(tmp_path, capsys):
     assert code == 2 and "out of range" in err
     code, err = _error(["plot"], capsys)
     assert code == 2
+
+
+def test_resume_keeps_the_runs_eval_checkpoint_and_sample_flags(smoke_run):
+    from ptxtrain.cli import _train_args_from, build_parser
+
+    parse = build_parser().parse_args
+    out = str(smoke_run[1])
+    # The smoke run used --eval-every 5, --eval-batches 2 and --sample-tokens 16 (defaults 50, 8,
+    # 200): a bare --resume must evaluate as it did, or the val losses after the resume would
+    # be means over other batches at other steps than an uninterrupted run's.
+    args = _train_args_from(parse(["train", "--resume", "--out", out]))
+    assert (args.eval_every, args.eval_batches, args.sample_tokens) == (5, 2, 16)
+    assert args.ckpt_every == 200  # not given to the smoke run: its default, remembered
+    # A flag given with --resume still wins (these are not part of the trajectory).
+    args = _train_args_from(parse(["train", "--resume", "--out", out, "--eval-batches", "3"]))
+    assert args.eval_batches == 3 and args.eval_every == 5
 
 
 def test_ep_flag_reaches_train_args(smoke_run):

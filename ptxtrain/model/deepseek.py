@@ -706,6 +706,7 @@ def build_model(
 
     Raises:
         TypeError: ``config`` is not a config, ``dtype`` not a floating dtype, ``seed`` not an int.
+        ValueError: ``seed`` outside ``[-2**63, 2**64)`` (what ``torch.Generator`` accepts).
     """
     if not isinstance(config, DeepSeekV3Config):
         raise TypeError(f"config must be a DeepSeekV3Config, got {type(config).__name__}")
@@ -713,6 +714,8 @@ def build_model(
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or None, got {seed!r}")
+    if seed is not None and not -(2**63) <= seed < 2**64:  # torch.Generator's seed range
+        raise ValueError(f"seed must lie in [-2**63, 2**64), got {seed}")
     device = torch.device("cpu" if device is None else device)
     with torch.device("meta"):
         model = DeepSeekV3(config)

@@ -105,6 +105,10 @@ TRAJECTORY_FIELDS = (
     "grad_clip",
     "seed",
 )
+# Run fields (not part of the trajectory, so not compared on resume) that the checkpoint
+# remembers, so that `ptxtrain train --resume` without them evaluates, checkpoints and samples
+# as the interrupted run did (the eval schedule and eval_batches shape the val-loss record).
+RESUMED_RUN_FIELDS = ("eval_every", "eval_batches", "ckpt_every", "sample_tokens")
 RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "summary.json")
 SAMPLE_PROMPT = "\n"
 SAMPLE_COUNT = 3
@@ -214,6 +218,8 @@ class TrainArgs:
             v = getattr(self, name)
             if not is_int(v) or v < 0:
                 raise bad(name, "must be an integer >= 0")
+        if self.seed >= 2**64:  # torch.Generator.manual_seed takes at most 64 bits
+            raise bad("seed", "must be < 2**64")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             v = getattr(self, name)
             if not is_num(v) or v < 0:
@@ -502,24 +508,37 @@ def _write_profile(prof, run_dir: Path, step: int, rank: int) -> None:
 
 
 def _prepare_run_dir(run_dir: Path, args: TrainArgs) -> None:
+    """Check the run folder (``--resume``) or empty it of an old run's files and create it.
+
+    Raises:
+        TrainConfigError: ``--resume`` without the folder; a run there without ``--resume`` /
+            ``--overwrite``; ``--out`` that is (or lies under) a file, or cannot be written.
+    """
     if args.resume:
         if not run_dir.is_dir():
             raise TrainConfigError(f"--resume: run folder {run_dir} does not exist")
         return
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainConfigError(f"--out {run_dir} is a file, not a run folder")
     in_use = [n for n in (CHECKPOINT_DIR, PREV_DIR, "metrics.jsonl") if (run_dir / n).exists()]
     if in_use and not args.overwrite:
         raise TrainConfigError(
             f"run folder {run_dir} already holds a run ({', '.join(in_use)}); pass --resume "
             "to continue it, --overwrite to replace it, or --out for a new folder"
         )
-    for name in (CHECKPOINT_DIR, PREV_DIR):
-        if (run_dir / name).is_dir():
-            shutil.rmtree(run_dir / name)
-    for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
-    for path in (*run_dir.glob("timeline_rank*.jsonl"), run_dir / "timeline.png"):
-        path.unlink(missing_ok=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in (CHECKPOINT_DIR, PREV_DIR):
+            if (run_dir / name).is_dir():
+                shutil.rmtree(run_dir / name)
+        for name in RUN_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+        for path in (*run_dir.glob("timeline_rank*.jsonl"), run_dir / "timeline.png"):
+            path.unlink(missing_ok=True)
+    except OSError as e:
+        raise TrainConfigError(
+            f"--out {run_dir} cannot be used as a run folder: {e.strerror or e}"
+        ) from None
 
 
 class _ExpertStates:
@@ -1189,9 +1208,11 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
         "corpus_sha256": corpus_info["sha256"],
     }
 
-    # Not compared on resume (the corpus hash is); lets `ptxtrain train --resume` find the data.
+    # Not compared on resume (the corpus hash is); lets `ptxtrain train --resume` find the data
+    # and keep the run's evaluation / checkpoint / sample settings.
     data_path = str(Path(args.data).expanduser().resolve()) if args.data else None
-    ckpt_kw = dict(model=model, optimizer=optimizer, config=ckpt_config, extra={"data": data_path})
+    extra = {"data": data_path, "run": {k: getattr(args, k) for k in RESUMED_RUN_FIELDS}}
+    ckpt_kw = dict(model=model, optimizer=optimizer, config=ckpt_config, extra=extra)
     # ep > 1: expert shards, pp > 1: stages <-> the full (single-process) layout
     codec = pipe.state_codec(model, optimizer, runner)
 
@@ -1447,6 +1468,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
 
 __all__ = [
     "PRECISIONS",
+    "RESUMED_RUN_FIELDS",
     "TRAJECTORY_FIELDS",
     "TrainArgs",
     "TrainConfigError",

@@ -210,6 +210,9 @@ def test_build_model_dtype_seed_and_fp32_bias():
         build_model(TINY, dtype=torch.int32)
     with pytest.raises(TypeError, match="config"):
         build_model(TINY.to_dict())
+    # A seed torch.Generator cannot take is a ValueError naming it, not torch's overflow error.
+    with pytest.raises(ValueError, match="seed must lie in"):
+        build_model(TINY, seed=2**64)
 
 
 def test_tied_embeddings_and_plain_query_projection():

@@ -61,6 +61,20 @@ def test_lr_schedule():
     assert lr_at(0, no_warmup) == 2.0
 
 
+def _record_fp8_conversions(monkeypatch) -> list:
+    """Make ``train()``'s FP8 conversion record every model it converts."""
+    from ptxtrain.model import deepseek
+
+    real, converted = deepseek.convert_model_to_fp8_training, []
+
+    def spy(model, config=None):
+        converted.append(real(model, config))
+        return converted[-1]
+
+    monkeypatch.setattr(deepseek, "convert_model_to_fp8_training", spy)
+    return converted
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_resume_is_bitwise_exact(tmp_path, precision, monkeypatch):
     if precision == "fp8":
@@ -70,6 +84,7 @@ def test_resume_is_bitwise_exact(tmp_path, precision, monkeypatch):
         from ptxtrain.gemm import grouped
 
         monkeypatch.setattr(grouped, "is_interpreted", lambda: False)
+    converted = _record_fp8_conversions(monkeypatch)
     straight = tmp_path / "straight"
     resumed = tmp_path / "resumed"
     s1 = train(_args(straight, precision=precision), model_overrides=SMALL)
@@ -86,6 +101,14 @@ def test_resume_is_bitwise_exact(tmp_path, precision, monkeypatch):
         b = (resumed / "checkpoint" / name).read_bytes()
         assert a == b, f"{precision}: {name} differs after resume"
     assert s1["losses"][-1] < s1["losses"][0]
+    if precision == "fp8":  # the flag really ran FP8 layers (not a silent bf16 run)
+        from ptxtrain.moe import Experts
+        from ptxtrain.nn import Fp8Linear
+
+        assert len(converted) == 3  # straight, first half, resumed half
+        for model in converted:
+            assert any(isinstance(m, Fp8Linear) for m in model.modules())
+            assert all(m.fp8 for m in model.modules() if isinstance(m, Experts))
 
 
 def test_sigint_stops_after_the_step_and_resumes_exactly(tmp_path, monkeypatch):
@@ -177,6 +200,7 @@ def test_existing_run_folder_needs_resume_or_overwrite(tmp_path):
         ({"min_lr": 1.0}, "--min-lr"),
         ({"precision": "fp16"}, "--precision"),
         ({"device": "tpu"}, "--device"),
+        ({"seed": 2**64}, "--seed must be < 2"),  # beyond torch.Generator.manual_seed
         ({"seq_len": 64}, "max_seq_len"),
         ({"preset": "huge"}, "unknown model preset"),
         ({"resume": True, "overwrite": True}, "exclude"),
