@@ -12,6 +12,7 @@ import functools
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -64,16 +65,45 @@ def load(package: str, name: str) -> ModuleType:
         raise RuntimeError(f"backend {name!r} of {package} is unavailable: {e}") from e
 
 
-def availability(package: str, names: tuple[str, ...]) -> dict[str, str]:
-    """For ``backends()``: each backend name → ``"available"`` or ``"unavailable: <why>"``."""
+def availability(
+    package: str,
+    names: tuple[str, ...],
+    why_not: Callable[[str, ModuleType], str | None] | None = None,
+) -> dict[str, str]:
+    """For ``backends()``: each backend name → ``"available"`` or ``"unavailable: <why>"``.
+
+    A backend is available when its module imports and ``why_not(name, module)`` (the
+    subpackage's check that it can run here: a GPU of the right kind, a toolchain) returns None;
+    otherwise the reason is the import error or ``why_not``'s answer.
+    """
     out = {}
     for name in names:
         try:
-            load(package, name)
-            out[name] = "available"
+            module = load(package, name)
         except RuntimeError as e:
             out[name] = f"unavailable: {e.__cause__ or e}"
+            continue
+        reason = why_not(name, module) if why_not is not None else None
+        out[name] = "available" if reason is None else f"unavailable: {reason}"
     return out
+
+
+def hopper_missing() -> str | None:
+    """None when the current CUDA device is an sm_90 (Hopper) GPU, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability()
+    return (
+        None if cap == (9, 0) else f"needs an sm_90 GPU, the current device is sm_{cap[0]}{cap[1]}"
+    )
+
+
+def triton_missing() -> str | None:
+    """None when Triton kernels can run here (a CUDA device, or the interpreter), else why not."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if triton_usable(device):
+        return None
+    return "no CUDA device (CPU tensors run Triton kernels only under TRITON_INTERPRET=1)"
 
 
 def sm_clock_khz(device: torch.device | int | None = None) -> int:

@@ -42,6 +42,25 @@ def test_backends_listing():
     assert set(quant.backends()) == set(quant.BACKENDS)
 
 
+def test_backends_listing_says_what_cannot_run_here(monkeypatch):
+    # "available" means the backend can run on this machine, not merely that it imports: with
+    # no CUDA device the GPU-only backends say why not, and Triton follows the interpreter flag.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    g, q = gemm.backends(), quant.backends()
+    for listing, name in ((g, "cublas"), (g, "ptx"), (q, "cuda")):
+        # (or the import error, where the module's toolchain is missing)
+        assert listing[name].startswith("unavailable: "), (name, listing)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert gemm.backends()["triton"].startswith("unavailable")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from ptxtrain import _backend
+
+    want = "available" if _backend._triton_installed() else "unavailable"
+    assert gemm.backends()["triton"].startswith(want) and quant.backends()["triton"].startswith(
+        want
+    )
+
+
 def test_dispatch_validates_before_selecting(monkeypatch):
     monkeypatch.delenv("PTXTRAIN_GEMM_BACKEND", raising=False)
     with pytest.raises(TypeError, match="a must be a pair"):

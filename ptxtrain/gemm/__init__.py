@@ -36,8 +36,22 @@ ENV_VAR = "PTXTRAIN_GEMM_BACKEND"
 
 
 def backends() -> dict[str, str]:
-    """Each GEMM backend → ``"available"`` or ``"unavailable: <reason>"`` on this machine."""
-    return _backend.availability(__name__, BACKENDS)
+    """Each GEMM backend → ``"available"`` (it imports and can run on this machine's current
+    device: ``ref`` anywhere, ``triton`` on CUDA or under ``TRITON_INTERPRET=1``, ``cublas`` on
+    an sm_90 GPU, ``ptx`` on an sm_90 GPU with NVRTC and the driver) or
+    ``"unavailable: <reason>"``."""
+    return _backend.availability(__name__, BACKENDS, _why_not)
+
+
+def _why_not(name: str, module) -> str | None:
+    if name == "triton":
+        return _backend.triton_missing()
+    if name in ("cublas", "ptx"):
+        reason = _backend.hopper_missing()
+        if reason is None and name == "ptx" and not module._toolchain():
+            reason = "needs NVRTC (nvidia-cuda-nvrtc), cuda-bindings and the CUDA driver"
+        return reason
+    return None
 
 
 def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:

@@ -43,7 +43,8 @@ def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> b
     #   and ⌈K/128⌉ % 4 != 0 with several N-blocks was wrong through the Fp8Linear path
     #   (ANCHORS §7: "K-blocks padded to a multiple of 4").
     # So cuBLAS is used only where it was verified: K % 512 == 0 (every DeepSeek-V3 K).
-    return m > 0 and m % 4 == 0 and n % _ALIGN == 0 and k % _K_ALIGN == 0
+    # (N = 0 or K = 0 have nothing for cuBLAS to do: the other backends handle them.)
+    return m > 0 and n > 0 and k > 0 and m % 4 == 0 and n % _ALIGN == 0 and k % _K_ALIGN == 0
 
 
 @functools.cache
@@ -93,10 +94,14 @@ def _fp8_gemm_nt(a, b, out, out_dtype):
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
     dtype = out.dtype if out is not None else out_dtype
-    if m == 0:
-        d = torch.empty(0, n, dtype=dtype, device=a_fp8.device)
+    if m == 0 or n == 0:
+        d = torch.empty(m, n, dtype=dtype, device=a_fp8.device)
         return d if out is None else out
+    if k == 0:  # an empty sum: D = 0 (the contract), not a cuBLAS call on empty operands
+        return ref.write_out(torch.zeros(m, n, dtype=dtype, device=a_fp8.device), out)
     _check_cuda_shape(a_fp8, n, k)
+    # _scaled_mm takes A row-major and B column-major: strided views are copied (no-ops else).
+    a_fp8, b_fp8 = a_fp8.contiguous(), b_fp8.contiguous()
     d = torch._scaled_mm(
         a_fp8, b_fp8.t(), _mn_major(sf_a), sf_b.contiguous().t(), out_dtype=dtype
     )  # [M, N]
@@ -156,8 +161,10 @@ def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
     dtype = torch.float32 if accumulate else (out.dtype if out is not None else out_dtype)
-    if m == 0:
-        return torch.empty(0, n, dtype=dtype, device=a_fp8.device) if out is None else out
+    if m == 0 or n == 0:
+        return torch.empty(m, n, dtype=dtype, device=a_fp8.device) if out is None else out
+    if k == 0:  # an empty sum: D = 0, or ``out`` unchanged when accumulating
+        return ref.write_out(torch.zeros(m, n, dtype=dtype, device=a_fp8.device), out, accumulate)
     _check_cuda_shape(a_fp8, n, k)
     dev = a_fp8.device.index if a_fp8.device.index is not None else torch.cuda.current_device()
     if dev not in _1d1d_layout_by_device:
@@ -169,5 +176,6 @@ def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
         )
     # The probed layouts are functions of a row-major sf_b: bring an MN-major one back first.
     s_a, s_b = _1D1D_LAYOUTS[layout](sf_a, sf_b.contiguous())
+    a_fp8, b_fp8 = a_fp8.contiguous(), b_fp8.contiguous()  # (as in _fp8_gemm_nt)
     d = torch._scaled_mm(a_fp8, b_fp8.t(), s_a, s_b, out_dtype=dtype)  # [M, N]
     return ref.write_out(d, out, accumulate)

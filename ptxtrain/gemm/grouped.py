@@ -300,6 +300,7 @@ def _contiguous_triton(a, b, m_indices, out, out_dtype, check_indices, config) -
     if k == 0 or g == 0:
         return out.zero_()
     cfg = _config(config, m, n, k, "1d2d")
+    m_indices = m_indices.contiguous()  # the kernel reads it with unit stride
     grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n),)
     with _on_device(a_fp8.device):
         _m_grouped_contiguous_kernel[grid](
@@ -332,6 +333,7 @@ def _masked_triton(a, b, masked_m, expected_m, out, out_dtype, config) -> torch.
     # Tiles as for the rows the groups hold in total (expected_m per group when given).
     m_hint = g * (m_max if expected_m is None else max(expected_m, 1))
     cfg = _config(config, m_hint, n, k, "1d2d")
+    masked_m = masked_m.contiguous()  # the kernel reads it with unit stride
     grid = (ceil_div(m_max, cfg.block_m) * ceil_div(n, cfg.block_n), g)
     with _on_device(a_fp8.device):
         _m_grouped_masked_kernel[grid](

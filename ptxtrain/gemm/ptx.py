@@ -768,8 +768,8 @@ def _gemm(kind, a, b, out, accumulate, dtype, cfg=None):
     (a_fp8, _), (b_fp8, _) = a, b
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
-    if m == 0:
-        return torch.empty(0, n, dtype=dtype, device=a_fp8.device) if out is None else out
+    if m == 0 or n == 0:  # nothing to compute (no TMA descriptor of an empty B)
+        return torch.empty(m, n, dtype=dtype, device=a_fp8.device) if out is None else out
     _check_runnable(a_fp8, n, k)
     return _write_into(
         out, (m, n), dtype, a_fp8.device, accumulate,
@@ -849,6 +849,7 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims):
     if g == 0:
         return out.zero_()
     _check_runnable(a_fp8, n, k)
+    m_indices = m_indices.contiguous()  # the kernel reads it by pointer, unit stride
     # Per 64-row block, the largest index of its rows: the block's group (-1: all padding).
     block_group = m_indices.reshape(-1, 64).amax(dim=1)
     return _write_into(

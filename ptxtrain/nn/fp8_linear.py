@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ptxtrain import _backend, gemm, quant
 from ptxtrain._checks import HP_DTYPES, check_tensor
@@ -124,6 +125,28 @@ class Fp8LinearConfig:
     def any_fp8(self) -> bool:
         """Whether at least one GEMM runs in FP8 (False for the ``"bf16"`` recipe)."""
         return bool(self.fp8_gemms)
+
+
+# Optimizer steps taken in this process (any torch.optim.Optimizer, through torch's global
+# step post-hook). Part of the cached weight quantizations' keys: torch's fused optimizers
+# (``Adam(fused=True)`` etc.) update parameters in place without bumping their version counter,
+# so the version alone would let a stale FP8 weight outlive the step.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def optimizer_step_count() -> int:
+    """Steps taken so far by any ``torch.optim.Optimizer`` in this process: a weight cache keyed
+    on it (with the weight's address and version counter) also sees the in-place updates of
+    torch's fused optimizers, which leave the version counter unchanged."""
+    return _optimizer_steps
 
 
 def _resolve_config(config: Fp8LinearConfig | str | None) -> Fp8LinearConfig:
@@ -337,7 +360,8 @@ class Fp8Linear(nn.Linear):
 
     Raises (from forward):
         TypeError: input is not a tensor of dtype float32 / bfloat16 / float16.
-        ValueError: input is 0-D or its last dimension is not ``in_features``.
+        ValueError: input is 0-D, its last dimension is not ``in_features``, or it is not on
+            the weight's device.
 
     Source: DeepSeek-V3 report §3.3; DESIGN §1.
     """
@@ -362,12 +386,14 @@ class Fp8Linear(nn.Linear):
         """``(w_fp8, sf, wt_fp8, sf_t)``: W's 128x128 quantization and Wᵀ's (None, None without
         dgrad), cached while the weight is unchanged (None: don't cache).
 
-        The key is the weight's storage address, in-place version counter, shape, dtype and
-        device: an optimizer's in-place update (and ``load_state_dict``'s copy) bumps the version,
-        assigning new data (``weight.data = ...``) changes the address — which cannot be the old
-        one, since the cache holds an alias of the quantized storage — so a stale copy is never
-        used. (In-place writes through ``weight.data`` bypass the version counter and are not
-        seen: don't combine them with the cache.)
+        The key is the weight's storage address, in-place version counter, the process's
+        optimizer step count (:func:`optimizer_step_count`: torch's fused optimizers update in
+        place without bumping the version), shape, dtype, device and the config's scale rule and
+        dgrad flag: an optimizer's in-place update (and ``load_state_dict``'s copy) bumps the
+        version, assigning new data (``weight.data = ...``) changes the address — which cannot
+        be the old one, since the cache holds an alias of the quantized storage — so a stale copy
+        is never used. (In-place writes through ``weight.data`` outside an optimizer step bypass
+        the version counter and are not seen: don't combine them with the cache.)
         """
         cfg = self.config
         if not cfg.cache_weight_fp8 or not (cfg.fprop or cfg.dgrad):
@@ -377,7 +403,16 @@ class Fp8Linear(nn.Linear):
             version = w._version
         except RuntimeError:  # inference tensors keep no version counter: don't cache
             return None
-        key = (w.data_ptr(), version, tuple(w.shape), w.dtype, w.device, cfg.pow2_scale)
+        key = (
+            w.data_ptr(),
+            version,
+            _optimizer_steps,
+            tuple(w.shape),
+            w.dtype,
+            w.device,
+            cfg.pow2_scale,
+            cfg.dgrad,  # (the cached entry holds Wᵀ's quantization only with dgrad)
+        )
         if key != self._weight_fp8_key:
             with torch.no_grad():
                 if cfg.dgrad:
@@ -423,6 +458,12 @@ class Fp8Linear(nn.Linear):
             raise ValueError(
                 f"input must have shape [*, {self.in_features}] (last dim = in_features), "
                 f"got {tuple(input.shape)}"
+            )
+        if input.device != self.weight.device:
+            # (Checked here: the FP8 path quantizes each on its own device and would hand a GEMM
+            # kernel operands on two devices.)
+            raise ValueError(
+                f"input must be on the weight's device {self.weight.device}, got {input.device}"
             )
         if not self.config.any_fp8:  # "bf16" recipe: exactly nn.Linear
             return F.linear(input, self.weight, self.bias)

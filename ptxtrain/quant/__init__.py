@@ -38,8 +38,21 @@ ENV_VAR = "PTXTRAIN_QUANT_BACKEND"
 
 
 def backends() -> dict[str, str]:
-    """Each quantization backend → ``"available"`` or ``"unavailable: <reason>"`` here."""
-    return _backend.availability(__name__, BACKENDS)
+    """Each quantization backend → ``"available"`` (it imports and can run on this machine's
+    current device: ``ref`` anywhere, ``triton`` on CUDA or under ``TRITON_INTERPRET=1``,
+    ``cuda`` on an sm_90 GPU with the driver) or ``"unavailable: <reason>"`` here."""
+    return _backend.availability(__name__, BACKENDS, _why_not)
+
+
+def _why_not(name: str, module) -> str | None:
+    if name == "triton":
+        return _backend.triton_missing()
+    if name == "cuda":
+        reason = _backend.hopper_missing()
+        if reason is None and not module.usable(torch.device("cuda")):
+            reason = "needs the CUDA driver library"
+        return reason
+    return None
 
 
 def select_backend(x: torch.Tensor, op: str = "per_token_cast_to_fp8") -> str:

@@ -71,7 +71,12 @@ def empty_sf(rows: int, cols: int, layout: str, device: torch.device) -> torch.T
 
 def to_mn_major(sf: torch.Tensor) -> torch.Tensor:
     """``sf`` [R, C] fp32 in the ``"mn_major"`` layout, same values; returned as is when it
-    already is laid out so (and 16-byte aligned), else copied."""
+    already is laid out so (and 16-byte aligned), else copied.
+
+    Raises:
+        TypeError / ValueError: ``sf`` is not a 2-D float32 tensor.
+    """
+    check_tensor("sf", sf, dtypes=(torch.float32,), ndim=2)
     rows, cols = sf.shape
     if sf.stride(0) == 1 and sf.stride(1) == _mn_stride(rows) and sf.data_ptr() % 16 == 0:
         return sf
@@ -249,9 +254,11 @@ def per_token_cast_back(
         [M, K] tensor of ``out_dtype``.
 
     Raises:
-        TypeError: wrong dtypes. ValueError: wrong ranks, or ``sf``'s shape does not match.
+        TypeError: wrong dtypes. ValueError: wrong ranks, ``sf``'s shape does not match, or
+            ``block`` is not a positive int.
     """
     _check_fp8_pair("x", x_fp8, sf)
+    _check_block(block)
     m, k = x_fp8.shape
     if tuple(sf.shape) != (m, ceil_div(k, block)):
         raise ValueError(
@@ -276,9 +283,11 @@ def per_block_cast_back(
         [N, K] tensor of ``out_dtype``.
 
     Raises:
-        TypeError: wrong dtypes. ValueError: wrong ranks, or ``sf``'s shape does not match.
+        TypeError: wrong dtypes. ValueError: wrong ranks, ``sf``'s shape does not match, or
+            ``block`` is not a positive int.
     """
     _check_fp8_pair("w", w_fp8, sf)
+    _check_block(block)
     n, k = w_fp8.shape
     want = (ceil_div(n, block), ceil_div(k, block))
     if tuple(sf.shape) != want:

@@ -25,6 +25,29 @@ def test_cpu_tensors_are_refused_with_a_clear_error():
         cublas.fp8_gemm_nt_1d1d(qa, per_token_cast_to_fp8(w))
 
 
+def test_empty_k_or_n_never_reaches_cublas(monkeypatch):
+    # K = 0 satisfies K % 512 == 0: without its own guard ``auto`` would route such a GEMM to
+    # cuBLAS (M > 128 or 1D1D) and call _scaled_mm on empty operands. The contract is D = 0.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cublas, "_capability", lambda index: (9, 0))
+    cuda0 = torch.device("cuda", 0)
+    assert cublas.supports(256, 256, 512, device=cuda0)  # the stub passes a real shape
+    assert not cublas.supports(256, 256, 0, device=cuda0)
+    assert not cublas.supports(256, 0, 512, device=cuda0)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: pytest.fail("_scaled_mm called"))
+    qa = per_token_cast_to_fp8(torch.randn(8, 0))
+    qb = per_block_cast_to_fp8(torch.randn(16, 0))
+    d = cublas.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
+    assert d.shape == (8, 16) and bool((d == 0).all())
+    out = torch.randn(8, 16)
+    before = out.clone()
+    assert cublas.fp8_gemm_nt_1d1d(qa, per_token_cast_to_fp8(torch.randn(16, 0)), out=out,
+                                   accumulate=True) is out  # fmt: skip
+    assert torch.equal(out, before)  # adding an empty sum changes nothing
+    qb0 = per_block_cast_to_fp8(torch.randn(0, 512))
+    assert cublas.fp8_gemm_nt(per_token_cast_to_fp8(torch.randn(8, 512)), qb0).shape == (8, 0)
+
+
 def _gpu_inputs(m, n, k, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return (

@@ -342,6 +342,57 @@ def test_m_grouped_masked_clamps_on_device():
     assert bool((got[1] == 3.0).all())
 
 
+@runnable
+def test_strided_m_indices_and_masked_m():
+    """``m_indices`` / ``masked_m`` that are strided views (every other entry of a longer
+    vector) give the reference's result: the kernels index them with unit stride."""
+    a, b, m_indices = _small_contiguous()
+    a = tuple(t.to(DEVICE) for t in a)
+    b = tuple(t.to(DEVICE) for t in b)
+    # Interleave junk (-1, group 1) between the real entries: a wrong stride reads it.
+    junk = torch.where(m_indices == 0, 1, -1).to(torch.int32)
+    wide = torch.stack([m_indices, junk], dim=1).flatten()
+    strided = wide.to(DEVICE)[0::2]
+    assert not strided.is_contiguous() and torch.equal(strided.cpu(), m_indices)
+    got = gg.m_grouped_fp8_gemm_nt_contiguous(a, b, strided, out_dtype=torch.float32)
+    want = ref.m_grouped_fp8_gemm_nt_contiguous_ref(
+        a, b, m_indices.to(DEVICE), out_dtype=torch.float32
+    )
+    for g in range(2):
+        rows = (m_indices.to(DEVICE) == g).nonzero().flatten()
+        a_hp = per_token_cast_back(*a)[rows]
+        b_hp = per_block_cast_back(b[0][g], b[1][g])
+        _assert_close_to_ref(got[rows], want[rows], a_hp, b_hp, f"strided m_indices, group {g}")
+    assert bool((got[m_indices.to(DEVICE) < 0] == 0).all())
+
+    qa, qb, masked_m = _small_masked((5, 2))
+    qa = tuple(t.to(DEVICE) for t in qa)
+    qb = tuple(t.to(DEVICE) for t in qb)
+    strided = torch.tensor([5, 0, 2, 0], dtype=torch.int32, device=DEVICE)[0::2]
+    got = gg.m_grouped_fp8_gemm_nt_masked(qa, qb, strided, out_dtype=torch.float32)
+    want = ref.m_grouped_fp8_gemm_nt_masked_ref(
+        qa, qb, masked_m.to(DEVICE), out_dtype=torch.float32
+    )
+    for grp, rows in enumerate((5, 2)):
+        a_hp = per_token_cast_back(qa[0][grp, :rows], qa[1][grp, :rows])
+        b_hp = per_block_cast_back(qb[0][grp], qb[1][grp])
+        _assert_close_to_ref(got[grp, :rows], want[grp, :rows], a_hp, b_hp, f"masked g{grp}")
+
+
+def test_ptx_m_grouped_passes_contiguous_m_indices(monkeypatch):
+    """The PTX launch hands the kernel ``m_indices`` by pointer (unit stride): a strided view
+    must be made contiguous first. CPU check of the host code, with the launch stubbed."""
+    from ptxtrain.gemm import ptx
+
+    a, b, m_indices = _small_contiguous()
+    seen = []
+    monkeypatch.setattr(ptx, "_check_runnable", lambda *args: None)
+    monkeypatch.setattr(ptx, "_launch", lambda *args: seen.append(args[7][0]))
+    wide = torch.stack([m_indices, torch.full_like(m_indices, -1)], dim=1).flatten()
+    ptx.m_grouped_fp8_gemm_nt_contiguous(a, b, wide[0::2])
+    assert len(seen) == 1 and seen[0].is_contiguous() and torch.equal(seen[0], m_indices)
+
+
 def test_k_grouped_bad_input():
     q = per_token_cast_to_fp8(torch.randn(16, 256, generator=_gen(3)))
     with pytest.raises(ValueError, match="multiple of 128"):

@@ -697,3 +697,45 @@ def test_mn_major_scales_give_bitwise_the_same_linear(m, n, k, monkeypatch):
     assert len(seen) == 4 and all(s[0] == 1 for s in seen), seen
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_weight_quantization_cache_sees_fused_optimizer_steps(opt_cls):
+    # torch's fused optimizers update the Parameter in place without bumping its version
+    # counter (and keep its address): the cache must still drop the old quantization.
+    torch.manual_seed(5)
+    lin = Fp8Linear(256, 128, bias=False)
+    uncached = Fp8Linear.from_linear(lin, dataclasses.replace(lin.config, cache_weight_fp8=False))
+    opt = opt_cls(lin.parameters(), lr=0.1, fused=True)
+    x = torch.randn(32, 256, generator=_gen(50))
+    lin(x).square().sum().backward()
+    version, before = lin.weight._version, lin.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(lin.weight.detach(), before)  # the step changed W ...
+    assert lin.weight._version == version  # ... invisibly to the version counter
+    assert_bitwise_equal(lin(x), uncached(x), "forward after a fused optimizer step")
+
+
+def test_weight_quantization_cache_follows_a_config_change():
+    # A cached entry made without dgrad holds no Wᵀ quantization; switching the config to one
+    # with dgrad must requantize rather than hand backward a missing Wᵀ.
+    torch.manual_seed(6)
+    lin = Fp8Linear(256, 128, config=Fp8LinearConfig(dgrad=False))
+    x = torch.randn(16, 256, generator=_gen(60))
+    lin(x.clone().requires_grad_()).sum().backward()
+    lin.config = Fp8LinearConfig.from_recipe_name("deepseek")
+    uncached = Fp8Linear.from_linear(lin, dataclasses.replace(lin.config, cache_weight_fp8=False))
+    grads = []
+    for mod in (lin, uncached):
+        xi = x.clone().requires_grad_()
+        mod(xi).sum().backward()
+        grads.append(xi.grad)
+    assert_bitwise_equal(grads[0], grads[1], "dx after switching dgrad on")
+
+
+def test_input_on_another_device_than_the_weight():
+    # The FP8 path quantizes each operand on its own device: a mismatch must raise up front
+    # (not reach a GEMM kernel). The meta device stands in for a second device on the CPU.
+    lin = Fp8Linear(64, 32)
+    with pytest.raises(ValueError, match=r"input must be on the weight's device cpu, got meta"):
+        lin(torch.randn(4, 64, device="meta"))

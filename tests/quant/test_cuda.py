@@ -442,7 +442,10 @@ def test_cuda_backend_not_auto_on_cpu_and_listed(monkeypatch):
     from ptxtrain import quant
 
     monkeypatch.delenv("PTXTRAIN_QUANT_BACKEND", raising=False)
-    assert "cuda" in quant.BACKENDS and quant.backends()["cuda"] == "available"
+    # Listed, and said to be unusable on a machine without a CUDA device (with the reason).
+    assert "cuda" in quant.BACKENDS
+    if not torch.cuda.is_available():
+        assert quant.backends()["cuda"] == "unavailable: no CUDA device"
     assert cq.usable(torch.device("cpu")) is False
     for name in FUNCS:
         assert quant.select_backend(torch.ones(2, 2), name) == "ref"

@@ -18,6 +18,7 @@ from ptxtrain.quant.ref import (
     per_token_cast_to_fp8,
     per_token_cast_to_fp8_both,
     per_token_cast_to_fp8_t,
+    to_mn_major,
 )
 from ptxtrain.testing import assert_bitwise_equal
 from ptxtrain.testing.shapes import AWKWARD_M, AWKWARD_NK
@@ -219,6 +220,15 @@ def test_bad_block_and_scale_shapes():
     wq, wsf = per_block_cast_to_fp8(torch.randn(300, 300))
     with pytest.raises(ValueError, match=r"w_sf must have shape \(3, 3\)"):
         per_block_cast_back(wq, wsf[:2])
+    # A bad block of the dequantizers, and a scale tensor to_mn_major cannot lay out.
+    with pytest.raises(ValueError, match="block must be a positive int, got 0"):
+        per_token_cast_back(q, sf, 0)
+    with pytest.raises(ValueError, match="block must be a positive int, got -128"):
+        per_block_cast_back(wq, wsf, -128)
+    with pytest.raises(ValueError, match=r"sf must be 2-D, got shape \(3,\)"):
+        to_mn_major(torch.ones(3))
+    with pytest.raises(TypeError, match="sf must have dtype float32"):
+        to_mn_major(sf.double())
 
 
 @pytest.mark.gpu
