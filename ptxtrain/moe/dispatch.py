@@ -170,6 +170,8 @@ class DispatchHandle:
             layout (the same on every rank; the nvlink backend's capacity check).
         transport: the :class:`ptxtrain.moe.nvlink.NvlinkTransport` moving the payload rows,
             or ``None`` for ``all_to_all_single``.
+        hidden: ``H`` of the dispatched rows (the same on every rank, checked by the dispatch),
+            which ``combine`` requires of its rows too (0: not recorded, no check).
     """
 
     rank: int
@@ -185,6 +187,7 @@ class DispatchHandle:
     group: dist.ProcessGroup | None
     max_rows_per_pair: int = 0
     transport: object | None = field(default=None, repr=False)
+    hidden: int = 0
     _nvl_index: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -328,6 +331,35 @@ def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
             slot = handle._nvl_index["slot"][0]
             return transport.combine_sum(t, send_row, send_off, recv_off, slot, handle.num_tokens)
     return _combine_sum(_move([t], handle, combine=True)[0], handle)
+
+
+def _describe(hidden: int, num_experts: int, k: int, x_code: int, w_dtype) -> str:
+    x_name = "(float8_e4m3fn, sf)" if x_code == len(_X_DTYPES) else str(_X_DTYPES[x_code])
+    w_name = str(w_dtype).removeprefix("torch.")
+    return (
+        f"hidden={hidden}, num_experts={num_experts}, k={k}, "
+        f"x dtype {x_name.removeprefix('torch.')}, topk_weights dtype {w_name}"
+    )
+
+
+def _check_signatures(
+    signature: tuple, peers: list[tuple[int, int]], mine: tuple[int, int], rank: int
+) -> None:
+    """Raises ValueError if a peer's dispatch signature (received with the counts) differs."""
+    bad = [r for r, sig in enumerate(peers) if sig != mine]
+    if not bad:
+        return
+    r = bad[0]
+    hidden, code = peers[r]
+    w_code, code = code % 2, code // 2
+    x_code, code = code % 8, code // 8
+    k, num_experts = code % 4096, code // 4096
+    theirs = _describe(hidden, num_experts, k, min(x_code, len(_X_DTYPES)), _W_DTYPES[w_code])
+    raise ValueError(
+        "Buffer.dispatch: every rank must pass x, topk_idx and topk_weights of the same hidden "
+        f"size, k and dtypes, and the same num_experts; rank {rank} has "
+        f"{_describe(*signature)}, rank {r} has {theirs} (raised on every rank)"
+    )
 
 
 class EventOverlap:
@@ -623,8 +655,10 @@ class Buffer:
             TypeError: a wrong dtype or a non-tensor argument (the message names it).
             ValueError: wrong shapes, ids outside ``[-1, E)``, ``E`` not a multiple of the
                 group size, tensors on different devices (or not on the nvlink buffer's GPU):
-                raised before any communication, except ids outside ``[-1, E)`` (any rank's),
-                raised on every rank after the count exchange, before the payload moves.
+                raised before any communication, except ids outside ``[-1, E)`` (any rank's)
+                and ranks disagreeing on the hidden size, ``k``, the dtypes of ``x`` /
+                ``topk_weights`` or ``E``, raised on every rank after the count exchange,
+                before the payload moves.
                 ``"nvlink"``: rows from one rank to another over the buffer's capacity (raised
                 on every rank, after the count exchange).
             RuntimeError: ``"nvlink"``: an earlier kernel timed out waiting for a peer.
@@ -640,10 +674,13 @@ class Buffer:
         )
 
     def _dispatch(self, x, topk_idx, topk_weights, num_experts):
-        handle, num_recv_tokens_per_expert = self._make_handle(topk_idx, num_experts)
+        fp8 = isinstance(x, (tuple, list))
+        x_code = len(_X_DTYPES) if fp8 else _X_DTYPES.index(x.dtype)
+        hidden = (x[0] if fp8 else x).shape[1]
+        signature = (hidden, num_experts, topk_idx.shape[1], x_code, topk_weights.dtype)
+        handle, num_recv_tokens_per_expert = self._make_handle(topk_idx, num_experts, signature)
         tokens = torch.arange(topk_idx.shape[0], dtype=torch.int64, device=topk_idx.device)
         meta = [topk_weights, topk_idx, tokens.unsqueeze(1)]  # travel with the payload rows
-        fp8 = isinstance(x, (tuple, list))
         # ONE message per dispatch: payload + weights + topk_idx + source index, packed per row.
         # FP8 rows are bytes (as before, no gradient flows to the pair; weights still get one).
         head = [x[0].view(torch.uint8), x[1].detach()] if fp8 else [x]
@@ -681,8 +718,12 @@ class Buffer:
 
         Raises:
             TypeError: ``x`` has a wrong dtype or ``handle`` is not a :class:`DispatchHandle`.
-            ValueError: ``x`` is not ``[N, H]``, the handle belongs to another group size or
+            ValueError: ``x`` is not ``[N, H]`` with the dispatch's ``H`` (rows of another
+                width would be cut short or misread by the peers; the dispatch checked that
+                every rank has the same ``H``), the handle belongs to another group size or
                 another buffer's backend, or (``"nvlink"``) rows over the buffer's capacity.
+                Every rank must pass ``x`` of the same dtype (not checked: that would cost a
+                message).
             RuntimeError: ``"nvlink"``: an earlier kernel timed out waiting for a peer.
 
         Source: DeepEP ``Buffer.combine`` (ANCHORS §2); DESIGN §4.
@@ -699,6 +740,11 @@ class Buffer:
             raise ValueError(
                 f"x must have handle.num_recv_tokens={handle.num_recv_tokens} rows, "
                 f"got shape {tuple(x.shape)}"
+            )
+        if handle.hidden and x.shape[1] != handle.hidden:
+            raise ValueError(
+                f"x must have the dispatched rows' hidden size {handle.hidden} (the same on every "
+                f"rank), got shape {tuple(x.shape)}"
             )
         if handle.transport is not self._transport:
             raise ValueError("handle was made by another Buffer (different transport)")
@@ -731,7 +777,7 @@ class Buffer:
 
     # ------------------------------------------------------------------ internals
     def _make_handle(
-        self, topk_idx: torch.Tensor, num_experts: int
+        self, topk_idx: torch.Tensor, num_experts: int, signature: tuple
     ) -> tuple[DispatchHandle, list[int]]:
         """Layout + the one count exchange + the one host sync of a dispatch.
 
@@ -741,8 +787,12 @@ class Buffer:
         ranks (the nvlink capacity check agrees everywhere), whether any rank's ids are invalid
         (every rank raises alike) and its per-expert receive counts, in one small
         ``all_to_all_single`` and one device-to-host copy. The send order is built on the
-        device meanwhile. Returns the handle (its ``recv_src_idx`` still empty: it travels with
-        the payload) and ``num_recv_tokens_per_expert``.
+        device meanwhile. Two more columns carry the call's ``signature`` (hidden size, ``E``,
+        ``k``, the dtypes of ``x`` and the weights): payload rows of another size or dtype
+        would be cut short or misread by the peers, so a rank whose signature differs from a
+        peer's raises ValueError (every rank does, as some peer differs from each). Returns
+        the handle (its ``recv_src_idx`` still empty: it travels with the payload) and
+        ``num_recv_tokens_per_expert``.
         """
         n_ranks, group = self.num_ranks, self.group
         n_tokens = topk_idx.shape[0]
@@ -750,9 +800,14 @@ class Buffer:
         # One Triton launch on CUDA: is_token_in_rank, the count message (counts[0]), the send
         # order and the slot table; counts[1] receives the exchange, so ONE copy to the host
         # carries both sides.
-        in_rank, counts, order, slot = send_layout(topk_idx, num_experts, n_ranks)
+        hidden, _, k, x_code, w_dtype = signature
+        sig = (hidden, ((num_experts * 4096 + k) * 8 + x_code) * 2 + _W_DTYPES.index(w_dtype))
+        in_rank, counts, order, slot = send_layout(topk_idx, num_experts, n_ranks, extra=2)
+        counts[0, :, -2].fill_(sig[0])  # scalar fills: no host-to-device copy, no sync
+        counts[0, :, -1].fill_(sig[1])
         dist.all_to_all_single(counts[1], counts[0], group=group)
         sent, rows = counts.tolist()  # the one host sync
+        _check_signatures(signature, [tuple(row[-2:]) for row in rows], sig, self.rank)
 
         bad = [s for s, row in enumerate(rows) if row[2]]
         if bad:
@@ -793,5 +848,6 @@ class Buffer:
             max_rows_per_pair=max_rows_per_pair,
             transport=self._transport,
             _nvl_index=cache,
+            hidden=signature[0],
         )
         return handle, num_recv_tokens_per_expert

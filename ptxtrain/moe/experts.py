@@ -165,8 +165,10 @@ class Experts(nn.Module):
         micro-batches of one step quantize it once (None: ``cfg.cache_weight_fp8`` is off).
 
         The key holds the weight's storage address and in-place version counter (bumped by the
-        optimizer's in-place update and by ``load_state_dict``'s copy), its shape, dtype and
-        device, and the scale rule; a changed key requantizes. The entry holds an alias of the
+        optimizer's in-place update and by ``load_state_dict``'s copy), the process's optimizer
+        step count (torch's fused optimizers update in place without bumping the version:
+        :func:`ptxtrain.nn.fp8_linear.optimizer_step_count`), its shape, dtype and device, and
+        the scale rule; a changed key requantizes. The entry holds an alias of the
         quantized storage, so a storage swapped in later (``w.data = ...``, :meth:`keep_experts_`)
         cannot reuse its address. (In-place writes through ``w.data`` bypass the version counter,
         as for :class:`ptxtrain.nn.Fp8Linear`'s cache.)
@@ -178,7 +180,11 @@ class Experts(nn.Module):
             version = w._version
         except RuntimeError:  # inference tensors keep no version counter: don't cache
             return None
-        key = (w.data_ptr(), version, tuple(w.shape), w.dtype, w.device, cfg.pow2_scale, cfg.dgrad)
+        from ptxtrain.nn.fp8_linear import optimizer_step_count
+
+        steps = optimizer_step_count()
+        key = (w.data_ptr(), version, steps, tuple(w.shape), w.dtype, w.device, cfg.pow2_scale)
+        key += (cfg.dgrad,)
         cache = self.__dict__.setdefault("_fp8_weight_cache", {})
         hit = cache.get(name)
         if hit is not None and hit[0] == key:
@@ -202,7 +208,8 @@ class Experts(nn.Module):
             ``[N, D]`` in ``x``'s dtype (reference path) or the FP8 path's output dtype.
 
         Raises:
-            TypeError: ``x`` is not floating point, ``tokens_per_expert`` not int64.
+            TypeError: ``x`` is not floating point, ``tokens_per_expert`` not int64; (reference
+                path) ``x``'s dtype (outside ``torch.autocast``) or device is not the weights'.
             ValueError: wrong shapes, or the counts are negative or do not sum to ``N``.
         """
         check_tensor("x", x, ndim=2)
@@ -223,6 +230,12 @@ class Experts(nn.Module):
             )
         if self.fp8:
             return self._forward_fp8(x, counts)
+        autocast = torch.is_autocast_enabled(x.device.type)  # F.linear casts both: any dtype
+        if (x.dtype != self.w1.dtype and not autocast) or x.device != self.w1.device:
+            raise TypeError(
+                f"x must have the experts' dtype {self.w1.dtype} on {self.w1.device}, got "
+                f"{x.dtype} on {x.device} (cast the module or the input)"
+            )
         # unbind once: its backward stacks the E gradients into one tensor, where indexing
         # w[e] per expert made every expert's backward materialize a full [E, ...] gradient
         # (measured: the small preset trained 2.6x slower on an H200).

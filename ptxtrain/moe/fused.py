@@ -139,7 +139,9 @@ class _PermuteFn(torch.autograd.Function):
     def forward(ctx, x, topk_idx, num_experts):
         from ptxtrain.moe.ref import permute_ref
 
-        x_perm, sorted_slots, tokens_per_expert = permute_ref(x, topk_idx, num_experts)
+        x_perm, sorted_slots, tokens_per_expert = permute_ref(
+            x, topk_idx, num_experts, check_ids=False
+        )  # ids checked by permute_fused
         ctx.shape = tuple(topk_idx.shape)  # (T, k)
         ctx.mark_non_differentiable(sorted_slots, tokens_per_expert)
         ctx.save_for_backward(sorted_slots)
@@ -235,12 +237,13 @@ def route_fused(router, x: torch.Tensor, *, seq_len: int | None = None):
 
 
 def permute_fused(
-    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
+    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, check_ids: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ptxtrain.moe.ref.permute_ref` whose backward is the Triton gather-sum.
 
     Args and returns: as :func:`~ptxtrain.moe.ref.permute_ref` (``x`` float32 / bfloat16 /
-    float16 on CUDA, or the CPU under ``TRITON_INTERPRET=1``; duplicates in a row allowed).
+    float16 on CUDA, or the CPU under ``TRITON_INTERPRET=1``; duplicates in a row allowed;
+    ``check_ids`` as there).
     Gradient w.r.t. ``x``: ``[T, D]`` in ``x``'s dtype, the sum of the ``k`` slot rows' gradients
     accumulated in fp32.
 
@@ -248,6 +251,10 @@ def permute_fused(
         TypeError / ValueError: as :func:`~ptxtrain.moe.ref.permute_ref`; in backward, as
             :func:`~ptxtrain.moe.triton.unpermute_weighted`.
     """
+    if check_ids and isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64:
+        from ptxtrain.moe.ref import _check_expert_ids
+
+        _check_expert_ids(topk_idx, num_experts)  # (other bad inputs: permute_ref raises)
     return _PermuteFn.apply(x, topk_idx, num_experts)
 
 

@@ -286,8 +286,8 @@ class MoE(nn.Module):
             permute_ref, unpermute_ref
         )  # fmt: skip
         x_perm, sorted_slots, tokens_per_expert = permute(
-            x, topk_idx, self.n_routed_experts
-        )  # [N·k, D], [N·k], [E]
+            x, topk_idx, self.n_routed_experts, check_ids=False
+        )  # [N·k, D], [N·k], [E]; the router's ids are valid
         y_perm = self.experts(x_perm, tokens_per_expert)  # [N·k, D]
         return unpermute(y_perm, sorted_slots, topk_weights)
 
@@ -314,7 +314,7 @@ class MoE(nn.Module):
         # recv_x [M, D] in x's dtype, recv_idx [M, k] local ids or -1, recv_w [M, k] (0 where -1)
         # Slots of other ranks' experts go to a spill expert n_local, sorted last and dropped.
         spill_idx = torch.where(recv_idx >= 0, recv_idx, n_local)  # [M, k]
-        x_perm, sorted_slots, counts = permute(recv_x, spill_idx, n_local + 1)
+        x_perm, sorted_slots, counts = permute(recv_x, spill_idx, n_local + 1, check_ids=False)
         n_valid = x_perm.shape[0] - int(counts[n_local])
         y_valid = self.experts(x_perm[:n_valid], counts[:n_local])  # [n_valid, D]
         y_perm = torch.cat([y_valid, y_valid.new_zeros(x_perm.shape[0] - n_valid, self.dim)])

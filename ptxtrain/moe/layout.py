@@ -233,7 +233,7 @@ def triton_usable(t: torch.Tensor) -> bool:
 
 
 def torch_send_layout(
-    topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, *, extra: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """Torch twin of :func:`send_layout` (no slot table: the fourth result is ``None``)."""
     n_tokens, dev = topk_idx.shape[0], topk_idx.device
@@ -247,11 +247,12 @@ def torch_send_layout(
     )[:, :num_ranks]  # [T, R]
     per_rank = in_rank.sum(0, dtype=torch.int64)  # [R]
     per_expert = count_per_expert(topk_idx, num_experts)  # [E] valid slots (no bincount sync)
-    counts = torch.empty(2, num_ranks, 3 + experts_per_rank, dtype=torch.int64, device=dev)
+    width = 3 + experts_per_rank + extra
+    counts = torch.empty(2, num_ranks, width, dtype=torch.int64, device=dev)
     counts[0, :, 0] = per_rank
     counts[0, :, 1] = per_rank.max()
     counts[0, :, 2] = n_bad
-    counts[0, :, 3:] = per_expert.view(num_ranks, experts_per_rank)
+    counts[0, :, 3 : 3 + experts_per_rank] = per_expert.view(num_ranks, experts_per_rank)
     # Send order (rank-major, ascending tokens) without nonzero (a sync): the place of each
     # (rank, token) pair is the running count of pairs before it; others go to a spill slot.
     flat = in_rank.t().reshape(-1)  # [R·T]
@@ -263,7 +264,12 @@ def torch_send_layout(
 
 
 def send_layout(
-    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, *, use_triton: bool | None = None
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    num_ranks: int,
+    *,
+    use_triton: bool | None = None,
+    extra: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The send side of a dispatch from ``topk_idx``, with device ops only (no host sync).
 
@@ -272,26 +278,28 @@ def send_layout(
             those outside ``[-1, E)`` counted).
         num_experts / num_ranks: ``E`` and ``R`` (``E % R == 0``; validated by the caller).
         use_triton: ``None`` = the Triton kernel where :func:`triton_usable`, else torch.
+        extra: columns appended to the count message for the caller, left uninitialized
+            (:class:`ptxtrain.moe.Buffer` writes the call's signature there).
 
     Returns:
-        ``is_token_in_rank [T, R]`` bool; ``counts [2, R, 3 + E/R]`` int64 whose row 0 is the
-        count message (per peer ``r``: tokens for ``r``, the largest of those counts, ids
-        outside ``[-1, E)``, then the tokens for each of ``r``'s experts) and row 1 is
-        uninitialized (the receive buffer of the exchange); ``order [T·R]`` int64 whose first
-        ``S = Σ counts[0, :, 0]`` entries are the sent tokens (rank-major, ascending tokens),
-        the rest unspecified; ``slot [T, R]`` int64, the send place of each (token, rank) pair
-        or ``-1`` (``None`` on the torch path).
+        ``is_token_in_rank [T, R]`` bool; ``counts [2, R, 3 + E/R + extra]`` int64 whose row 0
+        is the count message (per peer ``r``: tokens for ``r``, the largest of those counts, ids
+        outside ``[-1, E)``, the tokens for each of ``r``'s experts, then the ``extra``
+        columns) and row 1 is uninitialized (the receive buffer of the exchange);
+        ``order [T·R]`` int64 whose first ``S = Σ counts[0, :, 0]`` entries are the sent
+        tokens (rank-major, ascending tokens), the rest unspecified; ``slot [T, R]`` int64,
+        the send place of each (token, rank) pair or ``-1`` (``None`` on the torch path).
 
     Source: DeepEP ``get_dispatch_layout`` + the notify step (ANCHORS §2); DESIGN §4.
     """
     if use_triton is None:
         use_triton = triton_usable(topk_idx)
     if not use_triton:
-        return torch_send_layout(topk_idx, num_experts, num_ranks)
+        return torch_send_layout(topk_idx, num_experts, num_ranks, extra=extra)
     n_tokens, k = topk_idx.shape
     dev = topk_idx.device
     epr = num_experts // num_ranks
-    width = 3 + epr
+    width = 3 + epr + extra
     in_rank = torch.empty(n_tokens, num_ranks, dtype=torch.bool, device=dev)
     counts = torch.empty(2, num_ranks, width, dtype=torch.int64, device=dev)
     order = torch.empty(max(n_tokens * num_ranks, 1), dtype=torch.int64, device=dev)

@@ -236,15 +236,30 @@ def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor
     return counts.scatter_add_(0, spill, torch.ones_like(spill))[:num_experts]
 
 
+def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """ValueError unless every id of ``topk_idx`` is in ``[0, num_experts)`` (one host read)."""
+    if topk_idx.numel() > 0:
+        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(
+                f"topk_idx must hold expert ids in [0, num_experts={num_experts}), got values "
+                f"in [{lo}, {hi}]"
+            )
+
+
 def permute_ref(
-    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
+    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, check_ids: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy each token once per selected expert, grouped by expert (stable order).
 
     Args:
         x: ``[T, D]`` tokens, any dtype.
-        topk_idx: ``[T, k]`` int64 expert ids in ``[0, num_experts)``.
+        topk_idx: ``[T, k]`` int64 expert ids in ``[0, num_experts)`` (an id outside it would
+            sort before expert 0 or after the last one without being counted, shifting every
+            expert's slice: rejected).
         num_experts: ``E``.
+        check_ids: check the id range (one device-to-host read of the min and max); callers
+            whose ids are valid by construction (the MoE layer: the router's top-k) pass False.
 
     Returns:
         ``x_permuted [T·k, D]`` (dtype of ``x``; rows of expert 0 first, then expert 1, ...),
@@ -252,7 +267,7 @@ def permute_ref(
         ``tokens_per_expert [E]`` int64 (slice lengths, summing to ``T·k``).
 
     Raises:
-        ValueError: shapes disagree.
+        ValueError: shapes disagree, or (``check_ids``) an id is outside ``[0, num_experts)``.
         TypeError: ``topk_idx`` is not int64.
     """
     if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
@@ -262,6 +277,8 @@ def permute_ref(
         )
     if topk_idx.dtype != torch.int64:
         raise TypeError(f"topk_idx must be int64, got {topk_idx.dtype}")
+    if check_ids:
+        _check_expert_ids(topk_idx, num_experts)
     k = topk_idx.shape[1]
     flat = topk_idx.flatten()  # [T·k]
     sorted_slots = flat.argsort(stable=True)  # [T·k]

@@ -127,15 +127,16 @@ class Router(nn.Module):
         """Route ``N`` tokens.
 
         Args:
-            x: ``[N, D]`` activations (any float dtype; routing runs in fp32).
+            x: ``[N, D]`` activations (any float dtype; routing runs in fp32, fp64 for fp64).
             seq_len: tokens per sequence ``T`` (``N = B·T``, row-major); needed only for the
                 sequence-wise balance loss, ``None`` treats all ``N`` tokens as one sequence.
             return_aux_loss: also return the balance loss.
 
         Returns:
-            ``(topk_idx [N, k] int64, topk_weights [N, k] fp32)``, plus ``aux_loss`` (fp32 scalar,
-            or ``None`` when ``seq_aux_loss_alpha == 0`` or not training) if
-            ``return_aux_loss``. In training mode the per-expert counts are accumulated.
+            ``(topk_idx [N, k] int64, topk_weights [N, k] fp32)`` (fp64 for fp64 ``x``), plus
+            ``aux_loss`` (a scalar of ``topk_weights``' dtype, or ``None`` when
+            ``seq_aux_loss_alpha == 0``, not training or ``N == 0``) if ``return_aux_loss``.
+            In training mode the per-expert counts are accumulated.
 
         Raises:
             TypeError / ValueError: ``x`` is not a float ``[N, D]`` tensor; ``seq_len`` does not
@@ -175,13 +176,13 @@ class Router(nn.Module):
 
         Args:
             topk_idx: ``[N, k]`` int64 selected experts.
-            scores: ``[N, E]`` fp32 sigmoid affinities (differentiable; the loss's input).
+            scores: ``[N, E]`` fp32 (fp64) sigmoid affinities (differentiable; the loss's input).
             seq_len: tokens per sequence (``None`` = all ``N`` tokens are one sequence).
             aux_loss: compute the loss (False: counting only).
 
         Returns:
-            fp32 scalar, or ``None`` (not training, ``seq_aux_loss_alpha == 0``, ``N == 0`` or
-            ``aux_loss`` False).
+            a scalar of ``scores``' dtype, or ``None`` (not training,
+            ``seq_aux_loss_alpha == 0``, ``N == 0`` or ``aux_loss`` False).
 
         Raises:
             ValueError: ``seq_len`` does not divide ``N`` (from the loss).

@@ -139,6 +139,29 @@ def _check_validation(buf, rank):
             Buffer(backend="nvlink")  # no CUDA here
     with pytest.raises(TypeError, match="handle"):
         buf.combine(x, handle=None)
+    # Ranks disagreeing on the row layout: raised on every rank before the payload moves (the
+    # rows were cut short or misread; same row bytes: bf16 [., 16] = fp32 [., 8] read as bf16).
+    g = torch.Generator().manual_seed(40 + rank)
+    idx = torch.stack([torch.randperm(n_exp, generator=g)[:2] for _ in range(4)])
+    odd = rank == buf.num_ranks - 1
+    mismatches = [
+        ("hidden=12", torch.randn(4, 12 if odd else 8), w),
+        ("x dtype bfloat16", torch.randn(4, 16).bfloat16() if odd else torch.randn(4, 8), w),
+        ("topk_weights dtype float64", x, w.double() if odd else w),
+    ]
+    for word, xx, ww in mismatches:
+        with pytest.raises(ValueError, match=word):
+            buf.dispatch(xx, idx, ww, n_exp)
+    with pytest.raises(ValueError, match="k=3"):  # a wider topk_idx on one rank
+        buf.dispatch(x, idx[:, [0, 1, 1]] if odd else idx, w[:, [0, 1, 1]] if odd else w, n_exp)
+    # combine's rows must have the dispatch's hidden size (then every rank's agree): raised
+    # locally, before any communication, on the rank that differs.
+    recv_x, _, _, _, handle = buf.dispatch(x, idx, w, n_exp)
+    assert handle.hidden == 8
+    if odd:
+        with pytest.raises(ValueError, match="hidden size 8"):
+            buf.combine(torch.cat([recv_x, recv_x[:, :4]], 1), handle)
+    buf.combine(recv_x, handle)  # every rank, so the group stays in step
 
 
 def _check_layout_and_dispatch(buf, rank, world, seed, tokens, k, num_experts, **kw):

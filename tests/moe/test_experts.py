@@ -89,6 +89,11 @@ def test_bad_arguments():
         experts(torch.randn(6, 7), torch.tensor([1, 2, 3, 0]))
     with pytest.raises(TypeError, match="x"):
         experts(torch.ones(6, 8, dtype=torch.int64), torch.tensor([1, 2, 3, 0]))
+    # A float x of another dtype than the weights: named, not torch's "m1 and m2" error.
+    with pytest.raises(TypeError, match=r"x must have the experts' dtype torch\.float32"):
+        experts(x.bfloat16(), torch.tensor([1, 2, 3, 0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts both operands: allowed
+        assert experts(x.bfloat16(), torch.tensor([1, 2, 3, 0])).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="num_experts"):
         Experts(0, 8, 4)
 
@@ -144,3 +149,30 @@ def test_fp8_path_against_the_reference():
     ):
         s = sqnr_db(a.detach(), b.detach().float())
         assert s >= 20, f"{name}: {s=:.1f} dB"
+
+
+def test_fp8_weight_cache_sees_fused_optimizer_steps():
+    # torch's fused optimizers update the stacked weights in place without bumping their version
+    # counter: the cached 128x128 quantization must still be dropped after the step.
+    pytest.importorskip("ptxtrain.nn.fp8_grouped")
+    import dataclasses
+
+    from ptxtrain.nn import Fp8LinearConfig
+
+    torch.manual_seed(2)
+    experts = Experts(2, 128, 128)
+    experts.fp8 = True
+    counts = torch.tensor([70, 58])
+    x = torch.randn(128, 128)
+    opt = torch.optim.AdamW(experts.parameters(), lr=0.1, fused=True)
+    experts(x, counts).square().sum().backward()
+    version, before = experts.w1._version, experts.w1.detach().clone()
+    opt.step()
+    assert not torch.equal(experts.w1.detach(), before)  # the step changed the weights ...
+    assert experts.w1._version == version  # ... invisibly to the version counter
+    got = experts(x, counts)
+    experts.fp8_config = dataclasses.replace(
+        Fp8LinearConfig.from_recipe_name("deepseek"), cache_weight_fp8=False
+    )
+    want = experts(x, counts)  # quantized afresh from the stepped weights
+    assert torch.equal(got, want)

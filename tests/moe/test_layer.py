@@ -79,6 +79,17 @@ def test_permute_unpermute_reject_bad_arguments():
         permute_ref(x, idx.int(), 4)
     with pytest.raises(ValueError, match="y_permuted"):
         unpermute_ref(torch.randn(7, 8), torch.arange(8), torch.rand(4, 2))
+    # Ids outside [0, E) sorted before expert 0 (-1) or after the last expert uncounted, so
+    # every expert's slice was shifted without an error. Checked before any kernel runs.
+    from ptxtrain.moe.fused import permute_fused
+
+    good = torch.tensor([[1, 0], [2, 3], [0, 2], [3, 1]])
+    for fn in (permute_ref, permute_fused):
+        for bad in (-1, 4):
+            idx_bad = good.clone()
+            idx_bad[2, 1] = bad
+            with pytest.raises(ValueError, match=rf"topk_idx.*\[{min(bad, 0)}, {max(bad, 3)}\]"):
+                fn(x, idx_bad, 4)
 
 
 def _moe(dtype=torch.float32, **kw):
