@@ -6,9 +6,10 @@ Design (STYLE habit 7, after DeepGEMM's Python-JIT cache and QuACK's per-key loc
   hash of every header under ``ptxtrain/include``, compiler flags, target arch and the NVRTC
   version (``make_key``).
 - One directory per key, ``<cache_dir>/<key[:2]>/<key>/``, holding ``kernel.cubin``,
-  ``kernel.ptx`` and ``meta.json``; ``meta.json`` is written last and stores the cubin's sha256,
-  so an entry is valid only once complete. A truncated or garbage cubin, a checksum mismatch or
-  an unreadable ``meta.json`` is treated as a miss and the entry is rebuilt.
+  ``kernel.ptx`` and ``meta.json``; ``meta.json`` is written last and stores the sha256 of the
+  cubin and of the PTX, so an entry is valid only once complete. A truncated or garbage cubin or
+  PTX, a checksum mismatch or an unreadable ``meta.json`` is treated as a miss and the entry is
+  rebuilt (entries written before the PTX checksum existed have their PTX unchecked).
 - Every file is written atomically: a temporary file in the same directory, ``fsync``, then
   ``os.replace``; a reader never sees half a file.
 - A per-key lock (``fcntl.flock`` on ``<cache_dir>/locks/<key>.lock``) serialises builders, so N
@@ -41,6 +42,10 @@ _SASS_NAME = "kernel.sass"
 _META_NAME = "meta.json"
 _ELF_MAGIC = b"\x7fELF"
 _META_VERSION = 1
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _env_flag(name: str) -> bool:
@@ -191,6 +196,10 @@ class JitCache:
             if not ok:
                 debug_log(f"corrupt entry {key[:16]} (cubin checksum/size/magic): rebuilding")
                 return None
+            # The PTX is what keep_ptx / PTXTRAIN_JIT_DUMP_PTX hand out: check it too.
+            if "ptx_sha256" in meta and _sha256_text(ptx) != meta["ptx_sha256"]:
+                debug_log(f"corrupt entry {key[:16]} (PTX checksum): rebuilding")
+                return None
             return CacheEntry(
                 name=meta["name"],
                 arch=meta["arch"],
@@ -216,6 +225,7 @@ class JitCache:
             "log": entry.log,
             "cubin_bytes": len(entry.cubin),
             "cubin_sha256": hashlib.sha256(entry.cubin).hexdigest(),
+            "ptx_sha256": _sha256_text(entry.ptx),
         }
         atomic_write_bytes(d / _META_NAME, json.dumps(meta, indent=1).encode())
         return d

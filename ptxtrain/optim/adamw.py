@@ -280,7 +280,7 @@ class AdamW(torch.optim.Optimizer):
 
         Raises:
             TypeError / ValueError: as for the constructor, for the group's own hyper-parameters
-                or parameters.
+                or parameters (ValueError for a parameter given twice, in this group or another).
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
@@ -290,11 +290,19 @@ class AdamW(torch.optim.Optimizer):
         elif not isinstance(params, (set, type(None))):  # torch itself rejects sets (no order)
             params = list(params)  # a generator must be consumed once, here
         param_group["params"] = params
+        seen: dict[int, int] = {}
         for i, p in enumerate(params if isinstance(params, list) else []):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params[{i}] must be a torch.Tensor, got {type(p).__name__}")
             if not p.is_floating_point():
                 raise TypeError(f"params[{i}] must be a floating-point tensor, got {p.dtype}")
+            # torch only warns here, and then updates the parameter twice per step.
+            if id(p) in seen:
+                raise ValueError(
+                    f"params[{i}] is the same tensor as params[{seen[id(p)]}]: a parameter may "
+                    "appear only once (it would be updated twice per step)"
+                )
+            seen[id(p)] = i
         _check_group({k: param_group.get(k, v) for k, v in self.defaults.items()})
         super().add_param_group(param_group)
         if self.fp32_grads:

@@ -17,6 +17,12 @@
   dependency graph is acyclic, and the order of messages on one channel (src, dst, tag) is the
   program order on both sides. Payloads are made contiguous and moved to the P2P device before
   they are posted; 0-element payloads are described by the header only (never posted).
+- Every wait is bounded by the timeout of the group the message travels on (gloo enforces it per
+  operation, NCCL through its watchdog), and :func:`directional_groups` gives its groups the
+  default group's timeout (``new_group``'s own default is gloo's 30 min / NCCL's 10 min,
+  whatever ``init_process_group(timeout=...)`` said). A failed or timed-out wait raises
+  ``RuntimeError`` naming the operation, the peer and the message's tag, so a rank whose
+  neighbour failed but stays alive (or hangs) gives up instead of waiting on.
 - One communicator per direction. NCCL runs the ops of one communicator in issue order on one
   stream, and a send larger than its buffers (a few MiB) cannot finish before the peer's receive
   runs. torch sends all unbatched traffic of a pair of ranks over one lazily created 2-rank
@@ -47,6 +53,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
@@ -83,12 +90,36 @@ def as_tuple(x: object) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The timeout ``group`` (None: the default group) was created with, or None when this torch
+    does not expose it (a private attribute of the group's backend)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device, or the private API moved
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
+def _describe(tag: int | None) -> str:
+    if tag is None:
+        return "any message"
+    kind = "activations" if tag % 2 == FWD else "input gradients"
+    return f"{kind} of direction {tag // 2} (tag {tag})"
+
+
 class P2P:
     """Self-describing tensor-list send/recv between ranks of one process group.
 
     ``send(tensors, dst, tag)`` / ``recv(src, tag)``: messages of one (src, dst, tag) channel arrive
     in send order whatever the backend (see the module docstring: the tag is demultiplexed here,
     not by NCCL). Messages received ahead of their ``recv`` wait in a per-(src, tag) queue.
+
+    A receive or send that fails or runs past its group's timeout raises ``RuntimeError`` naming
+    the operation, the peer and the message's tag (module docstring).
     """
 
     def __init__(
@@ -102,7 +133,7 @@ class P2P:
         # (src, dst) global ranks -> the 2-rank group carrying that direction (module docstring);
         # a pair not in it travels on ``group``.
         self.pair_groups = pair_groups or {}
-        self._pending: list = []  # (work, tensors kept alive until the send completes)
+        self._pending: list = []  # (work, tensor kept alive until it is sent, dst, tag)
         self._early: dict[tuple[int, int], deque] = {}  # (src, tag) -> messages received early
 
     def _global(self, group_rank: int) -> int:
@@ -113,6 +144,30 @@ class P2P:
     def _wire(self, src: int, dst: int) -> dist.ProcessGroup | None:
         """The group the ``src -> dst`` messages (global ranks) travel on."""
         return self.pair_groups.get((src, dst), self.group)
+
+    @staticmethod
+    def _failed(op: str, peer: int, tag: int | None, e: Exception) -> RuntimeError:
+        """The error of an ``op`` with global rank ``peer`` that failed or ran past the group's
+        timeout: it names the operation, the peer and the message."""
+        return RuntimeError(
+            f"pipeline P2P: rank {dist.get_rank()} could not {op} rank {peer} "
+            f"({_describe(tag)}); the peer failed, hangs, or is not running the same "
+            f"schedule step: {e}"
+        )
+
+    def _wait(self, work, op: str, peer: int, tag: int | None) -> None:
+        """``work.wait()`` for an ``op`` with global rank ``peer``, raising :meth:`_failed`."""
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise self._failed(op, peer, tag, e) from e
+
+    def _recv_into(self, buf: torch.Tensor, src: int, pg, tag: int | None) -> None:
+        """Blocking receive from global rank ``src``, raising :meth:`_failed`."""
+        try:
+            dist.recv(buf, src, group=pg, tag=_WIRE_TAG)
+        except RuntimeError as e:
+            raise self._failed("receive from", src, tag, e) from e
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> None:
         """Post one message (``tensors`` under logical ``tag``) to group rank ``dst``.
@@ -146,7 +201,7 @@ class P2P:
         msgs = [prefix, header.to(self.device), *payloads]
         pg = self._wire(dist.get_rank(), dst)
         for m in msgs:
-            self._pending.append((dist.isend(m, dst, group=pg, tag=_WIRE_TAG), m))
+            self._pending.append((dist.isend(m, dst, group=pg, tag=_WIRE_TAG), m, dst, tag))
 
     def connect(self, peers: Iterable[int]) -> None:
         """Set up the connections to group ranks ``peers`` before any traffic (module docstring).
@@ -169,25 +224,28 @@ class P2P:
             out_wire = self._wire(self._global(me), g_peer)
             in_wire = self._wire(g_peer, self._global(me))
             if me < peer:
-                dist.isend(mine, g_peer, group=out_wire, tag=_WIRE_TAG).wait()
-                dist.recv(got, g_peer, group=in_wire, tag=_WIRE_TAG)
+                send = dist.isend(mine, g_peer, group=out_wire, tag=_WIRE_TAG)
+                self._wait(send, "connect (send) to", g_peer, None)
+                self._recv_into(got, g_peer, in_wire, None)
             else:
-                dist.recv(got, g_peer, group=in_wire, tag=_WIRE_TAG)
-                dist.isend(mine, g_peer, group=out_wire, tag=_WIRE_TAG).wait()
+                self._recv_into(got, g_peer, in_wire, None)
+                send = dist.isend(mine, g_peer, group=out_wire, tag=_WIRE_TAG)
+                self._wait(send, "connect (send) to", g_peer, None)
             if int(got.item()) != g_peer:
                 raise RuntimeError(
                     f"pipeline P2P connect: rank {self._global(me)} expected a message from "
                     f"rank {g_peer}, got one from rank {int(got.item())}"
                 )
 
-    def _recv_next(self, src: int) -> tuple[int, list[torch.Tensor]]:
-        """The next message from global rank ``src`` on the wire: ``(tag, tensors)``."""
+    def _recv_next(self, src: int, want: int) -> tuple[int, list[torch.Tensor]]:
+        """The next message from global rank ``src`` on the wire: ``(tag, tensors)``; ``want``
+        is the tag the caller waits for (for error messages)."""
         pg = self._wire(src, dist.get_rank())
         prefix = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.recv(prefix, src, group=pg, tag=_WIRE_TAG)
+        self._recv_into(prefix, src, pg, want)
         n, tag = prefix.tolist()
         header = torch.empty((n, 2 + MAX_NDIM), dtype=torch.int64, device=self.device)
-        dist.recv(header, src, group=pg, tag=_WIRE_TAG)
+        self._recv_into(header, src, pg, tag)
         out = []
         for code, ndim, *shape in header.tolist():
             dtype = _DTYPES[code]
@@ -195,7 +253,7 @@ class P2P:
             wire = torch.uint8 if dtype in _FP8 else dtype
             buf = torch.empty(shape, dtype=wire, device=self.device)
             if buf.numel():  # 0-element payloads are not posted (see send)
-                dist.recv(buf, src, group=pg, tag=_WIRE_TAG)
+                self._recv_into(buf, src, pg, tag)
             out.append(buf.view(dtype) if dtype in _FP8 else buf)
         return tag, out
 
@@ -205,17 +263,18 @@ class P2P:
         if early:
             return early.popleft()
         while True:
-            got, tensors = self._recv_next(src)
+            got, tensors = self._recv_next(src, tag)
             if got == tag:
                 return tensors
             self._early.setdefault((src, got), deque()).append(tensors)
 
     def wait_all(self) -> None:
         """Wait for every posted send; raise ``RuntimeError`` if a received message was never
-        asked for (a schedule whose sends and receives do not pair up)."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        asked for (a schedule whose sends and receives do not pair up), or if a send failed or
+        did not complete within its group's timeout (the message names it)."""
+        pending, self._pending = self._pending, []
+        for work, _, dst, tag in pending:
+            self._wait(work, "send to", dst, tag)
         left = {k: len(q) for k, q in self._early.items() if q}
         self._early.clear()
         if left:
@@ -226,13 +285,15 @@ class P2P:
 
 def directional_groups(
     pairs: Iterable[tuple[int, int]],
+    timeout: datetime.timedelta | None = None,
 ) -> dict[tuple[int, int], dist.ProcessGroup]:
     """Two new 2-rank process groups per pair ``(a, b)`` of global ranks: one for the ``a -> b``
     messages, one for ``b -> a`` (module docstring: one communicator per direction).
 
     A collective over the whole world: every rank calls it with the same ``pairs`` in the same
     order (``dist.new_group`` for every group, members or not). Duplicate pairs (either order)
-    are created once.
+    are created once. ``timeout``: the groups' timeout, which bounds every wait for a message;
+    None: the default group's (``init_process_group(timeout=...)``), not ``new_group``'s default.
 
     Returns:
         ``{(src, dst): group}`` for the directions this rank takes part in.
@@ -241,6 +302,8 @@ def directional_groups(
         ValueError: a pair of equal ranks or a rank outside the world.
     """
     world, me = dist.get_world_size(), dist.get_rank()
+    if timeout is None:
+        timeout = group_timeout(None)
     out: dict[tuple[int, int], dist.ProcessGroup] = {}
     seen: set[tuple[int, int]] = set()
     for a, b in pairs:
@@ -251,7 +314,7 @@ def directional_groups(
             continue
         seen.add(key)
         for src, dst in ((key[0], key[1]), (key[1], key[0])):
-            g = dist.new_group([src, dst])
+            g = dist.new_group([src, dst], timeout=timeout)
             if me in (src, dst):
                 out[(src, dst)] = g
     return out

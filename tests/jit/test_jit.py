@@ -262,10 +262,10 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
     assert sorted(p.name for p in target.parent.iterdir()) == ["blob.bin"]  # no temp left
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "checksum", "meta"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "checksum", "meta", "ptx"])
 def test_corrupt_entry_is_rebuilt(damage):
     src = _fresh_source(damage)
-    good = compile_cuda(src, name="add1")
+    good = compile_cuda(src, name="add1", keep_ptx=True)
     entry = good.cache_path
     cubin = entry / "kernel.cubin"
     if damage == "truncate":
@@ -276,13 +276,16 @@ def test_corrupt_entry_is_rebuilt(damage):
         meta = json.loads((entry / "meta.json").read_text())
         meta["cubin_sha256"] = hashlib.sha256(b"something else").hexdigest()
         (entry / "meta.json").write_text(json.dumps(meta))
-    else:
+    elif damage == "meta":
         (entry / "meta.json").write_text("{not json")
+    else:  # a truncated PTX (what keep_ptx hands out) with an intact cubin
+        (entry / "kernel.ptx").write_text(good.ptx[: len(good.ptx) // 2])
     _fresh_memory()
-    rebuilt = compile_cuda(src, name="add1")
+    rebuilt = compile_cuda(src, name="add1", keep_ptx=True)
     assert rebuilt.how == "compiled", damage
-    assert rebuilt.cubin == good.cubin
+    assert rebuilt.cubin == good.cubin and rebuilt.ptx == good.ptx
     assert cubin.read_bytes() == good.cubin  # the entry on disk is repaired
+    assert (entry / "kernel.ptx").read_text() == good.ptx
     _fresh_memory()
     assert compile_cuda(src, name="add1").how == "disk"
 

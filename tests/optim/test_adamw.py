@@ -504,3 +504,15 @@ def test_bad_groups_params_and_runtime_lr_raise():
     opt.param_groups[0]["lr"] = -0.5  # a scheduler bug must not silently ascend
     with pytest.raises(ValueError, match="lr"):
         opt.step()
+
+
+def test_parameter_given_twice_raises():
+    # torch only warns for a duplicate inside one group, then steps the parameter twice.
+    p = _p()[0]
+    with pytest.raises(ValueError, match=r"params\[1\] is the same tensor as params\[0\]"):
+        AdamW([p, p])
+    with pytest.raises(ValueError, match="more than one parameter group"):  # torch's own check
+        AdamW([{"params": [p]}, {"params": [p]}])
+    opt = AdamW([p])
+    with pytest.raises(ValueError):
+        opt.add_param_group({"params": [p]})
