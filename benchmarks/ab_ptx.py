@@ -23,11 +23,10 @@ import json
 import torch
 
 from benchmarks.profile_gemm import parse_config
-from ptxtrain.bench.gemm import SF_LAYOUT
+from ptxtrain.bench.gemm import random_problem
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, ptx
 from ptxtrain.gemm import triton as triton_gemm
-from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing import calc_diff
 
 
@@ -88,14 +87,7 @@ def main() -> None:
     rows = []
     for item in args.shapes:
         m, n, k = (int(v) for v in item.split(","))
-        x, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
-        want = x @ w.t()
-        qa = per_token_cast_to_fp8(x, sf_layout=SF_LAYOUT)
-        qb = (
-            per_block_cast_to_fp8(w)
-            if args.kind == "1d2d"
-            else per_token_cast_to_fp8(w, sf_layout=SF_LAYOUT)
-        )
+        want, qa, qb = random_problem(m, n, k, args.kind)
         mod = cublas if args.baseline == "cublas" else triton_gemm
         fn = mod.fp8_gemm_nt if args.kind == "1d2d" else mod.fp8_gemm_nt_1d1d
         base_us = timer(lambda: fn(qa, qb))

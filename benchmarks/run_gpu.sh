@@ -2,7 +2,7 @@
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
-#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [wgrad] [race]
+#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [abtriton] [wgrad] [race]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvldiag] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
@@ -148,6 +148,20 @@ for stage in $stages; do
       # A/B of PTX GEMM variants vs cuBLAS (AB_ARGS: --shapes ... --variants ...; see ab_ptx).
       python3 -m benchmarks.ab_ptx ${AB_ARGS:-} --json "$OUT/ab_ptx_${AB_TAG:-x}_${PTXTRAIN_GIT_SHA:-local}.json" \
         2>&1 | grep -v "^W" || status=1
+      ;;
+    abtriton)
+      # Triton GEMM configs vs cuBLAS and the Triton heuristic (benchmarks.ab_triton): by default
+      # the warp-specialized variants (Triton's Hopper pass: producer + two consumer warpgroups)
+      # at M = 4096 over the six V3 shapes (1D2D) and the wgrad shapes (1D1D, K = 4096).
+      v_ws="ws128:128x128w4s4g8:tma_ws ws128p:128x128w4s4g8:tma_ws_persistent:p1"
+      v_ws="$v_ws ws128s5:128x128w4s5g8:tma_ws ws64:64x128w4s4g8:tma_ws"
+      shapes="4096,2112,7168 4096,24576,1536 4096,32768,512 4096,7168,16384 4096,4096,7168 4096,7168,2048"
+      python3 -m benchmarks.ab_triton --shapes ${ABT_SHAPES:-$shapes} --variants ${ABT_VARIANTS:-$v_ws} \
+        --json "$OUT/ab_triton_1d2d_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" || status=1
+      wshapes="7168,2112,4096 1536,24576,4096 512,32768,4096 16384,7168,4096 7168,4096,4096 2048,7168,4096"
+      python3 -m benchmarks.ab_triton --kind 1d1d --shapes ${ABT_WSHAPES:-$wshapes} \
+        --variants ${ABT_VARIANTS:-$v_ws} \
+        --json "$OUT/ab_triton_1d1d_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" || status=1
       ;;
     race)
       # Repeatability of the double-accumulator kernel (benchmarks.diag_race): 40 runs compared

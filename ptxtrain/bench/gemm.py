@@ -24,6 +24,23 @@ from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_M, DSV3_WGRAD_MN
 SF_LAYOUT = "mn_major"
 
 
+def quantize_operands(x: torch.Tensor, w: torch.Tensor, kind: str = "1d2d") -> tuple:
+    """``x [M, K]`` and ``w [N, K]`` (float) quantized as the GEMM benchmarks feed them:
+    ``(qa, qb)`` with A per 1x128 tile (``SF_LAYOUT`` scales) and B per 128x128 block (1D2D)
+    or per 1x128 tile (1D1D, wgrad)."""
+    qa = per_token_cast_to_fp8(x, sf_layout=SF_LAYOUT)
+    if kind == "1d2d":
+        return qa, per_block_cast_to_fp8(w)
+    return qa, per_token_cast_to_fp8(w, sf_layout=SF_LAYOUT)
+
+
+def random_problem(m: int, n: int, k: int, kind: str = "1d2d") -> tuple:
+    """Fresh Gaussian ``x [M, K]``, ``w [N, K]`` on the GPU: ``(want, qa, qb)`` with ``want =
+    x @ wᵀ`` (fp32, the accuracy oracle) and the operands of :func:`quantize_operands`."""
+    x, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    return (x @ w.t(), *quantize_operands(x, w, kind))
+
+
 def fp8_backends(kind: str = "1d2d") -> dict[str, Callable]:
     """The FP8 GEMM backends importable here, by name (``cublas`` first: it is the baseline)."""
     from ptxtrain.gemm import cublas

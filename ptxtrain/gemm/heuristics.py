@@ -44,7 +44,14 @@ KINDS = ("1d2d", "1d1d")
 # "tma" / "tma_persistent": the same with A and B loaded through host-built tensor descriptors
 #   (TMA on sm_90); the launcher falls back to the pointer twin unless both operands are K-major
 #   with 16-byte aligned rows and bases.
-VARIANTS = ("tiled", "persistent", "tma", "tma_persistent")
+# "tma_ws" / "tma_ws_persistent": the TMA variants with Triton's automatic warp specialization
+#   (``tl.range(warp_specialize=True)``; on sm_90 Triton 3.6's Hopper pass): a producer warpgroup
+#   issues the TMA loads and two consumer warpgroups each own half of the tile (its WGMMAs, its
+#   FP32 promotion, its stores), so one consumer's promotion overlaps the other's WGMMAs inside
+#   one program. ``num_warps`` (4) is each partition's; the program runs 12 warps. Not chosen by
+#   the rules below until measured (the compile-only test checks the partition and no spills).
+VARIANTS = ("tiled", "persistent", "tma", "tma_persistent", "tma_ws", "tma_ws_persistent")
+_WS_VARIANTS = ("tma_ws", "tma_ws_persistent")
 H100_SMS = 132  # H100 SXM and H200 (DESIGN §6)
 
 _BLOCK_MS = (64, 128)
@@ -104,15 +111,22 @@ class GemmConfig:
 
     @property
     def persistent(self) -> bool:
-        return self.variant in ("persistent", "tma_persistent")
+        return self.variant in ("persistent", "tma_persistent", "tma_ws_persistent")
 
     @property
     def uses_tma(self) -> bool:
-        return self.variant in ("tma", "tma_persistent")
+        return self.variant in ("tma", "tma_persistent", *_WS_VARIANTS)
+
+    @property
+    def warp_specialized(self) -> bool:
+        """Producer / two-consumer partition by Triton's automatic warp specialization."""
+        return self.variant in _WS_VARIANTS
 
     def acc_regs_per_thread(self) -> int:
-        """Registers per thread for the running and the per-block FP32 accumulators."""
-        return 2 * self.block_m * self.block_n // (32 * self.num_warps)
+        """Registers per thread for the running and the per-block FP32 accumulators (spread over
+        the two consumer partitions of ``num_warps`` warps each when warp-specialized)."""
+        consumer_warps = 2 * self.num_warps if self.warp_specialized else self.num_warps
+        return 2 * self.block_m * self.block_n // (32 * consumer_warps)
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring: ``num_stages`` x (A tile + B tile), 1 byte each."""
@@ -207,7 +221,7 @@ def select_config(
             variant, programs_per_sm = "tma_persistent", 2
         else:
             variant = "tma"
-    elif variant in ("persistent", "tma_persistent"):
+    elif variant in ("persistent", "tma_persistent", "tma_ws_persistent"):
         programs_per_sm = 2
     group_m = 8 if ceil_div(m1, 64) > 1 else 1
     return GemmConfig(64, block_n, 4, stages, group_m, variant, programs_per_sm)
@@ -221,6 +235,9 @@ def _max_stages(bm: int, bn: int) -> int:
 # (block_m, block_n, num_warps) an autotuner tries: the accumulators of each fit 128 registers per
 # thread; 8 warps only where 4 would not fit (8 warps on 64-row tiles measured slower).
 _TUNE_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8))
+# Warp-specialized variants: 4 warps per partition (Triton's Hopper pass partitions only then);
+# 128x256 and 256x128 spill there (ptxas, session 13).
+_TUNE_TILES_WS = ((64, 128, 4), (128, 64, 4), (128, 128, 4))
 
 
 def autotune_configs(
@@ -229,7 +246,8 @@ def autotune_configs(
     """The candidate list an autotuner times for one shape; the heuristic's choice comes first.
 
     Tiles 64x64, 64x128, 128x64 (4 warps), 128x128 and 64x256 (8 warps; 128-row tiles only when
-    ``m > 64``), pipeline depth 3 and the deepest that fits the shared memory, for each of
+    ``m > 64``; the warp-specialized variants: 64x128, 128x64 and 128x128 with 4 warps per
+    partition), pipeline depth 3 and the deepest that fits the shared memory, for each of
     ``variants`` (default: all of :data:`VARIANTS`), with 1 and 2 programs per SM for the
     persistent ones.
 
@@ -243,8 +261,8 @@ def autotune_configs(
     first = select_config(m, n, k, kind)
     out: list[GemmConfig] = [first] if first.variant in variants else []
     for variant in variants:
-        persistent = variant in ("persistent", "tma_persistent")
-        for bm, bn, warps in _TUNE_TILES:
+        persistent = variant in ("persistent", "tma_persistent", "tma_ws_persistent")
+        for bm, bn, warps in _TUNE_TILES_WS if variant in _WS_VARIANTS else _TUNE_TILES:
             if m <= 64 and bm != 64:
                 continue
             for pps in (1, 2) if persistent else (1,):

@@ -25,8 +25,14 @@ Variants (:data:`ptxtrain.gemm.heuristics.VARIANTS`), chosen by a :class:`GemmCo
 programs looping over tiles with ``tl.range(..., flatten=True)`` so the next tile's loads overlap
 the current epilogue), and ``tma`` / ``tma_persistent`` (A and B through host-built
 ``TensorDescriptor``s, i.e. TMA on sm_90; used only when both operands are K-major with 16-byte
-aligned rows and bases, else the pointer twin runs). Triton 3.6's automatic warp specialization
-(``tl.range(warp_specialize=True)``) targets Blackwell only, so no variant uses it on sm_90.
+aligned rows and bases, else the pointer twin runs), and ``tma_ws`` / ``tma_ws_persistent``:
+the TMA variants with Triton's automatic warp specialization (``tl.range(warp_specialize=True)``
+on the K loop, or on the tile loop when persistent). Triton's documentation says Blackwell only,
+but 3.6 runs its Hopper pass (``nvgpu-warp-specialization``) for sm_90 too: with 4 warps it
+splits the program into a TMA producer warpgroup and two consumer warpgroups of half a tile
+each (``setmaxnreg`` 40 / 232; 128x128 tiles do not spill), DeepGEMM's structure, where one
+consumer's promotion overlaps the other's WGMMAs (checked at compile time on CPU; speed not
+yet measured, so the heuristics do not choose them).
 The config is :func:`ptxtrain.gemm.heuristics.select_config`'s (rules from measurements, see
 there) unless the caller passes one, or ``config="autotune"``, which times the candidates of
 :func:`ptxtrain.gemm.heuristics.autotune_configs` once per ``(kind, M bucket, N, K, ...)``.
@@ -121,8 +127,12 @@ def _block_scaled_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    WARP_SPEC_K: tl.constexpr = False,
 ):
-    """Σ_kb (A_kb · B_kbᵀ) · sf_a[:, kb] · sf_b[·, kb] for one [BLOCK_M, BLOCK_N] tile, fp32."""
+    """Σ_kb (A_kb · B_kbᵀ) · sf_a[:, kb] · sf_b[·, kb] for one [BLOCK_M, BLOCK_N] tile, fp32.
+
+    ``WARP_SPEC_K``: warp-specialize the K loop (a one-tile program; a persistent one
+    specializes its tile loop instead)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
@@ -145,7 +155,7 @@ def _block_scaled_tile(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_steps = tl.cdiv(K, BLOCK_K)
-    for kb in tl.range(0, k_steps, num_stages=NUM_STAGES):
+    for kb in tl.range(0, k_steps, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC_K):
         if USE_TMA:
             # Out-of-bounds rows and the K tail come back as zeros.
             a = a_src.load([pid_m * BLOCK_M, kb * BLOCK_K])  # [BM, BK] fp8
@@ -228,12 +238,18 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         num_tiles = num_pid_m * num_pid_n
-        for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        # Warp-specialized: the tile loop is partitioned instead of flattened (Triton 3.6's Hopper
+        # pass leaves a flattened loop alone; the producer runs ahead into the next tile anyway).
+        for tile_id in tl.range(
+            tl.program_id(0), num_tiles, tl.num_programs(0), flatten=not WARP_SPEC,
+            warp_specialize=WARP_SPEC,
+        ):  # fmt: skip
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
             acc = _block_scaled_tile(
                 a_src, b_src, sfa_ptr, sfb_ptr, M, N, K, pid_m, pid_n,
@@ -251,7 +267,7 @@ def _fp8_gemm_kernel(
             a_src, b_src, sfa_ptr, sfb_ptr, M, N, K, pid_m, pid_n,
             stride_am, stride_ak, stride_bn, stride_bk,
             stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
-            SFB_PER_ROW, EVEN_K, USE_TMA, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+            SFB_PER_ROW, EVEN_K, USE_TMA, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, WARP_SPEC,
         )  # fmt: skip
         _store_tile(
             out_ptr, acc, M, N, pid_m, pid_n, stride_om, stride_on,
@@ -346,6 +362,7 @@ def _launch(
         BLOCK_K=BLOCK_K,
         GROUP_M=cfg.group_m,
         NUM_STAGES=cfg.num_stages,
+        WARP_SPEC=cfg.warp_specialized,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -573,6 +590,7 @@ def _compile_for_sm90(
         "BLOCK_K": BLOCK_K,
         "GROUP_M": cfg.group_m,
         "NUM_STAGES": cfg.num_stages,
+        "WARP_SPEC": cfg.warp_specialized,
         # K-major operands: unit strides along K, as the launcher's specialization would see.
         "stride_ak": 1,
         "stride_bk": 1,

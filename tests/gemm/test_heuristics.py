@@ -32,7 +32,13 @@ def test_config_defaults_and_properties():
     assert cfg.block_k == BLOCK_K == 128
     assert not cfg.persistent and not cfg.uses_tma
     tp = GemmConfig(variant="tma_persistent", programs_per_sm=2)
-    assert tp.persistent and tp.uses_tma
+    assert tp.persistent and tp.uses_tma and not tp.warp_specialized
+    ws = GemmConfig(128, 128, 4, 4, variant="tma_ws")
+    assert ws.warp_specialized and ws.uses_tma and not ws.persistent
+    wsp = GemmConfig(128, 128, 4, 4, variant="tma_ws_persistent")
+    assert wsp.warp_specialized and wsp.uses_tma and wsp.persistent
+    # Two consumer partitions of 4 warps share a warp-specialized tile's accumulators.
+    assert ws.acc_regs_per_thread() == 2 * 128 * 128 // 256
     assert GemmConfig(128, 128, 8).acc_regs_per_thread() == 2 * 128 * 128 // 256
     assert GemmConfig(64, 128, 4, 3).smem_bytes() == 3 * (64 + 128) * 128
     with pytest.raises(dataclasses.FrozenInstanceError):

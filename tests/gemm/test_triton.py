@@ -112,6 +112,9 @@ VARIANT_CASES = [
     (GemmConfig(128, 256, 8, 2, 1, "tma"), None),
     (GemmConfig(64, 128, 4, 2, 2, "tma_persistent", 2), 1),  # 2 programs walk 9 tiles
     (GemmConfig(64, 64, 4, 2, 8, "persistent"), 3),
+    # Warp-specialized: the interpreter ignores the partition, so this checks their host path.
+    (GemmConfig(128, 128, 4, 2, 8, "tma_ws"), None),
+    (GemmConfig(64, 128, 4, 2, 8, "tma_ws_persistent", 1), 2),
 ]
 
 
@@ -334,11 +337,16 @@ for name, kind, cfg in [
     ("1d2d_tma", "1d2d", GemmConfig(64, 128, 4, 3, 8, "tma")),
     ("1d2d_tiled_bn256", "1d2d", GemmConfig(64, 256, 8, 3, 8, "tiled")),
     ("1d1d_tma_persistent", "1d1d", GemmConfig(64, 128, 4, 3, 8, "tma_persistent", 2)),
+    ("1d2d_tma_ws", "1d2d", GemmConfig(128, 128, 4, 4, 8, "tma_ws")),
+    ("1d1d_tma_ws_persistent", "1d1d", GemmConfig(128, 128, 4, 4, 8, "tma_ws_persistent", 1)),
 ]:
     ck = tg._compile_for_sm90(kind, cfg)
     ptx = ck.asm["ptx"]
     results[name] = {"wgmma_e4m3": len(re.findall(r"wgmma\\.mma_async\\S*\\.e4m3\\.e4m3", ptx)),
                      "tma": len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
+                     "ws_ops": ck.asm["ttgir"].count("ttg.warp_specialize("),
+                     "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\\.(inc|dec)", ptx))),
+                     "warps": ck.metadata.num_warps,
                      **sass_info(ck.asm["cubin"])}
 emit(results)
 """
@@ -346,11 +354,18 @@ emit(results)
 
 def test_compile_for_sm90a_without_gpu(tmp_path):
     results = run_sm90_script(_COMPILE_SCRIPT, tmp_path)
-    assert len(results) == 3, results
+    assert len(results) == 5, results
     for name, r in results.items():
         # 4 WGMMAs of k = 32 per 128-K block, e4m3 x e4m3 with fp32 accumulators.
         assert r["wgmma_e4m3"] >= 4, (name, r)
         assert (r["tma"] > 0) == ("tma" in name), (name, r)
+        if "_ws" in name:
+            # Triton's Hopper warp specialization took the loop: one partitioned region, a
+            # producer and two consumer warpgroups of 4 warps, registers moved between them.
+            assert r["ws_ops"] == 1 and r["warps"] == 12, (name, r)
+            assert r["setmaxnreg"] == ["dec", "inc"], (name, r)
+        else:
+            assert r["ws_ops"] == 0 and r["warps"] == 4 * (1 + ("bn256" in name)), (name, r)
         if "sass_qgmma" not in r:
             continue  # cuobjdump missing from the wheel: PTX checks only
         assert any(q.endswith("F32.E4M3.E4M3") for q in r["sass_qgmma"]), (name, r)
