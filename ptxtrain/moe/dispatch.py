@@ -67,6 +67,7 @@ as DeepEP's normal dispatch does.)
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -172,6 +173,7 @@ class DispatchHandle:
             or ``None`` for ``all_to_all_single``.
         hidden: ``H`` of the dispatched rows (the same on every rank, checked by the dispatch),
             which ``combine`` requires of its rows too (0: not recorded, no check).
+        timeout_s: the buffer's ``timeout_s`` (bounds the gloo exchanges; None: unbounded).
     """
 
     rank: int
@@ -188,6 +190,7 @@ class DispatchHandle:
     max_rows_per_pair: int = 0
     transport: object | None = field(default=None, repr=False)
     hidden: int = 0
+    timeout_s: float | None = None
     _nvl_index: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -196,15 +199,41 @@ class DispatchHandle:
         return sum(self.recv_counts)
 
 
+def _all_to_all(out, inp, group, what: str, timeout_s: float | None, **splits) -> None:
+    """``all_to_all_single(out, inp, **splits)``; on a gloo group the wait is bounded by
+    ``timeout_s`` and a failed or late exchange raises ``RuntimeError`` naming ``what`` (the
+    Buffer call) instead of waiting for the group's timeout (gloo's default: 30 min). NCCL
+    groups keep the group's timeout and NCCL's watchdog (their wait does not block the host)."""
+    if timeout_s is None or dist.get_backend(group) != "gloo":
+        dist.all_to_all_single(out, inp, group=group, **splits)
+        return
+    work = dist.all_to_all_single(out, inp, group=group, async_op=True, **splits)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{what}: the all_to_all_single on rank {dist.get_rank()} did not complete within "
+            f"timeout_s={timeout_s:g} s: a rank failed, hangs, or did not make the same call "
+            f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
+        ) from e
+
+
 def _exchange(
-    t: torch.Tensor, in_splits: tuple[int, ...], out_splits: tuple[int, ...], group
+    t: torch.Tensor,
+    in_splits: tuple[int, ...],
+    out_splits: tuple[int, ...],
+    group,
+    what: str = "Buffer",
+    timeout_s: float | None = None,
 ) -> torch.Tensor:
-    """``all_to_all_single`` of the rows of ``t`` (dim 0), any trailing shape."""
+    """``all_to_all_single`` of the rows of ``t`` (dim 0), any trailing shape (:func:`_all_to_all`
+    bounds its wait on gloo)."""
     t = t.contiguous()
     out = t.new_empty((sum(out_splits), *t.shape[1:]))
-    dist.all_to_all_single(
-        out, t, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=group
-    )
+    _all_to_all(
+        out, t, group, what, timeout_s,
+        output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
+    )  # fmt: skip
     return out
 
 
@@ -291,7 +320,9 @@ def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> l
     if transport is None:
         send = _pack(parts, width, None if combine else handle.send_src_idx)
         splits = (handle.send_counts, handle.recv_counts)
-        moved = _exchange(send, *(splits[::-1] if combine else splits), handle.group)
+        what = "Buffer.combine" if combine else "Buffer.dispatch"
+        splits = splits[::-1] if combine else splits
+        moved = _exchange(send, *splits, handle.group, what, handle.timeout_s)
         return _unpack(moved, parts)
     padded = max(16, ceil_div(width, 16) * 16)
     _check_capacity(handle, padded)
@@ -470,7 +501,9 @@ class Buffer:
             bytes)`` raises ValueError on every rank; :meth:`nvl_bytes_hint` sizes it.
         aggressive_ptx: compile the nvlink kernel with ``PTXTRAIN_AGGRESSIVE_PTX`` (DeepEP's
             ``ld.global.nc.L1::no_allocate.L2::256B`` loads of peer-written data; default off).
-        timeout_s: bound on every flag wait of the nvlink kernel (then RuntimeError, no hang).
+        timeout_s: bound on every flag wait of the nvlink kernel, and on a gloo group on each
+            ``all_to_all_single`` of a dispatch / combine (then RuntimeError naming the call, no
+            hang). NCCL exchanges keep the group's timeout and NCCL's watchdog.
         nvl_threads / nvl_unroll / nvl_pipeline: the nvlink kernel's tuning knobs, threads per
             block (a multiple of 32, at most 1024), 16-byte loads in flight per lane (1, 2, 4 or
             8) and the per-block-flag pipelined variant (bool, default on); validated for every
@@ -517,6 +550,7 @@ class Buffer:
             raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
         from ptxtrain.moe.nvlink import check_knobs, check_send_sms
 
         check_knobs(nvl_threads, nvl_unroll)
@@ -805,7 +839,7 @@ class Buffer:
         in_rank, counts, order, slot = send_layout(topk_idx, num_experts, n_ranks, extra=2)
         counts[0, :, -2].fill_(sig[0])  # scalar fills: no host-to-device copy, no sync
         counts[0, :, -1].fill_(sig[1])
-        dist.all_to_all_single(counts[1], counts[0], group=group)
+        _all_to_all(counts[1], counts[0], group, "Buffer.dispatch", self.timeout_s)
         sent, rows = counts.tolist()  # the one host sync
         _check_signatures(signature, [tuple(row[-2:]) for row in rows], sig, self.rank)
 
@@ -849,5 +883,6 @@ class Buffer:
             transport=self._transport,
             _nvl_index=cache,
             hidden=signature[0],
+            timeout_s=self.timeout_s,
         )
         return handle, num_recv_tokens_per_expert

@@ -451,6 +451,26 @@ def test_dispatch_combine_gloo(world, triton_kernels):
     run_gloo(_worker, world, triton_kernels, timeout=120.0)
 
 
+def _absent_peer_worker(rank, world):
+    import time
+
+    buf = Buffer(timeout_s=2.0)
+    if rank == 1:  # alive, in the group, but never calls dispatch (stuck elsewhere)
+        time.sleep(8.0)
+        return
+    x, idx, w = torch.randn(4, 8), torch.tensor([[0, 3]] * 4), torch.rand(4, 2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"Buffer.dispatch: .* within timeout_s=2 s"):
+        buf.dispatch(x, idx, w, 4)
+    # Bounded by timeout_s, not by the process group's (gloo's default: 30 min).
+    assert time.monotonic() - start < 7.0
+
+
+def test_dispatch_names_a_peer_that_never_arrives():
+    """A rank that never reaches the exchange: the others raise after timeout_s, naming the call."""
+    run_gloo(_absent_peer_worker, 2, timeout=60.0)
+
+
 def test_get_dispatch_layout_single_process():
     g = torch.Generator().manual_seed(0)
     idx = _routing(g, 50, 4, 16, list(range(16)), p_none=0.2)
