@@ -607,7 +607,13 @@ class Buffer:
 
     def check_errors(self) -> None:
         """Waits for the last nvlink kernel and raises RuntimeError if it timed out (no-op for
-        ``"all_to_all"``)."""
+        ``"all_to_all"``).
+
+        A kernel whose flag wait timed out (a peer failed or stalled past ``timeout_s``) still
+        finishes, with wrong rows in its output; the error is raised by the next operation or
+        here. Call it before the results of the last operation are used for anything lasting:
+        ``ptxtrain train`` does before every optimizer step. The nvlink kernels also refuse CUDA
+        graph capture (RuntimeError): a replay would repeat their sequence numbers."""
         if self._transport is not None:
             self._transport.check_errors(synchronize=True)
 
@@ -784,7 +790,9 @@ class Buffer:
             raise ValueError("handle was made by another Buffer (different transport)")
         if not async_finish:
             return _CombineFn.apply(x, handle)
-        return self._run_async(lambda: (_CombineFn.apply(x, handle),), [x])
+        # The handle's index tensors are read on the side stream too: kept from reuse until it
+        # is done, even if the caller drops the handle (no autograd context holds it then).
+        return self._run_async(lambda: (_CombineFn.apply(x, handle),), [x, *_tensors(handle)])
 
     def _run_async(self, fn: Callable[[], tuple], inputs: list[torch.Tensor]) -> tuple:
         """``fn()`` on the side stream; its results plus an :class:`EventOverlap`."""

@@ -899,8 +899,17 @@ class NvlinkTransport:
         """One launch of the kernel (``launch``: a BoundLaunch of ``_SIGNATURE``, a few µs of
         host time against ~70 µs for the generic launch; the GPU waits for it, as dispatch's
         payload goes right after the count exchange's sync) as the next operation, then the
-        copy of its error word to the host."""
-        self.epoch += 1
+        copy of its error word to the host.
+
+        Raises RuntimeError while the stream is being captured into a CUDA graph: the operation's
+        sequence number (``epoch``) is a launch parameter, which a replay would repeat, so the
+        flag waits of a replay would pass on the previous replay's flags."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the nvlink dispatch/combine kernel cannot be captured into a CUDA graph (each "
+                "operation has its own sequence number); use backend='all_to_all' under capture"
+            )
+        epoch = self.epoch + 1  # (counted once launched: a failed launch leaves it unchanged)
         launch(
             self.num_sms,
             src.data_ptr(),
@@ -916,13 +925,14 @@ class NvlinkTransport:
             stride16,
             self.capacity_rows(stride16 * 16),
             self.data_offset,
-            self.epoch,
+            epoch,
             self.timeout_cycles,
             self.error.data_ptr(),
             senders,
             slot_ptr,
             hidden,
         )
+        self.epoch = epoch
         self._error_host.copy_(self.error, non_blocking=True)
         self._error_event = torch.cuda.Event()
         self._error_event.record()

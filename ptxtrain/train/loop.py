@@ -1300,6 +1300,11 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     state_bytes = None
     val_loss = None
     profile_at = _profile_step()
+    # The MoE layers' shared Buffer (ep > 1). Its nvlink kernels report a flag wait that timed out
+    # (a peer failed or stalled) only at the next operation, after writing wrong rows: checked
+    # before every optimizer step so that no step uses them (a no-op for "all_to_all"; the step
+    # has synchronized for the gradient norm already).
+    ep_buffer = getattr(model, "ep_buffer", None)
     try:
         with stop.on_sigint():
             for step in range(start + 1, end + 1):
@@ -1327,6 +1332,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                     out = runner.step(pipe.shard(x), pipe.shard(y), timeline)
                     runner.reduce_grads(optimizer)
                     grad_norm = runner.clip_grad_norm_(optimizer, args.grad_clip or _NO_CLIP)
+                if ep_buffer is not None:
+                    ep_buffer.check_errors()
                 optimizer.step()
                 if state_bytes is None:  # the full footprint: after step, before zero_grad
                     state_bytes = optimizer.state_bytes()

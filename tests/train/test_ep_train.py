@@ -81,6 +81,21 @@ def _worker(rank: int, world: int, root: str) -> None:
         ],
         lambda kw, overrides: train(_args(f"{root}/bad", **kw), model_overrides=overrides),
     )
+    # The shared Buffer's errors are checked before each optimizer step (nvlink reports a timed
+    # out wait only then): a Buffer that reports one stops the run before the first step.
+    from ptxtrain.moe.dispatch import Buffer
+
+    def failing_check(self) -> None:
+        raise RuntimeError("a peer timed out (test)")
+
+    original, Buffer.check_errors = Buffer.check_errors, failing_check
+    try:
+        train(_args(f"{root}/timeout", ep=world, steps=1), param_dtype=torch.float64)
+        result["check_errors"] = "not raised"
+    except RuntimeError as e:
+        result["check_errors"] = str(e)
+    finally:
+        Buffer.check_errors = original
     with open(f"{root}/rank{rank}.json", "w", encoding="utf-8") as f:
         json.dump(result, f)
 
@@ -101,6 +116,13 @@ def single_runs(tmp_path_factory):
         name: (train(_args(root / name, **RUN_OF[name]), param_dtype=dtype), root / name)
         for name, dtype in DTYPES.items()
     }
+
+
+def test_ep_buffer_errors_are_checked_before_the_step(ep_runs):
+    root, ranks = ep_runs
+    assert [r["check_errors"] for r in ranks] == ["a peer timed out (test)"] * 2
+    metrics = root / "timeout" / "metrics.jsonl"
+    assert not metrics.exists() or not read_metrics(metrics)  # no step was logged
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
