@@ -576,6 +576,34 @@ def test_gpu_repeated_runs_are_bitwise_equal(tma_store):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cfg,k",
+    [
+        (ptx.PtxConfig(256, 128, 3, 2, tma_store=True), 512),  # B multicast to the CTA pair
+        (ptx.PtxConfig(64, 64, 3, 2, multicast_a=True), 512),  # A multicast
+        # split-tail fixup (K = 7168: 56 K blocks, whole chunks to cut the partial wave into)
+        (ptx.PtxConfig(128, 128, 3, 1, double_acc=True, split_k=True), 7168),
+    ],
+    ids=["cluster2-b", "cluster2-a", "split"],
+)
+def test_gpu_repeated_runs_clusters_and_split(cfg, k):
+    # Stage reuse across a CTA pair (a peer's multicast overwrites a stage only after both CTAs
+    # released it, by remote arrives) and the split tail's workspace hand-off between CTAs: few
+    # stages recycle them fast, and 40 runs must agree bitwise (a fixed order of FP32 additions
+    # in every tile and slice; session 13's review of these paths).
+    m, n = 4096, 2112
+    x, w = _inputs(m, n, k, seed=12)
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    first = ptx.run_with_config("1d2d", qa, qb, cfg, torch.float32)
+    _check(first, x.double() @ w.double().t(), m, n, k, f"repeated {cfg}")
+    differing = [
+        int((ptx.run_with_config("1d2d", qa, qb, cfg, torch.float32) != first).sum())
+        for _ in range(40)
+    ]
+    assert not any(differing), f"runs differing from the first: {differing}"
+
+
+@pytest.mark.gpu
 def test_gpu_split_tail_in_cuda_graphs():
     # Two graphs captured on the same stream, each with counters of its own, replayed on two
     # streams at once: each must give the eager result bitwise (shared counters would let a
