@@ -470,6 +470,9 @@ __device__ __forceinline__ bool split_fixup(float (&fin)[kWaves][kBlockN / 2], f
   }
   last = __shfl_sync(0xffffffffu, last, 0);
   if (!last) return false;
+  // (A shuffle is no memory operation: the warp barrier orders lane 0's atomic before the other
+  // lanes' fence and reads in the memory model, as __syncthreads does in the guide's pattern.)
+  __syncwarp();
   __threadfence();
   // Slice 0 replaces this warp's registers, the others add to them in order; this warp's own
   // slice is read back too (one L2 read), so no second register tile is needed.
