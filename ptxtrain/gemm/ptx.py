@@ -738,6 +738,9 @@ def run_with_config(
         or (cfg.split_k and not cfg.double_acc)
         or not 1 <= cfg.num_stages <= _MAX_STAGES_ANY
         or cfg.raster_m not in _RASTER_MS
+        or isinstance(cfg.epi_boxes, bool)
+        or not isinstance(cfg.epi_boxes, int)
+        or cfg.epi_boxes < 0
         or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES
     ):
         raise ValueError(f"cfg: block sizes or shared memory out of range, got {cfg}")

@@ -110,6 +110,10 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
     cfg = ptx.PtxConfig(256, 128, 4, 2, split_k=True)
     with pytest.raises(ValueError, match="split_k=True"):
         ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
+    # a negative number of staged epilogue boxes: refused before NVRTC sees it
+    cfg = ptx.PtxConfig(128, 128, 4, 1, tma_store=True, epi_boxes=-1)
+    with pytest.raises(ValueError, match="epi_boxes=-1"):
+        ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
     # 192-column tiles: 1D2D only (1D1D's per-column scales of B would spill), not with
     # 256-row tiles, and 176 spans three scale blocks of B at some tiles
     cfg = ptx.PtxConfig(128, 192, 4, 1)
