@@ -48,10 +48,14 @@ KINDS = ("1d2d", "1d1d")
 #   (``tl.range(warp_specialize=True)``; on sm_90 Triton 3.6's Hopper pass): a producer warpgroup
 #   issues the TMA loads and two consumer warpgroups each own half of the tile (its WGMMAs, its
 #   FP32 promotion, its stores), so one consumer's promotion overlaps the other's WGMMAs inside
-#   one program. ``num_warps`` (4) is each partition's; the program runs 12 warps. Not chosen by
-#   the rules below until measured (the compile-only test checks the partition and no spills).
+#   one program (128-row tiles: 64 rows each; 64-row tiles are partitioned too, each consumer
+#   issuing 64xBN WGMMAs, how they share the tile is Triton's). ``num_warps`` (4) is each
+#   partition's; the program runs 12 warps. Neither the rules below nor the autotuner's default
+#   list choose them until measured (the compile-only test checks the partition and no spills).
 VARIANTS = ("tiled", "persistent", "tma", "tma_persistent", "tma_ws", "tma_ws_persistent")
 _WS_VARIANTS = ("tma_ws", "tma_ws_persistent")
+# What autotune_configs tries by default: every variant but the unmeasured warp-specialized ones.
+TUNED_VARIANTS = tuple(v for v in VARIANTS if v not in _WS_VARIANTS)
 H100_SMS = 132  # H100 SXM and H200 (DESIGN §6)
 
 _BLOCK_MS = (64, 128)
@@ -124,8 +128,10 @@ class GemmConfig:
 
     def acc_regs_per_thread(self) -> int:
         """Registers per thread for the running and the per-block FP32 accumulators (spread over
-        the two consumer partitions of ``num_warps`` warps each when warp-specialized)."""
-        consumer_warps = 2 * self.num_warps if self.warp_specialized else self.num_warps
+        the two consumer partitions of ``num_warps`` warps each when warp-specialized with
+        128-row tiles, which the partition splits by rows)."""
+        split = self.warp_specialized and self.block_m >= 128
+        consumer_warps = 2 * self.num_warps if split else self.num_warps
         return 2 * self.block_m * self.block_n // (32 * consumer_warps)
 
     def smem_bytes(self) -> int:
@@ -237,7 +243,7 @@ def _max_stages(bm: int, bn: int) -> int:
 _TUNE_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8))
 # Warp-specialized variants: 4 warps per partition (Triton's Hopper pass partitions only then);
 # 128x256 and 256x128 spill there (ptxas, session 13).
-_TUNE_TILES_WS = ((64, 128, 4), (128, 64, 4), (128, 128, 4))
+_TUNE_TILES_WS = ((128, 64, 4), (128, 128, 4))
 
 
 def autotune_configs(
@@ -246,16 +252,16 @@ def autotune_configs(
     """The candidate list an autotuner times for one shape; the heuristic's choice comes first.
 
     Tiles 64x64, 64x128, 128x64 (4 warps), 128x128 and 64x256 (8 warps; 128-row tiles only when
-    ``m > 64``; the warp-specialized variants: 64x128, 128x64 and 128x128 with 4 warps per
-    partition), pipeline depth 3 and the deepest that fits the shared memory, for each of
-    ``variants`` (default: all of :data:`VARIANTS`), with 1 and 2 programs per SM for the
-    persistent ones.
+    ``m > 64``; the warp-specialized variants: 128x64 and 128x128 with 4 warps per partition),
+    pipeline depth 3 and the deepest that fits the shared memory, for each of ``variants``
+    (default: :data:`TUNED_VARIANTS`, every variant but the warp-specialized ones), with 1 and 2
+    programs per SM for the persistent ones.
 
     Raises:
         TypeError / ValueError: as :func:`select_config`; an unknown variant.
     """
     _check_dims(m, n, k, kind, H100_SMS)
-    variants = VARIANTS if variants is None else tuple(variants)
+    variants = TUNED_VARIANTS if variants is None else tuple(variants)
     for v in variants:
         _check_variant(v)
     first = select_config(m, n, k, kind)

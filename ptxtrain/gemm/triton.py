@@ -69,7 +69,7 @@ from ptxtrain._checks import ceil_div
 from ptxtrain.gemm.heuristics import (
     BLOCK_K,
     H100_SMS,
-    VARIANTS,
+    TUNED_VARIANTS,
     GemmConfig,
     autotune_configs,
     m_bucket,
@@ -319,7 +319,10 @@ def _effective_config(cfg: GemmConfig, a_fp8: torch.Tensor, b_fp8: torch.Tensor)
     """``cfg``, with a TMA variant replaced by its pointer twin where TMA cannot load the data."""
     if cfg.uses_tma and not (_tma_ok(a_fp8) and _tma_ok(b_fp8)):
         twin = "persistent" if cfg.persistent else "tiled"
-        return dataclasses.replace(cfg, variant=twin)
+        # A warp-specialized tile spread over two 4-warp consumers: one program of twice the
+        # warps holds its accumulators in the pointer twin.
+        warps = 2 * cfg.num_warps if cfg.warp_specialized and cfg.block_m >= 128 else cfg.num_warps
+        return dataclasses.replace(cfg, variant=twin, num_warps=min(warps, 8))
     return cfg
 
 
@@ -387,7 +390,7 @@ def _autotuned_config(kind, a_fp8, sf_a, b_fp8, sf_b, out, accumulate, num_sms) 
     key = (kind, str(a_fp8.device), m_bucket(m), n, k, out.dtype, accumulate, tma, num_sms)
     if key in _TUNED:
         return _TUNED[key]
-    variants = VARIANTS if tma else ("tiled", "persistent")  # TMA ones would run as these
+    variants = TUNED_VARIANTS if tma else ("tiled", "persistent")  # TMA ones would run as these
     scratch = torch.empty_like(out)  # timing runs never touch the caller's output
     timings: list[tuple[float, int, GemmConfig]] = []
     errors: list[str] = []

@@ -186,7 +186,8 @@ class JitCache:
         try:
             meta = json.loads(meta_path.read_text())
             cubin = (d / _CUBIN_NAME).read_bytes()
-            ptx = (d / _PTX_NAME).read_text() if (d / _PTX_NAME).is_file() else ""
+            # (bytes decoded as written: UTF-8, no newline translation, so the checksum holds)
+            ptx = (d / _PTX_NAME).read_bytes().decode() if (d / _PTX_NAME).is_file() else ""
             ok = (
                 meta.get("meta_version") == _META_VERSION
                 and cubin.startswith(_ELF_MAGIC)

@@ -7,6 +7,7 @@ import pytest
 from ptxtrain.gemm.heuristics import (
     BLOCK_K,
     H100_SMS,
+    TUNED_VARIANTS,
     VARIANTS,
     GemmConfig,
     autotune_configs,
@@ -150,7 +151,13 @@ def test_autotune_configs(m):
     cands = autotune_configs(m, 7168, 2048)
     assert cands[0] == select_config(m, 7168, 2048)  # the heuristic's choice is tried first
     assert len(set(cands)) == len(cands)
-    assert {c.variant for c in cands} == set(VARIANTS)
+    # Every variant but the (unmeasured) warp-specialized ones, unless asked for.
+    assert {c.variant for c in cands} == set(TUNED_VARIANTS) == set(VARIANTS) - {
+        "tma_ws", "tma_ws_persistent"
+    }  # fmt: skip
+    ws = autotune_configs(m, 7168, 2048, variants=("tma_ws", "tma_ws_persistent"))
+    assert all(c.warp_specialized and c.num_warps == 4 for c in ws)
+    assert all(c.block_m == 128 for c in ws) and (m > 64 or not ws)
     for c in cands:
         assert c.acc_regs_per_thread() <= 128 and c.smem_bytes() <= SMEM_LIMIT - 64 * 1024, c
         assert m > 64 or c.block_m == 64, c  # a 128-row tile would be more than half empty

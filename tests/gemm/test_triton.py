@@ -134,6 +134,29 @@ def test_tiles_and_variants(cfg, num_sms, kind):
     assert _oracle_diff(got, x, w) < CALC_DIFF_MAX
 
 
+def test_tma_configs_fall_back_to_their_pointer_twin():
+    # TMA needs 16-byte aligned K-major rows: a [M, 200] fp8 operand (200-byte rows) cannot,
+    # so the TMA variants run as their pointer twins, a warp-specialized 128-row tile on twice
+    # the warps (its two 4-warp consumers held the accumulators).
+    a = torch.zeros(64, 200, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    cases = [
+        (GemmConfig(64, 128, 4, 3, 8, "tma"), GemmConfig(64, 128, 4, 3, 8, "tiled")),
+        (
+            GemmConfig(64, 128, 4, 3, 8, "tma_persistent", 2),
+            GemmConfig(64, 128, 4, 3, 8, "persistent", 2),
+        ),
+        (GemmConfig(128, 128, 4, 4, 8, "tma_ws"), GemmConfig(128, 128, 8, 4, 8, "tiled")),
+        (
+            GemmConfig(128, 64, 4, 4, 8, "tma_ws_persistent"),
+            GemmConfig(128, 64, 8, 4, 8, "persistent"),
+        ),
+    ]
+    for cfg, want in cases:
+        assert tg._effective_config(cfg, a, b) == want, cfg
+        assert tg._effective_config(cfg, b, b) == cfg  # 256-byte rows: TMA as asked
+
+
 @runnable
 @pytest.mark.parametrize("m,n,k", [(13, 200, 300), (129, 260, 384), (1, 64, 128)])
 def test_fp8_gemm_nt_1d1d_and_accumulate(m, n, k):
