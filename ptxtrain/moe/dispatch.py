@@ -839,14 +839,12 @@ class Buffer:
         n_ranks, group = self.num_ranks, self.group
         n_tokens = topk_idx.shape[0]
         experts_per_rank = num_experts // n_ranks
-        # One Triton launch on CUDA: is_token_in_rank, the count message (counts[0]), the send
-        # order and the slot table; counts[1] receives the exchange, so ONE copy to the host
-        # carries both sides.
+        # Triton kernels on CUDA: is_token_in_rank, the count message (counts[0], the call's
+        # signature in its last two columns), the send order and the slot table; counts[1]
+        # receives the exchange, so ONE copy to the host carries both sides.
         hidden, _, k, x_code, w_dtype = signature
         sig = (hidden, ((num_experts * 4096 + k) * 8 + x_code) * 2 + _W_DTYPES.index(w_dtype))
-        in_rank, counts, order, slot = send_layout(topk_idx, num_experts, n_ranks, extra=2)
-        counts[0, :, -2].fill_(sig[0])  # scalar fills: no host-to-device copy, no sync
-        counts[0, :, -1].fill_(sig[1])
+        in_rank, counts, order, slot = send_layout(topk_idx, num_experts, n_ranks, extra=sig)
         _all_to_all(counts[1], counts[0], group, "Buffer.dispatch", self.timeout_s)
         sent, rows = counts.tolist()  # the one host sync
         _check_signatures(signature, [tuple(row[-2:]) for row in rows], sig, self.rank)

@@ -114,15 +114,16 @@ if triton is not None:
 
     @triton.jit
     def _layout_order_kernel(idx_ptr, blk_ptr, pre_ptr, tot_ptr, hist_ptr, msg_ptr, order_ptr,
-                             slot_ptr, T, E, NB, R: tl.constexpr, RP: tl.constexpr,
+                             slot_ptr, T, E, NB, X0, X1, R: tl.constexpr, RP: tl.constexpr,
                              K: tl.constexpr, KP: tl.constexpr, EPR: tl.constexpr, W: tl.constexpr,
                              BINS: tl.constexpr, BT: tl.constexpr,
-                             CH: tl.constexpr):  # fmt: skip
+                             CH: tl.constexpr, NX: tl.constexpr):  # fmt: skip
         """Program ``b``: the send order and slot table of its tokens (each rank's first place
         plus the tokens for that rank in the blocks before ``b``, plus a running cumsum);
-        program 0 also writes the count message ``[R, W]``. ``pre [NB, RP + 1]`` is the
-        inclusive cumsum of ``blk`` over blocks and ``tot`` its last row (the totals): a program
-        reads its own rows of ``blk`` and ``pre`` and ``tot``, not every earlier block's."""
+        program 0 also writes the count message ``[R, W]``, its last ``NX`` (0 to 2) columns
+        the caller's values ``X0``, ``X1``. ``pre [NB, RP + 1]`` is the inclusive cumsum of
+        ``blk`` over blocks and ``tot`` its last row (the totals): a program reads its own rows
+        of ``blk`` and ``pre`` and ``tot``, not every earlier block's."""
         b = tl.program_id(0)
         r = tl.arange(0, RP)
         r_ok = r < R
@@ -144,6 +145,10 @@ if triton is not None:
                             mask=(c < NB)[:, None], other=0)  # fmt: skip
                 hist += tl.sum(h.to(tl.int64), axis=0)
             tl.store(msg_ptr + (e // EPR) * W + 3 + e % EPR, hist, mask=e < E)
+            if NX >= 1:
+                tl.store(msg_ptr + r * W + 3 + EPR, tl.zeros([RP], tl.int64) + X0, mask=r_ok)
+            if NX >= 2:
+                tl.store(msg_ptr + r * W + 4 + EPR, tl.zeros([RP], tl.int64) + X1, mask=r_ok)
         run = tl.cumsum(per_rank, axis=0) - per_rank + before  # [RP] this block's first places
         toks, tok_ok, _, _, _, hit = _token_ranks(idx_ptr, b * BT, T, E, K, KP, EPR, RP,
                                                   BT)  # fmt: skip
@@ -233,7 +238,7 @@ def triton_usable(t: torch.Tensor) -> bool:
 
 
 def torch_send_layout(
-    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, *, extra: int = 0
+    topk_idx: torch.Tensor, num_experts: int, num_ranks: int, *, extra: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """Torch twin of :func:`send_layout` (no slot table: the fourth result is ``None``)."""
     n_tokens, dev = topk_idx.shape[0], topk_idx.device
@@ -247,12 +252,14 @@ def torch_send_layout(
     )[:, :num_ranks]  # [T, R]
     per_rank = in_rank.sum(0, dtype=torch.int64)  # [R]
     per_expert = count_per_expert(topk_idx, num_experts)  # [E] valid slots (no bincount sync)
-    width = 3 + experts_per_rank + extra
+    width = 3 + experts_per_rank + len(extra)
     counts = torch.empty(2, num_ranks, width, dtype=torch.int64, device=dev)
     counts[0, :, 0] = per_rank
     counts[0, :, 1] = per_rank.max()
     counts[0, :, 2] = n_bad
     counts[0, :, 3 : 3 + experts_per_rank] = per_expert.view(num_ranks, experts_per_rank)
+    for j, value in enumerate(extra):  # scalar fills: no host-to-device copy
+        counts[0, :, 3 + experts_per_rank + j].fill_(value)
     # Send order (rank-major, ascending tokens) without nonzero (a sync): the place of each
     # (rank, token) pair is the running count of pairs before it; others go to a spill slot.
     flat = in_rank.t().reshape(-1)  # [R·T]
@@ -269,7 +276,7 @@ def send_layout(
     num_ranks: int,
     *,
     use_triton: bool | None = None,
-    extra: int = 0,
+    extra: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The send side of a dispatch from ``topk_idx``, with device ops only (no host sync).
 
@@ -278,14 +285,14 @@ def send_layout(
             those outside ``[-1, E)`` counted).
         num_experts / num_ranks: ``E`` and ``R`` (``E % R == 0``; validated by the caller).
         use_triton: ``None`` = the Triton kernel where :func:`triton_usable`, else torch.
-        extra: columns appended to the count message for the caller, left uninitialized
-            (:class:`ptxtrain.moe.Buffer` writes the call's signature there).
+        extra: up to two int64 values appended as columns to every row of the count message
+            (:class:`ptxtrain.moe.Buffer` sends the call's signature there).
 
     Returns:
-        ``is_token_in_rank [T, R]`` bool; ``counts [2, R, 3 + E/R + extra]`` int64 whose row 0
-        is the count message (per peer ``r``: tokens for ``r``, the largest of those counts, ids
-        outside ``[-1, E)``, the tokens for each of ``r``'s experts, then the ``extra``
-        columns) and row 1 is uninitialized (the receive buffer of the exchange);
+        ``is_token_in_rank [T, R]`` bool; ``counts [2, R, 3 + E/R + len(extra)]`` int64 whose
+        row 0 is the count message (per peer ``r``: tokens for ``r``, the largest of those
+        counts, ids outside ``[-1, E)``, the tokens for each of ``r``'s experts, then the
+        ``extra`` values) and row 1 is uninitialized (the receive buffer of the exchange);
         ``order [T·R]`` int64 whose first ``S = Σ counts[0, :, 0]`` entries are the sent
         tokens (rank-major, ascending tokens), the rest unspecified; ``slot [T, R]`` int64,
         the send place of each (token, rank) pair or ``-1`` (``None`` on the torch path).
@@ -294,12 +301,14 @@ def send_layout(
     """
     if use_triton is None:
         use_triton = triton_usable(topk_idx)
+    if len(extra) > 2:
+        raise ValueError(f"extra: at most two values, got {len(extra)}")
     if not use_triton:
         return torch_send_layout(topk_idx, num_experts, num_ranks, extra=extra)
     n_tokens, k = topk_idx.shape
     dev = topk_idx.device
     epr = num_experts // num_ranks
-    width = 3 + epr + extra
+    width = 3 + epr + len(extra)
     in_rank = torch.empty(n_tokens, num_ranks, dtype=torch.bool, device=dev)
     counts = torch.empty(2, num_ranks, width, dtype=torch.int64, device=dev)
     order = torch.empty(max(n_tokens * num_ranks, 1), dtype=torch.int64, device=dev)
@@ -316,9 +325,10 @@ def send_layout(
         idx, in_rank.view(torch.int8), blk, hist, n_tokens, num_experts, **meta
     )
     pre = torch.cumsum(blk, 0)  # [NB, RP + 1] inclusive prefix over blocks (one cheap op)
+    x0, x1 = (*extra, 0, 0)[:2]
     _layout_order_kernel[(n_blocks,)](
         idx, blk, pre, pre[n_blocks - 1], hist, counts, order, slot, n_tokens, num_experts,
-        n_blocks, W=width, CH=min(16, _pow2(n_blocks)), **meta,
+        n_blocks, x0, x1, W=width, CH=min(16, _pow2(n_blocks)), NX=len(extra), **meta,
     )  # fmt: skip
     return in_rank, counts, order[: n_tokens * num_ranks], slot
 

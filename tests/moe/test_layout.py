@@ -39,9 +39,9 @@ def _topk(g, n_tokens, k, num_experts, *, dup=True, p_none=0.2, bad=False, deaf=
     return idx.to(DEVICE)
 
 
-def _check_layout(idx, num_experts, num_ranks):
-    got = lay.send_layout(idx, num_experts, num_ranks, use_triton=True)
-    want = lay.torch_send_layout(idx, num_experts, num_ranks)
+def _check_layout(idx, num_experts, num_ranks, extra=()):
+    got = lay.send_layout(idx, num_experts, num_ranks, use_triton=True, extra=extra)
+    want = lay.torch_send_layout(idx, num_experts, num_ranks, extra=extra)
     in_rank, counts, order, slot = got
     assert_bitwise_equal(in_rank, want[0])
     assert_bitwise_equal(counts[0], want[1][0])
@@ -153,3 +153,18 @@ def test_combine_sum_matches_index_add(dtype, n_tokens, n_ranks):
     # Against index_add on the CPU (sequential, ascending rows); CUDA's adds in a varying order.
     want = lay.torch_combine_sum(back.cpu(), order[:n_sent].cpu(), n_tokens)
     assert_bitwise_equal(got.cpu(), want)
+
+
+@runnable
+@pytest.mark.parametrize("extra", [(7,), (5 * 2**33 + 3, 1)])
+def test_send_layout_appends_the_callers_values(extra):
+    # Buffer.dispatch sends its signature in the count message's last columns: written by the
+    # layout kernel (no extra launches), equal to the torch twin's, one value per column and row.
+    g = torch.Generator().manual_seed(11)
+    idx = _topk(g, 37, 4, 16)
+    (_, counts, _, _), *_ = _check_layout(idx, 16, 4, extra)
+    assert counts.shape[2] == 3 + 16 // 4 + len(extra)
+    for j, value in enumerate(extra):
+        assert counts[0, :, 3 + 4 + j].tolist() == [value] * 4
+    with pytest.raises(ValueError, match="at most two"):
+        lay.send_layout(idx, 16, 4, extra=(1, 2, 3))
