@@ -65,13 +65,17 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def _time_backends(row: dict, backends: dict, qa, qb, want: torch.Tensor, timer) -> None:
-    """Check and time each backend on one shape; fill ``row``'s calc_diff, µs and TFLOPS."""
+def _time_backends(
+    row: dict, backends: dict, qa, qb, want: torch.Tensor, timer, b_for: dict | None = None
+) -> None:
+    """Check and time each backend on one shape; fill ``row``'s calc_diff, µs and TFLOPS.
+    ``b_for``: backend name → its own B operand (same values, the scale layout it reads)."""
     for name, fn in backends.items():
+        qb_name = (b_for or {}).get(name, qb)
         try:
-            d = fn(qa, qb)
+            d = fn(qa, qb_name)
             row["calc_diff"][name] = calc_diff(d, want)
-            row["us"][name] = timer(lambda fn=fn: fn(qa, qb))
+            row["us"][name] = timer(lambda fn=fn, qb_name=qb_name: fn(qa, qb_name))
             row.setdefault("host_us", {})[name] = timer.last_host_us
         except (ValueError, RuntimeError, NotImplementedError) as e:
             row["us"][name] = None
@@ -112,6 +116,9 @@ def bench_1d1d(k_tokens: int = 4096, pairs=DSV3_WGRAD_MN, *, repeats: int = 50) 
     timer = GpuTimer(repeats=repeats)
     backends = fp8_backends("1d1d")
     has_out_dtype = _mm_has_out_dtype()
+    from ptxtrain.gemm import cublas
+
+    cublas_sf_b = cublas.sf_b_layout_1d1d(torch.device("cuda", torch.cuda.current_device()))
     rows = []
     for m, n in pairs:
         k = k_tokens
@@ -121,16 +128,22 @@ def bench_1d1d(k_tokens: int = 4096, pairs=DSV3_WGRAD_MN, *, repeats: int = 50) 
         ab, bb = a.bfloat16(), b.bfloat16()
         qa = per_token_cast_to_fp8(a, sf_layout=SF_LAYOUT)
         qb = per_token_cast_to_fp8(b, sf_layout=SF_LAYOUT)
+        # cuBLAS's 1D1D reads B's scales in a layout of its own (probed): given in that layout,
+        # so its time holds no copy that the others (MN-major, any strides) do not make either.
+        b_for = {}
+        if "cublas" in backends and cublas_sf_b not in (None, SF_LAYOUT):
+            b_for["cublas"] = per_token_cast_to_fp8(b, sf_layout=cublas_sf_b)
         row = {"m": m, "n": n, "k": k, "us": {}, "tflops": {}, "calc_diff": {}}
+        row["cublas_sf_b_layout"] = cublas_sf_b
         if has_out_dtype:
             row["us"]["bf16"] = timer(
                 lambda ab=ab, bb=bb: torch.mm(ab, bb.t(), out_dtype=torch.float32)
             )
         else:
             row["us"]["bf16"] = timer(lambda ab=ab, bb=bb: (ab @ bb.t()).float())
-        _time_backends(row, backends, qa, qb, want, timer)
+        _time_backends(row, backends, qa, qb, want, timer, b_for)
         rows.append(row)
-        del a, b, want, ab, bb, qa, qb
+        del a, b, want, ab, bb, qa, qb, b_for
     return {
         "bench": "gemm_1d1d",
         "env": environment(),
@@ -179,6 +192,14 @@ def _summary(rows: list[dict], backends: list[str]) -> dict:
             if r["us"].get("cublas") and r["us"].get("bf16")
         ]
         out[f"geomean_cublas_over_bf16_m{m}"] = _geomean(ratios)
+    for name in backends:  # over every row (1D1D: its rows' m are the layers' K, not one M)
+        if name != "cublas":
+            ratios = [
+                r["us"]["cublas"] / r["us"][name]
+                for r in rows
+                if r["us"].get(name) and r["us"].get("cublas")
+            ]
+            out[f"geomean_{name}_over_cublas_all"] = _geomean(ratios)
     return out
 
 

@@ -110,10 +110,15 @@ def _fp8_gemm_nt(a, b, out, out_dtype):
 
 # Candidate (scale_a, scale_b) layouts for 1x128 x 1x128, tried in order; the first that runs and
 # matches the reference is kept per device.
+# Each takes sf_b [N, ⌈K/128⌉] in either layout and copies only where it is not already the one
+# cuBLAS reads: row-major for "a_mn_b_mn" (passed transposed), MN-major for "a_mn_b_mn_contig"
+# (its transpose is the contiguous [⌈K/128⌉, N] passed).
 _1D1D_LAYOUTS = {
-    "a_mn_b_mn": lambda sa, sb: (_mn_major(sa), sb.t()),
+    "a_mn_b_mn": lambda sa, sb: (_mn_major(sa), sb.contiguous().t()),
     "a_mn_b_mn_contig": lambda sa, sb: (_mn_major(sa), sb.t().contiguous()),
 }
+# The quantizer sf_layout ("row" / "mn_major") of B's scales each layout reads uncopied.
+_1D1D_SF_B_LAYOUT = {"a_mn_b_mn": "row", "a_mn_b_mn_contig": "mn_major"}
 _1d1d_layout_by_device: dict[int, str | None] = {}
 
 
@@ -155,6 +160,22 @@ def fp8_gemm_nt_1d1d(
     return _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
 
 
+def _layout_1d1d(device: torch.device) -> str | None:
+    """The 1D1D scale layout this device's cuBLAS takes (probed once per device), or None."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dev not in _1d1d_layout_by_device:
+        _1d1d_layout_by_device[dev] = _probe_1d1d_layout(device)
+    return _1d1d_layout_by_device[dev]
+
+
+def sf_b_layout_1d1d(device: torch.device) -> str | None:
+    """The quantizer ``sf_layout`` (``"row"`` or ``"mn_major"``) of B's 1x128 scales that
+    :func:`fp8_gemm_nt_1d1d` passes to cuBLAS without a copy on ``device`` (any layout works;
+    the other costs one small copy per call), or None where no 1D1D layout runs (a CUDA device).
+    Benchmarks give cuBLAS its own layout so that the copy is not timed against it."""
+    return _1D1D_SF_B_LAYOUT.get(_layout_1d1d(device))
+
+
 def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
     """:func:`fp8_gemm_nt_1d1d` after validation."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
@@ -166,16 +187,12 @@ def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
     if k == 0:  # an empty sum: D = 0, or ``out`` unchanged when accumulating
         return ref.write_out(torch.zeros(m, n, dtype=dtype, device=a_fp8.device), out, accumulate)
     _check_cuda_shape(a_fp8, n, k)
-    dev = a_fp8.device.index if a_fp8.device.index is not None else torch.cuda.current_device()
-    if dev not in _1d1d_layout_by_device:
-        _1d1d_layout_by_device[dev] = _probe_1d1d_layout(a_fp8.device)
-    layout = _1d1d_layout_by_device[dev]
+    layout = _layout_1d1d(a_fp8.device)
     if layout is None:
         raise NotImplementedError(
             f"torch {torch.__version__}'s _scaled_mm accepts no 1x128 x 1x128 scale layout here"
         )
-    # The probed layouts are functions of a row-major sf_b: bring an MN-major one back first.
-    s_a, s_b = _1D1D_LAYOUTS[layout](sf_a, sf_b.contiguous())
+    s_a, s_b = _1D1D_LAYOUTS[layout](sf_a, sf_b)
     a_fp8, b_fp8 = a_fp8.contiguous(), b_fp8.contiguous()  # (as in _fp8_gemm_nt)
     d = torch._scaled_mm(a_fp8, b_fp8.t(), s_a, s_b, out_dtype=dtype)  # [M, N]
     return ref.write_out(d, out, accumulate)

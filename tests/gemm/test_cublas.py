@@ -83,3 +83,21 @@ def test_gpu_1d1d_wgrad_fp32_bf16_and_accumulate(m, n):
     c = out.clone()
     cublas.fp8_gemm_nt_1d1d(qa, qb, out=out, accumulate=True)
     torch.testing.assert_close(out, c + d, rtol=1e-5, atol=1e-4)  # one fp32 add of the product
+
+
+def test_1d1d_scale_layouts_take_either_sf_b_layout():
+    # Each probed layout gets B's scales in whichever layout the caller quantized them and passes
+    # cuBLAS the same tensor (values and strides) as from row-major scales; the layout it reads
+    # uncopied is the one sf_b_layout_1d1d names for it.
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(96, 640, generator=g)
+    (_, sb_row), (_, sb_mn) = (per_token_cast_to_fp8(y, sf_layout=s) for s in ("row", "mn_major"))
+    sa = per_token_cast_to_fp8(torch.randn(64, 640, generator=g), sf_layout="mn_major")[1]
+    for name, layout in cublas._1D1D_LAYOUTS.items():
+        want_a, want_b = layout(sa, sb_row)
+        for sb in (sb_row, sb_mn):
+            got_a, got_b = layout(sa, sb)
+            assert torch.equal(got_b, want_b) and got_b.stride() == want_b.stride(), name
+            assert got_a.stride() == want_a.stride()
+        own = sb_row if cublas._1D1D_SF_B_LAYOUT[name] == "row" else sb_mn
+        assert layout(sa, own)[1].data_ptr() == own.data_ptr(), f"{name}: copied its own layout"
