@@ -169,11 +169,11 @@ class DispatchHandle:
         group: the process group (``None`` = the default group).
         max_rows_per_pair: the largest row count between any two ranks of the group in this
             layout (the same on every rank; the nvlink backend's capacity check).
+        hidden: ``H`` of the dispatched rows (the same on every rank, checked by the dispatch),
+            which ``combine`` requires of its rows too.
+        timeout_s: the buffer's ``timeout_s`` (bounds the gloo exchanges).
         transport: the :class:`ptxtrain.moe.nvlink.NvlinkTransport` moving the payload rows,
             or ``None`` for ``all_to_all_single``.
-        hidden: ``H`` of the dispatched rows (the same on every rank, checked by the dispatch),
-            which ``combine`` requires of its rows too (0: not recorded, no check).
-        timeout_s: the buffer's ``timeout_s`` (bounds the gloo exchanges; None: unbounded).
     """
 
     rank: int
@@ -187,10 +187,10 @@ class DispatchHandle:
     recv_src_idx: torch.Tensor
     is_token_in_rank: torch.Tensor
     group: dist.ProcessGroup | None
+    hidden: int
+    timeout_s: float
     max_rows_per_pair: int = 0
     transport: object | None = field(default=None, repr=False)
-    hidden: int = 0
-    timeout_s: float | None = None
     _nvl_index: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -199,12 +199,12 @@ class DispatchHandle:
         return sum(self.recv_counts)
 
 
-def _all_to_all(out, inp, group, what: str, timeout_s: float | None, **splits) -> None:
+def _all_to_all(out, inp, group, what: str, timeout_s: float, **splits) -> None:
     """``all_to_all_single(out, inp, **splits)``; on a gloo group the wait is bounded by
     ``timeout_s`` and a failed or late exchange raises ``RuntimeError`` naming ``what`` (the
     Buffer call) instead of waiting for the group's timeout (gloo's default: 30 min). NCCL
     groups keep the group's timeout and NCCL's watchdog (their wait does not block the host)."""
-    if timeout_s is None or dist.get_backend(group) != "gloo":
+    if dist.get_backend(group) != "gloo":
         dist.all_to_all_single(out, inp, group=group, **splits)
         return
     work = dist.all_to_all_single(out, inp, group=group, async_op=True, **splits)
@@ -223,8 +223,8 @@ def _exchange(
     in_splits: tuple[int, ...],
     out_splits: tuple[int, ...],
     group,
-    what: str = "Buffer",
-    timeout_s: float | None = None,
+    what: str,
+    timeout_s: float,
 ) -> torch.Tensor:
     """``all_to_all_single`` of the rows of ``t`` (dim 0), any trailing shape (:func:`_all_to_all`
     bounds its wait on gloo)."""
@@ -364,33 +364,38 @@ def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     return _combine_sum(_move([t], handle, combine=True)[0], handle)
 
 
-def _describe(hidden: int, num_experts: int, k: int, x_code: int, w_dtype) -> str:
+# A dispatch's signature, (hidden, num_experts, k, x code, topk_weights dtype) with x code the
+# index in _X_DTYPES (len(_X_DTYPES): an FP8 pair), travels as two int64 columns of the count
+# message: hidden, and the rest packed as ((E · 4096 + k) · 8 + x code) · 2 + weights code.
+def _encode_signature(sig: tuple) -> tuple[int, int]:
+    hidden, num_experts, k, x_code, w_dtype = sig
+    return hidden, ((num_experts * 4096 + k) * 8 + x_code) * 2 + _W_DTYPES.index(w_dtype)
+
+
+def _describe_signature(pair: tuple[int, int]) -> str:
+    hidden, code = pair
+    w_code, code = code % 2, code // 2
+    x_code, code = min(code % 8, len(_X_DTYPES)), code // 8
+    k, num_experts = code % 4096, code // 4096
     x_name = "(float8_e4m3fn, sf)" if x_code == len(_X_DTYPES) else str(_X_DTYPES[x_code])
-    w_name = str(w_dtype).removeprefix("torch.")
+    w_name = str(_W_DTYPES[w_code]).removeprefix("torch.")
     return (
         f"hidden={hidden}, num_experts={num_experts}, k={k}, "
         f"x dtype {x_name.removeprefix('torch.')}, topk_weights dtype {w_name}"
     )
 
 
-def _check_signatures(
-    signature: tuple, peers: list[tuple[int, int]], mine: tuple[int, int], rank: int
-) -> None:
-    """Raises ValueError if a peer's dispatch signature (received with the counts) differs."""
+def _check_signatures(mine: tuple[int, int], peers: list[tuple[int, int]], rank: int) -> None:
+    """Raises ValueError if a peer's encoded dispatch signature (received with the counts)
+    differs from this rank's."""
     bad = [r for r, sig in enumerate(peers) if sig != mine]
-    if not bad:
-        return
-    r = bad[0]
-    hidden, code = peers[r]
-    w_code, code = code % 2, code // 2
-    x_code, code = code % 8, code // 8
-    k, num_experts = code % 4096, code // 4096
-    theirs = _describe(hidden, num_experts, k, min(x_code, len(_X_DTYPES)), _W_DTYPES[w_code])
-    raise ValueError(
-        "Buffer.dispatch: every rank must pass x, topk_idx and topk_weights of the same hidden "
-        f"size, k and dtypes, and the same num_experts; rank {rank} has "
-        f"{_describe(*signature)}, rank {r} has {theirs} (raised on every rank)"
-    )
+    if bad:
+        raise ValueError(
+            "Buffer.dispatch: every rank must pass x, topk_idx and topk_weights of the same "
+            f"hidden size, k and dtypes, and the same num_experts; rank {rank} has "
+            f"{_describe_signature(mine)}, rank {bad[0]} has {_describe_signature(peers[bad[0]])}"
+            " (raised on every rank)"
+        )
 
 
 class EventOverlap:
@@ -781,7 +786,7 @@ class Buffer:
                 f"x must have handle.num_recv_tokens={handle.num_recv_tokens} rows, "
                 f"got shape {tuple(x.shape)}"
             )
-        if handle.hidden and x.shape[1] != handle.hidden:
+        if x.shape[1] != handle.hidden:
             raise ValueError(
                 f"x must have the dispatched rows' hidden size {handle.hidden} (the same on every "
                 f"rank), got shape {tuple(x.shape)}"
@@ -842,12 +847,11 @@ class Buffer:
         # Triton kernels on CUDA: is_token_in_rank, the count message (counts[0], the call's
         # signature in its last two columns), the send order and the slot table; counts[1]
         # receives the exchange, so ONE copy to the host carries both sides.
-        hidden, _, k, x_code, w_dtype = signature
-        sig = (hidden, ((num_experts * 4096 + k) * 8 + x_code) * 2 + _W_DTYPES.index(w_dtype))
+        sig = _encode_signature(signature)
         in_rank, counts, order, slot = send_layout(topk_idx, num_experts, n_ranks, extra=sig)
         _all_to_all(counts[1], counts[0], group, "Buffer.dispatch", self.timeout_s)
         sent, rows = counts.tolist()  # the one host sync
-        _check_signatures(signature, [tuple(row[-2:]) for row in rows], sig, self.rank)
+        _check_signatures(sig, [tuple(row[-2:]) for row in rows], self.rank)
 
         bad = [s for s, row in enumerate(rows) if row[2]]
         if bad:
@@ -885,10 +889,10 @@ class Buffer:
             recv_src_idx=recv_src_rank.new_empty(0),
             is_token_in_rank=in_rank,
             group=group,
+            hidden=signature[0],
+            timeout_s=self.timeout_s,
             max_rows_per_pair=max_rows_per_pair,
             transport=self._transport,
             _nvl_index=cache,
-            hidden=signature[0],
-            timeout_s=self.timeout_s,
         )
         return handle, num_recv_tokens_per_expert
