@@ -54,6 +54,7 @@ KINDS = ("1d2d", "1d1d")
 #   list choose them until measured (the compile-only test checks the partition and no spills).
 VARIANTS = ("tiled", "persistent", "tma", "tma_persistent", "tma_ws", "tma_ws_persistent")
 _WS_VARIANTS = ("tma_ws", "tma_ws_persistent")
+_PERSISTENT_VARIANTS = ("persistent", "tma_persistent", "tma_ws_persistent")
 # What autotune_configs tries by default: every variant but the unmeasured warp-specialized ones.
 TUNED_VARIANTS = tuple(v for v in VARIANTS if v not in _WS_VARIANTS)
 H100_SMS = 132  # H100 SXM and H200 (DESIGN §6)
@@ -115,7 +116,7 @@ class GemmConfig:
 
     @property
     def persistent(self) -> bool:
-        return self.variant in ("persistent", "tma_persistent", "tma_ws_persistent")
+        return self.variant in _PERSISTENT_VARIANTS
 
     @property
     def uses_tma(self) -> bool:
@@ -126,13 +127,16 @@ class GemmConfig:
         """Producer / two-consumer partition by Triton's automatic warp specialization."""
         return self.variant in _WS_VARIANTS
 
-    def acc_regs_per_thread(self) -> int:
-        """Registers per thread for the running and the per-block FP32 accumulators (spread over
-        the two consumer partitions of ``num_warps`` warps each when warp-specialized with
-        128-row tiles, which the partition splits by rows)."""
+    @property
+    def consumer_warps(self) -> int:
+        """Warps that hold the tile's accumulators: ``num_warps``, or the two consumer partitions
+        of ``num_warps`` each when warp-specialized with 128-row tiles (split by rows)."""
         split = self.warp_specialized and self.block_m >= 128
-        consumer_warps = 2 * self.num_warps if split else self.num_warps
-        return 2 * self.block_m * self.block_n // (32 * consumer_warps)
+        return 2 * self.num_warps if split else self.num_warps
+
+    def acc_regs_per_thread(self) -> int:
+        """Registers per thread for the running and the per-block FP32 accumulators."""
+        return 2 * self.block_m * self.block_n // (32 * self.consumer_warps)
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring: ``num_stages`` x (A tile + B tile), 1 byte each."""
@@ -227,7 +231,7 @@ def select_config(
             variant, programs_per_sm = "tma_persistent", 2
         else:
             variant = "tma"
-    elif variant in ("persistent", "tma_persistent", "tma_ws_persistent"):
+    elif variant in _PERSISTENT_VARIANTS:
         programs_per_sm = 2
     group_m = 8 if ceil_div(m1, 64) > 1 else 1
     return GemmConfig(64, block_n, 4, stages, group_m, variant, programs_per_sm)
@@ -267,7 +271,7 @@ def autotune_configs(
     first = select_config(m, n, k, kind)
     out: list[GemmConfig] = [first] if first.variant in variants else []
     for variant in variants:
-        persistent = variant in ("persistent", "tma_persistent", "tma_ws_persistent")
+        persistent = variant in _PERSISTENT_VARIANTS
         for bm, bn, warps in _TUNE_TILES_WS if variant in _WS_VARIANTS else _TUNE_TILES:
             if m <= 64 and bm != 64:
                 continue

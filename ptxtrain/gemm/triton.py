@@ -319,10 +319,8 @@ def _effective_config(cfg: GemmConfig, a_fp8: torch.Tensor, b_fp8: torch.Tensor)
     """``cfg``, with a TMA variant replaced by its pointer twin where TMA cannot load the data."""
     if cfg.uses_tma and not (_tma_ok(a_fp8) and _tma_ok(b_fp8)):
         twin = "persistent" if cfg.persistent else "tiled"
-        # A warp-specialized tile spread over two 4-warp consumers: one program of twice the
-        # warps holds its accumulators in the pointer twin.
-        warps = 2 * cfg.num_warps if cfg.warp_specialized and cfg.block_m >= 128 else cfg.num_warps
-        return dataclasses.replace(cfg, variant=twin, num_warps=min(warps, 8))
+        # (a warp-specialized tile's accumulators, spread over its consumers, on as many warps)
+        return dataclasses.replace(cfg, variant=twin, num_warps=min(cfg.consumer_warps, 8))
     return cfg
 
 
