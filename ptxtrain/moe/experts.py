@@ -164,27 +164,17 @@ class Experts(nn.Module):
         W[e] and of W[e]ᵀ (None, None without dgrad), kept while the weight is unchanged so the
         micro-batches of one step quantize it once (None: ``cfg.cache_weight_fp8`` is off).
 
-        The key holds the weight's storage address and in-place version counter (bumped by the
-        optimizer's in-place update and by ``load_state_dict``'s copy), the process's optimizer
-        step count (torch's fused optimizers update in place without bumping the version:
-        :func:`ptxtrain.nn.fp8_linear.optimizer_step_count`), its shape, dtype and device, and
-        the scale rule; a changed key requantizes. The entry holds an alias of the
-        quantized storage, so a storage swapped in later (``w.data = ...``, :meth:`keep_experts_`)
-        cannot reuse its address. (In-place writes through ``w.data`` bypass the version counter,
-        as for :class:`ptxtrain.nn.Fp8Linear`'s cache.)
+        The key is :func:`ptxtrain.nn.fp8_linear.weight_cache_key`'s (as for
+        :class:`ptxtrain.nn.Fp8Linear`); a changed key requantizes. The entry holds an alias of
+        the quantized storage, so a storage swapped in later (``w.data = ...``,
+        :meth:`keep_experts_`) cannot reuse its address.
         """
-        if not cfg.cache_weight_fp8 or not (cfg.fprop or cfg.dgrad):
-            return None
-        w = getattr(self, name)
-        try:
-            version = w._version
-        except RuntimeError:  # inference tensors keep no version counter: don't cache
-            return None
-        from ptxtrain.nn.fp8_linear import optimizer_step_count
+        from ptxtrain.nn.fp8_linear import weight_cache_key
 
-        steps = optimizer_step_count()
-        key = (w.data_ptr(), version, steps, tuple(w.shape), w.dtype, w.device, cfg.pow2_scale)
-        key += (cfg.dgrad,)
+        w = getattr(self, name)
+        key = weight_cache_key(w, cfg)
+        if key is None:
+            return None
         cache = self.__dict__.setdefault("_fp8_weight_cache", {})
         hit = cache.get(name)
         if hit is not None and hit[0] == key:

@@ -142,11 +142,30 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-def optimizer_step_count() -> int:
-    """Steps taken so far by any ``torch.optim.Optimizer`` in this process: a weight cache keyed
-    on it (with the weight's address and version counter) also sees the in-place updates of
-    torch's fused optimizers, which leave the version counter unchanged."""
-    return _optimizer_steps
+def weight_cache_key(w: torch.Tensor, cfg: Fp8LinearConfig) -> tuple | None:
+    """The key under which a weight's cached FP8 quantization stays valid, or None when it must
+    not be cached (``cfg.cache_weight_fp8`` off, no FP8 GEMM reads W, or an inference tensor,
+    which keeps no version counter). Used by :class:`Fp8Linear` and ``moe.Experts``.
+
+    The key is the weight's storage address, in-place version counter, the process's optimizer
+    step count, shape, dtype, device and the config's scale rule and dgrad flag (the cached
+    entry holds Wᵀ's quantization only with dgrad). An optimizer's in-place update (and
+    ``load_state_dict``'s copy) bumps the version; torch's fused optimizers (``Adam(fused=True)``
+    etc.) do not, but count as a step; assigning new data (``weight.data = ...``) changes the
+    address, which cannot be the old one while the cache holds an alias of the old storage. So a
+    stale copy is never used. (In-place writes through ``weight.data`` outside an optimizer step
+    are not seen: don't combine them with the cache.)
+    """
+    if not cfg.cache_weight_fp8 or not (cfg.fprop or cfg.dgrad):
+        return None
+    try:
+        version = w._version
+    except RuntimeError:
+        return None
+    return (
+        w.data_ptr(), version, _optimizer_steps, tuple(w.shape), w.dtype, w.device,
+        cfg.pow2_scale, cfg.dgrad,
+    )  # fmt: skip
 
 
 def _resolve_config(config: Fp8LinearConfig | str | None) -> Fp8LinearConfig:
@@ -384,35 +403,13 @@ class Fp8Linear(nn.Linear):
 
     def _quantized_weight(self) -> tuple | None:
         """``(w_fp8, sf, wt_fp8, sf_t)``: W's 128x128 quantization and Wᵀ's (None, None without
-        dgrad), cached while the weight is unchanged (None: don't cache).
-
-        The key is the weight's storage address, in-place version counter, the process's
-        optimizer step count (:func:`optimizer_step_count`: torch's fused optimizers update in
-        place without bumping the version), shape, dtype, device and the config's scale rule and
-        dgrad flag: an optimizer's in-place update (and ``load_state_dict``'s copy) bumps the
-        version, assigning new data (``weight.data = ...``) changes the address — which cannot
-        be the old one, since the cache holds an alias of the quantized storage — so a stale copy
-        is never used. (In-place writes through ``weight.data`` outside an optimizer step bypass
-        the version counter and are not seen: don't combine them with the cache.)
-        """
+        dgrad), cached while the weight is unchanged (:func:`weight_cache_key`; None: don't
+        cache)."""
         cfg = self.config
-        if not cfg.cache_weight_fp8 or not (cfg.fprop or cfg.dgrad):
-            return None
         w = self.weight
-        try:
-            version = w._version
-        except RuntimeError:  # inference tensors keep no version counter: don't cache
+        key = weight_cache_key(w, cfg)
+        if key is None:
             return None
-        key = (
-            w.data_ptr(),
-            version,
-            _optimizer_steps,
-            tuple(w.shape),
-            w.dtype,
-            w.device,
-            cfg.pow2_scale,
-            cfg.dgrad,  # (the cached entry holds Wᵀ's quantization only with dgrad)
-        )
         if key != self._weight_fp8_key:
             with torch.no_grad():
                 if cfg.dgrad:
