@@ -559,44 +559,30 @@ def _check_split(kind, m, n, k, out_dtype, accumulate, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma_store", [False, True])
-def test_gpu_repeated_runs_are_bitwise_equal(tma_store):
-    # The double-accumulator kernel adds its FP32 block products in a fixed order, so runs on
+@pytest.mark.parametrize(
+    "cfg,n,k",
+    [
+        # K = 512 keeps the row-scale reads after the wgmma wait, where the stage race lived
+        (ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=False), 32768, 512),
+        (ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True), 32768, 512),
+        (ptx.PtxConfig(256, 128, 3, 2, tma_store=True), 2112, 512),  # B multicast to a CTA pair
+        (ptx.PtxConfig(64, 64, 3, 2, multicast_a=True), 2112, 512),  # A multicast
+        # split-tail fixup (K = 7168: 56 K blocks, whole chunks to cut the partial wave into)
+        (ptx.PtxConfig(128, 128, 3, 1, double_acc=True, split_k=True), 2112, 7168),
+    ],
+    ids=["direct", "tma-store", "cluster2-b", "cluster2-a", "split"],
+)
+def test_gpu_repeated_runs_are_bitwise_equal(cfg, n, k):
+    # Each kernel adds its FP32 block products (and split slices) in a fixed order, so runs on
     # the same operands must agree bitwise. A race between a math warp's shared-memory reads of
     # a stage's scales and the producer's next TMA into that stage broke this (8 rows x 128
-    # columns of one tile; benchmarks/results/2026-11-22-s12-h200/call15). K = 512 keeps the
-    # row-scale reads after the wgmma wait, where the race lives; with the release fence removed
-    # (PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE) such runs differed, see call19 there.
-    m, n, k = 4096, 32768, 512
+    # columns of one tile; benchmarks/results/2026-11-22-s12-h200/call15; with the release fence
+    # removed, PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE, such runs differed, see call19 there). The
+    # cluster cases reuse stages across a CTA pair (a peer's multicast overwrites a stage only
+    # after both CTAs released it, by remote arrives) and the split case hands the workspace
+    # between CTAs; few stages recycle them fast (session 13's review of these paths).
+    m = 4096
     x, w = _inputs(m, n, k, seed=11)
-    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
-    cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=tma_store)
-    first = ptx.run_with_config("1d2d", qa, qb, cfg, torch.float32)
-    differing = [
-        int((ptx.run_with_config("1d2d", qa, qb, cfg, torch.float32) != first).sum())
-        for _ in range(40)
-    ]
-    assert not any(differing), f"runs differing from the first: {differing}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "cfg,k",
-    [
-        (ptx.PtxConfig(256, 128, 3, 2, tma_store=True), 512),  # B multicast to the CTA pair
-        (ptx.PtxConfig(64, 64, 3, 2, multicast_a=True), 512),  # A multicast
-        # split-tail fixup (K = 7168: 56 K blocks, whole chunks to cut the partial wave into)
-        (ptx.PtxConfig(128, 128, 3, 1, double_acc=True, split_k=True), 7168),
-    ],
-    ids=["cluster2-b", "cluster2-a", "split"],
-)
-def test_gpu_repeated_runs_clusters_and_split(cfg, k):
-    # Stage reuse across a CTA pair (a peer's multicast overwrites a stage only after both CTAs
-    # released it, by remote arrives) and the split tail's workspace hand-off between CTAs: few
-    # stages recycle them fast, and 40 runs must agree bitwise (a fixed order of FP32 additions
-    # in every tile and slice; session 13's review of these paths).
-    m, n = 4096, 2112
-    x, w = _inputs(m, n, k, seed=12)
     qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
     first = ptx.run_with_config("1d2d", qa, qb, cfg, torch.float32)
     _check(first, x.double() @ w.double().t(), m, n, k, f"repeated {cfg}")
