@@ -67,6 +67,7 @@ def main() -> None:
     name = "fp8_gemm_nt" if args.kind == "1d2d" else "fp8_gemm_nt_1d1d"
     base_fn, triton_fn = getattr(cublas, name), getattr(triton_gemm, name)
     rows = []
+    env = environment()
     for item in args.shapes:
         m, n, k = (int(v) for v in item.split(","))
         want, qa, qb = random_problem(m, n, k, args.kind)
@@ -78,6 +79,7 @@ def main() -> None:
             f" | triton-heuristic {heur_us:8.1f} {base_us / heur_us:.3f}"
         )
         for vname, cfg in variants:
+            print(f"  {m} {n} {k} {vname}: compiling and checking", flush=True)
             try:
                 got = triton_gemm._gemm(args.kind, qa, qb, None, out_dtype, False, cfg)
                 diff = calc_diff(got.float(), want)
@@ -103,10 +105,10 @@ def main() -> None:
             for r in rows[-len(variants) :]:
                 if r["error"]:
                     print(f"  {r['variant']}: {r['error']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            record = {"env": environment(), "bench": "ab_triton", "kind": args.kind, "rows": rows}
-            json.dump(record, f)
+        if args.json:  # rewritten after every shape: a later hang or time limit keeps the rest
+            with open(args.json, "w") as f:
+                record = {"env": env, "bench": "ab_triton", "kind": args.kind, "rows": rows}
+                json.dump(record, f)
 
 
 if __name__ == "__main__":

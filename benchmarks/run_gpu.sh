@@ -156,12 +156,16 @@ for stage in $stages; do
       v_ws="ws128:128x128w4s4g8:tma_ws ws128p:128x128w4s4g8:tma_ws_persistent:p1"
       v_ws="$v_ws ws128s5:128x128w4s5g8:tma_ws ws64:64x128w4s4g8:tma_ws"
       shapes="4096,2112,7168 4096,24576,1536 4096,32768,512 4096,7168,16384 4096,4096,7168 4096,7168,2048"
-      python3 -m benchmarks.ab_triton --shapes ${ABT_SHAPES:-$shapes} --variants ${ABT_VARIANTS:-$v_ws} \
-        --json "$OUT/ab_triton_1d2d_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" || status=1
+      # Each kind runs under `timeout` (ABT_TIMEOUT s, default 240): a config that hangs the GPU
+      # ends its process; the JSON is rewritten after every shape, so finished shapes are kept.
       wshapes="7168,2112,4096 1536,24576,4096 512,32768,4096 16384,7168,4096 7168,4096,4096 2048,7168,4096"
-      python3 -m benchmarks.ab_triton --kind 1d1d --shapes ${ABT_WSHAPES:-$wshapes} \
-        --variants ${ABT_VARIANTS:-$v_ws} \
-        --json "$OUT/ab_triton_1d1d_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" || status=1
+      for kind in 1d2d 1d1d; do
+        if [ $kind = 1d2d ]; then s=${ABT_SHAPES:-$shapes}; else s=${ABT_WSHAPES:-$wshapes}; fi
+        timeout ${ABT_TIMEOUT:-240} python3 -m benchmarks.ab_triton --kind $kind --shapes $s \
+          --variants ${ABT_VARIANTS:-$v_ws} --json "$OUT/ab_triton_${kind}_${PTXTRAIN_GIT_SHA:-local}.json" \
+          2>&1 | grep -v "^W" | tee "$LOGS/ab_triton_$kind.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done
       ;;
     race)
       # Repeatability of the double-accumulator kernel (benchmarks.diag_race): 40 runs compared
