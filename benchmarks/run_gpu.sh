@@ -2,7 +2,7 @@
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
-#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [abtriton] [wgrad] [race]
+#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [abtriton] [probews] [wgrad] [race]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvldiag] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
@@ -166,6 +166,11 @@ for stage in $stages; do
           2>&1 | grep -v "^W" | tee "$LOGS/ab_triton_$kind.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
       done
+      ;;
+    probews)
+      # Does Triton's warp specialization hang, ours or Triton's own (benchmarks.probe_triton_ws)?
+      python3 -m benchmarks.probe_triton_ws --json "$OUT/probe_triton_ws_${PTXTRAIN_GIT_SHA:-local}.json" \
+        2>&1 | grep -v "^W" || status=1
       ;;
     race)
       # Repeatability of the double-accumulator kernel (benchmarks.diag_race): 40 runs compared

@@ -31,8 +31,9 @@ on the K loop, or on the tile loop when persistent). Triton's documentation says
 but 3.6 runs its Hopper pass (``nvgpu-warp-specialization``) for sm_90 too: with 4 warps it
 splits the program into a TMA producer warpgroup and two consumer warpgroups of half a tile
 each (``setmaxnreg`` 40 / 232; 128x128 tiles do not spill), DeepGEMM's structure, where one
-consumer's promotion overlaps the other's WGMMAs (checked at compile time on CPU; speed not
-yet measured, so the heuristics do not choose them).
+consumer's promotion overlaps the other's WGMMAs (checked at compile time on CPU). On an H200
+their first launch never finished (1D2D and 1D1D, M = 4096, killed after 200 s), so on a GPU
+they raise NotImplementedError unless ``PTXTRAIN_TRITON_WS=1``; the heuristics never choose them.
 The config is :func:`ptxtrain.gemm.heuristics.select_config`'s (rules from measurements, see
 there) unless the caller passes one, or ``config="autotune"``, which times the candidates of
 :func:`ptxtrain.gemm.heuristics.autotune_configs` once per ``(kind, M bucket, N, K, ...)``.
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Callable
 
@@ -80,6 +82,9 @@ from ptxtrain.gemm.heuristics import (
 from ptxtrain.gemm.ref import Operand, validate_1d1d, validate_1d2d
 
 __all__ = ["fp8_gemm_nt", "fp8_gemm_nt_1d1d", "is_interpreted"]
+
+# Opt-in for launching the warp-specialized variants on a GPU (they hang there; see _gemm_checked).
+WS_ENV = "PTXTRAIN_TRITON_WS"
 
 _INT32_MAX = 2**31 - 1
 
@@ -452,6 +457,12 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
         cfg = _autotuned_config(kind, a_fp8, sf_a, b_fp8, sf_b, out, accumulate, num_sms)
     else:
         cfg = config
+    if cfg.warp_specialized and a_fp8.device.type == "cuda" and os.environ.get(WS_ENV) != "1":
+        raise NotImplementedError(
+            f"config={cfg}: the warp-specialized Triton variants ({cfg.variant!r}) hang on sm_90 "
+            f"with Triton 3.6 (measured on an H200: the first launch never finished, 1D2D and "
+            f"1D1D); they compile but are not launched unless {WS_ENV}=1 (diagnostics only)"
+        )
     if a_fp8.device.type == "cuda":
         with torch.cuda.device(a_fp8.device):
             _launch(kind, a_fp8, sf_a, b_fp8, sf_b, out, accumulate, cfg, num_sms)
