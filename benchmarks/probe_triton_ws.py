@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 _PLAIN = r"""
 import torch, triton, triton.language as tl
@@ -65,11 +66,16 @@ print("RESULT", "ok" if d < 1e-3 else "wrong", d)
 
 
 def _run(code: str, timeout: float) -> dict:
+    # A file, not ``-c``: ``@triton.jit`` reads the function's source from its file.
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, f.name], capture_output=True, text=True,
                            timeout=timeout, env=os.environ.copy())  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"status": "hang", "detail": f"no result in {timeout} s"}
+    finally:
+        os.unlink(f.name)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT"):
             _, status, value = line.split()
@@ -81,6 +87,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--timeout", type=float, default=45.0)
     p.add_argument("--json")
+    p.add_argument("--only", nargs="*", help="case names to run (default: all)")
     args = p.parse_args()
     cases = {
         "plain_fp16": "WS = False\n" + _PLAIN,
@@ -91,6 +98,8 @@ def main() -> None:
             cases[f"ours_{kind}_{variant}"] = f"KIND = {kind!r}; VARIANT = {variant!r}\n" + _OURS
     rows = {}
     for name, code in cases.items():
+        if args.only and name not in args.only:
+            continue
         rows[name] = _run(code, args.timeout)
         print(f"{name:28s} {rows[name]['status']:6s} {rows[name]['detail']}", flush=True)
     if args.json:

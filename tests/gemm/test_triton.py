@@ -452,6 +452,13 @@ def test_gpu_every_variant(variant, kind, m, n, k):
     qa, qb = _quantize(x, w, kind)
     cfg = select_config(m, n, k, kind, variant=variant)
     out = torch.full((m, n), float("nan"), device="cuda")
+    if cfg.warp_specialized and os.environ.get(tg.WS_ENV) != "1":
+        # Triton 3.6's Hopper warp specialization hangs (1D2D) or faults (1D1D) on these kernels
+        # (benchmarks.probe_triton_ws): refused before launch, out untouched.
+        with pytest.raises(NotImplementedError, match=tg.WS_ENV):
+            tg._gemm(kind, qa, qb, out, torch.float32, False, cfg)
+        assert out.isnan().all()
+        return
     tg._gemm(kind, qa, qb, out, torch.float32, False, cfg)
     diff = _oracle_diff(out, x, w)
     assert diff < CALC_DIFF_MAX, f"{kind} {variant} {m=}, {n=}, {k=}, {diff=:.2e}"
