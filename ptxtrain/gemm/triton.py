@@ -32,8 +32,10 @@ but 3.6 runs its Hopper pass (``nvgpu-warp-specialization``) for sm_90 too: with
 splits the program into a TMA producer warpgroup and two consumer warpgroups of half a tile
 each (``setmaxnreg`` 40 / 232; 128x128 tiles do not spill), DeepGEMM's structure, where one
 consumer's promotion overlaps the other's WGMMAs (checked at compile time on CPU). On an H200
-their first launch never finished (1D2D and 1D1D, M = 4096, killed after 200 s), so on a GPU
-they raise NotImplementedError unless ``PTXTRAIN_TRITON_WS=1``; the heuristics never choose them.
+they hang (1D2D) or fault with an illegal address (1D1D), and so does a minimal bf16 Triton GEMM
+once its K loop is warp-specialized (``benchmarks.probe_triton_ws``): Triton's own tutorials keep
+warp specialization off before Blackwell (triton-lang/triton PR #7108). So on a GPU they raise
+NotImplementedError unless ``PTXTRAIN_TRITON_WS=1``; the heuristics never choose them.
 The config is :func:`ptxtrain.gemm.heuristics.select_config`'s (rules from measurements, see
 there) unless the caller passes one, or ``config="autotune"``, which times the candidates of
 :func:`ptxtrain.gemm.heuristics.autotune_configs` once per ``(kind, M bucket, N, K, ...)``.
