@@ -50,12 +50,13 @@ KINDS = ("1d2d", "1d1d")
 #   FP32 promotion, its stores), so one consumer's promotion overlaps the other's WGMMAs inside
 #   one program (128-row tiles: 64 rows each; 64-row tiles are partitioned too, each consumer
 #   issuing 64xBN WGMMAs, how they share the tile is Triton's). ``num_warps`` (4) is each
-#   partition's; the program runs 12 warps. Neither the rules below nor the autotuner's default
-#   list choose them until measured (the compile-only test checks the partition and no spills).
+#   partition's; the program runs 12 warps. They compile (the compile-only test checks the
+#   partition and no spills) but hang or fault on an H200, as Triton's own minimal WS GEMM does
+#   (session 14), so the launcher refuses them on a GPU and nothing here chooses them.
 VARIANTS = ("tiled", "persistent", "tma", "tma_persistent", "tma_ws", "tma_ws_persistent")
 _WS_VARIANTS = ("tma_ws", "tma_ws_persistent")
 _PERSISTENT_VARIANTS = ("persistent", "tma_persistent", "tma_ws_persistent")
-# What autotune_configs tries by default: every variant but the unmeasured warp-specialized ones.
+# What autotune_configs tries by default: every variant but the warp-specialized ones (above).
 TUNED_VARIANTS = tuple(v for v in VARIANTS if v not in _WS_VARIANTS)
 H100_SMS = 132  # H100 SXM and H200 (DESIGN §6)
 
