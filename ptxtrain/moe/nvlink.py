@@ -53,11 +53,13 @@ rank launches it once per operation, in the same order, as with any collective):
 5. Release ``freed[this rank][b] = epoch`` into every peer's flags.
 
 ``epoch`` is a per-buffer counter incremented on every operation (the same on all ranks since
-operations are collective), so flags only ever grow and are never reset: no reset race. Flags
-start at 0 (zeroed, then a barrier, at construction). Every wait is bounded by ``timeout_s`` of
-SM clock cycles; on expiry the kernel records an error code in a device word and carries on (so
-it never hangs); the host copies that word to pinned memory after each launch and raises at the
-next operation (or at :meth:`NvlinkTransport.check_errors`, which synchronizes).
+operations are collective), so flags only grow between resets, and a reset races with nothing: flags
+start at 0 (zeroed, then a barrier, at construction), and before the int32 epoch would overflow
+(``EPOCH_LIMIT``, about 2^31 operations) every rank synchronizes, meets the others at a barrier,
+zeroes its flags, meets them again and counts from 1. Every wait is bounded by ``timeout_s`` of SM
+clock cycles; on expiry the kernel records an error code in a device word and carries on (so it
+never hangs); the host copies that word to pinned memory after each launch and raises at the next
+operation (or at :meth:`NvlinkTransport.check_errors`, which synchronizes).
 
 Capacity: ``handle.max_rows_per_pair`` (the largest count between any two ranks, known to every
 rank after the count exchange) must fit ``cap`` for the payload's row size, checked identically
@@ -179,6 +181,8 @@ UNROLLS = (1, 2, 4, 8)
 _FLAG_ALIGN = 256
 # the kernel's parameters for ptxtrain.jit.BoundLaunch (p pointer, i int32, q int64)
 _SIGNATURE = "ppipipppiiiqqiqpipi"
+# The epoch after which the flags are zeroed and the count restarts (an int32 kernel argument).
+EPOCH_LIMIT = 2**31 - 2
 MAX_RANKS = 8  # the fused combine's limit (PTXTRAIN_NVL_MAX_RANKS): the GPUs of one node
 # Error codes written by the kernel (the host message names them).
 _ERRORS = {1: "waiting for peers to free their buffers", 2: "waiting for peers' rows"}
@@ -717,12 +721,26 @@ class NvlinkTransport:
         # at an offset into it (torch's symmetric-memory pool), the same offset on every rank.
         ptrs = [int(p) for p in self.symm.buffer_ptrs]
         offset = self.buffer.data_ptr() - ptrs[self.rank]
+        # Checked, not assumed: a different offset on a peer would make every write to it land
+        # elsewhere in its buffer (all ranks see the same gathered list, so all raise).
+        offsets = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in ptrs]
+        dist.all_gather(offsets, torch.tensor([offset], device=self.device), group=group)
+        if any(int(o) != offset for o in offsets):
+            raise RuntimeError(
+                f"the symmetric-memory buffer starts at different offsets into the ranks' "
+                f"allocations ({[int(o) for o in offsets]}); the nvlink backend needs them equal"
+            )
         self.peer_bases = torch.tensor(
             [p + offset for p in ptrs], dtype=torch.int64, device=self.device
         )
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
         self.epoch = 0
+        # The kernels compare flags with the int32 epoch (``>=``): before it would overflow, every
+        # rank zeroes its flags and counts again from 1 (_restart_epochs). All ranks run the same
+        # operations, so they restart at the same one. An attribute, so tests can lower it.
+        self.epoch_limit = EPOCH_LIMIT
+        self.epoch_restarts = 0
         self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._error_host = torch.zeros(1, dtype=torch.int32).pin_memory()
         self._error_event: torch.cuda.Event | None = None
@@ -894,6 +912,20 @@ class NvlinkTransport:
                   self.send_sms)  # fmt: skip
         return out
 
+    def _restart_epochs(self) -> None:
+        """Zero this rank's flags and restart the sequence numbers at 1, on every rank together.
+
+        The first barrier waits until no launch of any rank is running (each rank synchronizes
+        its device first), so no peer still writes into these flags; the second, until every
+        rank has zeroed its own, so no rank's next launch reads a peer's stale flag."""
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self.buffer[: self.data_offset].zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self.epoch = 0
+        self.epoch_restarts += 1
+
     def _run(self, launch, src, send_row, out, num_out, send_off, recv_off, stride16, senders,
              slot_ptr=0, hidden=0) -> None:  # fmt: skip
         """One launch of the kernel (``launch``: a BoundLaunch of ``_SIGNATURE``, a few µs of
@@ -909,6 +941,8 @@ class NvlinkTransport:
                 "the nvlink dispatch/combine kernel cannot be captured into a CUDA graph (each "
                 "operation has its own sequence number); use backend='all_to_all' under capture"
             )
+        if self.epoch >= self.epoch_limit:
+            self._restart_epochs()
         epoch = self.epoch + 1  # (counted once launched: a failed launch leaves it unchanged)
         launch(
             self.num_sms,

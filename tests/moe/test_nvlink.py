@@ -213,6 +213,21 @@ def _check_stale_reads(ref, buf, rank, world, iters=24):
         assert torch.equal(fg[0][1], fw[0][1]), f"iteration {it}: fp8 scales"
 
 
+def _check_epoch_restart(ref, rank, world):
+    """The int32 sequence number restarts (flags zeroed on every rank) before it overflows: with
+    the limit lowered to 5, the stale-read loop (at least 3 kernel launches per iteration: two
+    dispatches and a combine) crosses many restarts, and every output must still match the
+    all_to_all backend's."""
+    for knobs in ({}, dict(nvl_pipeline=False, nvl_send_sms=0)):
+        buf = Buffer(backend="nvlink", num_sms=24, num_nvl_bytes=64 << 20, **knobs)
+        t = buf._transport
+        t.epoch_limit = 5
+        _check_stale_reads(ref, buf, rank, world, iters=12)
+        assert t.epoch_restarts >= 6 and 1 <= t.epoch <= 5, (t.epoch_restarts, t.epoch)
+        buf.check_errors()
+        dist.barrier()
+
+
 def _check_async(ref, buf, rank, world):
     e, hidden = 8 * world, 2048
     g = torch.Generator(device="cuda").manual_seed(7 + rank)
@@ -345,6 +360,7 @@ def _gpu_worker(rank: int, world: int) -> None:
         _check_host_syncs(buf, rank, world)
         buf.check_errors()  # waits for the last kernel
         dist.barrier()  # no rank frees a buffer a peer still writes to
+    _check_epoch_restart(ref, rank, world)
     _check_async(ref, buf, rank, world)
     _check_async(ref, ref, rank, world)  # async all_to_all on NCCL too
     _check_capacity(rank, world)
