@@ -8,6 +8,7 @@ A variant is ``NAME:TILE:VARIANT[:pN]``: ``TILE`` is ``BMxBNwWARPSsSTAGESgGROUP_
 :class:`ptxtrain.gemm.heuristics.GemmConfig`), ``VARIANT`` one of
 :data:`ptxtrain.gemm.heuristics.VARIANTS`, ``pN`` the programs per SM of a persistent variant
 (default 1). ``--kind 1d1d`` times the wgrad kernel (fp32 out) against cuBLAS 1D1D.
+``NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK`` times the Gluon kernel (:mod:`ptxtrain.gemm.gluon`).
 """
 
 # ruff: noqa: B023
@@ -27,15 +28,24 @@ from ptxtrain.gemm.heuristics import VARIANTS, GemmConfig
 from ptxtrain.testing import calc_diff
 
 _TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)g(\d+)")
+_GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)")
 
 
-def parse_variant(text: str) -> tuple[str, GemmConfig]:
+def parse_variant(text: str) -> tuple[str, object]:
     """``"ws:128x128w4s4g8:tma_ws_persistent:p1"`` -> (name, GemmConfig).
 
     Raises:
         ValueError: a malformed item, an unknown variant, or a config GemmConfig refuses.
     """
     parts = text.split(":")
+    if len(parts) == 3 and parts[1] == "gluon":
+        from ptxtrain.gemm.gluon import GluonConfig
+
+        t = _GLUON.fullmatch(parts[2])
+        if t is None:
+            raise ValueError(f"variant {text!r}: expected NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK")
+        bm, bn, warps, stages, chunk = (int(v) for v in t.groups())
+        return parts[0], GluonConfig(bm, bn, warps, stages, chunk)
     if len(parts) not in (3, 4):
         raise ValueError(f"variant {text!r}: expected NAME:TILE:VARIANT[:pN]")
     name, tile, variant, *rest = parts
@@ -80,18 +90,26 @@ def main() -> None:
         )
         for vname, cfg in variants:
             print(f"  {m} {n} {k} {vname}: compiling and checking", flush=True)
+            if isinstance(cfg, GemmConfig):
+
+                def run():
+                    return triton_gemm._gemm(args.kind, qa, qb, None, out_dtype, False, cfg)
+            else:
+                from ptxtrain.gemm import gluon
+
+                def run():
+                    return gluon.fp8_gemm(args.kind, qa, qb, None, out_dtype, False, cfg)
+
             try:
-                got = triton_gemm._gemm(args.kind, qa, qb, None, out_dtype, False, cfg)
+                got = run()
                 diff = calc_diff(got.float(), want)
-                us = timer(
-                    lambda: triton_gemm._gemm(args.kind, qa, qb, None, out_dtype, False, cfg)
-                )
+                us = timer(run)
                 error = None
             except Exception as e:  # a config Triton cannot compile or launch: record, go on
                 diff, us, error = float("nan"), None, f"{type(e).__name__}: {e}"[:300]
             ok = diff < 1e-3  # the GEMM contract (DESIGN §2): FP8 inputs, FP32 promotion
             rows.append(
-                dict(m=m, n=n, k=k, variant=vname, cfg=cfg.__dict__, us=us, cublas_us=base_us,
+                dict(m=m, n=n, k=k, variant=vname, cfg=dict(type=type(cfg).__name__, **cfg.__dict__), us=us, cublas_us=base_us,
                      triton_heuristic_us=heur_us, x_cublas=base_us / us if us else None,
                      x_heuristic=heur_us / us if us else None, calc_diff=diff, ok=ok,
                      error=error)

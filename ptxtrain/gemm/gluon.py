@@ -1,0 +1,330 @@
+"""Block-scaled FP8 GEMMs in Gluon (Triton's explicit-layout dialect), sm_90 only.
+
+Design note. The Triton kernels (``ptxtrain.gemm.triton``) stop at about 0.78x cuBLAS at
+M = 4096 because Triton 3.6 waits for each block's WGMMAs before the FP32 promotion reads them
+(``wgmma.wait_group 0`` after every ``tl.dot``, even with two dots per iteration or a lagged
+promotion: checked in the PTX), and its automatic warp specialization, which would split
+the two, hangs or faults on sm_90. Gluon exposes the WGMMA wait itself, so this kernel gives
+each program the structure of DeepGEMM's math warpgroups inside one partition:
+
+- a ``NUM_STAGES``-deep ring of A [BM, 128] / B [BN, 128] tiles in shared memory, filled by TMA,
+  one mbarrier per stage;
+- two block accumulators ``X`` and ``Y`` that alternate between even and odd K blocks: block
+  ``kb``'s WGMMAs are issued asynchronously, then ``warpgroup_mma_wait(1)`` returns block
+  ``kb - 1``'s result while ``kb``'s still runs, and that result is promoted
+  (``acc += blk * sf_a[:, None] * sf_b``) on the CUDA cores under the running WGMMAs;
+- the stage of block ``kb - 1`` is refilled (block ``kb - 1 + NUM_STAGES``) as soon as its
+  WGMMAs are known complete, by the same warps.
+
+The K loop runs over pairs of blocks so ``X`` and ``Y`` keep their registers (a loop-carried
+swap would need register moves of in-flight accumulators, which ptxas serializes). An odd
+number of K blocks is padded with one block past K: TMA fills it with zeros and its scales
+load as 0. The output is stored through pointers with masks (any strides, M / N tails).
+Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-V3 §3.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+BLOCK_K = gl.constexpr(128)  # one 1x128 / 128x128 scale block per K step
+
+
+@gluon.jit
+def _promote(acc, blk, sfa_ptrs, sfb_ptrs, kb, stride_sfa_k, stride_sfb_k,
+             PER_COL: gl.constexpr):  # fmt: skip
+    """acc + blk · sf_a[:, kb] · sf_b[·, kb] (FP32 promotion of one 128-K block)."""
+    sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
+    sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+    if PER_COL:
+        return acc + (blk * sfa[:, None]) * sfb[None, :]
+    else:
+        return acc + blk * (sfa * sfb)[:, None]
+
+
+@gluon.jit
+def _issue_load(a_desc, b_desc, a_ring, b_ring, ready, kb, off_m, off_n, pred,
+                NUM_STAGES: gl.constexpr):  # fmt: skip
+    """TMA loads of K block ``kb`` into its stage (predicated: no branch in the K loop)."""
+    s = kb % NUM_STAGES
+    bar = ready.index(s)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], bar, a_ring.index(s), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [off_n, kb * BLOCK_K], bar, b_ring.index(s), pred=pred)
+
+
+@gluon.jit
+def _gemm_kernel(
+    a_desc,
+    b_desc,
+    sfa_ptr,
+    sfb_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_sfa_m,
+    stride_sfa_k,
+    stride_sfb_n,
+    stride_sfb_k,
+    stride_om,
+    stride_on,
+    SFB_PER_COL: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CHUNK: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    # Grouped rasterization: GROUP_M tile rows share their B tiles in L2.
+    pid = gl.program_id(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    rows = off_m + gl.arange(0, BLOCK_M, layout=rows_l)
+    cols = off_n + gl.arange(0, BLOCK_N, layout=cols_l)
+    sfa_ptrs = sfa_ptr + gl.where(rows < M, rows, 0) * stride_sfa_m
+    if SFB_PER_COL:  # 1D1D: one scale per column of the tile
+        sfb_ptrs = sfb_ptr + gl.where(cols < N, cols, 0) * stride_sfb_n
+    elif BLOCK_K % BLOCK_N != 0:  # 1D2D, a tile that may span two 128-row blocks of B
+        sfb_ptrs = sfb_ptr + (gl.where(cols < N, cols, 0) // BLOCK_K) * stride_sfb_n
+    else:  # 1D2D, the tile lies in one 128-row block of B
+        sfb_ptrs = sfb_ptr + (off_n // BLOCK_K) * stride_sfb_n
+
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+
+    PER_COL: gl.constexpr = SFB_PER_COL or (BLOCK_K % BLOCK_N != 0)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    for s in gl.static_range(NUM_STAGES):
+        _issue_load(a_desc, b_desc, a_ring, b_ring, ready, s, off_m, off_n, s < k_steps,
+                    NUM_STAGES)  # fmt: skip
+
+    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma_layout)
+    x = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma_layout)
+    y = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma_layout)
+    # Chunks of CHUNK blocks, unrolled, with X / Y alternating: block i's WGMMAs are issued,
+    # then wait_group 1 retires block i - 1 alone, which is promoted under block i's WGMMAs.
+    # The chunk's last block is drained (wait_group 0) at its end: ptxas serializes every
+    # WGMMA of a kernel in which one stays in flight across a loop's back edge (C7514).
+    n_chunks = k_steps // CHUNK
+    for c in range(n_chunks):
+        for i in gl.static_range(CHUNK):
+            kb = c * CHUNK + i
+            st = kb % NUM_STAGES
+            mbarrier.wait(ready.index(st), (kb // NUM_STAGES) & 1)
+            b_tile = b_ring.index(st).permute((1, 0))
+            if i % 2 == 0:
+                x = warpgroup_mma(a_ring.index(st), b_tile, x, use_acc=False, is_async=True)
+                if i > 0:
+                    y = warpgroup_mma_wait(num_outstanding=1, deps=(y,))
+                    acc = _promote(acc, y, sfa_ptrs, sfb_ptrs, kb - 1, stride_sfa_k,
+                                   stride_sfb_k, PER_COL)  # fmt: skip
+            else:
+                y = warpgroup_mma(a_ring.index(st), b_tile, y, use_acc=False, is_async=True)
+                x = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
+                acc = _promote(acc, x, sfa_ptrs, sfb_ptrs, kb - 1, stride_sfa_k, stride_sfb_k,
+                               PER_COL)  # fmt: skip
+            if i > 0:  # block kb - 1's WGMMAs are done: its stage takes block kb - 1 + STAGES
+                nxt = kb - 1 + NUM_STAGES
+                _issue_load(a_desc, b_desc, a_ring, b_ring, ready, nxt, off_m, off_n,
+                            nxt < k_steps, NUM_STAGES)  # fmt: skip
+        kb = c * CHUNK + CHUNK - 1
+        if (CHUNK - 1) % 2 == 0:
+            x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
+            acc = _promote(acc, x, sfa_ptrs, sfb_ptrs, kb, stride_sfa_k, stride_sfb_k,
+                           PER_COL)  # fmt: skip
+        else:
+            y = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
+            acc = _promote(acc, y, sfa_ptrs, sfb_ptrs, kb, stride_sfa_k, stride_sfb_k,
+                           PER_COL)  # fmt: skip
+        nxt = kb + NUM_STAGES
+        _issue_load(a_desc, b_desc, a_ring, b_ring, ready, nxt, off_m, off_n, nxt < k_steps,
+                    NUM_STAGES)  # fmt: skip
+    # The K blocks past the last whole chunk, one at a time (no overlap).
+    for kb in range(n_chunks * CHUNK, k_steps):
+        st = kb % NUM_STAGES
+        mbarrier.wait(ready.index(st), (kb // NUM_STAGES) & 1)
+        x = warpgroup_mma(a_ring.index(st), b_ring.index(st).permute((1, 0)), x, use_acc=False,
+                          is_async=True)  # fmt: skip
+        x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
+        acc = _promote(acc, x, sfa_ptrs, sfb_ptrs, kb, stride_sfa_k, stride_sfb_k, PER_COL)
+        nxt = kb + NUM_STAGES
+        _issue_load(a_desc, b_desc, a_ring, b_ring, ready, nxt, off_m, off_n, nxt < k_steps,
+                    NUM_STAGES)  # fmt: skip
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    # -- epilogue: masked pointer stores (D += acc for ACCUMULATE).
+    out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if ACCUMULATE:
+        acc = acc + gl.load(out_ptrs, mask=mask, other=0.0)
+    gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_BK = 128  # BLOCK_K on the host
+
+
+def _smem_layout(rows: int) -> gl.NVMMASharedLayout:
+    """128-byte swizzled K-major tile of ``rows`` x 128 fp8 (the layout TMA and WGMMA share)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, _BK], gl.float8e4nv)
+
+
+def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128,
+                      num_warps: int = 8, num_stages: int = 4, chunk: int = 4, out: str = "bf16",
+                      accumulate: bool = False):  # fmt: skip
+    """Compile the kernel for sm_90a without a GPU; returns Triton's ``CompiledKernel``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows):
+        return f"tensordesc<fp8e4nv[{rows}, {_BK}],{_smem_layout(rows)!r}>"
+
+    signature = {
+        "a_desc": desc(block_m),
+        "b_desc": desc(block_n),
+        "sfa_ptr": "*fp32",
+        "sfb_ptr": "*fp32",
+        "out_ptr": f"*{out}",
+        **{name: "i32" for name in ("M", "N", "K")},
+        **{f"stride_{s}": "i32" for s in ("sfa_m", "sfa_k", "sfb_n", "sfb_k", "om", "on")},
+    }
+    constexprs = {
+        "SFB_PER_COL": kind == "1d1d",
+        "ACCUMULATE": accumulate,
+        "GROUP_M": 8,
+        "NUM_STAGES": num_stages,
+        "CHUNK": chunk,
+        "num_warps": num_warps,
+    }
+    src = GluonASTSource(_gemm_kernel, signature, constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonConfig:
+    """Launch configuration of :func:`fp8_gemm`.
+
+    Attributes:
+        block_m: tile rows, 16 x ``num_warps`` (64 with 4 warps, 128 with 8).
+        block_n: tile columns, 64 or 128 (powers of two; 128 leaves ptxas no registers for the
+            three [BM, BN] fp32 tensors and spills).
+        num_warps: 4 or 8.
+        num_stages: shared-memory ring depth (A + B tiles per stage: (BM + BN) x 128 bytes).
+        chunk: K blocks per unrolled chunk (one exposed promotion per chunk).
+        group_m: tile rows per L2 rasterization group.
+
+    Raises:
+        ValueError: a field outside the values above.
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 4
+    chunk: int = 4
+    group_m: int = 8
+
+    def __post_init__(self) -> None:
+        if self.num_warps not in (4, 8) or self.block_m != 16 * self.num_warps:
+            raise ValueError(
+                f"GluonConfig needs num_warps in (4, 8) and block_m = 16 x num_warps, got "
+                f"block_m={self.block_m}, num_warps={self.num_warps}"
+            )
+        if self.block_n not in (64, 128):
+            raise ValueError(f"GluonConfig.block_n must be 64 or 128, got {self.block_n}")
+        if not 2 <= self.num_stages <= 8 or self.chunk not in (2, 4, 8):
+            raise ValueError(
+                f"GluonConfig needs num_stages in [2, 8] and chunk in (2, 4, 8), got "
+                f"{self.num_stages}, {self.chunk}"
+            )
+
+
+def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.bfloat16, accumulate: bool = False,
+             config: GluonConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """``out (+)= (A · sf_a) (B · sf_b)ᵀ`` on sm_90 with the Gluon kernel (experimental).
+
+    Args:
+        kind: ``"1d2d"`` (sf_b [ceil(N/128), ceil(K/128)]) or ``"1d1d"`` (sf_b [N, ceil(K/128)]).
+        a: ``(A [M, K] float8_e4m3fn, K-major, 16-byte aligned rows; sf_a [M, ceil(K/128)]
+            float32, any strides)``.
+        b: ``(B [N, K] float8_e4m3fn, as A; sf_b float32, any strides)``.
+        out: ``[M, N]`` bfloat16 / float32 (any strides), or None for a new ``out_dtype`` one.
+        accumulate: ``out += ...`` (out required).
+        config: a :class:`GluonConfig` (default: 128x64, 8 warps, 4 stages).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: operands not on one CUDA device, not K-major with 16-byte aligned rows, or
+            ``accumulate`` without ``out``.
+
+    The caller has checked the GEMM contract (``ptxtrain.gemm``'s dispatcher does); this
+    entry point checks only what the TMA descriptors need.
+    """
+    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
+    cfg = config or GluonConfig()
+    m, k = a_fp8.shape
+    n = b_fp8.shape[0]
+    for name, t in (("a", a_fp8), ("b", b_fp8)):
+        if t.device.type != "cuda" or t.stride(1) != 1 or (t.stride(0) % 16) or t.data_ptr() % 16:
+            raise ValueError(
+                f"{name} must be a K-major CUDA tensor with 16-byte aligned rows and base for "
+                f"TMA, got device {t.device}, strides {tuple(t.stride())}"
+            )
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out")
+        out = torch.empty((m, n), dtype=out_dtype, device=a_fp8.device)
+    if m == 0 or n == 0 or k == 0:
+        if k == 0 and not accumulate:
+            out.zero_()
+        return out
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    a_desc = TensorDescriptor(a_fp8, list(a_fp8.shape), list(a_fp8.stride()),
+                              [cfg.block_m, _BK], _smem_layout(cfg.block_m))  # fmt: skip
+    b_desc = TensorDescriptor(b_fp8, list(b_fp8.shape), list(b_fp8.stride()),
+                              [cfg.block_n, _BK], _smem_layout(cfg.block_n))  # fmt: skip
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    with torch.cuda.device(a_fp8.device):
+        _gemm_kernel[grid](
+            a_desc, b_desc, sf_a, sf_b, out, m, n, k,
+            sf_a.stride(0), sf_a.stride(1), sf_b.stride(0), sf_b.stride(1),
+            out.stride(0), out.stride(1),
+            SFB_PER_COL=kind == "1d1d", ACCUMULATE=accumulate, GROUP_M=cfg.group_m,
+            NUM_STAGES=cfg.num_stages, CHUNK=cfg.chunk, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return out

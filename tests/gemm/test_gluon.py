@@ -1,0 +1,100 @@
+"""The Gluon FP8 GEMM (``ptxtrain.gemm.gluon``): compile-only structure checks on CPU, and the
+kernel against the reference GEMM and the unquantized product on a GPU."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from ptxtrain.gemm import ref
+from ptxtrain.quant.ref import per_block_cast_to_fp8, per_token_cast_to_fp8
+from ptxtrain.testing import calc_diff
+from tests._sm90 import run_sm90_script
+from tests.gemm._bounds import CALC_DIFF_MAX
+from tests.gemm._inputs import scaled_operands
+
+_COMPILE = """
+from ptxtrain.gemm import gluon
+
+results = {}
+for name, kind, kw in [("1d2d_128x64", "1d2d", dict(block_m=128, block_n=64, num_warps=8)),
+                       # per-column scales of 1D1D: chunks of 2 (4 spill)
+                       ("1d1d_128x64", "1d1d", dict(block_m=128, block_n=64, num_warps=8,
+                                                    out="fp32", accumulate=True, chunk=2)),
+                       ("1d2d_64x64", "1d2d", dict(block_m=64, block_n=64, num_warps=4))]:
+    ck = gluon._compile_for_sm90(kind, **kw)
+    ptx = ck.asm["ptx"]
+    results[name] = {"waits": re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx),
+                     **sass_info(ck.asm["cubin"])}
+    if os.access(_CUOBJDUMP, os.X_OK):
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(ck.asm["cubin"])
+        sass = subprocess.run([_CUOBJDUMP, "-sass", f.name], capture_output=True,
+                              text=True).stdout
+        results[name]["depbar"] = re.findall(r"WARPGROUP\\.DEPBAR\\.LE\\s+gsb0,\\s*(0x\\d+)", sass)
+emit(results)
+"""
+
+
+def test_compile_overlaps_promotion_without_spills(tmp_path):
+    results = run_sm90_script(_COMPILE, tmp_path)
+    assert len(results) == 3, results
+    for name, r in results.items():
+        # Block kb - 1 is retired alone (wait_group 1) while block kb's WGMMAs run.
+        assert "1" in r["waits"], (name, r)
+        if "depbar" in r:  # ptxas kept the overlap (no C7514 serialization: all 0x0 then)
+            assert "0x1" in r["depbar"], (name, r)
+        if "regs" in r:
+            assert r["local"] == 0 and r["stack"] == 0, (name, r)  # no spills
+        if "sass_qgmma" in r:
+            assert any(q.endswith("F32.E4M3.E4M3") for q in r["sass_qgmma"]), (name, r)
+
+
+def test_config_rejects_bad_fields():
+    from ptxtrain.gemm.gluon import GluonConfig
+
+    with pytest.raises(ValueError, match="block_m"):
+        GluonConfig(block_m=64, num_warps=8)
+    with pytest.raises(ValueError, match="block_n"):
+        GluonConfig(block_n=96)
+    with pytest.raises(ValueError, match="chunk"):
+        GluonConfig(chunk=3)
+
+
+def _operands(m, n, k, kind, seed):
+    x, w = scaled_operands(m, n, k, seed, "cuda")
+    qa = per_token_cast_to_fp8(x)
+    qb = per_token_cast_to_fp8(w) if kind == "1d1d" else per_block_cast_to_fp8(w)
+    return x, w, qa, qb
+
+
+# DeepSeek-V3 shapes and awkward ones: M = 1, 13, 129; N, K not multiples of 128 (K a multiple
+# of 16 for TMA's row alignment); K of 1, 3 and 56 blocks (tail loop only, a chunk + tail, and
+# whole chunks).
+SHAPES = [(1, 2112, 7168), (13, 300, 208), (129, 576, 1536), (256, 7168, 2048),
+          (4096, 2112, 7168), (300, 4096, 400)]  # fmt: skip
+# (block_m, block_n, num_warps, num_stages, chunk)
+CONFIGS = [(128, 64, 8, 4, 4), (64, 64, 4, 6, 8), (128, 128, 8, 4, 4), (64, 128, 4, 4, 2),
+           (128, 64, 8, 6, 2)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("kind", ["1d2d", "1d1d"])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_gpu_matches_reference(m, n, k, kind, cfg):
+    from ptxtrain.gemm import gluon
+
+    config = gluon.GluonConfig(*cfg)
+    x, w, qa, qb = _operands(m, n, k, kind, seed=m + n + k)
+    out = torch.full((m, n), float("nan"), device="cuda")
+    gluon.fp8_gemm(kind, qa, qb, out, torch.float32, False, config)
+    want = (ref.fp8_gemm_nt if kind == "1d2d" else ref.fp8_gemm_nt_1d1d)(qa, qb).float()
+    # Same FP8 products, same per-128-K promotion: only the fp32 summation order differs.
+    assert calc_diff(out, want) < 1e-6, (m, n, k, kind, cfg)
+    # The GEMM contract (DESIGN §2): within calc_diff 1e-3 of the unquantized product.
+    assert calc_diff(out, x @ w.t()) < CALC_DIFF_MAX
+    if kind == "1d1d":  # D += (wgrad accumulation into fp32)
+        before = out.clone()
+        gluon.fp8_gemm(kind, qa, qb, out, torch.float32, True, config)
+        assert calc_diff(out, before + want) < 1e-6
