@@ -1,25 +1,31 @@
-"""Block-scaled FP8 GEMMs in Gluon (Triton's explicit-layout dialect), sm_90 only.
+"""Block-scaled FP8 GEMMs in Gluon (Triton's explicit-layout dialect), sm_90 only. EXPERIMENTAL:
+correct, but slower than ``ptxtrain.gemm.triton``; no backend or heuristic uses it.
 
 Design note. The Triton kernels (``ptxtrain.gemm.triton``) stop at about 0.78x cuBLAS at
 M = 4096 because Triton 3.6 waits for each block's WGMMAs before the FP32 promotion reads them
 (``wgmma.wait_group 0`` after every ``tl.dot``, even with two dots per iteration or a lagged
 promotion: checked in the PTX), and its automatic warp specialization, which would split
-the two, hangs or faults on sm_90. Gluon exposes the WGMMA wait itself, so this kernel gives
-each program the structure of DeepGEMM's math warpgroups inside one partition:
+the two, hangs or faults on sm_90. Gluon exposes the WGMMA wait itself, so this kernel gives one
+partition the overlap of DeepGEMM's math warpgroups:
 
 - a ``NUM_STAGES``-deep ring of A [BM, 128] / B [BN, 128] tiles in shared memory, filled by TMA,
   one mbarrier per stage;
-- two block accumulators ``X`` and ``Y`` that alternate between even and odd K blocks: block
+- two block accumulators ``X`` and ``Y`` alternating between even and odd K blocks: block
   ``kb``'s WGMMAs are issued asynchronously, then ``warpgroup_mma_wait(1)`` returns block
   ``kb - 1``'s result while ``kb``'s still runs, and that result is promoted
   (``acc += blk * sf_a[:, None] * sf_b``) on the CUDA cores under the running WGMMAs;
-- the stage of block ``kb - 1`` is refilled (block ``kb - 1 + NUM_STAGES``) as soon as its
-  WGMMAs are known complete, by the same warps.
+- the stage of block ``kb - 1`` is refilled (block ``kb - 1 + NUM_STAGES``) once its WGMMAs are
+  known complete, by the same warps;
+- K runs in unrolled chunks of ``CHUNK`` blocks whose last block is drained (wait_group 0) at
+  the chunk's end: ptxas serializes every WGMMA of a kernel in which one stays in flight across
+  a loop's back edge (C7514). The blocks past the last whole chunk run one at a time.
 
-The K loop runs over pairs of blocks so ``X`` and ``Y`` keep their registers (a loop-carried
-swap would need register moves of in-flight accumulators, which ptxas serializes). An odd
-number of K blocks is padded with one block past K: TMA fills it with zeros and its scales
-load as 0. The output is stored through pointers with masks (any strides, M / N tails).
+Measured on an H200 (session 14, ``benchmarks/results/2026-11-22-s14-h200/`` call 7): correct
+(``calc_diff`` against the reference below 1e-6), but 0.26-0.65x cuBLAS at M = 4096, below the
+plain Triton kernel. Three [BM, BN] fp32 tensors leave registers for 64-column tiles only
+(128 columns spill), and Gluon's lowering puts a CTA-wide ``bar.sync`` around every mbarrier
+and TMA operation, so the two warpgroups run in lockstep. A warp-specialized version (a TMA
+producer warp, consumer warpgroups with their own register budgets) is the next step.
 Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-V3 §3.3).
 """
 
