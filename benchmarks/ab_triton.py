@@ -8,7 +8,8 @@ A variant is ``NAME:TILE:VARIANT[:pN]``: ``TILE`` is ``BMxBNwWARPSsSTAGESgGROUP_
 :class:`ptxtrain.gemm.heuristics.GemmConfig`), ``VARIANT`` one of
 :data:`ptxtrain.gemm.heuristics.VARIANTS`, ``pN`` the programs per SM of a persistent variant
 (default 1). ``--kind 1d1d`` times the wgrad kernel (fp32 out) against cuBLAS 1D1D.
-``NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK`` times the Gluon kernel (:mod:`ptxtrain.gemm.gluon`).
+``NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK[ws]`` times the Gluon kernel (:mod:`ptxtrain.gemm.gluon`;
+``ws``: its warp-specialized form).
 """
 
 # ruff: noqa: B023
@@ -28,7 +29,7 @@ from ptxtrain.gemm.heuristics import VARIANTS, GemmConfig
 from ptxtrain.testing import calc_diff
 
 _TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)g(\d+)")
-_GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)")
+_GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)(ws)?")
 
 
 def parse_variant(text: str) -> tuple[str, object]:
@@ -44,8 +45,8 @@ def parse_variant(text: str) -> tuple[str, object]:
         t = _GLUON.fullmatch(parts[2])
         if t is None:
             raise ValueError(f"variant {text!r}: expected NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK")
-        bm, bn, warps, stages, chunk = (int(v) for v in t.groups())
-        return parts[0], GluonConfig(bm, bn, warps, stages, chunk)
+        bm, bn, warps, stages, chunk = (int(v) for v in t.groups()[:5])
+        return parts[0], GluonConfig(bm, bn, warps, stages, chunk, warp_specialized=bool(t[6]))
     if len(parts) not in (3, 4):
         raise ValueError(f"variant {text!r}: expected NAME:TILE:VARIANT[:pN]")
     name, tile, variant, *rest = parts
@@ -109,7 +110,8 @@ def main() -> None:
                 diff, us, error = float("nan"), None, f"{type(e).__name__}: {e}"[:300]
             ok = diff < 1e-3  # the GEMM contract (DESIGN §2): FP8 inputs, FP32 promotion
             rows.append(
-                dict(m=m, n=n, k=k, variant=vname, cfg=dict(type=type(cfg).__name__, **cfg.__dict__), us=us, cublas_us=base_us,
+                dict(m=m, n=n, k=k, variant=vname, cfg=dict(type=type(cfg).__name__,
+                     **cfg.__dict__), us=us, cublas_us=base_us,
                      triton_heuristic_us=heur_us, x_cublas=base_us / us if us else None,
                      x_heuristic=heur_us / us if us else None, calc_diff=diff, ok=ok,
                      error=error)

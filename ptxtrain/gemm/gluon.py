@@ -197,7 +197,172 @@ def _gemm_kernel(
     gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# ---------------------------------------------------------------------------------------------
+# Warp-specialized: DeepGEMM's structure, one TMA producer warp and two consumer warpgroups
+# ---------------------------------------------------------------------------------------------
+# Each consumer warpgroup owns 64 rows of a 128-row tile: per K block it waits for the stage,
+# issues its WGMMAs, waits for them, releases the stage (count-2 "empty" barrier) and promotes
+# into its running sum. The two warpgroups are not in lockstep, so one's promotion runs under
+# the other's WGMMAs; the producer warp keeps NUM_STAGES blocks in flight.
+
+
+@gluon.jit
+def _ws_producer(
+    a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
+    stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
+    flags,
+):  # fmt: skip
+    # The default partition: its constexpr arguments arrive as values, so sizes come from types.
+    HALF: gl.constexpr = a_desc.block_type.shape[0]
+    STAGES: gl.constexpr = b_ring.type.shape[0]
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for kb in range(gl.cdiv(K, BLOCK_K)):
+        st = kb % STAGES
+        # mbarriers start with the phase before 0 complete: the first pass does not wait.
+        mbarrier.wait(empty.index(st), ((kb // STAGES) & 1) ^ 1)
+        bar = ready.index(st)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], bar, a0_ring.index(st))
+        tma.async_copy_global_to_shared(a_desc, [off_m + HALF, kb * BLOCK_K], bar,
+                                        a1_ring.index(st))  # fmt: skip
+        tma.async_copy_global_to_shared(b_desc, [off_n, kb * BLOCK_K], bar, b_ring.index(st))
+
+
+@gluon.jit
+def _ws_consumer(
+    a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
+    stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
+    flags,
+    HALF_INDEX: gl.constexpr,
+):  # fmt: skip
+    HALF: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    NUM_STAGES: gl.constexpr = b_ring.type.shape[0]
+    SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
+    ACCUMULATE: gl.constexpr = flags.type.shape[1] == 2
+    PER_COL: gl.constexpr = SFB_PER_COL or (BLOCK_K % BLOCK_N != 0)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    rows = off_m + HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_layout))
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+    sfa_ptrs = sfa_ptr + gl.where(rows < M, rows, 0) * stride_sfa_m
+    if PER_COL:
+        if SFB_PER_COL:
+            sfb_ptrs = sfb_ptr + gl.where(cols < N, cols, 0) * stride_sfb_n
+        else:
+            sfb_ptrs = sfb_ptr + (gl.where(cols < N, cols, 0) // BLOCK_K) * stride_sfb_n
+    else:
+        sfb_ptrs = sfb_ptr + (off_n // BLOCK_K) * stride_sfb_n
+    a_ring = a0_ring if HALF_INDEX == 0 else a1_ring
+    acc = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
+    blk = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
+    for kb in range(gl.cdiv(K, BLOCK_K)):
+        st = kb % NUM_STAGES
+        mbarrier.wait(ready.index(st), (kb // NUM_STAGES) & 1)
+        blk = warpgroup_mma(a_ring.index(st), b_ring.index(st).permute((1, 0)), blk,
+                            use_acc=False, is_async=True)  # fmt: skip
+        # The scales load while the WGMMAs run.
+        sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
+        sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+        blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
+        mbarrier.arrive(empty.index(st), count=1)  # this warpgroup is done with the stage
+        if PER_COL:
+            acc = acc + (blk * sfa[:, None]) * sfb[None, :]
+        else:
+            acc = acc + blk * (sfa * sfb)[:, None]
+    out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if ACCUMULATE:
+        acc = acc + gl.load(out_ptrs, mask=mask, other=0.0)
+    gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _ws_consumer1(
+    a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
+    stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
+    flags,
+):  # fmt: skip
+    _ws_consumer(a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr,
+                 out_ptr, M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
+                 stride_om, stride_on, off_m, off_n, flags, 1)  # fmt: skip
+
+
+@gluon.jit
+def _ws_consumer0(
+    a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
+    stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
+    flags,
+):  # fmt: skip
+    _ws_consumer(a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr,
+                 out_ptr, M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
+                 stride_om, stride_on, off_m, off_n, flags, 0)  # fmt: skip
+
+
+@gluon.jit
+def _gemm_ws_kernel(
+    a_desc,
+    b_desc,
+    sfa_ptr,
+    sfb_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_sfa_m,
+    stride_sfa_k,
+    stride_sfb_n,
+    stride_sfb_k,
+    stride_om,
+    stride_on,
+    SFB_PER_COL: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per consumer
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    pid = gl.program_id(0)
+    num_pid_m = gl.cdiv(M, 2 * HALF)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    off_m = (first_m + (pid % width) % group_rows) * 2 * HALF
+    off_n = ((pid % width) // group_rows) * BLOCK_N
+
+    a0_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, HALF, BLOCK_K], a_desc.layout)
+    a1_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, HALF, BLOCK_K], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    # warp_specialize passes constexpr arguments to the partitions as values, so the two flags
+    # travel in the shape of an unused shared-memory descriptor, [1 + SFB_PER_COL, 1 + ACCUMULATE].
+    flags = gl.allocate_shared_memory(
+        gl.int8, [1 + SFB_PER_COL, 1 + ACCUMULATE], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    )
+    args = (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr,
+            M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
+            stride_on, off_m, off_n, flags)  # fmt: skip
+    gl.warp_specialize(
+        [(_ws_producer, args), (_ws_consumer0, args), (_ws_consumer1, args)],
+        [4, 4],
+        [CONSUMER_REGS, CONSUMER_REGS],
+    )
+
+
 _BK = 128  # BLOCK_K on the host
+# Registers per thread the warp-specialized kernel is compiled for: 12 warps (the default
+# partition's 4, a 4-warp consumer, a 1-warp producer rounded up to a warpgroup) x 32 x 168
+# fill the SM's 65536; the producer gives up to 40, the consumers take 232.
+_WS_MAXNREG = 168
+_WS_CONSUMER_REGS = 232
 
 
 def _smem_layout(rows: int) -> gl.NVMMASharedLayout:
@@ -207,7 +372,8 @@ def _smem_layout(rows: int) -> gl.NVMMASharedLayout:
 
 def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128,
                       num_warps: int = 8, num_stages: int = 4, chunk: int = 4, out: str = "bf16",
-                      accumulate: bool = False):  # fmt: skip
+                      accumulate: bool = False, ws: bool = False,
+                      consumer_regs: int = _WS_CONSUMER_REGS):  # fmt: skip
     """Compile the kernel for sm_90a without a GPU; returns Triton's ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -215,6 +381,8 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
     def desc(rows):
         return f"tensordesc<fp8e4nv[{rows}, {_BK}],{_smem_layout(rows)!r}>"
 
+    if ws:  # A in two [64, 128] boxes, one per consumer warpgroup; 4 warps in the default
+        block_m, num_warps = 64, 4
     signature = {
         "a_desc": desc(block_m),
         "b_desc": desc(block_n),
@@ -229,12 +397,17 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
         "ACCUMULATE": accumulate,
         "GROUP_M": 8,
         "NUM_STAGES": num_stages,
-        "CHUNK": chunk,
         "num_warps": num_warps,
     }
-    src = GluonASTSource(_gemm_kernel, signature, constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps})  # fmt: skip
+    if ws:
+        constexprs["CONSUMER_REGS"] = consumer_regs
+    else:
+        constexprs["CHUNK"] = chunk
+    src = GluonASTSource(_gemm_ws_kernel if ws else _gemm_kernel, signature, constexprs)
+    options = {"num_warps": num_warps}
+    if ws:
+        options["maxnreg"] = _WS_MAXNREG
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +422,9 @@ class GluonConfig:
         num_stages: shared-memory ring depth (A + B tiles per stage: (BM + BN) x 128 bytes).
         chunk: K blocks per unrolled chunk (one exposed promotion per chunk).
         group_m: tile rows per L2 rasterization group.
+        warp_specialized: run ``_gemm_ws_kernel`` instead: a TMA producer and two consumer
+            warpgroups of 64 rows each (block_m 128, num_warps 8 counted as the consumers';
+            ``chunk`` unused).
 
     Raises:
         ValueError: a field outside the values above.
@@ -260,6 +436,7 @@ class GluonConfig:
     num_stages: int = 4
     chunk: int = 4
     group_m: int = 8
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         if self.num_warps not in (4, 8) or self.block_m != 16 * self.num_warps:
@@ -320,12 +497,23 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         return out
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    a_box = cfg.block_m // 2 if cfg.warp_specialized else cfg.block_m  # one box per consumer
     a_desc = TensorDescriptor(a_fp8, list(a_fp8.shape), list(a_fp8.stride()),
-                              [cfg.block_m, _BK], _smem_layout(cfg.block_m))  # fmt: skip
+                              [a_box, _BK], _smem_layout(a_box))  # fmt: skip
     b_desc = TensorDescriptor(b_fp8, list(b_fp8.shape), list(b_fp8.stride()),
                               [cfg.block_n, _BK], _smem_layout(cfg.block_n))  # fmt: skip
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     with torch.cuda.device(a_fp8.device):
+        if cfg.warp_specialized:
+            _gemm_ws_kernel[grid](
+                a_desc, b_desc, sf_a, sf_b, out, m, n, k,
+                sf_a.stride(0), sf_a.stride(1), sf_b.stride(0), sf_b.stride(1),
+                out.stride(0), out.stride(1),
+                SFB_PER_COL=kind == "1d1d", ACCUMULATE=accumulate, GROUP_M=cfg.group_m,
+                NUM_STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS, num_warps=4,
+                maxnreg=_WS_MAXNREG,
+            )  # fmt: skip
+            return out
         _gemm_kernel[grid](
             a_desc, b_desc, sf_a, sf_b, out, m, n, k,
             sf_a.stride(0), sf_a.stride(1), sf_b.stride(0), sf_b.stride(1),

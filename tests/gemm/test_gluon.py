@@ -21,11 +21,14 @@ for name, kind, kw in [("1d2d_128x64", "1d2d", dict(block_m=128, block_n=64, num
                        # per-column scales of 1D1D: chunks of 2 (4 spill)
                        ("1d1d_128x64", "1d1d", dict(block_m=128, block_n=64, num_warps=8,
                                                     out="fp32", accumulate=True, chunk=2)),
-                       ("1d2d_64x64", "1d2d", dict(block_m=64, block_n=64, num_warps=4))]:
+                       ("1d2d_64x64", "1d2d", dict(block_m=64, block_n=64, num_warps=4)),
+                       ("1d2d_ws", "1d2d", dict(block_n=128, ws=True))]:
     ck = gluon._compile_for_sm90(kind, **kw)
     ptx = ck.asm["ptx"]
+    nreg = re.findall(r"setmaxnreg\\.(\\w+)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)
     results[name] = {"waits": re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx),
-                     **sass_info(ck.asm["cubin"])}
+                     "setmaxnreg": nreg,
+                     "warps": ck.metadata.num_warps, **sass_info(ck.asm["cubin"])}
     if os.access(_CUOBJDUMP, os.X_OK):
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(ck.asm["cubin"])
@@ -38,12 +41,17 @@ emit(results)
 
 def test_compile_overlaps_promotion_without_spills(tmp_path):
     results = run_sm90_script(_COMPILE, tmp_path)
-    assert len(results) == 3, results
+    assert len(results) == 4, results
     for name, r in results.items():
-        # Block kb - 1 is retired alone (wait_group 1) while block kb's WGMMAs run.
-        assert "1" in r["waits"], (name, r)
-        if "depbar" in r:  # ptxas kept the overlap (no C7514 serialization: all 0x0 then)
-            assert "0x1" in r["depbar"], (name, r)
+        if name.endswith("_ws"):
+            # A 4-warp producer down to 40 registers, two 4-warp consumers up to 232.
+            assert r["warps"] == 12 and ["dec", "40"] in r["setmaxnreg"], (name, r)
+            assert ["inc", "232"] in r["setmaxnreg"], (name, r)
+        else:
+            # Block kb - 1 is retired alone (wait_group 1) while block kb's WGMMAs run.
+            assert "1" in r["waits"], (name, r)
+            if "depbar" in r:  # ptxas kept the overlap (no C7514 serialization: all 0x0 then)
+                assert "0x1" in r["depbar"], (name, r)
         if "regs" in r:
             assert r["local"] == 0 and r["stack"] == 0, (name, r)  # no spills
         if "sass_qgmma" in r:
@@ -73,9 +81,10 @@ def _operands(m, n, k, kind, seed):
 # whole chunks).
 SHAPES = [(1, 2112, 7168), (13, 300, 208), (129, 576, 1536), (256, 7168, 2048),
           (4096, 2112, 7168), (300, 4096, 400)]  # fmt: skip
-# (block_m, block_n, num_warps, num_stages, chunk)
-CONFIGS = [(128, 64, 8, 4, 4), (64, 64, 4, 6, 8), (128, 128, 8, 4, 4), (64, 128, 4, 4, 2),
-           (128, 64, 8, 6, 2)]  # fmt: skip
+# (block_m, block_n, num_warps, num_stages, chunk, warp_specialized)
+CONFIGS = [(128, 64, 8, 4, 4, False), (64, 64, 4, 6, 8, False), (128, 128, 8, 4, 4, False),
+           (64, 128, 4, 4, 2, False), (128, 64, 8, 6, 2, False), (128, 128, 8, 4, 4, True),
+           (128, 64, 8, 6, 4, True)]  # fmt: skip
 
 
 @pytest.mark.gpu
