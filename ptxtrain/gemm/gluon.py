@@ -257,38 +257,25 @@ def _ws_consumer(
     a_ring = a0_ring if HALF_INDEX == 0 else a1_ring
     acc = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
     blk = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    # Scales are loaded one block ahead, so their global-load latency hides under a whole
-    # iteration instead of the block's WGMMAs alone.
-    sfa = gl.load(sfa_ptrs)
-    sfb = gl.load(sfb_ptrs)
-    for kb in range(k_steps):
+    for kb in range(gl.cdiv(K, BLOCK_K)):
         st = kb % NUM_STAGES
         mbarrier.wait(ready.index(st), (kb // NUM_STAGES) & 1)
         blk = warpgroup_mma(a_ring.index(st), b_ring.index(st).permute((1, 0)), blk,
                             use_acc=False, is_async=True)  # fmt: skip
-        more = kb + 1 < k_steps
-        sfa_next = gl.load(sfa_ptrs + (kb + 1) * stride_sfa_k, mask=more, other=0.0)
-        sfb_next = gl.load(sfb_ptrs + (kb + 1) * stride_sfb_k, mask=more, other=0.0)
+        # The scales load while the WGMMAs run.
+        sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
+        sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
         blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
         mbarrier.arrive(empty.index(st), count=1)  # this warpgroup is done with the stage
         if PER_COL:
             acc = acc + (blk * sfa[:, None]) * sfb[None, :]
         else:
             acc = acc + blk * (sfa * sfb)[:, None]
-        sfa = sfa_next
-        sfb = sfb_next
-    # Epilogue: through shared memory into a row-contiguous layout (8 consecutive columns per
-    # thread), so the stores coalesce; the WGMMA layout would scatter 2-element pieces.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    res = gl.convert_layout(acc, out_layout)
-    rows = off_m + HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
     out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     if ACCUMULATE:
-        res = res + gl.load(out_ptrs, mask=mask, other=0.0)
-    gl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
+        acc = acc + gl.load(out_ptrs, mask=mask, other=0.0)
+    gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
