@@ -24,8 +24,14 @@ Measured on an H200 (session 14, ``benchmarks/results/2026-11-22-s14-h200/`` cal
 (``calc_diff`` against the reference below 1e-6), but 0.26-0.65x cuBLAS at M = 4096, below the
 plain Triton kernel. Three [BM, BN] fp32 tensors leave registers for 64-column tiles only
 (128 columns spill), and Gluon's lowering puts a CTA-wide ``bar.sync`` around every mbarrier
-and TMA operation, so the two warpgroups run in lockstep. A warp-specialized version (a TMA
-producer warp, consumer warpgroups with their own register budgets) is the next step.
+and TMA operation, so the two warpgroups run in lockstep.
+
+``_gemm_ws_kernel`` (``GluonConfig(warp_specialized=True)``) is DeepGEMM's structure through
+``gl.warp_specialize``: a TMA producer partition (40 registers) and two consumer warpgroups of
+64 rows (232 registers, 128x128 tiles without spills), each waiting for its own WGMMAs and
+promoting while the other's run. Correct on an H200 (explicit warp specialization works on
+sm_90; only Triton's automatic pass faults) but 0.29-0.70x cuBLAS (session 14, calls 9-10):
+about half the tensor cores' rate per 128-K block and a fixed cost near 7 µs per tile.
 Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-V3 §3.3).
 """
 
