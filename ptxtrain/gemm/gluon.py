@@ -66,6 +66,27 @@ def _promote(acc, blk, sfa_ptrs, sfb_ptrs, kb, stride_sfa_k, stride_sfb_k,
 
 
 @gluon.jit
+def _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE: gl.constexpr):
+    """Masked pointer stores of an fp32 tile in its own layout (``out += acc`` for ACCUMULATE)."""
+    out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if ACCUMULATE:
+        acc = acc + gl.load(out_ptrs, mask=mask, other=0.0)
+    gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _tile_origin(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(off_m, off_n) of this program's tile; GROUP_M tile rows share their B tiles in L2."""
+    pid = gl.program_id(0)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = gl.minimum(gl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return (first_m + (pid % width) % group_rows) * BLOCK_M, ((pid % width) // group_rows) * BLOCK_N
+
+
+@gluon.jit
 def _issue_load(a_desc, b_desc, a_ring, b_ring, ready, kb, off_m, off_n, pred,
                 NUM_STAGES: gl.constexpr):  # fmt: skip
     """TMA loads of K block ``kb`` into its stage (predicated: no branch in the K loop)."""
@@ -77,41 +98,13 @@ def _issue_load(a_desc, b_desc, a_ring, b_ring, ready, kb, off_m, off_n, pred,
 
 
 @gluon.jit
-def _gemm_kernel(
-    a_desc,
-    b_desc,
-    sfa_ptr,
-    sfb_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_sfa_m,
-    stride_sfa_k,
-    stride_sfb_n,
-    stride_sfb_k,
-    stride_om,
-    stride_on,
-    SFB_PER_COL: gl.constexpr,
-    ACCUMULATE: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    CHUNK: gl.constexpr,
-    num_warps: gl.constexpr,
-):
+def _gemm_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_m, stride_sfa_k,
+                 stride_sfb_n, stride_sfb_k, stride_om, stride_on, SFB_PER_COL: gl.constexpr,
+                 ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 CHUNK: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    # Grouped rasterization: GROUP_M tile rows share their B tiles in L2.
-    pid = gl.program_id(0)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
+    off_m, off_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32]
@@ -195,12 +188,7 @@ def _gemm_kernel(
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(s))
 
-    # -- epilogue: masked pointer stores (D += acc for ACCUMULATE).
-    out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    if ACCUMULATE:
-        acc = acc + gl.load(out_ptrs, mask=mask, other=0.0)
-    gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,11 +201,10 @@ def _gemm_kernel(
 
 
 @gluon.jit
-def _ws_producer(
-    a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
-    stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
-    flags,
-):  # fmt: skip
+def _ws_producer(args):
+    """The TMA producer (the default partition)."""
+    (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, _sfa, _sfb, _out, _m, _n, K,
+     _s0, _s1, _s2, _s3, _s4, _s5, off_m, off_n, _flags) = args  # fmt: skip
     # The default partition: its constexpr arguments arrive as values, so sizes come from types.
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     STAGES: gl.constexpr = b_ring.type.shape[0]
@@ -235,12 +222,11 @@ def _ws_producer(
 
 
 @gluon.jit
-def _ws_consumer(
-    a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
-    stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
-    flags,
-    HALF_INDEX: gl.constexpr,
-):  # fmt: skip
+def _ws_consumer(args, HALF_INDEX: gl.constexpr):
+    """Consumer warpgroup HALF_INDEX: rows [64 HALF_INDEX, 64 HALF_INDEX + 64) of the tile."""
+    (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
+     stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
+     flags) = args  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = b_ring.type.shape[0]
@@ -277,68 +263,27 @@ def _ws_consumer(
             acc = acc + (blk * sfa[:, None]) * sfb[None, :]
         else:
             acc = acc + blk * (sfa * sfb)[:, None]
-    out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    if ACCUMULATE:
-        acc = acc + gl.load(out_ptrs, mask=mask, other=0.0)
-    gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE)
 
 
 @gluon.jit
-def _ws_consumer1(
-    a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
-    stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
-    flags,
-):  # fmt: skip
-    _ws_consumer(a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr,
-                 out_ptr, M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
-                 stride_om, stride_on, off_m, off_n, flags, 1)  # fmt: skip
+def _ws_consumer1(args):
+    _ws_consumer(args, 1)
 
 
 @gluon.jit
-def _ws_consumer0(
-    a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
-    stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
-    flags,
-):  # fmt: skip
-    _ws_consumer(a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr,
-                 out_ptr, M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
-                 stride_om, stride_on, off_m, off_n, flags, 0)  # fmt: skip
+def _ws_consumer0(args):
+    _ws_consumer(args, 0)
 
 
 @gluon.jit
-def _gemm_ws_kernel(
-    a_desc,
-    b_desc,
-    sfa_ptr,
-    sfb_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_sfa_m,
-    stride_sfa_k,
-    stride_sfb_n,
-    stride_sfb_k,
-    stride_om,
-    stride_on,
-    SFB_PER_COL: gl.constexpr,
-    ACCUMULATE: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
-):
+def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_m, stride_sfa_k,
+                    stride_sfb_n, stride_sfb_k, stride_om, stride_on, SFB_PER_COL: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per consumer
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    pid = gl.program_id(0)
-    num_pid_m = gl.cdiv(M, 2 * HALF)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % width) % group_rows) * 2 * HALF
-    off_n = ((pid % width) // group_rows) * BLOCK_N
+    off_m, off_n = _tile_origin(M, N, 2 * HALF, BLOCK_N, GROUP_M)
 
     a0_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, HALF, BLOCK_K], a_desc.layout)
     a1_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, HALF, BLOCK_K], a_desc.layout)
@@ -357,7 +302,7 @@ def _gemm_ws_kernel(
             M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
             stride_on, off_m, off_n, flags)  # fmt: skip
     gl.warp_specialize(
-        [(_ws_producer, args), (_ws_consumer0, args), (_ws_consumer1, args)],
+        [(_ws_producer, (args,)), (_ws_consumer0, (args,)), (_ws_consumer1, (args,))],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
     )
@@ -433,7 +378,8 @@ class GluonConfig:
             ``chunk`` unused).
 
     Raises:
-        ValueError: a field outside the values above.
+        ValueError: block_m not 16 x num_warps, block_n not 64 or 128, num_stages outside
+            [2, 8], or chunk not 2, 4 or 8.
     """
 
     block_m: int = 128
