@@ -379,7 +379,8 @@ class GluonConfig:
 
     Raises:
         ValueError: block_m not 16 x num_warps, block_n not 64 or 128, num_stages outside
-            [2, 8], or chunk not 2, 4 or 8.
+            [2, 8], chunk not 2, 4 or 8, group_m not an int >= 1, or warp_specialized not a
+            bool.
     """
 
     block_m: int = 128
@@ -398,6 +399,12 @@ class GluonConfig:
             )
         if self.block_n not in (64, 128):
             raise ValueError(f"GluonConfig.block_n must be 64 or 128, got {self.block_n}")
+        if isinstance(self.group_m, bool) or not isinstance(self.group_m, int) or self.group_m < 1:
+            raise ValueError(f"GluonConfig.group_m must be an int >= 1, got {self.group_m!r}")
+        if not isinstance(self.warp_specialized, bool):
+            raise ValueError(
+                f"GluonConfig.warp_specialized must be a bool, got {self.warp_specialized!r}"
+            )
         if not 2 <= self.num_stages <= 8 or self.chunk not in (2, 4, 8):
             raise ValueError(
                 f"GluonConfig needs num_stages in [2, 8] and chunk in (2, 4, 8), got "

@@ -67,6 +67,11 @@ def test_config_rejects_bad_fields():
         GluonConfig(block_n=96)
     with pytest.raises(ValueError, match="chunk"):
         GluonConfig(chunk=3)
+    for bad in (0, True, 2.0):  # a bool or 0 would reach the kernel's raster as GROUP_M
+        with pytest.raises(ValueError, match="group_m"):
+            GluonConfig(group_m=bad)
+    with pytest.raises(ValueError, match="warp_specialized"):
+        GluonConfig(block_n=64, warp_specialized=1)
 
 
 def _operands(m, n, k, kind, seed):
@@ -94,7 +99,7 @@ CONFIGS = [(128, 64, 8, 4, 4, False), (64, 64, 4, 6, 8, False), (128, 128, 8, 4,
 def test_gpu_matches_reference(m, n, k, kind, cfg):
     from ptxtrain.gemm import gluon
 
-    config = gluon.GluonConfig(*cfg)
+    config = gluon.GluonConfig(*cfg[:5], warp_specialized=cfg[5])
     x, w, qa, qb = _operands(m, n, k, kind, seed=m + n + k)
     out = torch.full((m, n), float("nan"), device="cuda")
     gluon.fp8_gemm(kind, qa, qb, out, torch.float32, False, config)
