@@ -288,7 +288,11 @@ def permute_ref(
 
 
 def unpermute_ref(
-    y_permuted: torch.Tensor, sorted_slots: torch.Tensor, topk_weights: torch.Tensor
+    y_permuted: torch.Tensor,
+    sorted_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    check_slots: bool = True,
 ) -> torch.Tensor:
     """Weighted sum of each token's expert outputs back in token order (the "combine").
 
@@ -299,12 +303,15 @@ def unpermute_ref(
         y_permuted: ``[T·k, D]`` expert outputs in permuted order.
         sorted_slots: ``[T·k]`` int64 from :func:`permute_ref`.
         topk_weights: ``[T, k]`` gate weights (fp32).
+        check_slots: check that ``sorted_slots`` holds int64 values in ``[0, T·k)`` (one
+            device-to-host read of its min and max); callers that built it themselves may skip.
 
     Returns:
         ``y [T, D]`` in ``y_permuted.dtype``.
 
     Raises:
-        ValueError: shapes disagree.
+        ValueError: shapes disagree, or (``check_slots``) a slot is outside ``[0, T·k)``.
+        TypeError: ``sorted_slots`` is not int64.
     """
     n_tokens, k = topk_weights.shape
     if y_permuted.dim() != 2 or y_permuted.shape[0] != n_tokens * k:
@@ -313,6 +320,15 @@ def unpermute_ref(
         )
     if sorted_slots.shape != (n_tokens * k,):
         raise ValueError(f"sorted_slots must be [{n_tokens * k}], got {tuple(sorted_slots.shape)}")
+    if sorted_slots.dtype != torch.int64:
+        raise TypeError(f"sorted_slots must be int64, got {sorted_slots.dtype}")
+    if check_slots and sorted_slots.numel():
+        lo, hi = (int(v) for v in torch.aminmax(sorted_slots))
+        if lo < 0 or hi >= n_tokens * k:
+            raise ValueError(
+                f"sorted_slots must hold slots in [0, T·k = {n_tokens * k}), got values in "
+                f"[{lo}, {hi}]"
+            )
     acc = _acc_dtype(y_permuted.dtype)
     w = topk_weights.to(acc).flatten().index_select(0, sorted_slots)  # [T·k] in permuted order
     contrib = y_permuted.to(acc) * w.unsqueeze(1)  # [T·k, D] fp32

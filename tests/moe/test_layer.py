@@ -79,6 +79,15 @@ def test_permute_unpermute_reject_bad_arguments():
         permute_ref(x, idx.int(), 4)
     with pytest.raises(ValueError, match="y_permuted"):
         unpermute_ref(torch.randn(7, 8), torch.arange(8), torch.rand(4, 2))
+    # Slots outside [0, T·k): -1 would index_select from the end, T·k would raise torch's own
+    # IndexError; both now name the argument.
+    for bad in (-1, 8):
+        slots = torch.arange(8)
+        slots[3] = bad
+        with pytest.raises(ValueError, match=r"sorted_slots must hold slots in \[0, T·k = 8\)"):
+            unpermute_ref(torch.randn(8, 8), slots, torch.rand(4, 2))
+    with pytest.raises(TypeError, match="sorted_slots must be int64"):
+        unpermute_ref(torch.randn(8, 8), torch.arange(8).int(), torch.rand(4, 2))
     # Ids outside [0, E) sorted before expert 0 (-1) or after the last expert uncounted, so
     # every expert's slice was shifted without an error. Checked before any kernel runs.
     from ptxtrain.moe.fused import permute_fused
