@@ -375,8 +375,13 @@ def _encode_signature(sig: tuple) -> tuple[int, int]:
 def _describe_signature(pair: tuple[int, int]) -> str:
     hidden, code = pair
     w_code, code = code % 2, code // 2
-    x_code, code = min(code % 8, len(_X_DTYPES)), code // 8
+    x_code, code = code % 8, code // 8
     k, num_experts = code % 4096, code // 4096
+    plausible = 0 < hidden < 2**31 and k > 0 and 0 < num_experts < 2**20
+    if not (plausible and x_code <= len(_X_DTYPES)):
+        # The count message's width is 5 + num_experts / ranks: a peer with another
+        # num_experts sends rows of another width, and these two columns are not its signature.
+        return "a count message of another width (another num_experts)"
     x_name = "(float8_e4m3fn, sf)" if x_code == len(_X_DTYPES) else str(_X_DTYPES[x_code])
     w_name = str(_W_DTYPES[w_code]).removeprefix("torch.")
     return (

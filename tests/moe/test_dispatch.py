@@ -517,3 +517,18 @@ def test_buffer_argument_validation_single_process():
     with pytest.raises(ValueError, match="num_max_tokens"):
         Buffer.nvl_bytes_hint(0, 16, 2)
     assert EventOverlap().is_complete()  # CPU: nothing to wait for
+
+
+def test_signature_description_does_not_misread_other_widths():
+    """A peer with another num_experts sends count rows of another width (5 + E / ranks), so the
+    two columns read as its signature are arbitrary: they are described as such, not decoded
+    into numbers that look like a real hidden size or k."""
+    from ptxtrain.moe.dispatch import _describe_signature, _encode_signature
+
+    real = _encode_signature((7168, 256, 8, 1, torch.float32))
+    assert _describe_signature(real).startswith("hidden=7168, num_experts=256, k=8, ")
+    for garbage in [(94875727015280, 35619916218368 * 4096 * 16), (0, real[1]), (7168, 0),
+                    (-5, real[1]), (7168, (256 * 4096) * 16)]:  # fmt: skip
+        assert _describe_signature(garbage) == (
+            "a count message of another width (another num_experts)"
+        ), garbage
