@@ -76,14 +76,12 @@ def _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE
 
 
 @gluon.jit
-def _tile_origin(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """(off_m, off_n) of this program's tile; GROUP_M tile rows share their B tiles in L2."""
-    pid = gl.program_id(0)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = gl.minimum(gl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    return (first_m + (pid % width) % group_rows) * BLOCK_M, ((pid % width) // group_rows) * BLOCK_N
+def _tile_coords(t, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, group_m):
+    """(off_m, off_n) of tile ``t``; ``group_m`` tile rows share their B tiles in L2."""
+    width = group_m * gl.cdiv(N, BLOCK_N)
+    first_m = (t // width) * group_m
+    group_rows = gl.minimum(gl.cdiv(M, BLOCK_M) - first_m, group_m)
+    return (first_m + (t % width) % group_rows) * BLOCK_M, ((t % width) // group_rows) * BLOCK_N
 
 
 @gluon.jit
@@ -104,7 +102,7 @@ def _gemm_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_
                  CHUNK: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    off_m, off_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m, off_n = _tile_coords(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32]
@@ -202,30 +200,39 @@ def _gemm_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_
 
 @gluon.jit
 def _ws_producer(args):
-    """The TMA producer (the default partition)."""
-    (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, _sfa, _sfb, _out, _m, _n, K,
-     _s0, _s1, _s2, _s3, _s4, _s5, off_m, off_n, _flags) = args  # fmt: skip
+    """The TMA producer (the default partition): the K blocks of this program's tiles, one
+    after another, running ahead into the next tile while the consumers store the last."""
+    (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, _sfa, _sfb, _out, M, N, K,
+     _s0, _s1, _s2, _s3, _s4, _s5, group_m, _flags) = args  # fmt: skip
     # The default partition: its constexpr arguments arrive as values, so sizes come from types.
     HALF: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     STAGES: gl.constexpr = b_ring.type.shape[0]
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    for kb in range(gl.cdiv(K, BLOCK_K)):
-        st = kb % STAGES
-        # mbarriers start with the phase before 0 complete: the first pass does not wait.
-        mbarrier.wait(empty.index(st), ((kb // STAGES) & 1) ^ 1)
-        bar = ready.index(st)
-        mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], bar, a0_ring.index(st))
-        tma.async_copy_global_to_shared(a_desc, [off_m + HALF, kb * BLOCK_K], bar,
-                                        a1_ring.index(st))  # fmt: skip
-        tma.async_copy_global_to_shared(b_desc, [off_n, kb * BLOCK_K], bar, b_ring.index(st))
+    k_steps = gl.cdiv(K, BLOCK_K)
+    num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BLOCK_N)
+    it = 0  # K blocks issued by this program so far (all tiles): the ring position
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_coords(t, M, N, 2 * HALF, BLOCK_N, group_m)
+        for kb in range(k_steps):
+            st = it % STAGES
+            # mbarriers start with the phase before 0 complete: the first pass does not wait.
+            mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(st)
+            mbarrier.expect(bar, nbytes)
+            k0 = kb * BLOCK_K
+            tma.async_copy_global_to_shared(a_desc, [off_m, k0], bar, a0_ring.index(st))
+            tma.async_copy_global_to_shared(a_desc, [off_m + HALF, k0], bar, a1_ring.index(st))
+            tma.async_copy_global_to_shared(b_desc, [off_n, k0], bar, b_ring.index(st))
+            it += 1
 
 
 @gluon.jit
 def _ws_consumer(args, HALF_INDEX: gl.constexpr):
-    """Consumer warpgroup HALF_INDEX: rows [64 HALF_INDEX, 64 HALF_INDEX + 64) of the tile."""
+    """Consumer warpgroup HALF_INDEX: rows [64 HALF_INDEX, 64 HALF_INDEX + 64) of each tile of
+    this program, in the producer's order (the same ring position ``it``)."""
     (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
-     stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, off_m, off_n,
+     stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, group_m,
      flags) = args  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -236,34 +243,40 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
     )
-    rows = off_m + HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_layout))
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-    sfa_ptrs = sfa_ptr + gl.where(rows < M, rows, 0) * stride_sfa_m
-    if PER_COL:
-        if SFB_PER_COL:
-            sfb_ptrs = sfb_ptr + gl.where(cols < N, cols, 0) * stride_sfb_n
-        else:
-            sfb_ptrs = sfb_ptr + (gl.where(cols < N, cols, 0) // BLOCK_K) * stride_sfb_n
-    else:
-        sfb_ptrs = sfb_ptr + (off_n // BLOCK_K) * stride_sfb_n
     a_ring = a0_ring if HALF_INDEX == 0 else a1_ring
-    acc = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BLOCK_N)
     blk = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
-    for kb in range(gl.cdiv(K, BLOCK_K)):
-        st = kb % NUM_STAGES
-        mbarrier.wait(ready.index(st), (kb // NUM_STAGES) & 1)
-        blk = warpgroup_mma(a_ring.index(st), b_ring.index(st).permute((1, 0)), blk,
-                            use_acc=False, is_async=True)  # fmt: skip
-        # The scales load while the WGMMAs run.
-        sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
-        sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
-        blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
-        mbarrier.arrive(empty.index(st), count=1)  # this warpgroup is done with the stage
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_coords(t, M, N, 2 * HALF, BLOCK_N, group_m)
+        rows = off_m + HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_layout))
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        sfa_ptrs = sfa_ptr + gl.where(rows < M, rows, 0) * stride_sfa_m
         if PER_COL:
-            acc = acc + (blk * sfa[:, None]) * sfb[None, :]
+            if SFB_PER_COL:
+                sfb_ptrs = sfb_ptr + gl.where(cols < N, cols, 0) * stride_sfb_n
+            else:
+                sfb_ptrs = sfb_ptr + (gl.where(cols < N, cols, 0) // BLOCK_K) * stride_sfb_n
         else:
-            acc = acc + blk * (sfa * sfb)[:, None]
-    _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE)
+            sfb_ptrs = sfb_ptr + (off_n // BLOCK_K) * stride_sfb_n
+        acc = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
+        for kb in range(k_steps):
+            st = it % NUM_STAGES
+            mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+            blk = warpgroup_mma(a_ring.index(st), b_ring.index(st).permute((1, 0)), blk,
+                                use_acc=False, is_async=True)  # fmt: skip
+            # The scales load while the WGMMAs run.
+            sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
+            sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+            blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
+            mbarrier.arrive(empty.index(st), count=1)  # this warpgroup is done with the stage
+            if PER_COL:
+                acc = acc + (blk * sfa[:, None]) * sfb[None, :]
+            else:
+                acc = acc + blk * (sfa * sfb)[:, None]
+            it += 1
+        _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE)
 
 
 @gluon.jit
@@ -283,7 +296,6 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_s
                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per consumer
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    off_m, off_n = _tile_origin(M, N, 2 * HALF, BLOCK_N, GROUP_M)
 
     a0_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, HALF, BLOCK_K], a_desc.layout)
     a1_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, HALF, BLOCK_K], a_desc.layout)
@@ -300,7 +312,7 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_s
     )
     args = (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr,
             M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
-            stride_on, off_m, off_n, flags)  # fmt: skip
+            stride_on, GROUP_M, flags)  # fmt: skip
     gl.warp_specialize(
         [(_ws_producer, (args,)), (_ws_consumer0, (args,)), (_ws_consumer1, (args,))],
         [4, 4],
@@ -462,6 +474,8 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
     b_desc = TensorDescriptor(b_fp8, list(b_fp8.shape), list(b_fp8.stride()),
                               [cfg.block_n, _BK], _smem_layout(cfg.block_n))  # fmt: skip
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    if cfg.warp_specialized:  # persistent: one program per SM walks the tiles
+        grid = (min(grid[0], torch.cuda.get_device_properties(a_fp8.device).multi_processor_count),)
     with torch.cuda.device(a_fp8.device):
         if cfg.warp_specialized:
             _gemm_ws_kernel[grid](
