@@ -30,8 +30,11 @@ and TMA operation, so the two warpgroups run in lockstep.
 ``gl.warp_specialize``: a TMA producer partition (40 registers) and two consumer warpgroups of
 64 rows (232 registers, 128x128 tiles without spills), each waiting for its own WGMMAs and
 promoting while the other's run. Correct on an H200 (explicit warp specialization works on
-sm_90; only Triton's automatic pass faults) but 0.29-0.70x cuBLAS (session 14, calls 9-10):
-about half the tensor cores' rate per 128-K block and a fixed cost near 7 µs per tile.
+sm_90; only Triton's automatic pass faults) but 0.30-0.70x cuBLAS (session 14, calls 9-17,
+persistent since call 17): about half the tensor cores' rate per 128-K block (the scale loads
+issued after each block's WGMMAs are the top stall) and, at short K, the output's pointer
+stores from the WGMMA layout (about 0.5 TB/s). A TMA-store epilogue and TMA-loaded scales are
+what it lacks.
 Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-V3 §3.3).
 """
 
