@@ -47,6 +47,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -206,7 +207,7 @@ def _ws_producer(args):
     """The TMA producer (the default partition): the K blocks of this program's tiles, one
     after another, running ahead into the next tile while the consumers store the last."""
     (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, _sfa, _sfb, _out, M, N, K,
-     _s0, _s1, _s2, _s3, _s4, _s5, group_m, _flags) = args  # fmt: skip
+     _s0, _s1, _s2, _s3, _s4, _s5, group_m, _flags, _c, _c0, _c1) = args  # fmt: skip
     # The default partition: its constexpr arguments arrive as values, so sizes come from types.
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -236,17 +237,19 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     this program, in the producer's order (the same ring position ``it``)."""
     (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
      stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, group_m,
-     flags) = args  # fmt: skip
+     flags, c_desc, c0_smem, c1_smem) = args  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = b_ring.type.shape[0]
     SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
     ACCUMULATE: gl.constexpr = flags.type.shape[1] == 2
+    TMA_STORE: gl.constexpr = flags.type.shape[2] == 2
     PER_COL: gl.constexpr = SFB_PER_COL or (BLOCK_K % BLOCK_N != 0)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
     )
     a_ring = a0_ring if HALF_INDEX == 0 else a1_ring
+    c_smem = c0_smem if HALF_INDEX == 0 else c1_smem
     k_steps = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BLOCK_N)
     blk = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
@@ -279,7 +282,17 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
             else:
                 acc = acc + blk * (sfa * sfb)[:, None]
             it += 1
-        _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE)
+        if TMA_STORE:
+            # Through shared memory and one TMA store per warpgroup (clipped at M and N); the
+            # previous tile's store must have read the staging buffer first.
+            tma.store_wait(0)
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m + HALF_INDEX * HALF, off_n], c_smem)
+        else:
+            _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -293,10 +306,11 @@ def _ws_consumer0(args):
 
 
 @gluon.jit
-def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_m, stride_sfa_k,
-                    stride_sfb_n, stride_sfb_k, stride_om, stride_on, SFB_PER_COL: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, M, N, K, stride_sfa_m,
+                    stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on,
+                    SFB_PER_COL: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
+                    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    num_warps: gl.constexpr):  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per consumer
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
 
@@ -311,11 +325,20 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_s
     # warp_specialize passes constexpr arguments to the partitions as values, so the two flags
     # travel in the shape of an unused shared-memory descriptor, [1 + SFB_PER_COL, 1 + ACCUMULATE].
     flags = gl.allocate_shared_memory(
-        gl.int8, [1 + SFB_PER_COL, 1 + ACCUMULATE], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        gl.int8,
+        [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE],
+        gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]),
     )
+    # TMA-store staging, one [64, BLOCK_N] buffer per consumer (a [1, 1] stand-in without).
+    if TMA_STORE:
+        c0_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        c1_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    else:
+        c0_smem = flags
+        c1_smem = flags
     args = (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr,
             M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
-            stride_on, GROUP_M, flags)  # fmt: skip
+            stride_on, GROUP_M, flags, c_desc, c0_smem, c1_smem)  # fmt: skip
     gl.warp_specialize(
         [(_ws_producer, (args,)), (_ws_consumer0, (args,)), (_ws_consumer1, (args,))],
         [4, 4],
@@ -358,6 +381,14 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
         **{name: "i32" for name in ("M", "N", "K")},
         **{f"stride_{s}": "i32" for s in ("sfa_m", "sfa_k", "sfb_n", "sfb_k", "om", "on")},
     }
+    if ws:
+        tma_store = not accumulate
+        c_rows, c_elem = 64, {"bf16": gl.bfloat16, "fp32": gl.float32}[out]
+        c_layout = gl.NVMMASharedLayout.get_default_for([c_rows, block_n], c_elem)
+        signature = {**dict(list(signature.items())[:5]),
+                     "c_desc": f"tensordesc<{out}[{c_rows}, {block_n}],{c_layout!r}>"
+                     if tma_store else desc(block_m),
+                     **dict(list(signature.items())[5:])}  # fmt: skip
     constexprs = {
         "SFB_PER_COL": kind == "1d1d",
         "ACCUMULATE": accumulate,
@@ -367,6 +398,7 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
     }
     if ws:
         constexprs["CONSUMER_REGS"] = consumer_regs
+        constexprs["TMA_STORE"] = tma_store
     else:
         constexprs["CHUNK"] = chunk
     src = GluonASTSource(_gemm_ws_kernel if ws else _gemm_kernel, signature, constexprs)
@@ -481,11 +513,24 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         grid = (min(grid[0], torch.cuda.get_device_properties(a_fp8.device).multi_processor_count),)
     with torch.cuda.device(a_fp8.device):
         if cfg.warp_specialized:
+            # The output through TMA stores when it can take them (row-contiguous, 16-byte
+            # aligned rows and base, no D +=); else masked pointer stores.
+            esz = out.element_size()
+            tma_store = (not accumulate and out.stride(1) == 1 and (out.stride(0) * esz) % 16 == 0
+                         and out.data_ptr() % 16 == 0)  # fmt: skip
+            c_desc = a_desc  # a stand-in the kernel never reads without TMA_STORE
+            if tma_store:
+                c_elem = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
+                c_box = [cfg.block_m // 2, cfg.block_n]
+                c_layout = gl.NVMMASharedLayout.get_default_for(c_box, c_elem)
+                c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), c_box,
+                                          c_layout)  # fmt: skip
             _gemm_ws_kernel[grid](
-                a_desc, b_desc, sf_a, sf_b, out, m, n, k,
+                a_desc, b_desc, sf_a, sf_b, out, c_desc, m, n, k,
                 sf_a.stride(0), sf_a.stride(1), sf_b.stride(0), sf_b.stride(1),
                 out.stride(0), out.stride(1),
-                SFB_PER_COL=kind == "1d1d", ACCUMULATE=accumulate, GROUP_M=cfg.group_m,
+                SFB_PER_COL=kind == "1d1d", ACCUMULATE=accumulate, TMA_STORE=tma_store,
+                GROUP_M=cfg.group_m,
                 NUM_STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS, num_warps=4,
                 maxnreg=_WS_MAXNREG,
             )  # fmt: skip
