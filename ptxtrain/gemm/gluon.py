@@ -267,26 +267,20 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
         else:
             sfb_ptrs = sfb_ptr + (off_n // BLOCK_K) * stride_sfb_n
         acc = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
-        # Scales are loaded one block ahead: a global load's latency exceeds one warpgroup's
-        # WGMMAs of a block (the top stall without it, call 11).
-        sfa = gl.load(sfa_ptrs)
-        sfb = gl.load(sfb_ptrs)
         for kb in range(k_steps):
             st = it % NUM_STAGES
             mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
             blk = warpgroup_mma(a_ring.index(st), b_ring.index(st).permute((1, 0)), blk,
                                 use_acc=False, is_async=True)  # fmt: skip
-            more = kb + 1 < k_steps
-            sfa_next = gl.load(sfa_ptrs + (kb + 1) * stride_sfa_k, mask=more, other=0.0)
-            sfb_next = gl.load(sfb_ptrs + (kb + 1) * stride_sfb_k, mask=more, other=0.0)
+            # The scales load while the WGMMAs run.
+            sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
+            sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
             blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
             mbarrier.arrive(empty.index(st), count=1)  # this warpgroup is done with the stage
             if PER_COL:
                 acc = acc + (blk * sfa[:, None]) * sfb[None, :]
             else:
                 acc = acc + blk * (sfa * sfb)[:, None]
-            sfa = sfa_next
-            sfb = sfb_next
             it += 1
         if TMA_STORE:
             # Through shared memory and one TMA store per warpgroup (clipped at M and N); the
