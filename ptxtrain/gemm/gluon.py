@@ -1,5 +1,6 @@
 """Block-scaled FP8 GEMMs in Gluon (Triton's explicit-layout dialect), sm_90 only. EXPERIMENTAL:
-correct, but slower than ``ptxtrain.gemm.triton``; no backend or heuristic uses it.
+correct; the warp-specialized form beats ``ptxtrain.gemm.triton`` on most 1D2D shapes at
+M = 4096, but no backend or heuristic uses it yet.
 
 Design note. The Triton kernels (``ptxtrain.gemm.triton``) stop at about 0.78x cuBLAS at
 M = 4096 because Triton 3.6 waits for each block's WGMMAs before the FP32 promotion reads them
@@ -29,12 +30,13 @@ and TMA operation, so the two warpgroups run in lockstep.
 ``_gemm_ws_kernel`` (``GluonConfig(warp_specialized=True)``) is DeepGEMM's structure through
 ``gl.warp_specialize``: a TMA producer partition (40 registers) and two consumer warpgroups of
 64 rows (232 registers, 128x128 tiles without spills), each waiting for its own WGMMAs and
-promoting while the other's run. Correct on an H200 (explicit warp specialization works on
-sm_90; only Triton's automatic pass faults) but 0.30-0.70x cuBLAS (session 14, calls 9-17,
-persistent since call 17): about half the tensor cores' rate per 128-K block (the scale loads
-issued after each block's WGMMAs are the top stall) and, at short K, the output's pointer
-stores from the WGMMA layout (about 0.5 TB/s). A TMA-store epilogue and TMA-loaded scales are
-what it lacks.
+promoting while the other's run; persistent (one program per SM; the producer runs into the
+next tile during the epilogue) with a TMA-store epilogue where the output allows. Explicit
+warp specialization works on sm_90 (only Triton's automatic pass faults). Measured on an H200
+(session 14, call 18): 1D2D at M = 4096 0.73-1.09x cuBLAS, geomean 0.862 against 0.772 for the
+Triton kernel in the same process (ahead at five of the six V3 shapes); 1D1D 0.44-0.57x.
+Nothing selects it yet. The scale loads issued after each block's WGMMAs are its top stall
+(call 11); loading them a block ahead was slower (call 19).
 Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-V3 §3.3).
 """
 
