@@ -479,16 +479,25 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         ``out``.
 
     Raises:
-        ValueError: operands not on one CUDA device, not K-major with 16-byte aligned rows, or
-            ``accumulate`` without ``out``.
-
-    The caller has checked the GEMM contract (``ptxtrain.gemm``'s dispatcher does); this
-    entry point checks only what the TMA descriptors need.
+        TypeError / ValueError: the GEMM contract's checks (``ptxtrain.gemm.ref.validate_1d2d``
+            / ``validate_1d1d``: dtypes, shapes, scale shapes, devices, ``out``), an unknown
+            ``kind`` or a config that is not a :class:`GluonConfig`; then operands not on a
+            CUDA device or not K-major with 16-byte aligned rows and base (TMA).
     """
+    from ptxtrain.gemm.ref import validate_1d1d, validate_1d2d
+
+    if kind == "1d2d":
+        m, n, k = validate_1d2d(a, b, out, out_dtype)
+    elif kind == "1d1d":
+        m, n, k = validate_1d1d(a, b, out, accumulate, out_dtype)
+    else:
+        raise ValueError(f"kind must be '1d2d' or '1d1d', got {kind!r}")
+    if kind == "1d2d" and accumulate:
+        raise ValueError("accumulate=True is a 1D1D (wgrad) option, got kind='1d2d'")
+    if config is not None and not isinstance(config, GluonConfig):
+        raise TypeError(f"config must be a GluonConfig or None, got {type(config).__name__}")
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     cfg = config or GluonConfig()
-    m, k = a_fp8.shape
-    n = b_fp8.shape[0]
     for name, t in (("a", a_fp8), ("b", b_fp8)):
         if t.device.type != "cuda" or t.stride(1) != 1 or (t.stride(0) % 16) or t.data_ptr() % 16:
             raise ValueError(

@@ -74,6 +74,26 @@ def test_config_rejects_bad_fields():
         GluonConfig(block_n=64, warp_specialized=1)
 
 
+def test_fp8_gemm_rejects_bad_input_before_any_launch():
+    """The GEMM contract's checks run first (on CPU tensors here, so nothing could launch)."""
+    from ptxtrain.gemm import gluon
+
+    x, w = scaled_operands(4, 8, 256, 0, "cpu")
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    with pytest.raises(ValueError, match="kind"):
+        gluon.fp8_gemm("1x1", qa, qb)
+    with pytest.raises(ValueError, match="must share K"):  # B's K (128), A's 256
+        gluon.fp8_gemm("1d2d", qa, per_block_cast_to_fp8(w[:, :128]))
+    with pytest.raises(ValueError, match=r"out must have shape \(4, 8\)"):
+        gluon.fp8_gemm("1d2d", qa, qb, out=torch.empty(4, 9))
+    with pytest.raises(ValueError, match="accumulate"):
+        gluon.fp8_gemm("1d2d", qa, qb, out=torch.empty(4, 8), accumulate=True)
+    with pytest.raises(TypeError, match="GluonConfig"):
+        gluon.fp8_gemm("1d2d", qa, qb, config="128x128")
+    with pytest.raises(ValueError, match="CUDA"):  # valid operands, but not on a GPU
+        gluon.fp8_gemm("1d2d", qa, qb)
+
+
 def _operands(m, n, k, kind, seed):
     x, w = scaled_operands(m, n, k, seed, "cuda")
     qa = per_token_cast_to_fp8(x)
