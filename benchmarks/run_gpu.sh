@@ -150,18 +150,18 @@ for stage in $stages; do
         2>&1 | grep -v "^W" || status=1
       ;;
     abtriton)
-      # Triton GEMM configs vs cuBLAS and the Triton heuristic (benchmarks.ab_triton): by default
-      # the warp-specialized variants (Triton's Hopper pass: producer + two consumer warpgroups)
-      # at M = 4096 over the six V3 shapes (1D2D) and the wgrad shapes (1D1D, K = 4096).
-      v_ws="ws128:128x128w4s4g8:tma_ws ws128p:128x128w4s4g8:tma_ws_persistent:p1"
-      v_ws="$v_ws ws128s5:128x128w4s5g8:tma_ws ws64:64x128w4s4g8:tma_ws"
+      # Triton / Gluon GEMM configs vs cuBLAS and the Triton heuristic (benchmarks.ab_triton): by
+      # default the warp-specialized Gluon kernel (ptxtrain.gemm.gluon; Triton's own automatic
+      # warp specialization faults on sm_90 and is refused unless PTXTRAIN_TRITON_WS=1) at
+      # M = 4096 over the six V3 shapes (1D2D) and the wgrad shapes (1D1D, K = 4096).
+      v_ws="gws4:gluon:128x128w8s4c4ws gws5:gluon:128x128w8s5c4ws"
       shapes="4096,2112,7168 4096,24576,1536 4096,32768,512 4096,7168,16384 4096,4096,7168 4096,7168,2048"
       # Each kind runs under `timeout` (ABT_TIMEOUT s, default 240): a config that hangs the GPU
       # ends its process; the JSON is rewritten after every shape, so finished shapes are kept.
       wshapes="7168,2112,4096 1536,24576,4096 512,32768,4096 16384,7168,4096 7168,4096,4096 2048,7168,4096"
       for kind in 1d2d 1d1d; do
         if [ $kind = 1d2d ]; then s=${ABT_SHAPES:-$shapes}; else s=${ABT_WSHAPES:-$wshapes}; fi
-        timeout ${ABT_TIMEOUT:-240} python3 -m benchmarks.ab_triton --kind $kind --shapes $s \
+        timeout -k 10 ${ABT_TIMEOUT:-240} python3 -m benchmarks.ab_triton --kind $kind --shapes $s \
           --variants ${ABT_VARIANTS:-$v_ws} --json "$OUT/ab_triton_${kind}_${PTXTRAIN_GIT_SHA:-local}.json" \
           2>&1 | grep -v "^W" | tee "$LOGS/ab_triton_$kind.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -196,12 +196,13 @@ def _gemm_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_
 
 
 # ---------------------------------------------------------------------------------------------
-# Warp-specialized: DeepGEMM's structure, one TMA producer warp and two consumer warpgroups
+# Warp-specialized: DeepGEMM's structure, a TMA producer and two consumer warpgroups
 # ---------------------------------------------------------------------------------------------
 # Each consumer warpgroup owns 64 rows of a 128-row tile: per K block it waits for the stage,
 # issues its WGMMAs, waits for them, releases the stage (count-2 "empty" barrier) and promotes
 # into its running sum. The two warpgroups are not in lockstep, so one's promotion runs under
-# the other's WGMMAs; the producer warp keeps NUM_STAGES blocks in flight.
+# the other's WGMMAs; the producer (4 warps, one thread issuing) keeps NUM_STAGES blocks in
+# flight.
 
 
 @gluon.jit
@@ -349,9 +350,9 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, M, N, K, 
 
 
 _BK = 128  # BLOCK_K on the host
-# Registers per thread the warp-specialized kernel is compiled for: 12 warps (the default
-# partition's 4, a 4-warp consumer, a 1-warp producer rounded up to a warpgroup) x 32 x 168
-# fill the SM's 65536; the producer gives up to 40, the consumers take 232.
+# Registers per thread the warp-specialized kernel is compiled for: 12 warps (the 4-warp TMA
+# producer, the default partition, and two 4-warp consumer warpgroups) x 32 x 168 fill the
+# SM's 65536; the producer gives up to 40 (setmaxnreg.dec), the consumers take 232 (.inc).
 _WS_MAXNREG = 168
 _WS_CONSUMER_REGS = 232
 
@@ -454,11 +455,39 @@ class GluonConfig:
             raise ValueError(
                 f"GluonConfig.warp_specialized must be a bool, got {self.warp_specialized!r}"
             )
+        if self.warp_specialized and (self.block_m, self.num_warps) != (128, 8):
+            raise ValueError(
+                f"GluonConfig(warp_specialized=True) needs block_m=128, num_warps=8 (two 64-row "
+                f"consumer warpgroups), got block_m={self.block_m}, num_warps={self.num_warps}"
+            )
+        # The ring (A + B tiles per stage) and, warp-specialized, the fp32-sized worst case of
+        # the TMA-store staging (2 x 64 x block_n x 4 bytes) must fit 227 KiB of shared memory.
+        smem = self.num_stages * (self.block_m + self.block_n) * 128
+        smem += 2 * 64 * self.block_n * 4 if self.warp_specialized else 0
+        if smem > 227 * 1024:
+            raise ValueError(
+                f"GluonConfig: {self.num_stages} stages of {self.block_m}x128 + "
+                f"{self.block_n}x128 fp8 tiles need {smem} bytes of shared memory, over 232448"
+            )
         if not 2 <= self.num_stages <= 8 or self.chunk not in (2, 4, 8):
             raise ValueError(
                 f"GluonConfig needs num_stages in [2, 8] and chunk in (2, 4, 8), got "
                 f"{self.num_stages}, {self.chunk}"
             )
+
+
+def _check_out_offsets(m: int, n: int, stride_om: int, stride_on: int) -> None:
+    """The kernels address ``out`` with int64 row offsets but int32 column offsets.
+
+    Raises:
+        ValueError: ``(N - 1) x stride_on`` does not fit int32 (e.g. a column-major ``out``
+            with M x N >= 2^31).
+    """
+    if n > 0 and (n - 1) * stride_on >= 2**31:
+        raise ValueError(
+            f"out's column stride {stride_on} x (N - 1 = {n - 1}) needs 64-bit offsets; pass a "
+            f"row-major out (stride (N, 1)) to the Gluon GEMM"
+        )
 
 
 def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
@@ -498,6 +527,8 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         raise TypeError(f"config must be a GluonConfig or None, got {type(config).__name__}")
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     cfg = config or GluonConfig()
+    if out is not None:
+        _check_out_offsets(m, n, out.stride(0), out.stride(1))
     for name, t in (("a", a_fp8), ("b", b_fp8)):
         if t.device.type != "cuda" or t.stride(1) != 1 or (t.stride(0) % 16) or t.data_ptr() % 16:
             raise ValueError(

@@ -72,6 +72,24 @@ def test_config_rejects_bad_fields():
             GluonConfig(group_m=bad)
     with pytest.raises(ValueError, match="warp_specialized"):
         GluonConfig(block_n=64, warp_specialized=1)
+    # The warp-specialized kernel's WGMMAs need 64-row consumers (Triton: "WGMMA result M
+    # dimension must be divisible by 64" for a 32-row A box).
+    with pytest.raises(ValueError, match="block_m=128, num_warps=8"):
+        GluonConfig(block_m=64, num_warps=4, warp_specialized=True)
+    # 8 stages of 128x128 + 128x128 tiles: 256 KiB, more shared memory than an SM has.
+    with pytest.raises(ValueError, match="shared memory"):
+        GluonConfig(128, 128, 8, 8)
+    GluonConfig(128, 128, 8, 5, warp_specialized=True)  # 160 KiB ring + 64 KiB staging fits
+
+
+def test_out_offsets_must_fit_int32():
+    from ptxtrain.gemm.gluon import _check_out_offsets
+
+    _check_out_offsets(4096, 7168, 7168, 1)  # row-major: fine at any size
+    _check_out_offsets(1, 1, 1, 2**40)  # one column: no column offset at all
+    with pytest.raises(ValueError, match="64-bit offsets"):  # column-major, M x N >= 2^31
+        _check_out_offsets(65536, 32769, 1, 65536)  # (N - 1) x 65536 = 2^31
+    _check_out_offsets(65536, 32768, 1, 65536)  # 2^31 - 65536: the largest offset still fits
 
 
 def test_fp8_gemm_rejects_bad_input_before_any_launch():
@@ -135,3 +153,26 @@ def test_gpu_matches_reference(m, n, k, kind, cfg):
         before = out.clone()
         gluon.fp8_gemm(kind, qa, qb, out, torch.float32, True, config)
         assert calc_diff(out, before + want) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws", [False, True])
+@pytest.mark.parametrize("out_kind", ["bf16", "bf16_strided", "fp32_odd_n"])
+def test_gpu_output_layouts(out_kind, ws):
+    """bf16 output (the default, the TMA-store epilogue when warp-specialized), a strided bf16
+    out and an fp32 out whose rows are not 16-byte aligned (N = 301: the pointer-store path)."""
+    from ptxtrain.gemm import gluon
+
+    m, n, k = 300, 301 if out_kind == "fp32_odd_n" else 576, 1536
+    x, w, qa, qb = _operands(m, n, k, "1d2d", seed=11)
+    cfg = gluon.GluonConfig(128, 128, 8, 4, 4, warp_specialized=ws)
+    if out_kind == "bf16_strided":
+        out = torch.full((m, n + 8), float("nan"), device="cuda", dtype=torch.bfloat16)[:, :n]
+    else:
+        dtype = torch.float32 if out_kind == "fp32_odd_n" else torch.bfloat16
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    gluon.fp8_gemm("1d2d", qa, qb, out, out.dtype, False, cfg)
+    want = ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
+    # bf16 rounding of the fp32 result bounds the difference (2^-8 relative per element).
+    assert calc_diff(out.float(), want) < (1e-5 if out.dtype == torch.bfloat16 else 1e-6)
+    assert calc_diff(out.float(), x @ w.t()) < CALC_DIFF_MAX

@@ -79,8 +79,8 @@ def test_permute_unpermute_reject_bad_arguments():
         permute_ref(x, idx.int(), 4)
     with pytest.raises(ValueError, match="y_permuted"):
         unpermute_ref(torch.randn(7, 8), torch.arange(8), torch.rand(4, 2))
-    # Slots outside [0, T·k): -1 would index_select from the end, T·k would raise torch's own
-    # IndexError; both now name the argument.
+    # Slots outside [0, T·k) raised torch's own IndexError from index_select; they now raise
+    # a ValueError naming the argument and the range.
     for bad in (-1, 8):
         slots = torch.arange(8)
         slots[3] = bad
