@@ -60,15 +60,37 @@ BLOCK_K = gl.constexpr(128)  # one 1x128 / 128x128 scale block per K step
 
 
 @gluon.jit
-def _promote(acc, blk, sfa_ptrs, sfb_ptrs, kb, stride_sfa_k, stride_sfb_k,
-             PER_COL: gl.constexpr):  # fmt: skip
-    """acc + blk · sf_a[:, kb] · sf_b[·, kb] (FP32 promotion of one 128-K block)."""
-    sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
-    sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+def _scale_ptrs(sfa_ptr, sfb_ptr, rows, cols, off_n, M, N, stride_sfa_m, stride_sfb_n,
+                SFB_PER_COL: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """K-block 0's scale pointers of a tile: sf_a per row, sf_b per column (1D1D, or a 1D2D
+    tile that may span two 128-row blocks of B) or one scalar (a 1D2D tile inside one block).
+    Rows and columns past M / N read row 0 (in bounds; their results are never stored)."""
+    sfa_ptrs = sfa_ptr + gl.where(rows < M, rows, 0) * stride_sfa_m
+    if SFB_PER_COL:
+        sfb_ptrs = sfb_ptr + gl.where(cols < N, cols, 0) * stride_sfb_n
+    elif BLOCK_K % BLOCK_N != 0:
+        sfb_ptrs = sfb_ptr + (gl.where(cols < N, cols, 0) // BLOCK_K) * stride_sfb_n
+    else:
+        sfb_ptrs = sfb_ptr + (off_n // BLOCK_K) * stride_sfb_n
+    return sfa_ptrs, sfb_ptrs
+
+
+@gluon.jit
+def _scaled_add(acc, blk, sfa, sfb, PER_COL: gl.constexpr):
+    """acc + blk · sf_a[:, None] · sf_b: the FP32 promotion of one 128-K block."""
     if PER_COL:
         return acc + (blk * sfa[:, None]) * sfb[None, :]
     else:
         return acc + blk * (sfa * sfb)[:, None]
+
+
+@gluon.jit
+def _promote(acc, blk, sfa_ptrs, sfb_ptrs, kb, stride_sfa_k, stride_sfb_k,
+             PER_COL: gl.constexpr):  # fmt: skip
+    """:func:`_scaled_add` with K block ``kb``'s scales."""
+    sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
+    sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+    return _scaled_add(acc, blk, sfa, sfb, PER_COL)
 
 
 @gluon.jit
@@ -117,13 +139,8 @@ def _gemm_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_
     cols_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
     rows = off_m + gl.arange(0, BLOCK_M, layout=rows_l)
     cols = off_n + gl.arange(0, BLOCK_N, layout=cols_l)
-    sfa_ptrs = sfa_ptr + gl.where(rows < M, rows, 0) * stride_sfa_m
-    if SFB_PER_COL:  # 1D1D: one scale per column of the tile
-        sfb_ptrs = sfb_ptr + gl.where(cols < N, cols, 0) * stride_sfb_n
-    elif BLOCK_K % BLOCK_N != 0:  # 1D2D, a tile that may span two 128-row blocks of B
-        sfb_ptrs = sfb_ptr + (gl.where(cols < N, cols, 0) // BLOCK_K) * stride_sfb_n
-    else:  # 1D2D, the tile lies in one 128-row block of B
-        sfb_ptrs = sfb_ptr + (off_n // BLOCK_K) * stride_sfb_n
+    sfa_ptrs, sfb_ptrs = _scale_ptrs(sfa_ptr, sfb_ptr, rows, cols, off_n, M, N, stride_sfa_m,
+                                     stride_sfb_n, SFB_PER_COL, BLOCK_N)  # fmt: skip
 
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
@@ -261,14 +278,8 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
         off_m, off_n = _tile_coords(t, M, N, 2 * HALF, BLOCK_N, group_m)
         rows = off_m + HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-        sfa_ptrs = sfa_ptr + gl.where(rows < M, rows, 0) * stride_sfa_m
-        if PER_COL:
-            if SFB_PER_COL:
-                sfb_ptrs = sfb_ptr + gl.where(cols < N, cols, 0) * stride_sfb_n
-            else:
-                sfb_ptrs = sfb_ptr + (gl.where(cols < N, cols, 0) // BLOCK_K) * stride_sfb_n
-        else:
-            sfb_ptrs = sfb_ptr + (off_n // BLOCK_K) * stride_sfb_n
+        sfa_ptrs, sfb_ptrs = _scale_ptrs(sfa_ptr, sfb_ptr, rows, cols, off_n, M, N, stride_sfa_m,
+                                         stride_sfb_n, SFB_PER_COL, BLOCK_N)  # fmt: skip
         acc = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
         for kb in range(k_steps):
             st = it % NUM_STAGES
@@ -280,10 +291,7 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
             sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
             blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
             mbarrier.arrive(empty.index(st), count=1)  # this warpgroup is done with the stage
-            if PER_COL:
-                acc = acc + (blk * sfa[:, None]) * sfb[None, :]
-            else:
-                acc = acc + blk * (sfa * sfb)[:, None]
+            acc = _scaled_add(acc, blk, sfa, sfb, PER_COL)
             it += 1
         if TMA_STORE:
             # Through shared memory and one TMA store per warpgroup (clipped at M and N); the
@@ -325,14 +333,15 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, M, N, K, 
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    # warp_specialize passes constexpr arguments to the partitions as values, so the two flags
-    # travel in the shape of an unused shared-memory descriptor, [1 + SFB_PER_COL, 1 + ACCUMULATE].
+    # warp_specialize passes constexpr arguments to the partitions as values, so the three
+    # flags travel in the shape of an unused shared-memory descriptor:
+    # [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE].
     flags = gl.allocate_shared_memory(
         gl.int8,
         [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE],
         gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]),
     )
-    # TMA-store staging, one [64, BLOCK_N] buffer per consumer (a [1, 1] stand-in without).
+    # TMA-store staging, one [64, BLOCK_N] buffer per consumer (``flags`` stands in without).
     if TMA_STORE:
         c0_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
         c1_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -375,23 +384,20 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
 
     if ws:  # A in two [64, 128] boxes, one per consumer warpgroup; 4 warps in the default
         block_m, num_warps = 64, 4
-    signature = {
-        "a_desc": desc(block_m),
-        "b_desc": desc(block_n),
-        "sfa_ptr": "*fp32",
-        "sfb_ptr": "*fp32",
-        "out_ptr": f"*{out}",
-        **{name: "i32" for name in ("M", "N", "K")},
-        **{f"stride_{s}": "i32" for s in ("sfa_m", "sfa_k", "sfb_n", "sfb_k", "om", "on")},
-    }
-    if ws:
+    signature = {"a_desc": desc(block_m), "b_desc": desc(block_n), "sfa_ptr": "*fp32",
+                 "sfb_ptr": "*fp32", "out_ptr": f"*{out}"}  # fmt: skip
+    if ws:  # the TMA-store descriptor (A's stands in when the kernel stores through pointers)
         tma_store = not accumulate
-        c_rows, c_elem = 64, {"bf16": gl.bfloat16, "fp32": gl.float32}[out]
-        c_layout = gl.NVMMASharedLayout.get_default_for([c_rows, block_n], c_elem)
-        signature = {**dict(list(signature.items())[:5]),
-                     "c_desc": f"tensordesc<{out}[{c_rows}, {block_n}],{c_layout!r}>"
-                     if tma_store else desc(block_m),
-                     **dict(list(signature.items())[5:])}  # fmt: skip
+        c_layout = gl.NVMMASharedLayout.get_default_for(
+            [64, block_n], {"bf16": gl.bfloat16, "fp32": gl.float32}[out]
+        )
+        signature["c_desc"] = (
+            f"tensordesc<{out}[64, {block_n}],{c_layout!r}>" if tma_store else desc(block_m)
+        )
+    signature.update({name: "i32" for name in ("M", "N", "K")})
+    signature.update(
+        {f"stride_{s}": "i32" for s in ("sfa_m", "sfa_k", "sfb_n", "sfb_k", "om", "on")}
+    )
     constexprs = {
         "SFB_PER_COL": kind == "1d1d",
         "ACCUMULATE": accumulate,
@@ -535,9 +541,7 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                 f"{name} must be a K-major CUDA tensor with 16-byte aligned rows and base for "
                 f"TMA, got device {t.device}, strides {tuple(t.stride())}"
             )
-    if out is None:
-        if accumulate:
-            raise ValueError("accumulate=True needs out")
+    if out is None:  # (accumulate without out was refused by the validators)
         out = torch.empty((m, n), dtype=out_dtype, device=a_fp8.device)
     if m == 0 or n == 0 or k == 0:
         if k == 0 and not accumulate:
@@ -552,7 +556,9 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                               [cfg.block_n, _BK], _smem_layout(cfg.block_n))  # fmt: skip
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     if cfg.warp_specialized:  # persistent: one program per SM walks the tiles
-        grid = (min(grid[0], torch.cuda.get_device_properties(a_fp8.device).multi_processor_count),)
+        from ptxtrain.gemm.triton import _device_sms
+
+        grid = (min(grid[0], _device_sms(a_fp8.device)),)
     with torch.cuda.device(a_fp8.device):
         if cfg.warp_specialized:
             # The output through TMA stores when it can take them (row-contiguous, 16-byte
