@@ -83,6 +83,18 @@ from ptxtrain.moe.router import Router
 __all__ = ["MLP", "MoE"]
 
 
+def _unpermute_ref_own_slots(y_perm, sorted_slots, topk_weights):
+    """``unpermute_ref`` on slots ``permute_ref`` just made: no range check (a host read)."""
+    return unpermute_ref(y_perm, sorted_slots, topk_weights, check_slots=False)
+
+
+def _permute_kernels(triton: bool) -> tuple:
+    """(permute, unpermute): the fused kernels, or the references."""
+    if triton:
+        return permute_fused, unpermute_fused
+    return permute_ref, _unpermute_ref_own_slots
+
+
 def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
     """Whether two process-group arguments name the same group (``None`` = the default group,
     so ``None`` and ``torch.distributed.group.WORLD`` are the same)."""
@@ -282,9 +294,7 @@ class MoE(nn.Module):
         :mod:`ptxtrain.moe.fused`."""
         if self.ep_buffer is not None:
             return self._routed_ep(x, topk_idx, topk_weights, triton)
-        permute, unpermute = (permute_fused, unpermute_fused) if triton else (
-            permute_ref, unpermute_ref
-        )  # fmt: skip
+        permute, unpermute = _permute_kernels(triton)
         x_perm, sorted_slots, tokens_per_expert = permute(
             x, topk_idx, self.n_routed_experts, check_ids=False
         )  # [N·k, D], [N·k], [E]; the router's ids are valid
@@ -302,9 +312,7 @@ class MoE(nn.Module):
         received rows, combine."""
         buffer = self.ep_buffer
         n_local = self.experts.num_local_experts
-        permute, unpermute = (permute_fused, unpermute_fused) if triton else (
-            permute_ref, unpermute_ref
-        )  # fmt: skip
+        permute, unpermute = _permute_kernels(triton)
         fp8 = self.fp8_dispatch and self.experts.fp8 and x.dtype != torch.float64
         if fp8:
             dispatched = dispatch_fp8(buffer, x, topk_idx, topk_weights, self.n_routed_experts)
