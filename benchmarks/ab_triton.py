@@ -2,7 +2,7 @@
 timed beside cuBLAS blockwise and the Triton heuristic's own pick, in one process (bench method).
 
     python3 -m benchmarks.ab_triton --shapes 4096,7168,16384 4096,2112,7168 \
-        --variants "ws:128x128w4s4g8:tma_ws_persistent:p1" "tma:64x128w4s3g8:tma" [--json OUT]
+        --variants "p:128x128w8s4g8:tma_persistent:p1" "g:gluon:128x128w8s4c4ws" [--json OUT]
 
 A variant is ``NAME:TILE:VARIANT[:pN]``: ``TILE`` is ``BMxBNwWARPSsSTAGESgGROUP_M`` (a
 :class:`ptxtrain.gemm.heuristics.GemmConfig`), ``VARIANT`` one of
@@ -33,7 +33,8 @@ _GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)(ws)?")
 
 
 def parse_variant(text: str) -> tuple[str, object]:
-    """``"ws:128x128w4s4g8:tma_ws_persistent:p1"`` -> (name, GemmConfig).
+    """``"p:128x128w8s4g8:tma_persistent:p1"`` -> (name, GemmConfig); ``"g:gluon:..."`` ->
+    (name, GluonConfig).
 
     Raises:
         ValueError: a malformed item, an unknown variant, or a config GemmConfig refuses.

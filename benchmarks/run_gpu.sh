@@ -152,7 +152,7 @@ for stage in $stages; do
     abtriton)
       # Triton / Gluon GEMM configs vs cuBLAS and the Triton heuristic (benchmarks.ab_triton): by
       # default the warp-specialized Gluon kernel (ptxtrain.gemm.gluon; Triton's own automatic
-      # warp specialization faults on sm_90 and is refused unless PTXTRAIN_TRITON_WS=1) at
+      # warp specialization faults on sm_90, see benchmarks.probe_triton_ws) at
       # M = 4096 over the six V3 shapes (1D2D) and the wgrad shapes (1D1D, K = 4096).
       v_ws="gws4:gluon:128x128w8s4c4ws gws5:gluon:128x128w8s5c4ws"
       shapes="4096,2112,7168 4096,24576,1536 4096,32768,512 4096,7168,16384 4096,4096,7168 4096,7168,2048"

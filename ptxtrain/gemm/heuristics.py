@@ -44,20 +44,11 @@ KINDS = ("1d2d", "1d1d")
 # "tma" / "tma_persistent": the same with A and B loaded through host-built tensor descriptors
 #   (TMA on sm_90); the launcher falls back to the pointer twin unless both operands are K-major
 #   with 16-byte aligned rows and bases.
-# "tma_ws" / "tma_ws_persistent": the TMA variants with Triton's automatic warp specialization
-#   (``tl.range(warp_specialize=True)``; on sm_90 Triton 3.6's Hopper pass): a producer warpgroup
-#   issues the TMA loads and two consumer warpgroups each own half of the tile (its WGMMAs, its
-#   FP32 promotion, its stores), so one consumer's promotion overlaps the other's WGMMAs inside
-#   one program (128-row tiles: 64 rows each; 64-row tiles are partitioned too, each consumer
-#   issuing 64xBN WGMMAs, how they share the tile is Triton's). ``num_warps`` (4) is each
-#   partition's; the program runs 12 warps. They compile (the compile-only test checks the
-#   partition and no spills) but hang or fault on an H200, as Triton's own minimal WS GEMM does
-#   (session 14), so the launcher refuses them on a GPU and nothing here chooses them.
-VARIANTS = ("tiled", "persistent", "tma", "tma_persistent", "tma_ws", "tma_ws_persistent")
-_WS_VARIANTS = ("tma_ws", "tma_ws_persistent")
-_PERSISTENT_VARIANTS = ("persistent", "tma_persistent", "tma_ws_persistent")
-# What autotune_configs tries by default: every variant but the warp-specialized ones (above).
-TUNED_VARIANTS = tuple(v for v in VARIANTS if v not in _WS_VARIANTS)
+# Triton 3.6's automatic warp specialization (``tl.range(warp_specialize=True)``) hangs or
+#   faults on sm_90, even in a minimal bf16 GEMM (session 14, ``benchmarks.probe_triton_ws``), so
+#   no variant uses it; ``ptxtrain.gemm.gluon`` specializes warps explicitly instead.
+VARIANTS = ("tiled", "persistent", "tma", "tma_persistent")
+_PERSISTENT_VARIANTS = ("persistent", "tma_persistent")
 H100_SMS = 132  # H100 SXM and H200 (DESIGN §6)
 
 _BLOCK_MS = (64, 128)
@@ -121,23 +112,11 @@ class GemmConfig:
 
     @property
     def uses_tma(self) -> bool:
-        return self.variant in ("tma", "tma_persistent", *_WS_VARIANTS)
-
-    @property
-    def warp_specialized(self) -> bool:
-        """Producer / two-consumer partition by Triton's automatic warp specialization."""
-        return self.variant in _WS_VARIANTS
-
-    @property
-    def consumer_warps(self) -> int:
-        """Warps that hold the tile's accumulators: ``num_warps``, or the two consumer partitions
-        of ``num_warps`` each when warp-specialized with 128-row tiles (split by rows)."""
-        split = self.warp_specialized and self.block_m >= 128
-        return 2 * self.num_warps if split else self.num_warps
+        return self.variant in ("tma", "tma_persistent")
 
     def acc_regs_per_thread(self) -> int:
         """Registers per thread for the running and the per-block FP32 accumulators."""
-        return 2 * self.block_m * self.block_n // (32 * self.consumer_warps)
+        return 2 * self.block_m * self.block_n // (32 * self.num_warps)
 
     def smem_bytes(self) -> int:
         """Shared memory of the operand ring: ``num_stages`` x (A tile + B tile), 1 byte each."""
@@ -246,9 +225,6 @@ def _max_stages(bm: int, bn: int) -> int:
 # (block_m, block_n, num_warps) an autotuner tries: the accumulators of each fit 128 registers per
 # thread; 8 warps only where 4 would not fit (8 warps on 64-row tiles measured slower).
 _TUNE_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8))
-# Warp-specialized variants: 4 warps per partition (Triton's Hopper pass partitions only then);
-# 128x256 and 256x128 spill there (ptxas, session 13).
-_TUNE_TILES_WS = ((128, 64, 4), (128, 128, 4))
 
 
 def autotune_configs(
@@ -257,23 +233,22 @@ def autotune_configs(
     """The candidate list an autotuner times for one shape; the heuristic's choice comes first.
 
     Tiles 64x64, 64x128, 128x64 (4 warps), 128x128 and 64x256 (8 warps; 128-row tiles only when
-    ``m > 64``; the warp-specialized variants: 128x64 and 128x128 with 4 warps per partition),
-    pipeline depth 3 and the deepest that fits the shared memory, for each of ``variants``
-    (default: :data:`TUNED_VARIANTS`, every variant but the warp-specialized ones), with 1 and 2
-    programs per SM for the persistent ones.
+    ``m > 64``), pipeline depth 3 and the deepest that fits the shared memory, for each of
+    ``variants`` (default: all of :data:`VARIANTS`), with 1 and 2 programs per SM for the
+    persistent ones.
 
     Raises:
         TypeError / ValueError: as :func:`select_config`; an unknown variant.
     """
     _check_dims(m, n, k, kind, H100_SMS)
-    variants = TUNED_VARIANTS if variants is None else tuple(variants)
+    variants = VARIANTS if variants is None else tuple(variants)
     for v in variants:
         _check_variant(v)
     first = select_config(m, n, k, kind)
     out: list[GemmConfig] = [first] if first.variant in variants else []
     for variant in variants:
         persistent = variant in _PERSISTENT_VARIANTS
-        for bm, bn, warps in _TUNE_TILES_WS if variant in _WS_VARIANTS else _TUNE_TILES:
+        for bm, bn, warps in _TUNE_TILES:
             if m <= 64 and bm != 64:
                 continue
             for pps in (1, 2) if persistent else (1,):

@@ -25,17 +25,11 @@ Variants (:data:`ptxtrain.gemm.heuristics.VARIANTS`), chosen by a :class:`GemmCo
 programs looping over tiles with ``tl.range(..., flatten=True)`` so the next tile's loads overlap
 the current epilogue), and ``tma`` / ``tma_persistent`` (A and B through host-built
 ``TensorDescriptor``s, i.e. TMA on sm_90; used only when both operands are K-major with 16-byte
-aligned rows and bases, else the pointer twin runs), and ``tma_ws`` / ``tma_ws_persistent``:
-the TMA variants with Triton's automatic warp specialization (``tl.range(warp_specialize=True)``
-on the K loop, or on the tile loop when persistent). Triton's documentation says Blackwell only,
-but 3.6 runs its Hopper pass (``nvgpu-warp-specialization``) for sm_90 too: with 4 warps it
-splits the program into a TMA producer warpgroup and two consumer warpgroups of half a tile
-each (``setmaxnreg`` 40 / 232; 128x128 tiles do not spill), DeepGEMM's structure, where one
-consumer's promotion overlaps the other's WGMMAs (checked at compile time on CPU). On an H200
-they hang (1D2D) or fault with an illegal address (1D1D), and so does a minimal bf16 Triton GEMM
-once its K loop is warp-specialized (``benchmarks.probe_triton_ws``): Triton's own tutorials keep
-warp specialization off before Blackwell (triton-lang/triton PR #7108). So on a GPU they raise
-NotImplementedError unless ``PTXTRAIN_TRITON_WS=1``; the heuristics never choose them.
+aligned rows and bases, else the pointer twin runs). Triton 3.6's automatic warp specialization
+(``tl.range(warp_specialize=True)``) runs a Hopper pass on sm_90 too, but its kernels hang or
+fault there, a minimal bf16 GEMM's included (session 14, ``benchmarks.probe_triton_ws``; Triton's
+tutorials keep it off before Blackwell, triton-lang/triton PR #7108), so no variant uses it;
+:mod:`ptxtrain.gemm.gluon` specializes warps explicitly instead.
 The config is :func:`ptxtrain.gemm.heuristics.select_config`'s (rules from measurements, see
 there) unless the caller passes one, or ``config="autotune"``, which times the candidates of
 :func:`ptxtrain.gemm.heuristics.autotune_configs` once per ``(kind, M bucket, N, K, ...)``.
@@ -60,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from collections.abc import Callable
 
@@ -73,7 +66,7 @@ from ptxtrain._checks import ceil_div
 from ptxtrain.gemm.heuristics import (
     BLOCK_K,
     H100_SMS,
-    TUNED_VARIANTS,
+    VARIANTS,
     GemmConfig,
     autotune_configs,
     m_bucket,
@@ -84,9 +77,6 @@ from ptxtrain.gemm.heuristics import (
 from ptxtrain.gemm.ref import Operand, validate_1d1d, validate_1d2d
 
 __all__ = ["fp8_gemm_nt", "fp8_gemm_nt_1d1d", "is_interpreted"]
-
-# Opt-in for launching the warp-specialized variants on a GPU (they hang there; see _gemm_checked).
-WS_ENV = "PTXTRAIN_TRITON_WS"
 
 _INT32_MAX = 2**31 - 1
 
@@ -134,12 +124,8 @@ def _block_scaled_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    WARP_SPEC_K: tl.constexpr = False,
 ):
-    """Σ_kb (A_kb · B_kbᵀ) · sf_a[:, kb] · sf_b[·, kb] for one [BLOCK_M, BLOCK_N] tile, fp32.
-
-    ``WARP_SPEC_K``: warp-specialize the K loop (a one-tile program; a persistent one
-    specializes its tile loop instead)."""
+    """Σ_kb (A_kb · B_kbᵀ) · sf_a[:, kb] · sf_b[·, kb] for one [BLOCK_M, BLOCK_N] tile, fp32."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
@@ -162,7 +148,7 @@ def _block_scaled_tile(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_steps = tl.cdiv(K, BLOCK_K)
-    for kb in tl.range(0, k_steps, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC_K):
+    for kb in tl.range(0, k_steps, num_stages=NUM_STAGES):
         if USE_TMA:
             # Out-of-bounds rows and the K tail come back as zeros.
             a = a_src.load([pid_m * BLOCK_M, kb * BLOCK_K])  # [BM, BK] fp8
@@ -245,18 +231,12 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         num_tiles = num_pid_m * num_pid_n
-        # Warp-specialized: the tile loop is partitioned instead of flattened (Triton 3.6's Hopper
-        # pass leaves a flattened loop alone; the producer runs ahead into the next tile anyway).
-        for tile_id in tl.range(
-            tl.program_id(0), num_tiles, tl.num_programs(0), flatten=not WARP_SPEC,
-            warp_specialize=WARP_SPEC,
-        ):  # fmt: skip
+        for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
             acc = _block_scaled_tile(
                 a_src, b_src, sfa_ptr, sfb_ptr, M, N, K, pid_m, pid_n,
@@ -274,7 +254,7 @@ def _fp8_gemm_kernel(
             a_src, b_src, sfa_ptr, sfb_ptr, M, N, K, pid_m, pid_n,
             stride_am, stride_ak, stride_bn, stride_bk,
             stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
-            SFB_PER_ROW, EVEN_K, USE_TMA, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, WARP_SPEC,
+            SFB_PER_ROW, EVEN_K, USE_TMA, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
         )  # fmt: skip
         _store_tile(
             out_ptr, acc, M, N, pid_m, pid_n, stride_om, stride_on,
@@ -326,8 +306,7 @@ def _effective_config(cfg: GemmConfig, a_fp8: torch.Tensor, b_fp8: torch.Tensor)
     """``cfg``, with a TMA variant replaced by its pointer twin where TMA cannot load the data."""
     if cfg.uses_tma and not (_tma_ok(a_fp8) and _tma_ok(b_fp8)):
         twin = "persistent" if cfg.persistent else "tiled"
-        # (a warp-specialized tile's accumulators, spread over its consumers, on as many warps)
-        return dataclasses.replace(cfg, variant=twin, num_warps=min(cfg.consumer_warps, 8))
+        return dataclasses.replace(cfg, variant=twin)
     return cfg
 
 
@@ -370,7 +349,6 @@ def _launch(
         BLOCK_K=BLOCK_K,
         GROUP_M=cfg.group_m,
         NUM_STAGES=cfg.num_stages,
-        WARP_SPEC=cfg.warp_specialized,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -395,7 +373,7 @@ def _autotuned_config(kind, a_fp8, sf_a, b_fp8, sf_b, out, accumulate, num_sms) 
     key = (kind, str(a_fp8.device), m_bucket(m), n, k, out.dtype, accumulate, tma, num_sms)
     if key in _TUNED:
         return _TUNED[key]
-    variants = TUNED_VARIANTS if tma else ("tiled", "persistent")  # TMA ones would run as these
+    variants = VARIANTS if tma else ("tiled", "persistent")  # TMA ones would run as these
     scratch = torch.empty_like(out)  # timing runs never touch the caller's output
     timings: list[tuple[float, int, GemmConfig]] = []
     errors: list[str] = []
@@ -459,12 +437,6 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
         cfg = _autotuned_config(kind, a_fp8, sf_a, b_fp8, sf_b, out, accumulate, num_sms)
     else:
         cfg = config
-    if cfg.warp_specialized and a_fp8.device.type == "cuda" and os.environ.get(WS_ENV) != "1":
-        raise NotImplementedError(
-            f"config={cfg}: the warp-specialized Triton variants ({cfg.variant!r}) hang on sm_90 "
-            f"with Triton 3.6 (measured on an H200: the first launch never finished, 1D2D and "
-            f"1D1D); they compile but are not launched unless {WS_ENV}=1 (diagnostics only)"
-        )
     if a_fp8.device.type == "cuda":
         with torch.cuda.device(a_fp8.device):
             _launch(kind, a_fp8, sf_a, b_fp8, sf_b, out, accumulate, cfg, num_sms)
@@ -604,7 +576,6 @@ def _compile_for_sm90(
         "BLOCK_K": BLOCK_K,
         "GROUP_M": cfg.group_m,
         "NUM_STAGES": cfg.num_stages,
-        "WARP_SPEC": cfg.warp_specialized,
         # K-major operands: unit strides along K, as the launcher's specialization would see.
         "stride_ak": 1,
         "stride_bk": 1,

@@ -7,7 +7,6 @@ import pytest
 from ptxtrain.gemm.heuristics import (
     BLOCK_K,
     H100_SMS,
-    TUNED_VARIANTS,
     VARIANTS,
     GemmConfig,
     autotune_configs,
@@ -33,13 +32,7 @@ def test_config_defaults_and_properties():
     assert cfg.block_k == BLOCK_K == 128
     assert not cfg.persistent and not cfg.uses_tma
     tp = GemmConfig(variant="tma_persistent", programs_per_sm=2)
-    assert tp.persistent and tp.uses_tma and not tp.warp_specialized
-    ws = GemmConfig(128, 128, 4, 4, variant="tma_ws")
-    assert ws.warp_specialized and ws.uses_tma and not ws.persistent
-    wsp = GemmConfig(128, 128, 4, 4, variant="tma_ws_persistent")
-    assert wsp.warp_specialized and wsp.uses_tma and wsp.persistent
-    # Two consumer partitions of 4 warps share a warp-specialized tile's accumulators.
-    assert ws.acc_regs_per_thread() == 2 * 128 * 128 // 256
+    assert tp.persistent and tp.uses_tma
     assert GemmConfig(128, 128, 8).acc_regs_per_thread() == 2 * 128 * 128 // 256
     assert GemmConfig(64, 128, 4, 3).smem_bytes() == 3 * (64 + 128) * 128
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -151,13 +144,7 @@ def test_autotune_configs(m):
     cands = autotune_configs(m, 7168, 2048)
     assert cands[0] == select_config(m, 7168, 2048)  # the heuristic's choice is tried first
     assert len(set(cands)) == len(cands)
-    # Every variant but the (unmeasured) warp-specialized ones, unless asked for.
-    assert {c.variant for c in cands} == set(TUNED_VARIANTS) == set(VARIANTS) - {
-        "tma_ws", "tma_ws_persistent"
-    }  # fmt: skip
-    ws = autotune_configs(m, 7168, 2048, variants=("tma_ws", "tma_ws_persistent"))
-    assert all(c.warp_specialized and c.num_warps == 4 for c in ws)
-    assert all(c.block_m == 128 for c in ws) and (m > 64 or not ws)
+    assert {c.variant for c in cands} == set(VARIANTS)
     for c in cands:
         assert c.acc_regs_per_thread() <= 128 and c.smem_bytes() <= SMEM_LIMIT - 64 * 1024, c
         assert m > 64 or c.block_m == 64, c  # a 128-row tile would be more than half empty
