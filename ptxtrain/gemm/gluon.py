@@ -225,14 +225,22 @@ def _gemm_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_
 @gluon.jit
 def _ws_producer(args):
     """The TMA producer (the default partition): the K blocks of this program's tiles, one
-    after another, running ahead into the next tile while the consumers store the last."""
+    after another, running ahead into the next tile while the consumers store the last. With
+    SCALES_TMA each stage also takes the K block's sf_a (two [1, 64] boxes, one per consumer)
+    and, for per-column sf_b (1D1D), its [1, BLOCK_N] box."""
     (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, _sfa, _sfb, _out, M, N, K,
-     _s0, _s1, _s2, _s3, _s4, _s5, group_m, _flags, _c, _c0, _c1) = args  # fmt: skip
+     _s0, _s1, _s2, _s3, _s4, _s5, group_m, flags, _c, _c0, _c1,
+     sfa_desc, sfb_desc, sfa0_ring, sfa1_ring, sfb_ring) = args  # fmt: skip
     # The default partition: its constexpr arguments arrive as values, so sizes come from types.
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     STAGES: gl.constexpr = b_ring.type.shape[0]
+    SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
+    SCALES_TMA: gl.constexpr = flags.type.shape[3] == 2
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    sf_nbytes: gl.constexpr = 2 * sfa_desc.block_type.nbytes + (
+        sfb_desc.block_type.nbytes if SFB_PER_COL else 0
+    )
     k_steps = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BLOCK_N)
     it = 0  # K blocks issued by this program so far (all tiles): the ring position
@@ -243,8 +251,18 @@ def _ws_producer(args):
             # mbarriers start with the phase before 0 complete: the first pass does not wait.
             mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(st)
-            mbarrier.expect(bar, nbytes)
             k0 = kb * BLOCK_K
+            if SCALES_TMA:
+                mbarrier.expect(bar, nbytes + sf_nbytes)
+                # sf_a's MN-major view is [ceil(K/128), M]: row kb, columns off_m...
+                tma.async_copy_global_to_shared(sfa_desc, [kb, off_m], bar, sfa0_ring.index(st))
+                tma.async_copy_global_to_shared(sfa_desc, [kb, off_m + HALF], bar,
+                                                sfa1_ring.index(st))  # fmt: skip
+                if SFB_PER_COL:
+                    tma.async_copy_global_to_shared(sfb_desc, [kb, off_n], bar,
+                                                    sfb_ring.index(st))  # fmt: skip
+            else:
+                mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(a_desc, [off_m, k0], bar, a0_ring.index(st))
             tma.async_copy_global_to_shared(a_desc, [off_m + HALF, k0], bar, a1_ring.index(st))
             tma.async_copy_global_to_shared(b_desc, [off_n, k0], bar, b_ring.index(st))
@@ -257,18 +275,23 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     this program, in the producer's order (the same ring position ``it``)."""
     (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
      stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, group_m,
-     flags, c_desc, c0_smem, c1_smem) = args  # fmt: skip
+     flags, c_desc, c0_smem, c1_smem, _sfa_desc, _sfb_desc, sfa0_ring, sfa1_ring,
+     sfb_ring) = args  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = b_ring.type.shape[0]
     SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
     ACCUMULATE: gl.constexpr = flags.type.shape[1] == 2
     TMA_STORE: gl.constexpr = flags.type.shape[2] == 2
+    SCALES_TMA: gl.constexpr = flags.type.shape[3] == 2
     PER_COL: gl.constexpr = SFB_PER_COL or (BLOCK_K % BLOCK_N != 0)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
     )
+    # A stage's scale boxes read as vectors in the accumulator's row / column layout.
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     a_ring = a0_ring if HALF_INDEX == 0 else a1_ring
+    sfa_ring = sfa0_ring if HALF_INDEX == 0 else sfa1_ring
     c_smem = c0_smem if HALF_INDEX == 0 else c1_smem
     k_steps = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BLOCK_N)
@@ -286,9 +309,24 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
             mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
             blk = warpgroup_mma(a_ring.index(st), b_ring.index(st).permute((1, 0)), blk,
                                 use_acc=False, is_async=True)  # fmt: skip
-            # The scales load while the WGMMAs run.
-            sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
-            sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+            # The scales load while the WGMMAs run (from the stage, or from global memory).
+            if SCALES_TMA:
+                sfa = (
+                    sfa_ring.index(st)
+                    ._reinterpret(gl.float32, [HALF], vec_layout)
+                    .load(gl.SliceLayout(1, mma_layout))
+                )
+                if SFB_PER_COL:
+                    sfb = (
+                        sfb_ring.index(st)
+                        ._reinterpret(gl.float32, [BLOCK_N], vec_layout)
+                        .load(gl.SliceLayout(0, mma_layout))
+                    )
+                else:
+                    sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+            else:
+                sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
+                sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
             blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
             mbarrier.arrive(empty.index(st), count=1)  # this warpgroup is done with the stage
             acc = _scaled_add(acc, blk, sfa, sfb, PER_COL)
@@ -317,10 +355,11 @@ def _ws_consumer0(args):
 
 
 @gluon.jit
-def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, M, N, K, stride_sfa_m,
-                    stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on,
-                    SFB_PER_COL: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
-                    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc, sfb_desc, M, N,
+                    K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
+                    stride_on, SFB_PER_COL: gl.constexpr, ACCUMULATE: gl.constexpr,
+                    TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, GROUP_M: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per consumer
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -333,14 +372,28 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, M, N, K, 
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    # warp_specialize passes constexpr arguments to the partitions as values, so the three
+    # warp_specialize passes constexpr arguments to the partitions as values, so the four
     # flags travel in the shape of an unused shared-memory descriptor:
-    # [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE].
+    # [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE, 1 + SCALES_TMA].
     flags = gl.allocate_shared_memory(
         gl.int8,
-        [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE],
-        gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]),
+        [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE, 1 + SCALES_TMA],
+        gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]),
     )
+    # The scale rings ([1, 64] sf_a boxes per consumer, [1, BLOCK_N] per-column sf_b boxes), or
+    # ``flags`` standing in.
+    if SCALES_TMA:
+        sfa0_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, HALF], sfa_desc.layout)
+        sfa1_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, HALF], sfa_desc.layout)
+        if SFB_PER_COL:
+            sfb_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_N],
+                                                 sfb_desc.layout)  # fmt: skip
+        else:
+            sfb_ring = flags
+    else:
+        sfa0_ring = flags
+        sfa1_ring = flags
+        sfb_ring = flags
     # TMA-store staging, one [64, BLOCK_N] buffer per consumer (``flags`` stands in without).
     if TMA_STORE:
         c0_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -350,7 +403,8 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, M, N, K, 
         c1_smem = flags
     args = (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr,
             M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
-            stride_on, GROUP_M, flags, c_desc, c0_smem, c1_smem)  # fmt: skip
+            stride_on, GROUP_M, flags, c_desc, c0_smem, c1_smem, sfa_desc, sfb_desc, sfa0_ring,
+            sfa1_ring, sfb_ring)  # fmt: skip
     gl.warp_specialize(
         [(_ws_producer, (args,)), (_ws_consumer0, (args,)), (_ws_consumer1, (args,))],
         [4, 4],
@@ -371,10 +425,37 @@ def _smem_layout(rows: int) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([rows, _BK], gl.float8e4nv)
 
 
+# A [1, n] fp32 box of an MN-major scale tensor: unswizzled, so it reads back as a vector.
+_SF_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _mn_major(sf: torch.Tensor) -> torch.Tensor:
+    """``sf [rows, KB]`` with strides ``(1, 4·⌈rows/4⌉)`` and a 16-byte aligned base (the
+    layout ``per_token_cast_to_fp8(..., sf_layout="mn_major")`` writes and TMA can read as
+    ``[KB, rows]``): ``sf`` itself when it already is, else a copy."""
+    rows, kb = sf.shape
+    pad = -(-rows // 4) * 4
+    if sf.stride(0) == 1 and (sf.stride(1) == pad or kb == 1) and sf.data_ptr() % 16 == 0:
+        return sf
+    out = torch.empty((kb, pad), dtype=sf.dtype, device=sf.device).t()[:rows]
+    return out.copy_(sf)
+
+
+def _sf_desc(sf: torch.Tensor, box: int):
+    """TMA descriptor of ``sf``'s MN-major ``[KB, rows]`` view (:func:`_mn_major`) in
+    ``[1, box]`` boxes; rows past the end read as zero."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, kb = sf.shape
+    stride = -(-rows // 4) * 4  # (sf.stride(1) is arbitrary when KB = 1)
+    return TensorDescriptor(sf.t(), [kb, rows], [stride, 1], [1, box], _SF_LAYOUT)
+
+
 def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128,
                       num_warps: int = 8, num_stages: int = 4, chunk: int = 4, out: str = "bf16",
                       accumulate: bool = False, ws: bool = False,
-                      consumer_regs: int = _WS_CONSUMER_REGS):  # fmt: skip
+                      consumer_regs: int = _WS_CONSUMER_REGS,
+                      scales_tma: bool = True):  # fmt: skip
     """Compile the kernel for sm_90a without a GPU; returns Triton's ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -394,6 +475,10 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
         signature["c_desc"] = (
             f"tensordesc<{out}[64, {block_n}],{c_layout!r}>" if tma_store else desc(block_m)
         )
+        for name, box in (("sfa_desc", 64), ("sfb_desc", block_n)):
+            signature[name] = (
+                f"tensordesc<fp32[1, {box}],{_SF_LAYOUT!r}>" if scales_tma else desc(block_m)
+            )
     signature.update({name: "i32" for name in ("M", "N", "K")})
     signature.update(
         {f"stride_{s}": "i32" for s in ("sfa_m", "sfa_k", "sfb_n", "sfb_k", "om", "on")}
@@ -408,6 +493,7 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
     if ws:
         constexprs["CONSUMER_REGS"] = consumer_regs
         constexprs["TMA_STORE"] = tma_store
+        constexprs["SCALES_TMA"] = scales_tma
     else:
         constexprs["CHUNK"] = chunk
     src = GluonASTSource(_gemm_ws_kernel if ws else _gemm_kernel, signature, constexprs)
@@ -432,11 +518,15 @@ class GluonConfig:
         warp_specialized: run ``_gemm_ws_kernel`` instead: a TMA producer and two consumer
             warpgroups of 64 rows each (block_m 128, num_warps 8 counted as the consumers';
             ``chunk`` unused).
+        scales_tma: (warp-specialized only) the producer brings each K block's sf_a, and
+            1D1D's per-column sf_b, into the stage by TMA beside A and B (scale tensors not
+            MN-major with 4-aligned rows are copied to that layout first); False: the consumers
+            load them from global memory after issuing the block's WGMMAs.
 
     Raises:
         ValueError: block_m not 16 x num_warps, block_n not 64 or 128, num_stages outside
-            [2, 8], chunk not 2, 4 or 8, group_m not an int >= 1, or warp_specialized not a
-            bool.
+            [2, 8], chunk not 2, 4 or 8, group_m not an int >= 1, or warp_specialized /
+            scales_tma not a bool.
     """
 
     block_m: int = 128
@@ -446,6 +536,7 @@ class GluonConfig:
     chunk: int = 4
     group_m: int = 8
     warp_specialized: bool = False
+    scales_tma: bool = True
 
     def __post_init__(self) -> None:
         if self.num_warps not in (4, 8) or self.block_m != 16 * self.num_warps:
@@ -457,29 +548,46 @@ class GluonConfig:
             raise ValueError(f"GluonConfig.block_n must be 64 or 128, got {self.block_n}")
         if isinstance(self.group_m, bool) or not isinstance(self.group_m, int) or self.group_m < 1:
             raise ValueError(f"GluonConfig.group_m must be an int >= 1, got {self.group_m!r}")
-        if not isinstance(self.warp_specialized, bool):
-            raise ValueError(
-                f"GluonConfig.warp_specialized must be a bool, got {self.warp_specialized!r}"
-            )
+        for field in ("warp_specialized", "scales_tma"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(
+                    f"GluonConfig.{field} must be a bool, got {getattr(self, field)!r}"
+                )
         if self.warp_specialized and (self.block_m, self.num_warps) != (128, 8):
             raise ValueError(
                 f"GluonConfig(warp_specialized=True) needs block_m=128, num_warps=8 (two 64-row "
                 f"consumer warpgroups), got block_m={self.block_m}, num_warps={self.num_warps}"
             )
-        # The ring (A + B tiles per stage) and, warp-specialized, the fp32-sized worst case of
-        # the TMA-store staging (2 x 64 x block_n x 4 bytes) must fit 227 KiB of shared memory.
-        smem = self.num_stages * (self.block_m + self.block_n) * 128
-        smem += 2 * 64 * self.block_n * 4 if self.warp_specialized else 0
-        if smem > 227 * 1024:
+        # The ring must fit with the smallest staging (bf16); fp8_gemm checks the output's.
+        smem = self.smem_bytes(2)
+        if smem > _SMEM_MAX:
             raise ValueError(
                 f"GluonConfig: {self.num_stages} stages of {self.block_m}x128 + "
-                f"{self.block_n}x128 fp8 tiles need {smem} bytes of shared memory, over 232448"
+                f"{self.block_n}x128 fp8 tiles need {smem} bytes of shared memory, over "
+                f"{_SMEM_MAX}"
             )
         if not 2 <= self.num_stages <= 8 or self.chunk not in (2, 4, 8):
             raise ValueError(
                 f"GluonConfig needs num_stages in [2, 8] and chunk in (2, 4, 8), got "
                 f"{self.num_stages}, {self.chunk}"
             )
+
+    def smem_bytes(self, out_size: int = 2) -> int:
+        """Shared memory the kernel needs with an output of ``out_size``-byte elements: the
+        A + B ring and, warp-specialized, the two [64, block_n] TMA-store staging buffers and
+        the TMA'd scales (two [1, 64] sf_a boxes and a [1, block_n] sf_b box per stage)."""
+        smem = self.num_stages * (self.block_m + self.block_n) * 128
+        if self.warp_specialized:
+            smem += 2 * 64 * self.block_n * out_size
+            smem += self.num_stages * (128 + self.block_n) * 4 if self.scales_tma else 0
+        return smem
+
+
+_SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
+# The config ``ptxtrain.gemm.triton`` runs where its default routes a GEMM here
+# (``heuristics.prefers_gluon``): 128x128 tiles, a TMA producer and two consumer warpgroups,
+# 4 stages (session 14, call 18: 4 and 5 stages within 1%).
+WS_CONFIG = GluonConfig(128, 128, 8, 4, 4, warp_specialized=True)
 
 
 def _check_out_offsets(m: int, n: int, stride_om: int, stride_on: int) -> None:
@@ -517,7 +625,8 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         TypeError / ValueError: the GEMM contract's checks (``ptxtrain.gemm.ref.validate_1d2d``
             / ``validate_1d1d``: dtypes, shapes, scale shapes, devices, ``out``), an unknown
             ``kind`` or a config that is not a :class:`GluonConfig`; then operands not on a
-            CUDA device or not K-major with 16-byte aligned rows and base (TMA).
+            CUDA device or not K-major with 16-byte aligned rows and base (TMA), or a
+            warp-specialized config whose shared memory with this ``out`` is over 227 KiB.
     """
     from ptxtrain.gemm.ref import validate_1d1d, validate_1d2d
 
@@ -567,18 +676,31 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
             tma_store = (not accumulate and out.stride(1) == 1 and (out.stride(0) * esz) % 16 == 0
                          and out.data_ptr() % 16 == 0)  # fmt: skip
             c_desc = a_desc  # a stand-in the kernel never reads without TMA_STORE
+            smem = cfg.smem_bytes(esz if tma_store else 0)
+            if smem > _SMEM_MAX:
+                raise ValueError(
+                    f"config {cfg} needs {smem} bytes of shared memory with a {out.dtype} out, "
+                    f"over {_SMEM_MAX}: use fewer stages"
+                )
             if tma_store:
                 c_elem = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
                 c_box = [cfg.block_m // 2, cfg.block_n]
                 c_layout = gl.NVMMASharedLayout.get_default_for(c_box, c_elem)
                 c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), c_box,
                                           c_layout)  # fmt: skip
+            sfa_desc = sfb_desc = a_desc  # stand-ins the kernel never reads without SCALES_TMA
+            if cfg.scales_tma:
+                sf_a = _mn_major(sf_a)
+                sfa_desc = _sf_desc(sf_a, cfg.block_m // 2)
+                if kind == "1d1d":
+                    sf_b = _mn_major(sf_b)
+                    sfb_desc = _sf_desc(sf_b, cfg.block_n)
             _gemm_ws_kernel[grid](
-                a_desc, b_desc, sf_a, sf_b, out, c_desc, m, n, k,
+                a_desc, b_desc, sf_a, sf_b, out, c_desc, sfa_desc, sfb_desc, m, n, k,
                 sf_a.stride(0), sf_a.stride(1), sf_b.stride(0), sf_b.stride(1),
                 out.stride(0), out.stride(1),
                 SFB_PER_COL=kind == "1d1d", ACCUMULATE=accumulate, TMA_STORE=tma_store,
-                GROUP_M=cfg.group_m,
+                SCALES_TMA=cfg.scales_tma, GROUP_M=cfg.group_m,
                 NUM_STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS, num_warps=4,
                 maxnreg=_WS_MAXNREG,
             )  # fmt: skip

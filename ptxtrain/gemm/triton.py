@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Callable
 
@@ -70,6 +71,7 @@ from ptxtrain.gemm.heuristics import (
     GemmConfig,
     autotune_configs,
     m_bucket,
+    prefers_gluon,
     select_config,
 )
 
@@ -302,6 +304,29 @@ def _tma_ok(x: torch.Tensor) -> bool:
     return x.stride(1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
+@functools.cache
+def _gluon_available(device_index: int) -> bool:
+    """An sm_90 GPU (the Gluon kernel's WGMMA and TMA are Hopper's) and a Triton with Gluon."""
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    try:
+        from ptxtrain.gemm import gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gluon_runs(kind, a_fp8, b_fp8, m, n, k, num_sms) -> bool:
+    """Does the default config route this GEMM to the warp-specialized Gluon kernel?
+    (:func:`ptxtrain.gemm.heuristics.prefers_gluon`, TMA-loadable operands, an sm_90 GPU, and
+    ``PTXTRAIN_TRITON_GLUON`` not ``0``.)"""
+    if a_fp8.device.type != "cuda" or os.environ.get("PTXTRAIN_TRITON_GLUON", "1") == "0":
+        return False
+    if not (prefers_gluon(m, n, k, kind, num_sms) and _tma_ok(a_fp8) and _tma_ok(b_fp8)):
+        return False
+    return _gluon_available(a_fp8.device.index or 0)
+
+
 def _effective_config(cfg: GemmConfig, a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> GemmConfig:
     """``cfg``, with a TMA variant replaced by its pointer twin where TMA cannot load the data."""
     if cfg.uses_tma and not (_tma_ok(a_fp8) and _tma_ok(b_fp8)):
@@ -431,6 +456,10 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
         return out
     if num_sms is None:
         num_sms = _device_sms(a_fp8.device)
+    if config is None and _gluon_runs(kind, a_fp8, b_fp8, m, n, k, num_sms):
+        from ptxtrain.gemm import gluon
+
+        return gluon.fp8_gemm(kind, a, b, out, out.dtype, accumulate, gluon.WS_CONFIG)
     if config is None:
         cfg = select_config(m, n, k, kind, num_sms)
     elif config == "autotune":

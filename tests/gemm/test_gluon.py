@@ -22,7 +22,8 @@ for name, kind, kw in [("1d2d_128x64", "1d2d", dict(block_m=128, block_n=64, num
                        ("1d1d_128x64", "1d1d", dict(block_m=128, block_n=64, num_warps=8,
                                                     out="fp32", accumulate=True, chunk=2)),
                        ("1d2d_64x64", "1d2d", dict(block_m=64, block_n=64, num_warps=4)),
-                       ("1d2d_ws", "1d2d", dict(block_n=128, ws=True))]:
+                       ("1d2d_ws", "1d2d", dict(block_n=128, ws=True)),
+                       ("1d2d_wsg", "1d2d", dict(block_n=128, ws=True, scales_tma=False))]:
     ck = gluon._compile_for_sm90(kind, **kw)
     ptx = ck.asm["ptx"]
     nreg = re.findall(r"setmaxnreg\\.(\\w+)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)
@@ -41,9 +42,9 @@ emit(results)
 
 def test_compile_overlaps_promotion_without_spills(tmp_path):
     results = run_sm90_script(_COMPILE, tmp_path)
-    assert len(results) == 4, results
+    assert len(results) == 5, results
     for name, r in results.items():
-        if name.endswith("_ws"):
+        if name.endswith(("_ws", "_wsg")):
             # A 4-warp producer down to 40 registers, two 4-warp consumers up to 232.
             assert r["warps"] == 12 and ["dec", "40"] in r["setmaxnreg"], (name, r)
             assert ["inc", "232"] in r["setmaxnreg"], (name, r)
@@ -72,6 +73,8 @@ def test_config_rejects_bad_fields():
             GluonConfig(group_m=bad)
     with pytest.raises(ValueError, match="warp_specialized"):
         GluonConfig(block_n=64, warp_specialized=1)
+    with pytest.raises(ValueError, match="scales_tma"):
+        GluonConfig(scales_tma="yes")
     # The warp-specialized kernel's WGMMAs need 64-row consumers (Triton: "WGMMA result M
     # dimension must be divisible by 64" for a 32-row A box).
     with pytest.raises(ValueError, match="block_m=128, num_warps=8"):
@@ -79,7 +82,34 @@ def test_config_rejects_bad_fields():
     # 8 stages of 128x128 + 128x128 tiles: 256 KiB, more shared memory than an SM has.
     with pytest.raises(ValueError, match="shared memory"):
         GluonConfig(128, 128, 8, 8)
-    GluonConfig(128, 128, 8, 5, warp_specialized=True)  # 160 KiB ring + 64 KiB staging fits
+    # 160 KiB ring + 5 KiB of scales + 32 KiB bf16 staging fits; fp32 staging (64 KiB) would
+    # not, which fp8_gemm checks against the actual out (GPU test below).
+    cfg = GluonConfig(128, 128, 8, 5, warp_specialized=True)
+    assert cfg.smem_bytes(2) == 5 * 256 * 128 + 2 * 64 * 128 * 2 + 5 * 256 * 4 <= 227 * 1024
+    assert cfg.smem_bytes(4) > 227 * 1024
+    assert GluonConfig(128, 128, 8, 5, warp_specialized=True, scales_tma=False).smem_bytes(4) <= (
+        227 * 1024
+    )
+
+
+def test_mn_major_scales():
+    """The TMA'd scales need sf [rows, KB] with strides (1, 4·⌈rows/4⌉): kept when already so,
+    copied (same values) otherwise."""
+    from ptxtrain.gemm.gluon import _mn_major
+
+    g = torch.Generator().manual_seed(3)
+    for rows, kb in [(13, 5), (64, 1), (4096, 56), (1, 3)]:
+        sf = torch.rand(rows, kb, generator=g) + 0.5
+        pad = -(-rows // 4) * 4
+        mn = torch.empty(kb, pad).t()[:rows].copy_(sf)
+        assert _mn_major(mn) is mn
+        got = _mn_major(sf)  # row-major: copied
+        assert torch.equal(got, sf) and got.stride(0) == 1
+        assert kb == 1 or got.stride(1) == pad
+        assert got.data_ptr() % 16 == 0
+        odd = torch.empty(kb, pad + 1).t()[:rows].copy_(sf)  # MN-major, unaligned columns
+        assert (_mn_major(odd) is odd) == (kb == 1 and odd.data_ptr() % 16 == 0)
+        assert torch.equal(_mn_major(odd), sf)
 
 
 def test_out_offsets_must_fit_int32():
@@ -176,3 +206,40 @@ def test_gpu_output_layouts(out_kind, ws):
     # bf16 rounding of the fp32 result bounds the difference (2^-8 relative per element).
     assert calc_diff(out.float(), want) < (1e-5 if out.dtype == torch.bfloat16 else 1e-6)
     assert calc_diff(out.float(), x @ w.t()) < CALC_DIFF_MAX
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales_tma", [True, False])
+@pytest.mark.parametrize("sf_layout", ["row", "mn_major"])
+@pytest.mark.parametrize("kind", ["1d2d", "1d1d"])
+@pytest.mark.parametrize("m,n,k", [(13, 300, 208), (129, 576, 1536), (4096, 2112, 7168)])
+def test_gpu_scale_paths(m, n, k, kind, sf_layout, scales_tma):
+    """The warp-specialized kernel's scales through TMA (sf_a copied to MN-major first when
+    row-major; M = 13, 129 leave rows of the last box past M) and from global memory."""
+    from ptxtrain.gemm import gluon
+    from ptxtrain.quant import per_token_cast_to_fp8 as cast
+
+    x, w = scaled_operands(m, n, k, m + 7, "cuda")
+    qa = cast(x, sf_layout=sf_layout)
+    qb = cast(w, sf_layout=sf_layout) if kind == "1d1d" else per_block_cast_to_fp8(w)
+    cfg = gluon.GluonConfig(128, 128, 8, 4, 4, warp_specialized=True, scales_tma=scales_tma)
+    out = torch.full((m, n), float("nan"), device="cuda")
+    gluon.fp8_gemm(kind, qa, qb, out, torch.float32, False, cfg)
+    if kind == "1d2d":
+        want = ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
+    else:
+        want = ref.fp8_gemm_nt_1d1d(qa, qb)
+    # Same FP8 products, same per-128-K promotion: only the fp32 summation order differs.
+    assert calc_diff(out, want) < 1e-6, (m, n, k, kind, sf_layout, scales_tma)
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_staging_over_shared_memory():
+    """5 stages fit with bf16 staging but not with fp32: refused before the launch."""
+    from ptxtrain.gemm import gluon
+
+    _, _, qa, qb = _operands(256, 256, 512, "1d2d", seed=5)
+    cfg = gluon.GluonConfig(128, 128, 8, 5, warp_specialized=True)
+    gluon.fp8_gemm("1d2d", qa, qb, None, torch.bfloat16, False, cfg)
+    with pytest.raises(ValueError, match="shared memory"):
+        gluon.fp8_gemm("1d2d", qa, qb, None, torch.float32, False, cfg)

@@ -440,3 +440,34 @@ def test_gpu_autotune():
     qa, qb = _quantize(x, w, "1d2d")
     got = tg.fp8_gemm_nt(qa, qb, config="autotune")
     assert _oracle_diff(got, x, w) < CALC_DIFF_MAX
+
+
+@pytest.mark.gpu
+def test_gpu_default_routes_large_1d2d_to_gluon(monkeypatch):
+    """The default config runs the warp-specialized Gluon kernel where ``prefers_gluon`` says
+    (here 1032 x 13568: 9 x 106 = 954 tiles of 128x128, with M and N tails), not with
+    ``PTXTRAIN_TRITON_GLUON=0`` nor for operands TMA cannot load; all three agree with the
+    reference."""
+    from ptxtrain.gemm import gluon
+    from ptxtrain.gemm.heuristics import prefers_gluon
+
+    m, n, k = 1032, 13560, 640
+    assert prefers_gluon(m, n, k, "1d2d", tg._device_sms(torch.device("cuda")))
+    calls = []
+    real = gluon.fp8_gemm
+    monkeypatch.setattr(gluon, "fp8_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, w = _inputs(m, n, k, seed=12, device="cuda")
+    qa, qb = _quantize(x, w, "1d2d")
+    want = ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
+    got = tg.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
+    assert calls == [1]
+    # Same FP8 products and per-128-K promotion: only the fp32 summation order differs.
+    assert calc_diff(got, want) < 1e-6
+    monkeypatch.setenv("PTXTRAIN_TRITON_GLUON", "0")
+    got = tg.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
+    assert calls == [1] and calc_diff(got, want) < 1e-6
+    monkeypatch.delenv("PTXTRAIN_TRITON_GLUON")
+    a_pad = torch.empty(m, k + 8, dtype=qa[0].dtype, device="cuda")  # rows 648 B: not 16-aligned
+    a_pad[:, :k] = qa[0]
+    got = tg.fp8_gemm_nt((a_pad[:, :k], qa[1]), qb, out_dtype=torch.float32)
+    assert calls == [1] and calc_diff(got, want) < 1e-6
