@@ -11,12 +11,14 @@ outside the NVTX "measure" ranges, so only the measured GEMM calls match. ``--gr
 the six (N, K); the wgrad pairs at K = 4096), in the order it prints, for one ncu pass over all
 of them (``benchmarks.ncu_table`` turns that pass into a table). ``--config 128x128s5c1d`` runs
 the PTX kernel with explicit block sizes (``BMxBNsSTAGEScCLUSTER``, ``d`` = double
-accumulators); the default is the heuristic's pick, printed first.
+accumulators); the default is the heuristic's pick, printed first. ``--backend triton`` runs
+:mod:`ptxtrain.gemm.triton`'s default (kernel regex ``_gemm_ws_kernel|_fp8_gemm_kernel``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 
 import torch
@@ -69,7 +71,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", type=int, nargs=3, default=[4096, 7168, 16384], help="M N K")
     p.add_argument("--kind", choices=["1d2d", "1d1d"], default="1d2d")
-    p.add_argument("--backend", choices=["ptx", "cublas"], default="ptx")
+    p.add_argument("--backend", choices=["ptx", "cublas", "triton"], default="ptx")
     p.add_argument("--config", default=None, help="PTX block sizes, e.g. 128x128s5c1d")
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--grid", choices=["1d2d", "1d1d"], default=None, help="every V3 shape once")
@@ -99,8 +101,11 @@ def main() -> None:
     m, n, k = args.shape
     a, b = _operands(args.kind, m, n, k)
     out_dtype = torch.bfloat16 if args.kind == "1d2d" else torch.float32
-    if args.backend == "cublas":
-        fn = cublas.fp8_gemm_nt if args.kind == "1d2d" else cublas.fp8_gemm_nt_1d1d
+    if args.backend in ("cublas", "triton"):
+        mod = (
+            cublas if args.backend == "cublas" else importlib.import_module("ptxtrain.gemm.triton")
+        )
+        fn = mod.fp8_gemm_nt if args.kind == "1d2d" else mod.fp8_gemm_nt_1d1d
 
         def run():
             return fn(a, b)

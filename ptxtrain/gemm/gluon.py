@@ -230,7 +230,7 @@ def _ws_producer(args):
     and, for per-column sf_b (1D1D), its [1, BLOCK_N] box."""
     (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, _sfa, _sfb, _out, M, N, K,
      _s0, _s1, _s2, _s3, _s4, _s5, group_m, flags, _c, _c0, _c1,
-     sfa_desc, sfb_desc, sfa0_ring, sfa1_ring, sfb_ring) = args  # fmt: skip
+     sfa_desc, sfb_desc, sfa0_ring, sfa1_ring, sfb_ring, _cb) = args  # fmt: skip
     # The default partition: its constexpr arguments arrive as values, so sizes come from types.
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -276,7 +276,7 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
      stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, group_m,
      flags, c_desc, c0_smem, c1_smem, _sfa_desc, _sfb_desc, sfa0_ring, sfa1_ring,
-     sfb_ring) = args  # fmt: skip
+     sfb_ring, c_bars) = args  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = b_ring.type.shape[0]
@@ -293,6 +293,7 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     a_ring = a0_ring if HALF_INDEX == 0 else a1_ring
     sfa_ring = sfa0_ring if HALF_INDEX == 0 else sfa1_ring
     c_smem = c0_smem if HALF_INDEX == 0 else c1_smem
+    c_bar = c_bars.index(HALF_INDEX)
     k_steps = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BLOCK_N)
     blk = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
@@ -304,6 +305,13 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
         sfa_ptrs, sfb_ptrs = _scale_ptrs(sfa_ptr, sfb_ptr, rows, cols, off_n, M, N, stride_sfa_m,
                                          stride_sfb_n, SFB_PER_COL, BLOCK_N)  # fmt: skip
         acc = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
+        if TMA_STORE and ACCUMULATE:
+            # D +=: this tile's out comes in by TMA under the K loop, into the staging buffer
+            # once the previous tile's store has read it.
+            tma.store_wait(0)
+            mbarrier.expect(c_bar, c_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(c_desc, [off_m + HALF_INDEX * HALF, off_n], c_bar,
+                                            c_smem)  # fmt: skip
         for kb in range(k_steps):
             st = it % NUM_STAGES
             mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
@@ -332,9 +340,13 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
             acc = _scaled_add(acc, blk, sfa, sfb, PER_COL)
             it += 1
         if TMA_STORE:
-            # Through shared memory and one TMA store per warpgroup (clipped at M and N); the
-            # previous tile's store must have read the staging buffer first.
-            tma.store_wait(0)
+            # Through shared memory and one TMA store per warpgroup (clipped at M and N).
+            if ACCUMULATE:  # D +=: the tile's out arrived during the K loop
+                # c_bar's phase: this program's tiles before this one
+                mbarrier.wait(c_bar, ((t - gl.program_id(0)) // gl.num_programs(0)) & 1)
+                acc = acc + c_smem.load(mma_layout)
+            else:  # the previous tile's store must have read the staging buffer first
+                tma.store_wait(0)
             c_smem.store(acc.to(c_desc.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [off_m + HALF_INDEX * HALF, off_n], c_smem)
@@ -395,16 +407,21 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
         sfa1_ring = flags
         sfb_ring = flags
     # TMA-store staging, one [64, BLOCK_N] buffer per consumer (``flags`` stands in without).
+    # With D += the tile's out comes into the same buffer by TMA first (one mbarrier each).
+    c_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if TMA_STORE:
         c0_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
         c1_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        if ACCUMULATE:
+            mbarrier.init(c_bars.index(0), count=1)
+            mbarrier.init(c_bars.index(1), count=1)
     else:
         c0_smem = flags
         c1_smem = flags
     args = (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr,
             M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
             stride_on, GROUP_M, flags, c_desc, c0_smem, c1_smem, sfa_desc, sfb_desc, sfa0_ring,
-            sfa1_ring, sfb_ring)  # fmt: skip
+            sfa1_ring, sfb_ring, c_bars)  # fmt: skip
     gl.warp_specialize(
         [(_ws_producer, (args,)), (_ws_consumer0, (args,)), (_ws_consumer1, (args,))],
         [4, 4],
@@ -455,7 +472,7 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
                       num_warps: int = 8, num_stages: int = 4, chunk: int = 4, out: str = "bf16",
                       accumulate: bool = False, ws: bool = False,
                       consumer_regs: int = _WS_CONSUMER_REGS,
-                      scales_tma: bool = True):  # fmt: skip
+                      scales_tma: bool = True, tma_store: bool = True):  # fmt: skip
     """Compile the kernel for sm_90a without a GPU; returns Triton's ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -468,7 +485,6 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
     signature = {"a_desc": desc(block_m), "b_desc": desc(block_n), "sfa_ptr": "*fp32",
                  "sfb_ptr": "*fp32", "out_ptr": f"*{out}"}  # fmt: skip
     if ws:  # the TMA-store descriptor (A's stands in when the kernel stores through pointers)
-        tma_store = not accumulate
         c_layout = gl.NVMMASharedLayout.get_default_for(
             [64, block_n], {"bf16": gl.bfloat16, "fp32": gl.float32}[out]
         )
@@ -670,10 +686,10 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         grid = (min(grid[0], _device_sms(a_fp8.device)),)
     with torch.cuda.device(a_fp8.device):
         if cfg.warp_specialized:
-            # The output through TMA stores when it can take them (row-contiguous, 16-byte
-            # aligned rows and base, no D +=); else masked pointer stores.
+            # The output through TMA stores (and, for D +=, TMA loads) when it can take them
+            # (row-contiguous, 16-byte aligned rows and base); else masked pointer accesses.
             esz = out.element_size()
-            tma_store = (not accumulate and out.stride(1) == 1 and (out.stride(0) * esz) % 16 == 0
+            tma_store = (out.stride(1) == 1 and (out.stride(0) * esz) % 16 == 0
                          and out.data_ptr() % 16 == 0)  # fmt: skip
             c_desc = a_desc  # a stand-in the kernel never reads without TMA_STORE
             smem = cfg.smem_bytes(esz if tma_store else 0)

@@ -217,26 +217,26 @@ def select_config(
     return GemmConfig(64, block_n, 4, stages, group_m, variant, programs_per_sm)
 
 
-# The warp-specialized Gluon kernel (ptxtrain.gemm.gluon) takes 1D2D GEMMs from this many waves
-# of 128x128 tiles on: measured on an H200 (session 14, call 18), it beat the Triton kernel at
-# the five V3 shapes of 7 to 47 waves at M = 4096 (1.08-1.34x) and lost at 4096 x 2112 x 7168
-# (4.1 waves, 0.90x), where its 128-row tiles fill the last wave worst.
-GLUON_MIN_WAVES = 7
+# The warp-specialized Gluon kernel (ptxtrain.gemm.gluon) takes GEMMs from this many waves of
+# 128x128 tiles on. Measured on an H200 against the Triton kernel in the same process (session
+# 15, call 1, scales by TMA): 1D2D at M = 4096 1.08x at 4096 x 2112 x 7168 (4.1 waves), equal
+# to 1.23x at the five V3 shapes of 7.8-47 waves; 1D1D (wgrad, K = 4096) 1.22-1.24x at 7.2-17
+# waves. Below 4 waves (decode-sized M) the Triton kernel's 64-row tiles spread the work better.
+GLUON_MIN_WAVES = 4
 
 
 def prefers_gluon(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> bool:
     """Whether the Triton backend's default runs the warp-specialized Gluon kernel
     (:func:`ptxtrain.gemm.gluon.fp8_gemm`, 128x128 tiles) instead of its Triton kernel.
 
-    True for 1D2D GEMMs with at least ``GLUON_MIN_WAVES`` waves of 128x128 output tiles over
-    ``num_sms`` SMs. 1D1D stays on the Triton kernel: the Gluon kernel's per-column scales
-    spill (0.57-0.71x of the Triton kernel, session 14).
+    True for GEMMs (1D2D or 1D1D) with K > 0 and at least ``GLUON_MIN_WAVES`` waves of
+    128x128 output tiles over ``num_sms`` SMs.
 
     Raises:
         TypeError / ValueError: as :func:`select_config`.
     """
     _check_dims(m, n, k, kind, num_sms)
-    if kind != "1d2d" or k == 0:
+    if k == 0:
         return False
     return ceil_div(m, 128) * ceil_div(n, 128) >= GLUON_MIN_WAVES * num_sms
 

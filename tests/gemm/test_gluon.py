@@ -23,7 +23,10 @@ for name, kind, kw in [("1d2d_128x64", "1d2d", dict(block_m=128, block_n=64, num
                                                     out="fp32", accumulate=True, chunk=2)),
                        ("1d2d_64x64", "1d2d", dict(block_m=64, block_n=64, num_warps=4)),
                        ("1d2d_ws", "1d2d", dict(block_n=128, ws=True)),
-                       ("1d2d_wsg", "1d2d", dict(block_n=128, ws=True, scales_tma=False))]:
+                       ("1d2d_wsg", "1d2d", dict(block_n=128, ws=True, scales_tma=False)),
+                       # D += through TMA loads and stores: no per-element pointers to spill
+                       ("1d1d_acc_ws", "1d1d", dict(block_n=128, ws=True, out="fp32",
+                                                    accumulate=True))]:
     ck = gluon._compile_for_sm90(kind, **kw)
     ptx = ck.asm["ptx"]
     nreg = re.findall(r"setmaxnreg\\.(\\w+)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)
@@ -42,9 +45,9 @@ emit(results)
 
 def test_compile_overlaps_promotion_without_spills(tmp_path):
     results = run_sm90_script(_COMPILE, tmp_path)
-    assert len(results) == 5, results
+    assert len(results) == 6, results
     for name, r in results.items():
-        if name.endswith(("_ws", "_wsg")):
+        if "_ws" in name:
             # A 4-warp producer down to 40 registers, two 4-warp consumers up to 232.
             assert r["warps"] == 12 and ["dec", "40"] in r["setmaxnreg"], (name, r)
             assert ["inc", "232"] in r["setmaxnreg"], (name, r)
@@ -243,3 +246,21 @@ def test_gpu_refuses_staging_over_shared_memory():
     gluon.fp8_gemm("1d2d", qa, qb, None, torch.bfloat16, False, cfg)
     with pytest.raises(ValueError, match="shared memory"):
         gluon.fp8_gemm("1d2d", qa, qb, None, torch.float32, False, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_kind", ["tma", "odd_n", "strided"])
+def test_gpu_ws_accumulate(out_kind):
+    """1D1D D += in the warp-specialized kernel: through TMA loads and stores (row-contiguous
+    fp32 out), or pointers (N = 301: rows not 16-byte aligned; a strided view)."""
+    from ptxtrain.gemm import gluon
+
+    m, n, k = 300, 301 if out_kind == "odd_n" else 576, 1536
+    _, _, qa, qb = _operands(m, n, k, "1d1d", seed=13)
+    cfg = gluon.GluonConfig(128, 128, 8, 4, 4, warp_specialized=True)
+    base = torch.randn(m, n + 4, device="cuda")
+    out = base[:, :n] if out_kind == "strided" else base[:, :n].contiguous()
+    before = out.clone()
+    gluon.fp8_gemm("1d1d", qa, qb, out, torch.float32, True, cfg)
+    # Same FP8 products, same per-128-K promotion, one fp32 add: summation order only.
+    assert calc_diff(out, before + ref.fp8_gemm_nt_1d1d(qa, qb)) < 1e-6
