@@ -219,10 +219,12 @@ def select_config(
 
 # The warp-specialized Gluon kernel (ptxtrain.gemm.gluon) takes GEMMs from this many waves of
 # 128x128 tiles on. Measured on an H200 against the Triton kernel in the same process (session
-# 15, call 1, scales by TMA): 1D2D at M = 4096 1.08x at 4096 x 2112 x 7168 (4.1 waves), equal
-# to 1.23x at the five V3 shapes of 7.8-47 waves; 1D1D (wgrad, K = 4096) 1.22-1.24x at 7.2-17
-# waves. Below 4 waves (decode-sized M) the Triton kernel's 64-row tiles spread the work better.
-GLUON_MIN_WAVES = 4
+# 15, calls 1-2, scales by TMA), 1D2D: 1.09x at 2048 x 2112 x 7168 (272 tiles, 2.1 waves),
+# 1.18x at 2048 x 4096 x 7168 (3.9 waves), 1.08x at 4096 x 2112 x 7168 (4.1 waves), equal to
+# 1.23x at the other V3 shapes at M = 4096 (7.8-47 waves); 1D1D (wgrad, K = 4096): 1.00-1.24x
+# at 6.8-17 waves. Below 2 waves (decode-sized M) the Triton kernel's 64-row tiles spread the
+# work over more SMs.
+GLUON_MIN_WAVES = 2
 
 
 def prefers_gluon(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> bool:

@@ -156,18 +156,20 @@ def test_autotune_configs(m):
         autotune_configs(m, 7168, 2048, variants=("tiled", "nope"))
 
 
-def test_prefers_gluon_takes_gemms_of_four_waves():
-    """The warp-specialized Gluon kernel from 4 waves of 128x128 tiles (528 on 132 SMs)."""
+def test_prefers_gluon_takes_gemms_of_two_waves():
+    """The warp-specialized Gluon kernel from 2 waves of 128x128 tiles (264 on 132 SMs)."""
     # Every V3 shape at M = 4096 (4096 x 2112: 32 x 17 = 544 tiles), and every wgrad shape.
     assert all(prefers_gluon(4096, n, k) for n, k in DSV3_DENSE_NK)
     assert all(prefers_gluon(m, n, 4096, "1d1d") for m, n in DSV3_WGRAD_MN)
+    assert prefers_gluon(2048, 2112, 7168)  # 16 x 17 = 272
+    # Decode-sized M stays on the Triton kernel (M = 128 x N = 32768: 256 tiles).
     assert not any(prefers_gluon(m, n, k) for m in (1, 64, 128) for n, k in DSV3_DENSE_NK)
     assert not prefers_gluon(4096, 7168, 0)  # K = 0: nothing to multiply
-    # The boundary: 528 tiles = 4 x 132; a partial row of tiles counts.
-    assert prefers_gluon(128 * 3 + 1, 128 * 176, 512)  # 4 x 176 = 704
-    assert not prefers_gluon(128 * 3, 128 * 175, 512, "1d1d")  # 3 x 175 = 525
-    assert prefers_gluon(128 * 3, 128 * 176, 512, num_sms=132) is True  # 3 x 176 = 528
-    assert not prefers_gluon(128 * 3, 128 * 176, 512, num_sms=133)
+    # The boundary: 264 tiles = 2 x 132; a partial row of tiles counts.
+    assert prefers_gluon(128 + 1, 128 * 132, 512)  # 2 x 132
+    assert not prefers_gluon(128, 128 * 263, 512, "1d1d")  # 1 x 263
+    assert prefers_gluon(128, 128 * 264, 512, num_sms=132)
+    assert not prefers_gluon(128, 128 * 264, 512, num_sms=133)
     with pytest.raises(ValueError, match="kind"):
         prefers_gluon(4096, 7168, 2048, "2d2d")
     with pytest.raises(TypeError, match="m must be an int"):
