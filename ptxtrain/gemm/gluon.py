@@ -94,6 +94,15 @@ def _promote(acc, blk, sfa_ptrs, sfb_ptrs, kb, stride_sfa_k, stride_sfb_k,
 
 
 @gluon.jit
+def _pin(x):
+    """``x`` itself, through a side-effecting register move: LLVM may not sink the arithmetic
+    that produced ``x`` past a later WGMMA (with two waves it sank the first wave's promotion
+    past the second wave's WGMMAs, keeping two block accumulators live: 256 registers)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE: gl.constexpr):
     """Masked pointer stores of an fp32 tile in its own layout (``out += acc`` for ACCUMULATE)."""
     out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
@@ -215,37 +224,41 @@ def _gemm_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_
 # ---------------------------------------------------------------------------------------------
 # Warp-specialized: DeepGEMM's structure, a TMA producer and two consumer warpgroups
 # ---------------------------------------------------------------------------------------------
-# Each consumer warpgroup owns 64 rows of a 128-row tile: per K block it waits for the stage,
-# issues its WGMMAs, waits for them, releases the stage (count-2 "empty" barrier) and promotes
-# into its running sum. The two warpgroups are not in lockstep, so one's promotion runs under
-# the other's WGMMAs; the producer (4 warps, one thread issuing) keeps NUM_STAGES blocks in
-# flight.
+# Each consumer warpgroup owns WAVES x 64 rows of a tile of BLOCK_M = 128 WAVES rows (WAVES = 1
+# or 2): per K block it waits for the stage and, wave by wave, issues the 64 rows' WGMMAs, waits
+# for them and promotes them into that wave's running sum (after its last wave it releases the
+# stage: count-2 "empty" barrier). The two warpgroups are not in lockstep, so one's promotion
+# runs under the other's WGMMAs; the producer (4 warps, one thread issuing) keeps NUM_STAGES
+# blocks in flight. Two waves per warpgroup (a 256-row tile) read each B tile for twice the rows
+# (a third less L2 traffic per FLOP than 128-row tiles) with one [64, BLOCK_N] block
+# accumulator and two running sums in registers.
 
 
 @gluon.jit
 def _ws_producer(args):
     """The TMA producer (the default partition): the K blocks of this program's tiles, one
-    after another, running ahead into the next tile while the consumers store the last. With
-    SCALES_TMA each stage also takes the K block's sf_a (two [1, 64] boxes, one per consumer)
-    and, for per-column sf_b (1D1D), its [1, BLOCK_N] box."""
-    (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, _sfa, _sfb, _out, M, N, K,
+    after another, running ahead into the next tile while the consumers store the last. Each
+    stage takes BLOCK_M / 64 A boxes of [64, 128] and one B box; with SCALES_TMA also the K
+    block's sf_a ([1, 64] per A box) and, for per-column sf_b (1D1D), its [1, BLOCK_N] box."""
+    (a_desc, b_desc, a_ring, b_ring, ready, empty, _sfa, _sfb, _out, M, N, K,
      _s0, _s1, _s2, _s3, _s4, _s5, group_m, flags, _c, _c0, _c1,
-     sfa_desc, sfb_desc, sfa0_ring, sfa1_ring, sfb_ring, _cb) = args  # fmt: skip
+     sfa_desc, sfb_desc, sfa_ring, sfb_ring, _cb) = args  # fmt: skip
     # The default partition: its constexpr arguments arrive as values, so sizes come from types.
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     STAGES: gl.constexpr = b_ring.type.shape[0]
+    BOXES: gl.constexpr = a_ring.type.shape[0] // STAGES  # A boxes per stage: 2 WAVES
     SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
     SCALES_TMA: gl.constexpr = flags.type.shape[3] == 2
-    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    sf_nbytes: gl.constexpr = 2 * sfa_desc.block_type.nbytes + (
+    nbytes: gl.constexpr = BOXES * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    sf_nbytes: gl.constexpr = BOXES * sfa_desc.block_type.nbytes + (
         sfb_desc.block_type.nbytes if SFB_PER_COL else 0
     )
     k_steps = gl.cdiv(K, BLOCK_K)
-    num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BLOCK_N)
+    num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
     it = 0  # K blocks issued by this program so far (all tiles): the ring position
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_coords(t, M, N, 2 * HALF, BLOCK_N, group_m)
+        off_m, off_n = _tile_coords(t, M, N, BOXES * HALF, BLOCK_N, group_m)
         for kb in range(k_steps):
             st = it % STAGES
             # mbarriers start with the phase before 0 complete: the first pass does not wait.
@@ -254,32 +267,35 @@ def _ws_producer(args):
             k0 = kb * BLOCK_K
             if SCALES_TMA:
                 mbarrier.expect(bar, nbytes + sf_nbytes)
-                # sf_a's MN-major view is [ceil(K/128), M]: row kb, columns off_m...
-                tma.async_copy_global_to_shared(sfa_desc, [kb, off_m], bar, sfa0_ring.index(st))
-                tma.async_copy_global_to_shared(sfa_desc, [kb, off_m + HALF], bar,
-                                                sfa1_ring.index(st))  # fmt: skip
+                # sf_a's MN-major view is [ceil(K/128), M]: row kb, 64 columns per A box.
+                for i in gl.static_range(BOXES):
+                    tma.async_copy_global_to_shared(sfa_desc, [kb, off_m + i * HALF], bar,
+                                                    sfa_ring.index(st * BOXES + i))  # fmt: skip
                 if SFB_PER_COL:
                     tma.async_copy_global_to_shared(sfb_desc, [kb, off_n], bar,
                                                     sfb_ring.index(st))  # fmt: skip
             else:
                 mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, k0], bar, a0_ring.index(st))
-            tma.async_copy_global_to_shared(a_desc, [off_m + HALF, k0], bar, a1_ring.index(st))
+            for i in gl.static_range(BOXES):
+                tma.async_copy_global_to_shared(a_desc, [off_m + i * HALF, k0], bar,
+                                                a_ring.index(st * BOXES + i))  # fmt: skip
             tma.async_copy_global_to_shared(b_desc, [off_n, k0], bar, b_ring.index(st))
             it += 1
 
 
 @gluon.jit
 def _ws_consumer(args, HALF_INDEX: gl.constexpr):
-    """Consumer warpgroup HALF_INDEX: rows [64 HALF_INDEX, 64 HALF_INDEX + 64) of each tile of
-    this program, in the producer's order (the same ring position ``it``)."""
-    (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
+    """Consumer warpgroup HALF_INDEX: rows [64 WAVES HALF_INDEX, 64 WAVES (HALF_INDEX + 1)) of
+    each tile of this program, in the producer's order (the same ring position ``it``)."""
+    (a_desc, b_desc, a_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
      stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, group_m,
-     flags, c_desc, c0_smem, c1_smem, _sfa_desc, _sfb_desc, sfa0_ring, sfa1_ring,
-     sfb_ring, c_bars) = args  # fmt: skip
+     flags, c_desc, c0_smem, c1_smem, _sfa_desc, _sfb_desc, sfa_ring, sfb_ring,
+     c_bars) = args  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = b_ring.type.shape[0]
+    BOXES: gl.constexpr = a_ring.type.shape[0] // NUM_STAGES
+    WAVES: gl.constexpr = BOXES // 2
     SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
     ACCUMULATE: gl.constexpr = flags.type.shape[1] == 2
     TMA_STORE: gl.constexpr = flags.type.shape[2] == 2
@@ -290,68 +306,84 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     )
     # A stage's scale boxes read as vectors in the accumulator's row / column layout.
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    a_ring = a0_ring if HALF_INDEX == 0 else a1_ring
-    sfa_ring = sfa0_ring if HALF_INDEX == 0 else sfa1_ring
     c_smem = c0_smem if HALF_INDEX == 0 else c1_smem
     c_bar = c_bars.index(HALF_INDEX)
     k_steps = gl.cdiv(K, BLOCK_K)
-    num_tiles = gl.cdiv(M, 2 * HALF) * gl.cdiv(N, BLOCK_N)
+    num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
     blk = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_coords(t, M, N, 2 * HALF, BLOCK_N, group_m)
-        rows = off_m + HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_layout))
+        off_m, off_n = _tile_coords(t, M, N, BOXES * HALF, BLOCK_N, group_m)
+        row0 = off_m + HALF_INDEX * WAVES * HALF  # this warpgroup's first row
+        rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         sfa_ptrs, sfb_ptrs = _scale_ptrs(sfa_ptr, sfb_ptr, rows, cols, off_n, M, N, stride_sfa_m,
                                          stride_sfb_n, SFB_PER_COL, BLOCK_N)  # fmt: skip
-        acc = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
+        acc0 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
+        acc1 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)  # (WAVES = 2 only)
+        tile_iter = (t - gl.program_id(0)) // gl.num_programs(0)  # this program's tiles before
         if TMA_STORE and ACCUMULATE:
-            # D +=: this tile's out comes in by TMA under the K loop, into the staging buffer
-            # once the previous tile's store has read it.
+            # D +=: wave 0's out comes in by TMA under the K loop, into the staging buffer once
+            # the previous tile's store has read it.
             tma.store_wait(0)
             mbarrier.expect(c_bar, c_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(c_desc, [off_m + HALF_INDEX * HALF, off_n], c_bar,
-                                            c_smem)  # fmt: skip
+            tma.async_copy_global_to_shared(c_desc, [row0, off_n], c_bar, c_smem)
         for kb in range(k_steps):
             st = it % NUM_STAGES
             mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
-            blk = warpgroup_mma(a_ring.index(st), b_ring.index(st).permute((1, 0)), blk,
-                                use_acc=False, is_async=True)  # fmt: skip
-            # The scales load while the WGMMAs run (from the stage, or from global memory).
-            if SCALES_TMA:
-                sfa = (
-                    sfa_ring.index(st)
-                    ._reinterpret(gl.float32, [HALF], vec_layout)
-                    .load(gl.SliceLayout(1, mma_layout))
-                )
-                if SFB_PER_COL:
-                    sfb = (
-                        sfb_ring.index(st)
-                        ._reinterpret(gl.float32, [BLOCK_N], vec_layout)
-                        .load(gl.SliceLayout(0, mma_layout))
+            b_tile = b_ring.index(st).permute((1, 0))
+            for w in gl.static_range(WAVES):
+                box = st * BOXES + HALF_INDEX * WAVES + w
+                blk = warpgroup_mma(a_ring.index(box), b_tile, blk, use_acc=False, is_async=True)
+                # The scales load while the WGMMAs run (from the stage, or from global memory).
+                if SCALES_TMA:
+                    sfa = (
+                        sfa_ring.index(box)
+                        ._reinterpret(gl.float32, [HALF], vec_layout)
+                        .load(gl.SliceLayout(1, mma_layout))
                     )
+                    if SFB_PER_COL:
+                        sfb = (
+                            sfb_ring.index(st)
+                            ._reinterpret(gl.float32, [BLOCK_N], vec_layout)
+                            .load(gl.SliceLayout(0, mma_layout))
+                        )
+                    else:
+                        sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
                 else:
+                    sfa = gl.load(sfa_ptrs + (w * HALF) * stride_sfa_m + kb * stride_sfa_k)
                     sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
-            else:
-                sfa = gl.load(sfa_ptrs + kb * stride_sfa_k)
-                sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
-            blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
-            mbarrier.arrive(empty.index(st), count=1)  # this warpgroup is done with the stage
-            acc = _scaled_add(acc, blk, sfa, sfb, PER_COL)
+                blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
+                if w == WAVES - 1:  # this warpgroup is done with the stage
+                    mbarrier.arrive(empty.index(st), count=1)
+                if w == 0:
+                    acc0 = _scaled_add(acc0, blk, sfa, sfb, PER_COL)
+                    if WAVES == 2:  # promoted before wave 1's WGMMAs reuse blk's registers
+                        acc0 = _pin(acc0)
+                else:
+                    acc1 = _scaled_add(acc1, blk, sfa, sfb, PER_COL)
             it += 1
-        if TMA_STORE:
-            # Through shared memory and one TMA store per warpgroup (clipped at M and N).
-            if ACCUMULATE:  # D +=: the tile's out arrived during the K loop
-                # c_bar's phase: this program's tiles before this one
-                mbarrier.wait(c_bar, ((t - gl.program_id(0)) // gl.num_programs(0)) & 1)
-                acc = acc + c_smem.load(mma_layout)
-            else:  # the previous tile's store must have read the staging buffer first
-                tma.store_wait(0)
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [off_m + HALF_INDEX * HALF, off_n], c_smem)
-        else:
-            _store_tile(out_ptr, acc, rows, cols, M, N, stride_om, stride_on, ACCUMULATE)
+        for w in gl.static_range(WAVES):
+            acc = acc0 if w == 0 else acc1
+            if TMA_STORE:
+                # Through shared memory and one TMA store per wave (clipped at M and N).
+                if ACCUMULATE:
+                    if w > 0:  # wave w's out, once the previous wave's store has read the buffer
+                        tma.store_wait(0)
+                        mbarrier.expect(c_bar, c_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(c_desc, [row0 + w * HALF, off_n], c_bar,
+                                                        c_smem)  # fmt: skip
+                    # c_bar's phase: its completions so far (WAVES per earlier tile)
+                    mbarrier.wait(c_bar, (tile_iter * WAVES + w) & 1)
+                    acc = acc + c_smem.load(mma_layout)
+                else:  # the previous store must have read the staging buffer first
+                    tma.store_wait(0)
+                c_smem.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row0 + w * HALF, off_n], c_smem)
+            else:
+                _store_tile(out_ptr, acc, rows + w * HALF, cols, M, N, stride_om, stride_on,
+                            ACCUMULATE)  # fmt: skip
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -370,14 +402,15 @@ def _ws_consumer0(args):
 def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc, sfb_desc, M, N,
                     K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
                     stride_on, SFB_PER_COL: gl.constexpr, ACCUMULATE: gl.constexpr,
-                    TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, GROUP_M: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    num_warps: gl.constexpr):  # fmt: skip
-    HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per consumer
+                    TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, WAVES: gl.constexpr,
+                    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per wave
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BOXES: gl.constexpr = 2 * WAVES  # two consumers of WAVES x 64 rows
 
-    a0_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, HALF, BLOCK_K], a_desc.layout)
-    a1_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, HALF, BLOCK_K], a_desc.layout)
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES * BOXES, HALF, BLOCK_K],
+                                       a_desc.layout)  # fmt: skip
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -392,22 +425,21 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
         [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE, 1 + SCALES_TMA],
         gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]),
     )
-    # The scale rings ([1, 64] sf_a boxes per consumer, [1, BLOCK_N] per-column sf_b boxes), or
+    # The scale rings ([1, 64] sf_a boxes per A box, [1, BLOCK_N] per-column sf_b boxes), or
     # ``flags`` standing in.
     if SCALES_TMA:
-        sfa0_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, HALF], sfa_desc.layout)
-        sfa1_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, HALF], sfa_desc.layout)
+        sfa_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * BOXES, 1, HALF],
+                                             sfa_desc.layout)  # fmt: skip
         if SFB_PER_COL:
             sfb_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_N],
                                                  sfb_desc.layout)  # fmt: skip
         else:
             sfb_ring = flags
     else:
-        sfa0_ring = flags
-        sfa1_ring = flags
+        sfa_ring = flags
         sfb_ring = flags
     # TMA-store staging, one [64, BLOCK_N] buffer per consumer (``flags`` stands in without).
-    # With D += the tile's out comes into the same buffer by TMA first (one mbarrier each).
+    # With D += each wave's out comes into the same buffer by TMA first (one mbarrier each).
     c_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if TMA_STORE:
         c0_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -418,10 +450,10 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
     else:
         c0_smem = flags
         c1_smem = flags
-    args = (a_desc, b_desc, a0_ring, a1_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr,
+    args = (a_desc, b_desc, a_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr,
             M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
-            stride_on, GROUP_M, flags, c_desc, c0_smem, c1_smem, sfa_desc, sfb_desc, sfa0_ring,
-            sfa1_ring, sfb_ring, c_bars)  # fmt: skip
+            stride_on, GROUP_M, flags, c_desc, c0_smem, c1_smem, sfa_desc, sfb_desc, sfa_ring,
+            sfb_ring, c_bars)  # fmt: skip
     gl.warp_specialize(
         [(_ws_producer, (args,)), (_ws_consumer0, (args,)), (_ws_consumer1, (args,))],
         [4, 4],
@@ -480,7 +512,8 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
     def desc(rows):
         return f"tensordesc<fp8e4nv[{rows}, {_BK}],{_smem_layout(rows)!r}>"
 
-    if ws:  # A in two [64, 128] boxes, one per consumer warpgroup; 4 warps in the default
+    waves = block_m // 128
+    if ws:  # A in [64, 128] boxes, one per 64-row wave; 4 warps in the default partition
         block_m, num_warps = 64, 4
     signature = {"a_desc": desc(block_m), "b_desc": desc(block_n), "sfa_ptr": "*fp32",
                  "sfb_ptr": "*fp32", "out_ptr": f"*{out}"}  # fmt: skip
@@ -510,6 +543,7 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
         constexprs["CONSUMER_REGS"] = consumer_regs
         constexprs["TMA_STORE"] = tma_store
         constexprs["SCALES_TMA"] = scales_tma
+        constexprs["WAVES"] = waves
     else:
         constexprs["CHUNK"] = chunk
     src = GluonASTSource(_gemm_ws_kernel if ws else _gemm_kernel, signature, constexprs)
@@ -524,7 +558,8 @@ class GluonConfig:
     """Launch configuration of :func:`fp8_gemm`.
 
     Attributes:
-        block_m: tile rows, 16 x ``num_warps`` (64 with 4 warps, 128 with 8).
+        block_m: tile rows, 16 x ``num_warps`` (64 with 4 warps, 128 with 8); warp-specialized
+            128 or 256 (one or two 64-row waves per consumer warpgroup).
         block_n: tile columns, 64 or 128 (powers of two; 128 leaves ptxas no registers for the
             three [BM, BN] fp32 tensors and spills).
         num_warps: 4 or 8.
@@ -532,7 +567,7 @@ class GluonConfig:
         chunk: K blocks per unrolled chunk (one exposed promotion per chunk).
         group_m: tile rows per L2 rasterization group.
         warp_specialized: run ``_gemm_ws_kernel`` instead: a TMA producer and two consumer
-            warpgroups of 64 rows each (block_m 128, num_warps 8 counted as the consumers';
+            warpgroups of block_m / 2 rows each (num_warps 8 counted as the consumers';
             ``chunk`` unused).
         scales_tma: (warp-specialized only) the producer brings each K block's sf_a, and
             1D1D's per-column sf_b, into the stage by TMA beside A and B (scale tensors not
@@ -540,7 +575,8 @@ class GluonConfig:
             load them from global memory after issuing the block's WGMMAs.
 
     Raises:
-        ValueError: block_m not 16 x num_warps, block_n not 64 or 128, num_stages outside
+        ValueError: block_m not 16 x num_warps (warp-specialized: not 128 or 256 with
+            num_warps 8), block_n not 64 or 128, num_stages outside
             [2, 8], chunk not 2, 4 or 8, group_m not an int >= 1, or warp_specialized /
             scales_tma not a bool.
     """
@@ -555,7 +591,21 @@ class GluonConfig:
     scales_tma: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_warps not in (4, 8) or self.block_m != 16 * self.num_warps:
+        for field in ("warp_specialized", "scales_tma"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(
+                    f"GluonConfig.{field} must be a bool, got {getattr(self, field)!r}"
+                )
+        if self.warp_specialized:
+            # The WGMMAs need 64-row consumers (Triton: "WGMMA result M dimension must be
+            # divisible by 64"), one or two waves each.
+            if self.block_m not in (128, 256) or self.num_warps != 8:
+                raise ValueError(
+                    f"GluonConfig(warp_specialized=True) needs block_m 128 or 256 and "
+                    f"num_warps=8 (two consumer warpgroups of one or two 64-row waves), got "
+                    f"block_m={self.block_m}, num_warps={self.num_warps}"
+                )
+        elif self.num_warps not in (4, 8) or self.block_m != 16 * self.num_warps:
             raise ValueError(
                 f"GluonConfig needs num_warps in (4, 8) and block_m = 16 x num_warps, got "
                 f"block_m={self.block_m}, num_warps={self.num_warps}"
@@ -564,16 +614,6 @@ class GluonConfig:
             raise ValueError(f"GluonConfig.block_n must be 64 or 128, got {self.block_n}")
         if isinstance(self.group_m, bool) or not isinstance(self.group_m, int) or self.group_m < 1:
             raise ValueError(f"GluonConfig.group_m must be an int >= 1, got {self.group_m!r}")
-        for field in ("warp_specialized", "scales_tma"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(
-                    f"GluonConfig.{field} must be a bool, got {getattr(self, field)!r}"
-                )
-        if self.warp_specialized and (self.block_m, self.num_warps) != (128, 8):
-            raise ValueError(
-                f"GluonConfig(warp_specialized=True) needs block_m=128, num_warps=8 (two 64-row "
-                f"consumer warpgroups), got block_m={self.block_m}, num_warps={self.num_warps}"
-            )
         # The ring must fit with the smallest staging (bf16); fp8_gemm checks the output's.
         smem = self.smem_bytes(2)
         if smem > _SMEM_MAX:
@@ -591,11 +631,11 @@ class GluonConfig:
     def smem_bytes(self, out_size: int = 2) -> int:
         """Shared memory the kernel needs with an output of ``out_size``-byte elements: the
         A + B ring and, warp-specialized, the two [64, block_n] TMA-store staging buffers and
-        the TMA'd scales (two [1, 64] sf_a boxes and a [1, block_n] sf_b box per stage)."""
+        the TMA'd scales (block_m sf_a and block_n sf_b fp32 values per stage)."""
         smem = self.num_stages * (self.block_m + self.block_n) * 128
         if self.warp_specialized:
             smem += 2 * 64 * self.block_n * out_size
-            smem += self.num_stages * (128 + self.block_n) * 4 if self.scales_tma else 0
+            smem += self.num_stages * (self.block_m + self.block_n) * 4 if self.scales_tma else 0
         return smem
 
 
@@ -674,7 +714,7 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         return out
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    a_box = cfg.block_m // 2 if cfg.warp_specialized else cfg.block_m  # one box per consumer
+    a_box = 64 if cfg.warp_specialized else cfg.block_m  # one box per 64-row wave
     a_desc = TensorDescriptor(a_fp8, list(a_fp8.shape), list(a_fp8.stride()),
                               [a_box, _BK], _smem_layout(a_box))  # fmt: skip
     b_desc = TensorDescriptor(b_fp8, list(b_fp8.shape), list(b_fp8.stride()),
@@ -700,14 +740,14 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                 )
             if tma_store:
                 c_elem = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
-                c_box = [cfg.block_m // 2, cfg.block_n]
+                c_box = [64, cfg.block_n]
                 c_layout = gl.NVMMASharedLayout.get_default_for(c_box, c_elem)
                 c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), c_box,
                                           c_layout)  # fmt: skip
             sfa_desc = sfb_desc = a_desc  # stand-ins the kernel never reads without SCALES_TMA
             if cfg.scales_tma:
                 sf_a = _mn_major(sf_a)
-                sfa_desc = _sf_desc(sf_a, cfg.block_m // 2)
+                sfa_desc = _sf_desc(sf_a, 64)
                 if kind == "1d1d":
                     sf_b = _mn_major(sf_b)
                     sfb_desc = _sf_desc(sf_b, cfg.block_n)
@@ -716,7 +756,7 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                 sf_a.stride(0), sf_a.stride(1), sf_b.stride(0), sf_b.stride(1),
                 out.stride(0), out.stride(1),
                 SFB_PER_COL=kind == "1d1d", ACCUMULATE=accumulate, TMA_STORE=tma_store,
-                SCALES_TMA=cfg.scales_tma, GROUP_M=cfg.group_m,
+                SCALES_TMA=cfg.scales_tma, WAVES=cfg.block_m // 128, GROUP_M=cfg.group_m,
                 NUM_STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS, num_warps=4,
                 maxnreg=_WS_MAXNREG,
             )  # fmt: skip

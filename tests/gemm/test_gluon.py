@@ -24,6 +24,10 @@ for name, kind, kw in [("1d2d_128x64", "1d2d", dict(block_m=128, block_n=64, num
                        ("1d2d_64x64", "1d2d", dict(block_m=64, block_n=64, num_warps=4)),
                        ("1d2d_ws", "1d2d", dict(block_n=128, ws=True)),
                        ("1d2d_wsg", "1d2d", dict(block_n=128, ws=True, scales_tma=False)),
+                       # two 64-row waves per consumer: the first wave's promotion pinned
+                       # before the second's WGMMAs (else two block accumulators spill)
+                       ("1d2d_ws256", "1d2d", dict(block_m=256, block_n=128, num_stages=3,
+                                                   ws=True)),
                        # D += through TMA loads and stores: no per-element pointers to spill
                        ("1d1d_acc_ws", "1d1d", dict(block_n=128, ws=True, out="fp32",
                                                     accumulate=True))]:
@@ -45,7 +49,7 @@ emit(results)
 
 def test_compile_overlaps_promotion_without_spills(tmp_path):
     results = run_sm90_script(_COMPILE, tmp_path)
-    assert len(results) == 6, results
+    assert len(results) == 7, results
     for name, r in results.items():
         if "_ws" in name:
             # A 4-warp producer down to 40 registers, two 4-warp consumers up to 232.
@@ -80,8 +84,15 @@ def test_config_rejects_bad_fields():
         GluonConfig(scales_tma="yes")
     # The warp-specialized kernel's WGMMAs need 64-row consumers (Triton: "WGMMA result M
     # dimension must be divisible by 64" for a 32-row A box).
-    with pytest.raises(ValueError, match="block_m=128, num_warps=8"):
+    with pytest.raises(ValueError, match="block_m 128 or 256 and num_warps=8"):
         GluonConfig(block_m=64, num_warps=4, warp_specialized=True)
+    with pytest.raises(ValueError, match="block_m 128 or 256 and num_warps=8"):
+        GluonConfig(block_m=512, num_warps=8, warp_specialized=True)
+    GluonConfig(block_m=256, block_n=128, num_stages=3, warp_specialized=True)
+    with pytest.raises(ValueError, match="shared memory"):  # 4 x 48 KiB + staging + scales
+        GluonConfig(block_m=256, block_n=128, num_stages=4, warp_specialized=True)
+    with pytest.raises(ValueError, match="num_warps in"):  # 256 rows: warp-specialized only
+        GluonConfig(block_m=256, num_warps=8)
     # 8 stages of 128x128 + 128x128 tiles: 256 KiB, more shared memory than an SM has.
     with pytest.raises(ValueError, match="shared memory"):
         GluonConfig(128, 128, 8, 8)
@@ -160,7 +171,7 @@ SHAPES = [(1, 2112, 7168), (13, 300, 208), (129, 576, 1536), (256, 7168, 2048),
 # (block_m, block_n, num_warps, num_stages, chunk, warp_specialized)
 CONFIGS = [(128, 64, 8, 4, 4, False), (64, 64, 4, 6, 8, False), (128, 128, 8, 4, 4, False),
            (64, 128, 4, 4, 2, False), (128, 64, 8, 6, 2, False), (128, 128, 8, 4, 4, True),
-           (128, 64, 8, 6, 4, True)]  # fmt: skip
+           (128, 64, 8, 6, 4, True), (256, 128, 8, 3, 4, True)]  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -212,20 +223,23 @@ def test_gpu_output_layouts(out_kind, ws):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [128, 256])
 @pytest.mark.parametrize("scales_tma", [True, False])
 @pytest.mark.parametrize("sf_layout", ["row", "mn_major"])
 @pytest.mark.parametrize("kind", ["1d2d", "1d1d"])
 @pytest.mark.parametrize("m,n,k", [(13, 300, 208), (129, 576, 1536), (4096, 2112, 7168)])
-def test_gpu_scale_paths(m, n, k, kind, sf_layout, scales_tma):
+def test_gpu_scale_paths(m, n, k, kind, sf_layout, scales_tma, block_m):
     """The warp-specialized kernel's scales through TMA (sf_a copied to MN-major first when
-    row-major; M = 13, 129 leave rows of the last box past M) and from global memory."""
+    row-major; M = 13, 129 leave rows of the last box past M) and from global memory, with one
+    or two 64-row waves per consumer."""
     from ptxtrain.gemm import gluon
     from ptxtrain.quant import per_token_cast_to_fp8 as cast
 
     x, w = scaled_operands(m, n, k, m + 7, "cuda")
     qa = cast(x, sf_layout=sf_layout)
     qb = cast(w, sf_layout=sf_layout) if kind == "1d1d" else per_block_cast_to_fp8(w)
-    cfg = gluon.GluonConfig(128, 128, 8, 4, 4, warp_specialized=True, scales_tma=scales_tma)
+    cfg = gluon.GluonConfig(block_m, 128, 8, 4 if block_m == 128 else 3, 4,
+                            warp_specialized=True, scales_tma=scales_tma)  # fmt: skip
     out = torch.full((m, n), float("nan"), device="cuda")
     gluon.fp8_gemm(kind, qa, qb, out, torch.float32, False, cfg)
     if kind == "1d2d":
@@ -249,15 +263,19 @@ def test_gpu_refuses_staging_over_shared_memory():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [128, 256])
 @pytest.mark.parametrize("out_kind", ["tma", "odd_n", "strided"])
-def test_gpu_ws_accumulate(out_kind):
+def test_gpu_ws_accumulate(out_kind, block_m):
     """1D1D D += in the warp-specialized kernel: through TMA loads and stores (row-contiguous
-    fp32 out), or pointers (N = 301: rows not 16-byte aligned; a strided view)."""
+    fp32 out; with two waves the second wave's out loads after the first's store), or
+    pointers (N = 301: rows not 16-byte aligned; a strided view). M = 600 gives each program
+    several tiles (the TMA loads' barrier phases)."""
     from ptxtrain.gemm import gluon
 
-    m, n, k = 300, 301 if out_kind == "odd_n" else 576, 1536
+    m, n, k = 600, 301 if out_kind == "odd_n" else 4160, 1536
     _, _, qa, qb = _operands(m, n, k, "1d1d", seed=13)
-    cfg = gluon.GluonConfig(128, 128, 8, 4, 4, warp_specialized=True)
+    cfg = gluon.GluonConfig(block_m, 128, 8, 4 if block_m == 128 else 3, 4,
+                            warp_specialized=True)  # fmt: skip
     base = torch.randn(m, n + 4, device="cuda")
     out = base[:, :n] if out_kind == "strided" else base[:, :n].contiguous()
     before = out.clone()
