@@ -640,10 +640,14 @@ class GluonConfig:
 
 
 _SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
-# The config ``ptxtrain.gemm.triton`` runs where its default routes a GEMM here
-# (``heuristics.prefers_gluon``): 128x128 tiles, a TMA producer and two consumer warpgroups,
-# 4 stages (session 14, call 18: 4 and 5 stages within 1%).
-WS_CONFIG = GluonConfig(128, 128, 8, 4, 4, warp_specialized=True)
+# The configs ``ptxtrain.gemm.triton`` runs where its default routes a GEMM here
+# (``heuristics.prefers_gluon``), by tile rows (``heuristics.gluon_block_m``): a TMA producer
+# and two consumer warpgroups; 128x128 tiles in 4 stages (session 14, call 18: 4 and 5 within
+# 1%), 256x128 in 3 (4 do not fit shared memory).
+WS_CONFIGS = {
+    128: GluonConfig(128, 128, 8, 4, 4, warp_specialized=True),
+    256: GluonConfig(256, 128, 8, 3, 4, warp_specialized=True),
+}
 
 
 def _check_out_offsets(m: int, n: int, stride_om: int, stride_on: int) -> None:

@@ -243,6 +243,33 @@ def prefers_gluon(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H10
     return ceil_div(m, 128) * ceil_div(n, 128) >= GLUON_MIN_WAVES * num_sms
 
 
+def _wave_efficiency(tiles: int, num_sms: int) -> float:
+    """Share of the SMs' tile slots that ``tiles`` use over all their waves."""
+    return tiles / (ceil_div(tiles, num_sms) * num_sms) if tiles else 0.0
+
+
+def gluon_block_m(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> int:
+    """Tile rows of the warp-specialized Gluon kernel: 256 (two 64-row waves per consumer
+    warpgroup, a third less L2 traffic per FLOP) when its tiles fill the SMs' waves nearly as
+    well as 128-row tiles do (within 5 points), else 128. 1D1D: always 128 (its per-column
+    scales spill with two waves).
+
+    Measured on an H200 (session 15, call 3, x cuBLAS blockwise, 128 -> 256 rows): 1D2D at
+    M = 4096 24576 x 1536 0.958 -> 0.995, 7168 x 16384 0.889 -> 0.973, 4096 x 7168
+    0.892 -> 0.954, 7168 x 2048 0.955 -> 0.995 (equal wave fill), but 2112 x 7168
+    0.875 -> 0.792 (544 tiles fill 82% of 5 waves, 272 fill 69% of 3), and at M = 2048
+    7168 x 2048 0.961 -> 0.876 (97% -> 85%).
+
+    Raises:
+        TypeError / ValueError: as :func:`select_config`.
+    """
+    _check_dims(m, n, k, kind, num_sms)
+    if kind != "1d2d":
+        return 128
+    fill = {bm: _wave_efficiency(ceil_div(m, bm) * ceil_div(n, 128), num_sms) for bm in (128, 256)}
+    return 256 if fill[256] >= fill[128] - 0.05 else 128
+
+
 def _max_stages(bm: int, bn: int) -> int:
     per_stage = (bm + bn) * BLOCK_K
     return max(2, min(5, (_SMEM_BYTES - _EPILOGUE_SMEM) // per_stage))

@@ -70,6 +70,7 @@ from ptxtrain.gemm.heuristics import (
     VARIANTS,
     GemmConfig,
     autotune_configs,
+    gluon_block_m,
     m_bucket,
     prefers_gluon,
     select_config,
@@ -459,7 +460,8 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
     if config is None and _gluon_runs(kind, a_fp8, b_fp8, m, n, k, num_sms):
         from ptxtrain.gemm import gluon
 
-        return gluon.fp8_gemm(kind, a, b, out, out.dtype, accumulate, gluon.WS_CONFIG)
+        cfg = gluon.WS_CONFIGS[gluon_block_m(m, n, k, kind, num_sms)]
+        return gluon.fp8_gemm(kind, a, b, out, out.dtype, accumulate, cfg)
     if config is None:
         cfg = select_config(m, n, k, kind, num_sms)
     elif config == "autotune":
