@@ -640,14 +640,24 @@ class GluonConfig:
 
 
 _SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
-# The configs ``ptxtrain.gemm.triton`` runs where its default routes a GEMM here
-# (``heuristics.prefers_gluon``), by tile rows (``heuristics.gluon_block_m``): a TMA producer
-# and two consumer warpgroups; 128x128 tiles in 4 stages (session 14, call 18: 4 and 5 within
-# 1%), 256x128 in 3 (4 do not fit shared memory).
-WS_CONFIGS = {
-    128: GluonConfig(128, 128, 8, 4, 4, warp_specialized=True),
-    256: GluonConfig(256, 128, 8, 3, 4, warp_specialized=True),
-}
+# The stages ``ptxtrain.gemm.triton`` runs each warp-specialized tile with where its default
+# routes a GEMM here (``heuristics.prefers_gluon`` / ``gluon_tile``; session 14 call 18 and
+# session 15 calls 3-4): the most that fit with bf16 staging, 4 for 128x128 (5 within 1%).
+_WS_STAGES = {(128, 128): 4, (256, 128): 3, (256, 64): 5}
+
+
+def ws_config(block_m: int, block_n: int, out_size: int = 2) -> GluonConfig:
+    """The warp-specialized config of a ``block_m x block_n`` tile with its measured stage
+    count, one stage fewer where the staging of ``out_size``-byte outputs would not fit.
+
+    Raises:
+        KeyError: a tile without a measured stage count (not in ``heuristics.GLUON_TILES``).
+    """
+    stages = _WS_STAGES[(block_m, block_n)]
+    cfg = GluonConfig(block_m, block_n, 8, stages, 4, warp_specialized=True)
+    while cfg.smem_bytes(out_size) > _SMEM_MAX:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
 
 
 def _check_out_offsets(m: int, n: int, stride_om: int, stride_on: int) -> None:

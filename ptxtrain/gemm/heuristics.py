@@ -248,26 +248,36 @@ def _wave_efficiency(tiles: int, num_sms: int) -> float:
     return tiles / (ceil_div(tiles, num_sms) * num_sms) if tiles else 0.0
 
 
-def gluon_block_m(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> int:
-    """Tile rows of the warp-specialized Gluon kernel: 256 (two 64-row waves per consumer
-    warpgroup, a third less L2 traffic per FLOP) when its tiles fill the SMs' waves nearly as
-    well as 128-row tiles do (within 5 points), else 128. 1D1D: always 128 (its per-column
-    scales spill with two waves).
+# The warp-specialized Gluon kernel's tiles, fewest L2 bytes per FLOP first: (BM + BN) / (BM BN)
+# = 0.0117 for 256x128, 0.0156 for 128x128, 0.0195 for 256x64.
+GLUON_TILES = ((256, 128), (128, 128), (256, 64))
 
-    Measured on an H200 (session 15, call 3, x cuBLAS blockwise, 128 -> 256 rows): 1D2D at
-    M = 4096 24576 x 1536 0.958 -> 0.995, 7168 x 16384 0.889 -> 0.973, 4096 x 7168
-    0.892 -> 0.954, 7168 x 2048 0.955 -> 0.995 (equal wave fill), but 2112 x 7168
-    0.875 -> 0.792 (544 tiles fill 82% of 5 waves, 272 fill 69% of 3), and at M = 2048
-    7168 x 2048 0.961 -> 0.876 (97% -> 85%).
+
+def gluon_tile(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> tuple:
+    """``(block_m, block_n)`` of the warp-specialized Gluon kernel: the first tile of
+    :data:`GLUON_TILES` (fewest L2 bytes per FLOP first) whose tiles fill the SMs' waves within
+    5 points of the best-filling one. 1D1D: always 128x128 (its per-column scales spill with
+    two 64-row waves per consumer).
+
+    Measured on an H200 (session 15, calls 3-4, x cuBLAS blockwise): 1D2D at M = 4096
+    256x128 against 128x128 at 24576 x 1536 0.995 / 0.958, 7168 x 16384 0.973 / 0.889,
+    4096 x 7168 0.954 / 0.892, 7168 x 2048 0.995 / 0.955 (equal wave fill); at 2112 x 7168,
+    where 256x64's 528 tiles fill 4 waves exactly (128x128: 82% of 5, 256x128: 69% of 3),
+    256x64 0.912, 128x128 0.882, 256x128 0.792; at M = 2048, 7168 x 2048 (128x128 and 256x64
+    97%, 256x128 85%), 128x128 0.961, 256x64 0.790, 256x128 0.876.
 
     Raises:
         TypeError / ValueError: as :func:`select_config`.
     """
     _check_dims(m, n, k, kind, num_sms)
     if kind != "1d2d":
-        return 128
-    fill = {bm: _wave_efficiency(ceil_div(m, bm) * ceil_div(n, 128), num_sms) for bm in (128, 256)}
-    return 256 if fill[256] >= fill[128] - 0.05 else 128
+        return (128, 128)
+    fill = {
+        (bm, bn): _wave_efficiency(ceil_div(m, bm) * ceil_div(n, bn), num_sms)
+        for bm, bn in GLUON_TILES
+    }
+    best = max(fill.values())
+    return next(tile for tile in GLUON_TILES if fill[tile] >= best - 0.05)
 
 
 def _max_stages(bm: int, bn: int) -> int:

@@ -70,7 +70,7 @@ from ptxtrain.gemm.heuristics import (
     VARIANTS,
     GemmConfig,
     autotune_configs,
-    gluon_block_m,
+    gluon_tile,
     m_bucket,
     prefers_gluon,
     select_config,
@@ -460,7 +460,7 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
     if config is None and _gluon_runs(kind, a_fp8, b_fp8, m, n, k, num_sms):
         from ptxtrain.gemm import gluon
 
-        cfg = gluon.WS_CONFIGS[gluon_block_m(m, n, k, kind, num_sms)]
+        cfg = gluon.ws_config(*gluon_tile(m, n, k, kind, num_sms), out.element_size())
         return gluon.fp8_gemm(kind, a, b, out, out.dtype, accumulate, cfg)
     if config is None:
         cfg = select_config(m, n, k, kind, num_sms)

@@ -106,6 +106,23 @@ def test_config_rejects_bad_fields():
     )
 
 
+def test_ws_config_fits_every_tile_and_output():
+    """Every tile the Triton backend can route here has a config that fits shared memory with
+    bf16 and fp32 staging (256x64: 5 stages with bf16, 4 with fp32)."""
+    from ptxtrain.gemm.gluon import _SMEM_MAX, ws_config
+    from ptxtrain.gemm.heuristics import GLUON_TILES
+
+    for bm, bn in GLUON_TILES:
+        for size in (2, 4):
+            cfg = ws_config(bm, bn, size)
+            assert (cfg.block_m, cfg.block_n, cfg.warp_specialized) == (bm, bn, True)
+            assert cfg.smem_bytes(size) <= _SMEM_MAX
+    assert ws_config(256, 64, 2).num_stages == 5 and ws_config(256, 64, 4).num_stages == 4
+    assert ws_config(128, 128, 4).num_stages == 4
+    with pytest.raises(KeyError):
+        ws_config(64, 64)
+
+
 def test_mn_major_scales():
     """The TMA'd scales need sf [rows, KB] with strides (1, 4·⌈rows/4⌉): kept when already so,
     copied (same values) otherwise."""
@@ -171,7 +188,8 @@ SHAPES = [(1, 2112, 7168), (13, 300, 208), (129, 576, 1536), (256, 7168, 2048),
 # (block_m, block_n, num_warps, num_stages, chunk, warp_specialized)
 CONFIGS = [(128, 64, 8, 4, 4, False), (64, 64, 4, 6, 8, False), (128, 128, 8, 4, 4, False),
            (64, 128, 4, 4, 2, False), (128, 64, 8, 6, 2, False), (128, 128, 8, 4, 4, True),
-           (128, 64, 8, 6, 4, True), (256, 128, 8, 3, 4, True)]  # fmt: skip
+           (128, 64, 8, 6, 4, True), (256, 128, 8, 3, 4, True),
+           (256, 64, 8, 5, 4, True)]  # fmt: skip
 
 
 @pytest.mark.gpu

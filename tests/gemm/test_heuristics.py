@@ -6,11 +6,12 @@ import pytest
 
 from ptxtrain.gemm.heuristics import (
     BLOCK_K,
+    GLUON_TILES,
     H100_SMS,
     VARIANTS,
     GemmConfig,
     autotune_configs,
-    gluon_block_m,
+    gluon_tile,
     m_bucket,
     num_tiles,
     prefers_gluon,
@@ -177,14 +178,15 @@ def test_prefers_gluon_takes_gemms_of_two_waves():
         prefers_gluon(4096.0, 7168, 2048)
 
 
-def test_gluon_block_m_by_wave_fill():
-    """256-row tiles where they fill the waves within 5 points of 128-row tiles."""
-    picks = {(n, k): gluon_block_m(4096, n, k) for n, k in DSV3_DENSE_NK}
-    # 4096 x 2112: 544 tiles of 128 rows fill 82% of 5 waves, 272 of 256 rows 69% of 3.
-    assert picks == {nk: 128 if nk[0] == 2112 else 256 for nk in DSV3_DENSE_NK}, picks
-    assert gluon_block_m(2048, 7168, 2048) == 128  # 896 tiles: 97% of 7 waves; 448: 85% of 4
-    assert gluon_block_m(2048, 4096, 7168) == 256  # 512 and 256 tiles: 97% each
-    assert all(gluon_block_m(m, n, 4096, "1d1d") == 128 for m, n in DSV3_WGRAD_MN)
-    assert gluon_block_m(0, 0, 0) == 256  # no tiles: nothing to fill either way
+def test_gluon_tile_by_wave_fill():
+    """The fewest-L2-bytes tile whose waves fill within 5 points of the best-filling tile."""
+    picks = {(n, k): gluon_tile(4096, n, k) for n, k in DSV3_DENSE_NK}
+    # 4096 x 2112: 256x64's 16 x 33 = 528 tiles fill 4 waves exactly; 128x128 fills 82% of 5.
+    want = {nk: (256, 64) if nk[0] == 2112 else (256, 128) for nk in DSV3_DENSE_NK}
+    assert picks == want, picks
+    assert gluon_tile(2048, 7168, 2048) == (128, 128)  # 896 tiles: 97%; 256x128's 448: 85%
+    assert gluon_tile(2048, 4096, 7168) == (256, 128)  # 256 tiles: 97%, as 128x128's 512
+    assert all(gluon_tile(m, n, 4096, "1d1d") == (128, 128) for m, n in DSV3_WGRAD_MN)
+    assert gluon_tile(0, 0, 0) == GLUON_TILES[0]  # no tiles: nothing to fill either way
     with pytest.raises(ValueError, match="num_sms"):
-        gluon_block_m(4096, 7168, 2048, num_sms=0)
+        gluon_tile(4096, 7168, 2048, num_sms=0)
