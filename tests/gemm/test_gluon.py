@@ -186,10 +186,17 @@ def _operands(m, n, k, kind, seed):
 SHAPES = [(1, 2112, 7168), (13, 300, 208), (129, 576, 1536), (256, 7168, 2048),
           (4096, 2112, 7168), (300, 4096, 400)]  # fmt: skip
 # (block_m, block_n, num_warps, num_stages, chunk, warp_specialized)
-CONFIGS = [(128, 64, 8, 4, 4, False), (64, 64, 4, 6, 8, False), (128, 128, 8, 4, 4, False),
-           (64, 128, 4, 4, 2, False), (128, 64, 8, 6, 2, False), (128, 128, 8, 4, 4, True),
-           (128, 64, 8, 6, 4, True), (256, 128, 8, 3, 4, True),
-           (256, 64, 8, 5, 4, True)]  # fmt: skip
+CONFIGS = [
+    (128, 64, 8, 4, 4, False),
+    (64, 64, 4, 6, 8, False),
+    (128, 128, 8, 4, 4, False),
+    (64, 128, 4, 4, 2, False),
+    (128, 64, 8, 6, 2, False),
+    (128, 128, 8, 4, 4, True),
+    (128, 64, 8, 6, 4, True),
+    (256, 128, 8, 3, 4, True),
+    (256, 64, 8, 4, 4, True),
+]  # fmt: skip (fp32 out: 5 stages of 256x64 do not fit)
 
 
 @pytest.mark.gpu
