@@ -66,9 +66,17 @@ def _geomean(xs: list[float]) -> float:
 
 
 def _time_backends(
-    row: dict, backends: dict, qa, qb, want: torch.Tensor, timer, b_for: dict | None = None
+    row: dict,
+    backends: dict,
+    qa,
+    qb,
+    want: torch.Tensor,
+    timer,
+    b_for: dict | None = None,
+    kind: str = "1d2d",
 ) -> None:
-    """Check and time each backend on one shape; fill ``row``'s calc_diff, µs and TFLOPS.
+    """Check and time each backend on one shape; fill ``row``'s calc_diff, µs and TFLOPS, and
+    with a ``triton`` backend the kernel its default runs (``triton_kernel``).
     ``b_for``: backend name → its own B operand (same values, the scale layout it reads)."""
     for name, fn in backends.items():
         qb_name = (b_for or {}).get(name, qb)
@@ -80,6 +88,10 @@ def _time_backends(
         except (ValueError, RuntimeError, NotImplementedError) as e:
             row["us"][name] = None
             row.setdefault("errors", {})[name] = str(e).splitlines()[0][:200]
+    if "triton" in backends:  # which Triton-backend kernel ran (the Gluon one from 2 waves)
+        from ptxtrain.gemm import triton as triton_gemm
+
+        row["triton_kernel"] = triton_gemm.default_kernel(kind, row["m"], row["n"], row["k"])
     flops = 2.0 * row["m"] * row["n"] * row["k"]
     for name, us in row["us"].items():
         row["tflops"][name] = flops / (us * 1e-6) / 1e12 if us else None
@@ -141,7 +153,7 @@ def bench_1d1d(k_tokens: int = 4096, pairs=DSV3_WGRAD_MN, *, repeats: int = 50) 
             )
         else:
             row["us"]["bf16"] = timer(lambda ab=ab, bb=bb: (ab @ bb.t()).float())
-        _time_backends(row, backends, qa, qb, want, timer, b_for)
+        _time_backends(row, backends, qa, qb, want, timer, b_for, kind="1d1d")
         rows.append(row)
         del a, b, want, ab, bb, qa, qb, b_for
     return {
@@ -211,6 +223,8 @@ def format_table(result: dict) -> str:
         f"{n + ' µs':>12} {'TFLOPS':>7}" for n in names
     )
     head += " " + " ".join(f"{n + ' x cuBLAS':>14}" for n in names if n != "cublas")
+    kernels = any("triton_kernel" in r for r in rows)
+    head += "  triton kernel" if kernels else ""
     lines = [head]
     for r in rows:
         cells = []
@@ -224,7 +238,11 @@ def format_table(result: dict) -> str:
             c, u = r["us"].get("cublas"), r["us"].get(n)
             ratios.append(f"{c / u:14.2f}" if c and u else f"{'n/a':>14}")
         lines.append(
-            f"{r['m']:>6} {r['n']:>6} {r['k']:>6} " + " ".join(cells) + " " + " ".join(ratios)
+            f"{r['m']:>6} {r['n']:>6} {r['k']:>6} "
+            + " ".join(cells)
+            + " "
+            + " ".join(ratios)
+            + (f"  {r.get('triton_kernel', '')}" if kernels else "")
         )
     for key, val in result.get("summary", {}).items():
         lines.append(f"{key}: {val:.3f}")

@@ -1,6 +1,7 @@
-"""Block-scaled FP8 GEMMs in Gluon (Triton's explicit-layout dialect), sm_90 only. EXPERIMENTAL:
-correct; the warp-specialized form beats ``ptxtrain.gemm.triton`` on most 1D2D shapes at
-M = 4096, but no backend or heuristic uses it yet.
+"""Block-scaled FP8 GEMMs in Gluon (Triton's explicit-layout dialect), sm_90 only. The
+warp-specialized kernel is what ``ptxtrain.gemm.triton`` runs for GEMMs of at least two waves of
+128x128 tiles (``heuristics.prefers_gluon`` / ``gluon_tile``); the single-partition kernel is
+kept as a measured alternative and is not selected anywhere.
 
 Design note. The Triton kernels (``ptxtrain.gemm.triton``) stop at about 0.78x cuBLAS at
 M = 4096 because Triton 3.6 waits for each block's WGMMAs before the FP32 promotion reads them
@@ -28,15 +29,18 @@ plain Triton kernel. Three [BM, BN] fp32 tensors leave registers for 64-column t
 and TMA operation, so the two warpgroups run in lockstep.
 
 ``_gemm_ws_kernel`` (``GluonConfig(warp_specialized=True)``) is DeepGEMM's structure through
-``gl.warp_specialize``: a TMA producer partition (40 registers) and two consumer warpgroups of
-64 rows (232 registers, 128x128 tiles without spills), each waiting for its own WGMMAs and
-promoting while the other's run; persistent (one program per SM; the producer runs into the
-next tile during the epilogue) with a TMA-store epilogue where the output allows. Explicit
-warp specialization works on sm_90 (only Triton's automatic pass faults). Measured on an H200
-(session 14, call 18): 1D2D at M = 4096 0.73-1.09x cuBLAS, geomean 0.862 against 0.772 for the
-Triton kernel in the same process (ahead at five of the six V3 shapes); 1D1D 0.44-0.57x.
-Nothing selects it yet. The scale loads issued after each block's WGMMAs are its top stall
-(call 11); loading them a block ahead was slower (call 19).
+``gl.warp_specialize``: a TMA producer partition (40 registers) that brings each K block's A
+(one [64, 128] box per 64-row wave), B and scales (sf_a, and 1D1D's per-column sf_b) into a
+stage, and two consumer warpgroups (232 registers) of one or two 64-row waves each, each
+waiting for its own WGMMAs and promoting while the other's run; persistent (one program per
+SM; the producer runs into the next tile during the epilogue) with a TMA-store epilogue, and
+for ``D +=`` the tile's old value TMA-loaded under the K loop. Explicit warp specialization
+works on sm_90 (only Triton's automatic pass faults). Measured on an H200 (session 15,
+``benchmarks/results/2026-11-23-s15-h200/``): 1D2D at M = 4096 0.91-1.08x cuBLAS, geomean
+0.985-0.989 with the tiles ``gluon_tile`` picks (the plain Triton kernel: 0.78); 1D1D
+0.95-0.98x. Scales by TMA instead of consumer global loads took 4096 x 7168 x 16384 from 0.73
+to 0.85 (call 1), 256-row tiles, a third fewer L2 bytes per FLOP, to 0.97 (call 3): at 128x128
+the kernel ran at 81% of L2 throughput (ncu, call 2).
 Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-V3 §3.3).
 """
 

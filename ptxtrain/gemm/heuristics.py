@@ -26,6 +26,10 @@ Rules of :func:`select_config` (any ``num_sms``):
   per SM when K <= 512, where prologue and epilogue weigh most), 1D1D ``tma_persistent`` with
   two programs per SM.
 
+:func:`prefers_gluon` and :func:`gluon_tile` decide where the Triton backend's default runs the
+warp-specialized Gluon kernel instead (``ptxtrain.gemm.gluon``; from two waves of 128x128
+tiles) and with which tile (fewest L2 bytes per FLOP among those that fill the waves).
+
 Source: DeepSeek-V3 report §3.3 (promotion every 128 K); DeepGEMM's block-size choice (fill the
 SMs); DESIGN §6 (132 SMs; a plain Triton kernel at ~0.7x of cuBLAS at M = 4096).
 """

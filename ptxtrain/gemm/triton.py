@@ -29,16 +29,20 @@ aligned rows and bases, else the pointer twin runs). Triton 3.6's automatic warp
 (``tl.range(warp_specialize=True)``) runs a Hopper pass on sm_90 too, but its kernels hang or
 fault there, a minimal bf16 GEMM's included (session 14, ``benchmarks.probe_triton_ws``; Triton's
 tutorials keep it off before Blackwell, triton-lang/triton PR #7108), so no variant uses it;
-:mod:`ptxtrain.gemm.gluon` specializes warps explicitly instead.
+:mod:`ptxtrain.gemm.gluon` specializes warps explicitly instead, and the default config sends
+GEMMs of at least two waves of 128x128 tiles there (``heuristics.prefers_gluon``: sm_90,
+TMA-loadable operands; ``PTXTRAIN_TRITON_GLUON=0`` turns it off; an explicit ``config`` or
+``"autotune"`` keeps the Triton kernel).
 The config is :func:`ptxtrain.gemm.heuristics.select_config`'s (rules from measurements, see
 there) unless the caller passes one, or ``config="autotune"``, which times the candidates of
 :func:`ptxtrain.gemm.heuristics.autotune_configs` once per ``(kind, M bucket, N, K, ...)``.
 Every variant was checked on an H200 over the DeepSeek-V3 shapes (``calc_diff`` < 1e-3).
 
-Speed of the default configs (H200, CUDA graphs, L2 flushed, vs cuBLAS blockwise through
-``torch._scaled_mm``, DeepSeek-V3 shapes): 1D2D geometric mean 1.09x at M = 64 (0.88-1.20),
-1.00x at M = 128 (0.85-1.23), 0.83x at M = 4096 (0.65-0.96); 1D1D (wgrad, K = 4096) 0.59x
-(0.54-0.64). The ceiling is structural: Triton 3.6 waits for each block's WGMMAs before the
+Speed of the default configs (H200, L2 flushed, vs cuBLAS blockwise through
+``torch._scaled_mm``, DeepSeek-V3 shapes, session 15 ``bench gemm``): 1D2D geometric mean
+1.12x at M = 64, 1.06x at M = 128 (this kernel), 0.985-0.989x at M = 4096 (the Gluon kernel;
+this one alone: 0.78x); 1D1D (wgrad, K = 4096) 0.95-0.98x (Gluon; this one alone 0.77-0.80x).
+This kernel's ceiling is structural: Triton 3.6 waits for each block's WGMMAs before the
 promotion can read them, so only other programs on the SM overlap the promotion (heuristics.py).
 Host overhead is ~50-110 µs per call against cuBLAS's ~20 µs: hide it with CUDA graphs.
 
@@ -79,7 +83,7 @@ from ptxtrain.gemm.heuristics import (
 # The reference's validators: same checks, same messages (one source of truth for the contract).
 from ptxtrain.gemm.ref import Operand, validate_1d1d, validate_1d2d
 
-__all__ = ["fp8_gemm_nt", "fp8_gemm_nt_1d1d", "is_interpreted"]
+__all__ = ["default_kernel", "fp8_gemm_nt", "fp8_gemm_nt_1d1d", "is_interpreted"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -544,6 +548,29 @@ def fp8_gemm_nt_1d1d(
     Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; DESIGN §2.
     """
     return _gemm("1d1d", a, b, out, out_dtype, accumulate, config)
+
+
+def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | None = None) -> str:
+    """Which kernel and tile the default config runs for this shape on ``device`` (default:
+    the current CUDA device; without CUDA, as on an H200), with TMA-loadable operands, e.g.
+    ``"gluon 256x128 s3"`` or ``"triton 64x128 s3 tma"`` (shown by ``ptxtrain bench gemm``).
+
+    Raises:
+        TypeError / ValueError: as :func:`ptxtrain.gemm.heuristics.select_config`.
+    """
+    if device is None:
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    num_sms = _device_sms(device)
+    gluon_ok = device.type == "cuda" and os.environ.get("PTXTRAIN_TRITON_GLUON", "1") != "0"
+    if gluon_ok and prefers_gluon(m, n, k, kind, num_sms) and _gluon_available(device.index or 0):
+        from ptxtrain.gemm import gluon
+
+        bm, bn = gluon_tile(m, n, k, kind, num_sms)
+        cfg = gluon.ws_config(bm, bn, 2 if kind == "1d2d" else 4)
+        return f"gluon {bm}x{bn} s{cfg.num_stages}"
+    cfg = select_config(m, n, k, kind, num_sms)
+    return f"triton {cfg.block_m}x{cfg.block_n} s{cfg.num_stages} {cfg.variant}"
 
 
 def _fp8_gemm_nt(a, b, out, out_dtype):

@@ -46,6 +46,18 @@ def test_time_backends_gives_each_backend_its_operands():
     assert row["tflops"]["ptx"] == pytest.approx(2 * 2 * 2 * 128 / 4e-6 / 1e12)
 
 
+def test_triton_kernel_is_named_per_row_and_in_the_table():
+    """With a ``triton`` backend each row says which kernel its default runs (without a GPU:
+    the plain Triton kernel, chosen as for an H200), and the table prints it."""
+    row = {"m": 4096, "n": 7168, "k": 2048, "us": {}, "tflops": {}, "calc_diff": {}}
+    backends = {"cublas": lambda a, b: torch.ones(2, 2), "triton": lambda a, b: torch.ones(2, 2)}
+    bench_gemm._time_backends(row, backends, "qa", "qb", torch.ones(2, 2), _FakeTimer(4.0))
+    assert row["triton_kernel"] == "triton 64x128 s3 tma"
+    text = bench_gemm.format_table({"rows": [row], "summary": {}})
+    assert text.splitlines()[0].endswith("triton kernel")
+    assert text.splitlines()[1].endswith("triton 64x128 s3 tma")
+
+
 def test_summary_geomeans_per_m_and_over_all_rows():
     rows = [
         {"m": 7168, "us": {"cublas": 10.0, "ptx": 5.0, "bf16": 20.0}},

@@ -140,14 +140,23 @@ def test_matches_unquantized_computation(case, dtype, ref_gemms):
 def test_equals_per_expert_dense_fp8_linear_bitwise(recipe, dtype, ref_gemms):
     # On the reference path (both sides) the grouped GEMMs dequantize and multiply exactly as the
     # dense ones, the padded layout leaves every real row's (and every 128x1 token tile's)
-    # quantization unchanged, and padding tokens add exact zeros: the results are meant to be
-    # identical. (The Triton kernels are not bitwise equal to the reference; see below.)
+    # quantization unchanged, and padding tokens add exact zeros: y and dx are identical, dW up
+    # to the summation order of a longer (zero-padded) sum. (The Triton kernels are not bitwise
+    # equal to the reference; see below.)
     counts = [0, 1, 127, 129, 128]
     x, w, dy = _inputs(counts, 200, 130, dtype, seed=7)
     got = _grouped(x, w, counts, dy, config=recipe)
     want = _per_expert_dense(x, w, counts, dy, recipe)
     for name, a, b in zip(("y", "dx", "dW"), got, want):
-        assert_bitwise_equal(a, b, f"{recipe} {dtype} {name}")
+        if name == "dW":
+            # The grouped wgrad sums each expert's tokens padded with zero rows to a multiple
+            # of 128, the dense one its count: the same products, but BLAS may block the longer
+            # sum differently (it does on an AMD EPYC: 1-ulp fp32 differences), so dW is equal
+            # up to fp32 summation order (about 2^-24 relative per add over <= 256 tokens).
+            scale = b.abs().max().item()
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * scale, msg=f"{recipe} dW")
+        else:
+            assert_bitwise_equal(a, b, f"{recipe} {dtype} {name}")
 
 
 # Grouped Triton vs reference GEMMs: identical FP8 operands, fp32 accumulation promoted every
