@@ -8,7 +8,7 @@ A variant is ``NAME:TILE:VARIANT[:pN]``: ``TILE`` is ``BMxBNwWARPSsSTAGESgGROUP_
 :class:`ptxtrain.gemm.heuristics.GemmConfig`), ``VARIANT`` one of
 :data:`ptxtrain.gemm.heuristics.VARIANTS`, ``pN`` the programs per SM of a persistent variant
 (default 1). ``--kind 1d1d`` times the wgrad kernel (fp32 out) against cuBLAS 1D1D.
-``NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK[gGROUP_M][ws]`` times the Gluon kernel
+``NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK[gGROUP_M][bBUFFERS][ws]`` times the Gluon kernel
 (:mod:`ptxtrain.gemm.gluon`; ``ws``: its warp-specialized form, ``wsg`` the same with the
 scales loaded from global memory by the consumers instead of brought into each stage by TMA).
 """
@@ -30,7 +30,7 @@ from ptxtrain.gemm.heuristics import VARIANTS, GemmConfig
 from ptxtrain.testing import calc_diff
 
 _TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)g(\d+)")
-_GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)(?:g(\d+))?(wsg|ws)?")
+_GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:b(\d))?(wsg|ws)?")
 
 
 def parse_variant(text: str) -> tuple[str, object]:
@@ -50,8 +50,8 @@ def parse_variant(text: str) -> tuple[str, object]:
         bm, bn, warps, stages, chunk = (int(v) for v in t.groups()[:5])
         group_m = int(t[6]) if t[6] else 8
         return parts[0], GluonConfig(bm, bn, warps, stages, chunk, group_m,
-                                     warp_specialized=bool(t[7]),
-                                     scales_tma=t[7] != "wsg")  # fmt: skip
+                                     warp_specialized=bool(t[8]), scales_tma=t[8] != "wsg",
+                                     store_buffers=int(t[7] or 1))  # fmt: skip
     if len(parts) not in (3, 4):
         raise ValueError(f"variant {text!r}: expected NAME:TILE:VARIANT[:pN]")
     name, tile, variant, *rest = parts

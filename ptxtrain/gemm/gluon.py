@@ -311,6 +311,7 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     # A stage's scale boxes read as vectors in the accumulator's row / column layout.
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     c_smem = c0_smem if HALF_INDEX == 0 else c1_smem
+    BUFS: gl.constexpr = c_smem.type.shape[0]  # staging buffers (with TMA_STORE)
     c_bar = c_bars.index(HALF_INDEX)
     k_steps = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
@@ -331,7 +332,7 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
             # the previous tile's store has read it.
             tma.store_wait(0)
             mbarrier.expect(c_bar, c_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(c_desc, [row0, off_n], c_bar, c_smem)
+            tma.async_copy_global_to_shared(c_desc, [row0, off_n], c_bar, c_smem.index(0))
         for kb in range(k_steps):
             st = it % NUM_STAGES
             mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
@@ -370,21 +371,24 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
         for w in gl.static_range(WAVES):
             acc = acc0 if w == 0 else acc1
             if TMA_STORE:
-                # Through shared memory and one TMA store per wave (clipped at M and N).
+                # Through shared memory and one TMA store per wave (clipped at M and N), from
+                # one of this consumer's BUFS staging buffers in turn (D +=: BUFS = 1).
+                buf = c_smem.index(w % BUFS)
                 if ACCUMULATE:
                     if w > 0:  # wave w's out, once the previous wave's store has read the buffer
                         tma.store_wait(0)
                         mbarrier.expect(c_bar, c_desc.block_type.nbytes)
                         tma.async_copy_global_to_shared(c_desc, [row0 + w * HALF, off_n], c_bar,
-                                                        c_smem)  # fmt: skip
+                                                        buf)  # fmt: skip
                     # c_bar's phase: its completions so far (WAVES per earlier tile)
                     mbarrier.wait(c_bar, (tile_iter * WAVES + w) & 1)
-                    acc = acc + c_smem.load(mma_layout)
-                else:  # the previous store must have read the staging buffer first
-                    tma.store_wait(0)
-                c_smem.store(acc.to(c_desc.dtype))
+                    acc = acc + buf.load(mma_layout)
+                else:  # the store that last used this buffer must have read it (the newest
+                    # BUFS - 1 stores may still be in flight)
+                    tma.store_wait(BUFS - 1)
+                buf.store(acc.to(c_desc.dtype))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [row0 + w * HALF, off_n], c_smem)
+                tma.async_copy_shared_to_global(c_desc, [row0 + w * HALF, off_n], buf)
             else:
                 _store_tile(out_ptr, acc, rows + w * HALF, cols, M, N, stride_om, stride_on,
                             ACCUMULATE)  # fmt: skip
@@ -407,7 +411,7 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
                     K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
                     stride_on, SFB_PER_COL: gl.constexpr, ACCUMULATE: gl.constexpr,
                     TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, WAVES: gl.constexpr,
-                    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    STORE_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per wave
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -442,12 +446,15 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
     else:
         sfa_ring = flags
         sfb_ring = flags
-    # TMA-store staging, one [64, BLOCK_N] buffer per consumer (``flags`` stands in without).
-    # With D += each wave's out comes into the same buffer by TMA first (one mbarrier each).
+    # TMA-store staging, STORE_BUFFERS [64, BLOCK_N] buffers per consumer (``flags`` stands in
+    # without). With D += each wave's out comes into its buffer by TMA first (one mbarrier per
+    # consumer).
     c_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if TMA_STORE:
-        c0_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-        c1_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        c_rows: gl.constexpr = c_desc.block_type.shape[0]
+        c_shape: gl.constexpr = [STORE_BUFFERS, c_rows, BLOCK_N]
+        c0_smem = gl.allocate_shared_memory(c_desc.dtype, c_shape, c_desc.layout)
+        c1_smem = gl.allocate_shared_memory(c_desc.dtype, c_shape, c_desc.layout)
         if ACCUMULATE:
             mbarrier.init(c_bars.index(0), count=1)
             mbarrier.init(c_bars.index(1), count=1)
@@ -508,7 +515,8 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
                       num_warps: int = 8, num_stages: int = 4, chunk: int = 4, out: str = "bf16",
                       accumulate: bool = False, ws: bool = False,
                       consumer_regs: int = _WS_CONSUMER_REGS,
-                      scales_tma: bool = True, tma_store: bool = True):  # fmt: skip
+                      scales_tma: bool = True, tma_store: bool = True,
+                      store_buffers: int = 1):  # fmt: skip
     """Compile the kernel for sm_90a without a GPU; returns Triton's ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -548,6 +556,7 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
         constexprs["TMA_STORE"] = tma_store
         constexprs["SCALES_TMA"] = scales_tma
         constexprs["WAVES"] = waves
+        constexprs["STORE_BUFFERS"] = store_buffers
     else:
         constexprs["CHUNK"] = chunk
     src = GluonASTSource(_gemm_ws_kernel if ws else _gemm_kernel, signature, constexprs)
@@ -577,12 +586,15 @@ class GluonConfig:
             1D1D's per-column sf_b, into the stage by TMA beside A and B (scale tensors not
             MN-major with 4-aligned rows are copied to that layout first); False: the consumers
             load them from global memory after issuing the block's WGMMAs.
+        store_buffers: (warp-specialized only) TMA-store staging buffers per consumer, 1 or 2:
+            with 2, a 256-row tile's second wave does not wait for the first wave's store to
+            read its buffer (``D +=`` uses 1).
 
     Raises:
         ValueError: block_m not 16 x num_warps (warp-specialized: not 128 or 256 with
             num_warps 8), block_n not 64 or 128, num_stages outside
             [2, 8], chunk not 2, 4 or 8, group_m not an int >= 1, or warp_specialized /
-            scales_tma not a bool.
+            scales_tma not a bool, or store_buffers not 1 or 2.
     """
 
     block_m: int = 128
@@ -593,6 +605,7 @@ class GluonConfig:
     group_m: int = 8
     warp_specialized: bool = False
     scales_tma: bool = True
+    store_buffers: int = 1
 
     def __post_init__(self) -> None:
         for field in ("warp_specialized", "scales_tma"):
@@ -614,6 +627,10 @@ class GluonConfig:
                 f"GluonConfig needs num_warps in (4, 8) and block_m = 16 x num_warps, got "
                 f"block_m={self.block_m}, num_warps={self.num_warps}"
             )
+        if self.store_buffers not in (1, 2) or isinstance(self.store_buffers, bool):
+            raise ValueError(
+                f"GluonConfig.store_buffers must be 1 or 2, got {self.store_buffers!r}"
+            )
         if self.block_n not in (64, 128):
             raise ValueError(f"GluonConfig.block_n must be 64 or 128, got {self.block_n}")
         if isinstance(self.group_m, bool) or not isinstance(self.group_m, int) or self.group_m < 1:
@@ -634,11 +651,11 @@ class GluonConfig:
 
     def smem_bytes(self, out_size: int = 2) -> int:
         """Shared memory the kernel needs with an output of ``out_size``-byte elements: the
-        A + B ring and, warp-specialized, the two [64, block_n] TMA-store staging buffers and
+        A + B ring and, warp-specialized, the [64, block_n] TMA-store staging buffers and
         the TMA'd scales (block_m sf_a and block_n sf_b fp32 values per stage)."""
         smem = self.num_stages * (self.block_m + self.block_n) * 128
         if self.warp_specialized:
-            smem += 2 * 64 * self.block_n * out_size
+            smem += 2 * self.store_buffers * 64 * self.block_n * out_size
             smem += self.num_stages * (self.block_m + self.block_n) * 4 if self.scales_tma else 0
         return smem
 
@@ -750,6 +767,8 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
             tma_store = (out.stride(1) == 1 and (out.stride(0) * esz) % 16 == 0
                          and out.data_ptr() % 16 == 0)  # fmt: skip
             c_desc = a_desc  # a stand-in the kernel never reads without TMA_STORE
+            if accumulate:  # D += stages each wave's out in one buffer per consumer
+                cfg = dataclasses.replace(cfg, store_buffers=1)
             smem = cfg.smem_bytes(esz if tma_store else 0)
             if smem > _SMEM_MAX:
                 raise ValueError(
@@ -774,7 +793,8 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                 sf_a.stride(0), sf_a.stride(1), sf_b.stride(0), sf_b.stride(1),
                 out.stride(0), out.stride(1),
                 SFB_PER_COL=kind == "1d1d", ACCUMULATE=accumulate, TMA_STORE=tma_store,
-                SCALES_TMA=cfg.scales_tma, WAVES=cfg.block_m // 128, GROUP_M=cfg.group_m,
+                SCALES_TMA=cfg.scales_tma, WAVES=cfg.block_m // 128,
+                STORE_BUFFERS=cfg.store_buffers, GROUP_M=cfg.group_m,
                 NUM_STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS, num_warps=4,
                 maxnreg=_WS_MAXNREG,
             )  # fmt: skip

@@ -82,6 +82,13 @@ def test_config_rejects_bad_fields():
         GluonConfig(block_n=64, warp_specialized=1)
     with pytest.raises(ValueError, match="scales_tma"):
         GluonConfig(scales_tma="yes")
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="store_buffers"):
+            GluonConfig(store_buffers=bad)
+    # Two bf16 staging buffers per consumer with 256-row tiles: 144 KiB ring + 64 KiB fits;
+    # with fp32 staging (128 KiB) it would not (fp8_gemm refuses it against the actual out).
+    b2 = GluonConfig(256, 128, 8, 3, warp_specialized=True, store_buffers=2)
+    assert b2.smem_bytes(2) <= 227 * 1024 < b2.smem_bytes(4)
     # The warp-specialized kernel's WGMMAs need 64-row consumers (Triton: "WGMMA result M
     # dimension must be divisible by 64" for a 32-row A box).
     with pytest.raises(ValueError, match="block_m 128 or 256 and num_warps=8"):
@@ -224,17 +231,26 @@ def test_gpu_matches_reference(m, n, k, kind, cfg):
         assert calc_diff(out, before + want) < 1e-6
 
 
+_LAYOUT_CONFIGS = {
+    "plain": dict(),
+    "ws": dict(warp_specialized=True),
+    # 256 rows, two staging buffers per consumer (an fp32 out does not fit them: refused)
+    "ws256b2": dict(block_m=256, num_stages=3, warp_specialized=True, store_buffers=2),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws", [False, True])
+@pytest.mark.parametrize("variant", list(_LAYOUT_CONFIGS))
 @pytest.mark.parametrize("out_kind", ["bf16", "bf16_strided", "fp32_odd_n"])
-def test_gpu_output_layouts(out_kind, ws):
+def test_gpu_output_layouts(out_kind, variant):
     """bf16 output (the default, the TMA-store epilogue when warp-specialized), a strided bf16
     out and an fp32 out whose rows are not 16-byte aligned (N = 301: the pointer-store path)."""
     from ptxtrain.gemm import gluon
 
     m, n, k = 300, 301 if out_kind == "fp32_odd_n" else 576, 1536
     x, w, qa, qb = _operands(m, n, k, "1d2d", seed=11)
-    cfg = gluon.GluonConfig(128, 128, 8, 4, 4, warp_specialized=ws)
+    kw = {"block_m": 128, "block_n": 128, "num_stages": 4, **_LAYOUT_CONFIGS[variant]}
+    cfg = gluon.GluonConfig(**kw)
     if out_kind == "bf16_strided":
         out = torch.full((m, n + 8), float("nan"), device="cuda", dtype=torch.bfloat16)[:, :n]
     else:
