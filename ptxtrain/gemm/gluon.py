@@ -661,21 +661,28 @@ class GluonConfig:
 
 
 _SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
-# The stages ``ptxtrain.gemm.triton`` runs each warp-specialized tile with where its default
-# routes a GEMM here (``heuristics.prefers_gluon`` / ``gluon_tile``; session 14 call 18 and
-# session 15 calls 3-4): the most that fit with bf16 staging, 4 for 128x128 (5 within 1%).
+# The stages and TMA-store buffers ``ptxtrain.gemm.triton`` runs each warp-specialized tile with
+# where its default routes a GEMM here (``heuristics.prefers_gluon`` / ``gluon_tile``; session 14
+# call 18, session 15 calls 3-4 and 8): 4 stages for 128x128 (5 within 1%), 3 for 256x128 with
+# two staging buffers per consumer (+0.3-2.5% over one, call 8), 5 for 256x64 with one (two
+# cost it a stage: -1%), each where the staging of the output fits.
 _WS_STAGES = {(128, 128): 4, (256, 128): 3, (256, 64): 5}
+_WS_BUFFERS = {(128, 128): 1, (256, 128): 2, (256, 64): 1}
 
 
 def ws_config(block_m: int, block_n: int, out_size: int = 2) -> GluonConfig:
-    """The warp-specialized config of a ``block_m x block_n`` tile with its measured stage
-    count, one stage fewer where the staging of ``out_size``-byte outputs would not fit.
+    """The warp-specialized config of a ``block_m x block_n`` tile with its measured stage count
+    and staging buffers; where the staging of ``out_size``-byte outputs would not fit, one
+    buffer, then fewer stages.
 
     Raises:
-        KeyError: a tile without a measured stage count (not in ``heuristics.GLUON_TILES``).
+        KeyError: a tile without measurements (not in ``heuristics.GLUON_TILES``).
     """
-    stages = _WS_STAGES[(block_m, block_n)]
-    cfg = GluonConfig(block_m, block_n, 8, stages, 4, warp_specialized=True)
+    tile = (block_m, block_n)
+    cfg = GluonConfig(block_m, block_n, 8, _WS_STAGES[tile], 4, warp_specialized=True,
+                      store_buffers=_WS_BUFFERS[tile])  # fmt: skip
+    if cfg.smem_bytes(out_size) > _SMEM_MAX:
+        cfg = dataclasses.replace(cfg, store_buffers=1)
     while cfg.smem_bytes(out_size) > _SMEM_MAX:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg

@@ -553,7 +553,8 @@ def fp8_gemm_nt_1d1d(
 def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | None = None) -> str:
     """Which kernel and tile the default config runs for this shape on ``device`` (default:
     the current CUDA device; without CUDA, as on an H200), with TMA-loadable operands, e.g.
-    ``"gluon 256x128 s3"`` or ``"triton 64x128 s3 tma"`` (shown by ``ptxtrain bench gemm``).
+    ``"gluon 256x128 s3 b2"`` (stages, staging buffers) or ``"triton 64x128 s3 tma"`` (shown
+    by ``ptxtrain bench gemm``).
 
     Raises:
         TypeError / ValueError: as :func:`ptxtrain.gemm.heuristics.select_config`.
@@ -568,7 +569,7 @@ def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | Non
 
         bm, bn = gluon_tile(m, n, k, kind, num_sms)
         cfg = gluon.ws_config(bm, bn, 2 if kind == "1d2d" else 4)
-        return f"gluon {bm}x{bn} s{cfg.num_stages}"
+        return f"gluon {bm}x{bn} s{cfg.num_stages} b{cfg.store_buffers}"
     cfg = select_config(m, n, k, kind, num_sms)
     return f"triton {cfg.block_m}x{cfg.block_n} s{cfg.num_stages} {cfg.variant}"
 

@@ -126,6 +126,9 @@ def test_ws_config_fits_every_tile_and_output():
             assert cfg.smem_bytes(size) <= _SMEM_MAX
     assert ws_config(256, 64, 2).num_stages == 5 and ws_config(256, 64, 4).num_stages == 4
     assert ws_config(128, 128, 4).num_stages == 4
+    # 256x128: two bf16 staging buffers per consumer; one with fp32 (128 KiB would not fit).
+    assert (ws_config(256, 128, 2).store_buffers, ws_config(256, 128, 4).store_buffers) == (2, 1)
+    assert ws_config(256, 128, 4).num_stages == 3
     with pytest.raises(KeyError):
         ws_config(64, 64)
 
