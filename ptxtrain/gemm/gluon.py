@@ -322,8 +322,8 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
         row0 = off_m + HALF_INDEX * WAVES * HALF  # this warpgroup's first row
         rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-        sfa_ptrs, sfb_ptrs = _scale_ptrs(sfa_ptr, sfb_ptr, rows, cols, off_n, M, N, stride_sfa_m,
-                                         stride_sfb_n, SFB_PER_COL, BLOCK_N)  # fmt: skip
+        _sfa_ptrs, sfb_ptrs = _scale_ptrs(sfa_ptr, sfb_ptr, rows, cols, off_n, M, N, stride_sfa_m,
+                                          stride_sfb_n, SFB_PER_COL, BLOCK_N)  # fmt: skip
         acc0 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
         acc1 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)  # (WAVES = 2 only)
         tile_iter = (t - gl.program_id(0)) // gl.num_programs(0)  # this program's tiles before
@@ -356,7 +356,10 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                     else:
                         sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
                 else:
-                    sfa = gl.load(sfa_ptrs + (w * HALF) * stride_sfa_m + kb * stride_sfa_k)
+                    # (wave 1's rows clamped too: rows past M read row 0, in bounds)
+                    wave_rows = rows + w * HALF
+                    sfa = gl.load(sfa_ptr + gl.where(wave_rows < M, wave_rows, 0) * stride_sfa_m
+                                  + kb * stride_sfa_k)  # fmt: skip
                     sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
                 blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
                 if w == WAVES - 1:  # this warpgroup is done with the stage
@@ -372,8 +375,9 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
             acc = acc0 if w == 0 else acc1
             if TMA_STORE:
                 # Through shared memory and one TMA store per wave (clipped at M and N), from
-                # one of this consumer's BUFS staging buffers in turn (D +=: BUFS = 1).
-                buf = c_smem.index(w % BUFS)
+                # this consumer's BUFS staging buffers in turn over all its stores (D +=:
+                # BUFS = 1).
+                buf = c_smem.index((tile_iter * WAVES + w) % BUFS)
                 if ACCUMULATE:
                     if w > 0:  # wave w's out, once the previous wave's store has read the buffer
                         tma.store_wait(0)
@@ -586,9 +590,9 @@ class GluonConfig:
             1D1D's per-column sf_b, into the stage by TMA beside A and B (scale tensors not
             MN-major with 4-aligned rows are copied to that layout first); False: the consumers
             load them from global memory after issuing the block's WGMMAs.
-        store_buffers: (warp-specialized only) TMA-store staging buffers per consumer, 1 or 2:
-            with 2, a 256-row tile's second wave does not wait for the first wave's store to
-            read its buffer (``D +=`` uses 1).
+        store_buffers: (warp-specialized only) TMA-store staging buffers per consumer, 1 or 2,
+            used in turn: with 2, a store does not wait for the previous one (a 256-row tile's
+            first wave, or the previous tile) to have read its buffer (``D +=`` uses 1).
 
     Raises:
         ValueError: block_m not 16 x num_warps (warp-specialized: not 128 or 256 with
@@ -651,9 +655,10 @@ class GluonConfig:
 
     def smem_bytes(self, out_size: int = 2) -> int:
         """Shared memory the kernel needs with an output of ``out_size``-byte elements: the
-        A + B ring and, warp-specialized, the [64, block_n] TMA-store staging buffers and
-        the TMA'd scales (block_m sf_a and block_n sf_b fp32 values per stage)."""
-        smem = self.num_stages * (self.block_m + self.block_n) * 128
+        A + B ring and, warp-specialized, the [64, block_n] TMA-store staging buffers, the
+        TMA'd scales (block_m sf_a and block_n sf_b fp32 values per stage) and 1 KiB for the
+        mbarriers, the flag descriptor and alignment (measured: about 250 bytes)."""
+        smem = self.num_stages * (self.block_m + self.block_n) * 128 + _SMEM_SLACK
         if self.warp_specialized:
             smem += 2 * self.store_buffers * 64 * self.block_n * out_size
             smem += self.num_stages * (self.block_m + self.block_n) * 4 if self.scales_tma else 0
@@ -661,6 +666,7 @@ class GluonConfig:
 
 
 _SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
+_SMEM_SLACK = 1024  # mbarriers, flags and alignment beyond the buffers smem_bytes counts
 # The stages and TMA-store buffers ``ptxtrain.gemm.triton`` runs each warp-specialized tile with
 # where its default routes a GEMM here (``heuristics.prefers_gluon`` / ``gluon_tile``; session 14
 # call 18, session 15 calls 3-4 and 8): 4 stages for 128x128 (5 within 1%), 3 for 256x128 with

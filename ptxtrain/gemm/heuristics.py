@@ -233,7 +233,8 @@ GLUON_MIN_WAVES = 2
 
 def prefers_gluon(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> bool:
     """Whether the Triton backend's default runs the warp-specialized Gluon kernel
-    (:func:`ptxtrain.gemm.gluon.fp8_gemm`, 128x128 tiles) instead of its Triton kernel.
+    (:func:`ptxtrain.gemm.gluon.fp8_gemm`, with :func:`gluon_tile`'s tile) instead of its
+    Triton kernel.
 
     True for GEMMs (1D2D or 1D1D) with K > 0 and at least ``GLUON_MIN_WAVES`` waves of
     128x128 output tiles over ``num_sms`` SMs.

@@ -321,15 +321,18 @@ def _gluon_available(device_index: int) -> bool:
     return True
 
 
-def _gluon_runs(kind, a_fp8, b_fp8, m, n, k, num_sms) -> bool:
+def _gluon_runs(kind, a_fp8, b_fp8, out, m, n, k, num_sms) -> bool:
     """Does the default config route this GEMM to the warp-specialized Gluon kernel?
-    (:func:`ptxtrain.gemm.heuristics.prefers_gluon`, TMA-loadable operands, an sm_90 GPU, and
-    ``PTXTRAIN_TRITON_GLUON`` not ``0``.)"""
+    (:func:`ptxtrain.gemm.heuristics.prefers_gluon`, TMA-loadable operands, an ``out`` whose
+    column offsets fit int32 (the Gluon kernel's; this kernel switches to int64), an sm_90 GPU,
+    not under the interpreter, and ``PTXTRAIN_TRITON_GLUON`` not ``0``.)"""
     if a_fp8.device.type != "cuda" or os.environ.get("PTXTRAIN_TRITON_GLUON", "1") == "0":
+        return False
+    if is_interpreted() or (n - 1) * abs(out.stride(1)) >= 2**31:
         return False
     if not (prefers_gluon(m, n, k, kind, num_sms) and _tma_ok(a_fp8) and _tma_ok(b_fp8)):
         return False
-    return _gluon_available(a_fp8.device.index or 0)
+    return _gluon_available(a_fp8.device.index)
 
 
 def _effective_config(cfg: GemmConfig, a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> GemmConfig:
@@ -461,7 +464,7 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
         return out
     if num_sms is None:
         num_sms = _device_sms(a_fp8.device)
-    if config is None and _gluon_runs(kind, a_fp8, b_fp8, m, n, k, num_sms):
+    if config is None and _gluon_runs(kind, a_fp8, b_fp8, out, m, n, k, num_sms):
         from ptxtrain.gemm import gluon
 
         cfg = gluon.ws_config(*gluon_tile(m, n, k, kind, num_sms), out.element_size())
@@ -552,7 +555,8 @@ def fp8_gemm_nt_1d1d(
 
 def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | None = None) -> str:
     """Which kernel and tile the default config runs for this shape on ``device`` (default:
-    the current CUDA device; without CUDA, as on an H200), with TMA-loadable operands, e.g.
+    the current CUDA device, else the CPU, where the interpreter runs the plain Triton kernel
+    with an H200's config), with TMA-loadable operands and a row-major output, e.g.
     ``"gluon 256x128 s3 b2"`` (stages, staging buffers) or ``"triton 64x128 s3 tma"`` (shown
     by ``ptxtrain bench gemm``).
 
@@ -564,7 +568,12 @@ def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | Non
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     num_sms = _device_sms(device)
     gluon_ok = device.type == "cuda" and os.environ.get("PTXTRAIN_TRITON_GLUON", "1") != "0"
-    if gluon_ok and prefers_gluon(m, n, k, kind, num_sms) and _gluon_available(device.index or 0):
+    if gluon_ok and not is_interpreted() and prefers_gluon(m, n, k, kind, num_sms):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gluon_ok = _gluon_available(index)
+    else:
+        gluon_ok = False
+    if gluon_ok:
         from ptxtrain.gemm import gluon
 
         bm, bn = gluon_tile(m, n, k, kind, num_sms)

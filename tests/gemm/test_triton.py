@@ -445,7 +445,7 @@ def test_gpu_autotune():
 @pytest.mark.gpu
 def test_gpu_default_routes_large_1d2d_to_gluon(monkeypatch):
     """The default config runs the warp-specialized Gluon kernel where ``prefers_gluon`` says
-    (here 1032 x 13568: 9 x 106 = 954 tiles of 128x128, with M and N tails), not with
+    (here 1032 x 13560: 9 x 106 = 954 tiles of 128x128, with M and N tails), not with
     ``PTXTRAIN_TRITON_GLUON=0`` nor for operands TMA cannot load; all three agree with the
     reference."""
     from ptxtrain.gemm import gluon
@@ -471,3 +471,24 @@ def test_gpu_default_routes_large_1d2d_to_gluon(monkeypatch):
     a_pad[:, :k] = qa[0]
     got = tg.fp8_gemm_nt((a_pad[:, :k], qa[1]), qb, out_dtype=torch.float32)
     assert calls == [1] and calc_diff(got, want) < 1e-6
+
+
+@pytest.mark.gpu
+def test_gpu_column_major_out_beyond_int32_stays_on_triton(monkeypatch):
+    """A column-major out whose column offsets pass 2^31 elements is not routed to the Gluon
+    kernel (int32 column offsets there); the Triton kernel takes it with int64 offsets."""
+    from ptxtrain.gemm import gluon
+
+    m, n, k = 65536, 32800, 128  # (N - 1) x M = 2.15e9 > 2^31
+    calls = []
+    real = gluon.fp8_gemm
+    monkeypatch.setattr(gluon, "fp8_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, w = _inputs(m, n, k, seed=19, device="cuda")
+    qa, qb = _quantize(x, w, "1d2d")
+    out = torch.empty(n, m, device="cuda", dtype=torch.bfloat16).t()  # [M, N], strides (1, M)
+    tg.fp8_gemm_nt(qa, qb, out=out)
+    assert calls == []
+    rows = torch.randint(0, m, (64,), device="cuda")
+    want = ref.fp8_gemm_nt((qa[0][rows], qa[1][rows]), qb, out_dtype=torch.float32)
+    # Spot-check 64 rows against the reference (bf16 rounding of the output).
+    assert calc_diff(out[rows].float(), want) < 1e-5
