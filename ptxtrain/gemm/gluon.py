@@ -100,8 +100,10 @@ def _promote(acc, blk, sfa_ptrs, sfb_ptrs, kb, stride_sfa_k, stride_sfb_k,
 @gluon.jit
 def _pin(x):
     """``x`` itself, through a side-effecting register move: LLVM may not sink the arithmetic
-    that produced ``x`` past a later WGMMA (with two waves it sank the first wave's promotion
-    past the second wave's WGMMAs, keeping two block accumulators live: 256 registers)."""
+    that produced ``x`` past a later side-effecting operation (with two waves it sank the first
+    wave's promotion past the second wave's WGMMAs, keeping two block accumulators live: 256
+    registers), and the move waits for ``x``'s loads to return (the scales read from a stage
+    before it is released)."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32,
                                      is_pure=False, pack=1)  # fmt: skip
 
@@ -355,6 +357,16 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                         )
                     else:
                         sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+                    # The stage is released below and the producer's next TMA may overwrite
+                    # these scales: the shared-memory loads must have returned first. A
+                    # side-effecting move of each loaded value makes every thread wait for
+                    # them before the release (and LLVM may not sink the loads past it);
+                    # without it, with warps drifting apart (the pointer epilogue), 0.1% of
+                    # the outputs came out wrong, whole rows / columns of 64x128 blocks
+                    # (session 15, call 11).
+                    sfa = _pin(sfa)
+                    if SFB_PER_COL:
+                        sfb = _pin(sfb)
                 else:
                     # (wave 1's rows clamped too: rows past M read row 0, in bounds)
                     wave_rows = rows + w * HALF
@@ -363,6 +375,8 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                     sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
                 blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
                 if w == WAVES - 1:  # this warpgroup is done with the stage
+                    if SCALES_TMA:  # its generic-proxy reads before the TMA's (async) writes
+                        fence_async_shared()
                     mbarrier.arrive(empty.index(st), count=1)
                 if w == 0:
                     acc0 = _scaled_add(acc0, blk, sfa, sfb, PER_COL)
