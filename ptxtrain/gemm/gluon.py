@@ -360,10 +360,11 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                     # The stage is released below and the producer's next TMA may overwrite
                     # these scales: the shared-memory loads must have returned first. A
                     # side-effecting move of each loaded value makes every thread wait for
-                    # them before the release (and LLVM may not sink the loads past it);
-                    # without it, with warps drifting apart (the pointer epilogue), 0.1% of
-                    # the outputs came out wrong, whole rows / columns of 64x128 blocks
-                    # (session 15, call 11).
+                    # them before the release (and LLVM may not sink the loads past it): a
+                    # value already in a register cannot be changed by a later TMA write, so
+                    # no proxy fence is needed (one cost 1-5% in call 12). Without the move,
+                    # with warps drifting apart (the pointer epilogue), 0.1% of the outputs
+                    # came out wrong, rows / columns of 64x128 blocks (session 15, call 11).
                     sfa = _pin(sfa)
                     if SFB_PER_COL:
                         sfb = _pin(sfb)
@@ -375,8 +376,6 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                     sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
                 blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
                 if w == WAVES - 1:  # this warpgroup is done with the stage
-                    if SCALES_TMA:  # its generic-proxy reads before the TMA's (async) writes
-                        fence_async_shared()
                     mbarrier.arrive(empty.index(st), count=1)
                 if w == 0:
                     acc0 = _scaled_add(acc0, blk, sfa, sfb, PER_COL)
