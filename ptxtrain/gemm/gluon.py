@@ -102,8 +102,7 @@ def _pin(x):
     """``x`` itself, through a side-effecting register move: LLVM may not sink the arithmetic
     that produced ``x`` past a later side-effecting operation (with two waves it sank the first
     wave's promotion past the second wave's WGMMAs, keeping two block accumulators live: 256
-    registers), and the move waits for ``x``'s loads to return (the scales read from a stage
-    before it is released)."""
+    registers)."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32,
                                      is_pure=False, pack=1)  # fmt: skip
 
@@ -357,17 +356,6 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                         )
                     else:
                         sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
-                    # The stage is released below and the producer's next TMA may overwrite
-                    # these scales: the shared-memory loads must have returned first. A
-                    # side-effecting move of each loaded value makes every thread wait for
-                    # them before the release (and LLVM may not sink the loads past it): a
-                    # value already in a register cannot be changed by a later TMA write, so
-                    # no proxy fence is needed (one cost 1-5% in call 12). Without the move,
-                    # with warps drifting apart (the pointer epilogue), 0.1% of the outputs
-                    # came out wrong, rows / columns of 64x128 blocks (session 15, call 11).
-                    sfa = _pin(sfa)
-                    if SFB_PER_COL:
-                        sfb = _pin(sfb)
                 else:
                     # (wave 1's rows clamped too: rows past M read row 0, in bounds)
                     wave_rows = rows + w * HALF
@@ -375,14 +363,22 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                                   + kb * stride_sfa_k)  # fmt: skip
                     sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
                 blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
-                if w == WAVES - 1:  # this warpgroup is done with the stage
-                    mbarrier.arrive(empty.index(st), count=1)
                 if w == 0:
                     acc0 = _scaled_add(acc0, blk, sfa, sfb, PER_COL)
                     if WAVES == 2:  # promoted before wave 1's WGMMAs reuse blk's registers
                         acc0 = _pin(acc0)
                 else:
                     acc1 = _scaled_add(acc1, blk, sfa, sfb, PER_COL)
+            # This warpgroup is done with the stage: released after the last wave's promotion,
+            # which has consumed the scales read from it (ptxas may sink those shared-memory
+            # loads towards their use, past an earlier release), with a proxy fence between
+            # those generic reads and the producer's next TMA (async-proxy) writes. Released
+            # right after the WGMMAs, without the fence, 0.1% of the outputs came out wrong
+            # (1D1D, session 15, calls 11 and 13: rows / columns of 64x128 blocks); with the
+            # fence there, 1-5% slower (call 12).
+            if SCALES_TMA:
+                fence_async_shared()
+            mbarrier.arrive(empty.index(st), count=1)
             it += 1
         for w in gl.static_range(WAVES):
             acc = acc0 if w == 0 else acc1
