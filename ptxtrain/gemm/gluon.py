@@ -273,8 +273,9 @@ def _ws_producer(args):
             if SCALES_TMA:
                 mbarrier.expect(bar, nbytes + sf_nbytes)
                 # sf_a's MN-major view is [ceil(K/128), M]: row kb, 64 columns per A box. The
-                # scale ring has twice the stages (slot it % 2 STAGES; see the consumer).
-                ss = it % (2 * STAGES)
+                # scale ring has one slot more than the stages (slot it % (STAGES + 1); see
+                # the consumer).
+                ss = it % (STAGES + 1)
                 for i in gl.static_range(BOXES):
                     tma.async_copy_global_to_shared(sfa_desc, [kb, off_m + i * HALF], bar,
                                                     sfa_ring.index(ss * BOXES + i))  # fmt: skip
@@ -340,15 +341,15 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
             st = it % NUM_STAGES
             mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
             b_tile = b_ring.index(st).permute((1, 0))
-            # The scales sit in a ring of 2 NUM_STAGES slots: slot it % 2 NUM_STAGES is written
-            # again for block it + 2 NUM_STAGES, which needs this warpgroup's release of block
-            # it + NUM_STAGES, i.e. a later iteration, whose start (a branch) every load of
-            # this one, consumed by this iteration's promotion, has returned before. Read from
-            # a slot the release below frees, with ptxas free to sink the loads past it, 0.1%
-            # of the outputs came out wrong (1D1D, session 15, calls 11 and 13); a proxy fence
-            # before the release fixes that too but cost 1-5% (call 12), a release after the
-            # promotion 18% for 1D1D (call 14).
-            ss = it % (2 * NUM_STAGES)
+            # The scales sit in a ring of NUM_STAGES + 1 slots: slot it % (NUM_STAGES + 1) is
+            # written again for block it + NUM_STAGES + 1, whose stage the producer gets only
+            # once this warpgroup has released block it + 1, in a later iteration; before that
+            # iteration's start (a branch) every scale load of this one, consumed by this
+            # iteration's promotion, has returned. Read from a slot the release below frees,
+            # with ptxas free to sink the loads past it, 0.1% of the outputs came out wrong
+            # (1D1D, session 15, calls 11 and 13); a proxy fence before the release fixes that
+            # too but cost 1-5% (call 12), a release after the promotion 18% for 1D1D (call 14).
+            ss = it % (NUM_STAGES + 1)
             for w in gl.static_range(WAVES):
                 box = st * BOXES + HALF_INDEX * WAVES + w
                 blk = warpgroup_mma(a_ring.index(box), b_tile, blk, use_acc=False, is_async=True)
@@ -449,13 +450,13 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
         [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE, 1 + SCALES_TMA],
         gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]),
     )
-    # The scale rings ([1, 64] sf_a boxes per A box, [1, BLOCK_N] per-column sf_b boxes; twice
-    # the stages, see the consumer), or ``flags`` standing in.
+    # The scale rings ([1, 64] sf_a boxes per A box, [1, BLOCK_N] per-column sf_b boxes; one
+    # slot more than the stages, see the consumer), or ``flags`` standing in.
     if SCALES_TMA:
-        sfa_ring = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES * BOXES, 1, HALF],
+        sfa_ring = gl.allocate_shared_memory(gl.float32, [(NUM_STAGES + 1) * BOXES, 1, HALF],
                                              sfa_desc.layout)  # fmt: skip
         if SFB_PER_COL:
-            sfb_ring = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, 1, BLOCK_N],
+            sfb_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES + 1, 1, BLOCK_N],
                                                  sfb_desc.layout)  # fmt: skip
         else:
             sfb_ring = flags
@@ -668,13 +669,13 @@ class GluonConfig:
     def smem_bytes(self, out_size: int = 2) -> int:
         """Shared memory the kernel needs with an output of ``out_size``-byte elements: the
         A + B ring and, warp-specialized, the [64, block_n] TMA-store staging buffers, the
-        TMA'd scales (block_m sf_a and block_n sf_b fp32 values, twice per stage) and 1 KiB
+        TMA'd scales (block_m sf_a and block_n sf_b fp32 values per slot, stages + 1) and 1 KiB
         for the mbarriers, the flag descriptor and alignment (measured: about 250 bytes)."""
         smem = self.num_stages * (self.block_m + self.block_n) * 128 + _SMEM_SLACK
         if self.warp_specialized:
             smem += 2 * self.store_buffers * 64 * self.block_n * out_size
-            if self.scales_tma:  # (a scale ring of twice the stages)
-                smem += 2 * self.num_stages * (self.block_m + self.block_n) * 4
+            if self.scales_tma:  # (a scale ring of one slot more than the stages)
+                smem += (self.num_stages + 1) * (self.block_m + self.block_n) * 4
         return smem
 
 
@@ -683,10 +684,9 @@ _SMEM_SLACK = 1024  # mbarriers, flags and alignment beyond the buffers smem_byt
 # The stages and TMA-store buffers ``ptxtrain.gemm.triton`` runs each warp-specialized tile with
 # where its default routes a GEMM here (``heuristics.prefers_gluon`` / ``gluon_tile``; session 14
 # call 18, session 15 calls 3-4 and 8): 4 stages for 128x128 (5 within 1%), 3 for 256x128 with
-# two staging buffers per consumer (+0.3-2.5% over one, call 8), 4 for 256x64 with one (5 were
-# 0.5% faster in call 4 but no longer fit beside the scale ring of twice the stages), each
-# where the staging of the output fits.
-_WS_STAGES = {(128, 128): 4, (256, 128): 3, (256, 64): 4}
+# two staging buffers per consumer (+0.3-2.5% over one, call 8), 5 for 256x64 with one (two
+# cost it a stage: -1%), each where the staging of the output fits.
+_WS_STAGES = {(128, 128): 4, (256, 128): 3, (256, 64): 5}
 _WS_BUFFERS = {(128, 128): 1, (256, 128): 2, (256, 64): 1}
 
 
