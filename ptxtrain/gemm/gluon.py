@@ -36,11 +36,13 @@ waiting for its own WGMMAs and promoting while the other's run; persistent (one 
 SM; the producer runs into the next tile during the epilogue) with a TMA-store epilogue, and
 for ``D +=`` the tile's old value TMA-loaded under the K loop. Explicit warp specialization
 works on sm_90 (only Triton's automatic pass faults). Measured on an H200 (session 15,
-``benchmarks/results/2026-11-23-s15-h200/``): 1D2D at M = 4096 0.91-1.08x cuBLAS, geomean
-0.989-0.995 with the tiles ``gluon_tile`` picks (the plain Triton kernel: 0.78); 1D1D
-0.96-0.99x. Scales by TMA instead of consumer global loads took 4096 x 7168 x 16384 from 0.73
-to 0.85 (call 1), 256-row tiles, a third fewer L2 bytes per FLOP, to 0.97 (call 3): at 128x128
-the kernel ran at 81% of L2 throughput (ncu, call 2).
+``benchmarks/results/2026-11-23-s15-h200/``, calls 15-16): 1D2D at M = 4096 0.85-1.10x
+cuBLAS, geomean 0.976 with the tiles ``gluon_tile`` picks (the plain Triton kernel: 0.78);
+1D1D 0.94-0.97x. Scales by TMA instead of consumer global loads took 4096 x 7168 x 16384 from
+0.73 to 0.85 (call 1), 256-row tiles, a third fewer L2 bytes per FLOP, to 0.97 (call 3): at
+128x128 the kernel ran at 81% of L2 throughput (ncu, call 2). The scale ring has one slot
+more than the stages (see ``_ws_consumer``): with a slot per stage the consumers could release
+a stage before their loads of its scales returned (calls 10-13: 0.1% wrong outputs).
 Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-V3 §3.3).
 """
 

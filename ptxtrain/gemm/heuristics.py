@@ -264,7 +264,8 @@ def gluon_tile(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_S
     5 points of the best-filling one. 1D1D: always 128x128 (its per-column scales spill with
     two 64-row waves per consumer).
 
-    Measured on an H200 (session 15, calls 3-4, x cuBLAS blockwise): 1D2D at M = 4096
+    Measured on an H200 (session 15, calls 3-4, x cuBLAS blockwise, before the scale-ring fix
+    of calls 15-16, which moved all tiles alike except 256x64, now 0.85-0.88): 1D2D at M = 4096
     256x128 against 128x128 at 24576 x 1536 0.995 / 0.958, 7168 x 16384 0.973 / 0.889,
     4096 x 7168 0.954 / 0.892, 7168 x 2048 0.995 / 0.955 (equal wave fill); at 2112 x 7168,
     where 256x64's 528 tiles fill 4 waves exactly (128x128: 82% of 5, 256x128: 69% of 3),

@@ -40,8 +40,8 @@ Every variant was checked on an H200 over the DeepSeek-V3 shapes (``calc_diff`` 
 
 Speed of the default configs (H200, L2 flushed, vs cuBLAS blockwise through
 ``torch._scaled_mm``, DeepSeek-V3 shapes, session 15 ``bench gemm``): 1D2D geometric mean
-1.12x at M = 64, 1.06x at M = 128 (this kernel), 0.989-0.995x at M = 4096 (the Gluon kernel;
-this one alone: 0.78x); 1D1D (wgrad, K = 4096) 0.96-0.99x (Gluon; this one alone 0.77-0.80x).
+1.12x at M = 64, 1.06x at M = 128 (this kernel), 0.976x at M = 4096 (the Gluon kernel; this
+one alone: 0.78x); 1D1D (wgrad, K = 4096) 0.94-0.97x (Gluon; this one alone 0.77-0.80x).
 This kernel's ceiling is structural: Triton 3.6 waits for each block's WGMMAs before the
 promotion can read them, so only other programs on the SM overlap the promotion (heuristics.py).
 Host overhead is ~50-110 µs per call against cuBLAS's ~20 µs: hide it with CUDA graphs.
