@@ -188,6 +188,13 @@ def test_fp8_gemm_rejects_bad_input_before_any_launch():
         gluon.fp8_gemm("1d2d", qa, qb)
 
 
+def _reference(kind, qa, qb):
+    """The reference GEMM of ``kind`` in fp32."""
+    if kind == "1d2d":
+        return ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
+    return ref.fp8_gemm_nt_1d1d(qa, qb)
+
+
 def _operands(m, n, k, kind, seed):
     x, w = scaled_operands(m, n, k, seed, "cuda")
     qa = per_token_cast_to_fp8(x)
@@ -225,10 +232,7 @@ def test_gpu_matches_reference(m, n, k, kind, cfg):
     x, w, qa, qb = _operands(m, n, k, kind, seed=m + n + k)
     out = torch.full((m, n), float("nan"), device="cuda")
     gluon.fp8_gemm(kind, qa, qb, out, torch.float32, False, config)
-    if kind == "1d2d":
-        want = ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
-    else:
-        want = ref.fp8_gemm_nt_1d1d(qa, qb)
+    want = _reference(kind, qa, qb)
     # Same FP8 products, same per-128-K promotion: only the fp32 summation order differs.
     assert calc_diff(out, want) < 1e-6, (m, n, k, kind, cfg)
     # The GEMM contract (DESIGN §2): within calc_diff 1e-3 of the unquantized product.
@@ -292,10 +296,7 @@ def test_gpu_scale_paths(m, n, k, kind, sf_layout, scales_tma, block_m):
                             warp_specialized=True, scales_tma=scales_tma)  # fmt: skip
     out = torch.full((m, n), float("nan"), device="cuda")
     gluon.fp8_gemm(kind, qa, qb, out, torch.float32, False, cfg)
-    if kind == "1d2d":
-        want = ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
-    else:
-        want = ref.fp8_gemm_nt_1d1d(qa, qb)
+    want = _reference(kind, qa, qb)
     # Same FP8 products, same per-128-K promotion: only the fp32 summation order differs.
     assert calc_diff(out, want) < 1e-6, (m, n, k, kind, sf_layout, scales_tma)
 
@@ -367,10 +368,7 @@ def test_gpu_pointer_epilogue_across_tiles(block_m, kind):
     _, _, qa, qb = _operands(m, n, k, kind, seed=23)
     cfg = gluon.GluonConfig(block_m, 128, 8, 4 if block_m == 128 else 3, 4,
                             warp_specialized=True)  # fmt: skip
-    if kind == "1d2d":
-        want = ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
-    else:
-        want = ref.fp8_gemm_nt_1d1d(qa, qb)
+    want = _reference(kind, qa, qb)
     for _ in range(3):
         out = torch.full((m, n + 3), float("nan"), device="cuda")[:, :n]
         gluon.fp8_gemm(kind, qa, qb, out, torch.float32, False, cfg)
