@@ -28,7 +28,7 @@ def main() -> None:
         for accumulate in (False, True):
             for pad in (3, 4):  # 4163 floats: pointer path; 4164: TMA
                 for rep in range(2):
-                    base = torch.randn(m, n + pad, device="cuda", generator=None)
+                    base = torch.randn(m, n + pad, device="cuda")
                     out = base[:, :n]
                     before = out.clone()
                     gluon.fp8_gemm("1d1d", qa, qb, out, torch.float32, accumulate, cfg)

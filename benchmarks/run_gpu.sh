@@ -154,7 +154,8 @@ for stage in $stages; do
       # default the warp-specialized Gluon kernel (ptxtrain.gemm.gluon; Triton's own automatic
       # warp specialization faults on sm_90, see benchmarks.probe_triton_ws) at
       # M = 4096 over the six V3 shapes (1D2D) and the wgrad shapes (1D1D, K = 4096).
-      v_ws="gws4:gluon:128x128w8s4c4ws gws5:gluon:128x128w8s5c4ws"
+      # (the configs gluon.ws_config gives the Triton backend's tiles; 256 rows spill for 1D1D)
+      v_ws="g128:gluon:128x128w8s4c4ws g256:gluon:256x128w8s3c4b2ws g256n64:gluon:256x64w8s5c4ws"
       shapes="4096,2112,7168 4096,24576,1536 4096,32768,512 4096,7168,16384 4096,4096,7168 4096,7168,2048"
       # Each kind runs under `timeout` (ABT_TIMEOUT s, default 240): a config that hangs the GPU
       # ends its process; the JSON is rewritten after every shape, so finished shapes are kept.

@@ -49,6 +49,7 @@ Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -692,6 +693,7 @@ _WS_STAGES = {(128, 128): 4, (256, 128): 3, (256, 64): 5}
 _WS_BUFFERS = {(128, 128): 1, (256, 128): 2, (256, 64): 1}
 
 
+@functools.cache  # (called for every GEMM the Triton backend routes here)
 def ws_config(block_m: int, block_n: int, out_size: int = 2) -> GluonConfig:
     """The warp-specialized config of a ``block_m x block_n`` tile with its measured stage count
     and staging buffers; where the staging of ``out_size``-byte outputs would not fit, one

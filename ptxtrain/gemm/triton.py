@@ -321,18 +321,25 @@ def _gluon_available(device_index: int) -> bool:
     return True
 
 
+def _gluon_shape_route(kind, m, n, k, device: torch.device, num_sms: int) -> bool:
+    """The shape and device part of the route to the Gluon kernel: a CUDA sm_90 device, not
+    under the interpreter, ``PTXTRAIN_TRITON_GLUON`` not ``0``, and
+    :func:`ptxtrain.gemm.heuristics.prefers_gluon`."""
+    if device.type != "cuda" or os.environ.get("PTXTRAIN_TRITON_GLUON", "1") == "0":
+        return False
+    if is_interpreted() or not prefers_gluon(m, n, k, kind, num_sms):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _gluon_available(index)
+
+
 def _gluon_runs(kind, a_fp8, b_fp8, out, m, n, k, num_sms) -> bool:
     """Does the default config route this GEMM to the warp-specialized Gluon kernel?
-    (:func:`ptxtrain.gemm.heuristics.prefers_gluon`, TMA-loadable operands, an ``out`` whose
-    column offsets fit int32 (the Gluon kernel's; this kernel switches to int64), an sm_90 GPU,
-    not under the interpreter, and ``PTXTRAIN_TRITON_GLUON`` not ``0``.)"""
-    if a_fp8.device.type != "cuda" or os.environ.get("PTXTRAIN_TRITON_GLUON", "1") == "0":
+    (:func:`_gluon_shape_route`, TMA-loadable operands, and an ``out`` whose column offsets fit
+    int32: the Gluon kernel's; this kernel switches to int64.)"""
+    if not (_tma_ok(a_fp8) and _tma_ok(b_fp8)) or (n - 1) * abs(out.stride(1)) >= 2**31:
         return False
-    if is_interpreted() or (n - 1) * abs(out.stride(1)) >= 2**31:
-        return False
-    if not (prefers_gluon(m, n, k, kind, num_sms) and _tma_ok(a_fp8) and _tma_ok(b_fp8)):
-        return False
-    return _gluon_available(a_fp8.device.index)
+    return _gluon_shape_route(kind, m, n, k, a_fp8.device, num_sms)
 
 
 def _effective_config(cfg: GemmConfig, a_fp8: torch.Tensor, b_fp8: torch.Tensor) -> GemmConfig:
@@ -567,13 +574,7 @@ def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | Non
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     num_sms = _device_sms(device)
-    gluon_ok = device.type == "cuda" and os.environ.get("PTXTRAIN_TRITON_GLUON", "1") != "0"
-    if gluon_ok and not is_interpreted() and prefers_gluon(m, n, k, kind, num_sms):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        gluon_ok = _gluon_available(index)
-    else:
-        gluon_ok = False
-    if gluon_ok:
+    if _gluon_shape_route(kind, m, n, k, device, num_sms):
         from ptxtrain.gemm import gluon
 
         bm, bn = gluon_tile(m, n, k, kind, num_sms)
