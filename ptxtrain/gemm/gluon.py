@@ -838,3 +838,90 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
             NUM_STAGES=cfg.num_stages, CHUNK=cfg.chunk, num_warps=cfg.num_warps,
         )  # fmt: skip
     return out
+
+
+_SPLIT_MODES = ("priority", "plain", "serial")
+
+
+@functools.cache
+def _split_streams(device_index: int) -> tuple:
+    """(high-priority side stream, fork event, join event) of one device, made once: the events
+    are re-recorded by every call (a wait takes the event's latest record)."""
+    hi = torch.cuda.Stream.priority_range()[1]  # (lowest, highest): lower numbers run first
+    stream = torch.cuda.Stream(device=device_index, priority=hi)
+    return stream, torch.cuda.Event(), torch.cuda.Event()
+
+
+def fp8_gemm_split_n(a: tuple, b: tuple, out: torch.Tensor, n_main: int,
+                     main_config: GluonConfig, tail_config: GluonConfig,
+                     mode: str = "priority") -> torch.Tensor:  # fmt: skip
+    """1D2D ``out = (A · sf_a) (B · sf_b)ᵀ`` as two concurrent warp-specialized launches: columns
+    ``[0, n_main)`` with ``main_config``'s tiles on a side stream of the highest priority, the
+    columns past ``n_main`` with ``tail_config``'s on the current stream. The block scheduler
+    starts the main launch's CTAs first (priority), so the tail's CTAs take the SMs that the
+    main launch's last partial wave leaves idle. The current stream waits for both, so the call
+    is ordered like one kernel (CUDA-graph capturable: a fork and a join by events).
+
+    Args:
+        a, b: as :func:`fp8_gemm` with ``kind="1d2d"`` (sf_b [ceil(N/128), ceil(K/128)]).
+        out: ``[M, N]`` bfloat16 / float32.
+        n_main: a multiple of 128 in ``(0, N)``
+            (:func:`ptxtrain.gemm.heuristics.gluon_column_split`).
+        main_config, tail_config: warp-specialized :class:`GluonConfig` s.
+        mode: ``"priority"``; ``"plain"`` (side stream of default priority) and ``"serial"``
+            (both on the current stream) exist for A/B measurements.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: ``n_main`` not a multiple of 128 inside ``(0, N)``, an unknown ``mode``,
+            configs that are not warp-specialized, or :func:`fp8_gemm`'s checks.
+    """
+    from ptxtrain.gemm.ref import validate_1d2d
+
+    m, n, k = validate_1d2d(a, b, out, out.dtype)
+    bad = isinstance(n_main, bool) or not isinstance(n_main, int)
+    if bad or n_main % 128 or not 0 < n_main < n:
+        raise ValueError(f"n_main must be a multiple of 128 in (0, N = {n}), got {n_main!r}")
+    if mode not in _SPLIT_MODES:
+        raise ValueError(f"mode must be one of {_SPLIT_MODES}, got {mode!r}")
+    for name, cfg in (("main_config", main_config), ("tail_config", tail_config)):
+        if not isinstance(cfg, GluonConfig) or not cfg.warp_specialized:
+            raise ValueError(f"{name} must be a warp-specialized GluonConfig, got {cfg!r}")
+    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
+    if a_fp8.device.type != "cuda":
+        raise ValueError(f"a must be a CUDA tensor, got device {a_fp8.device}")
+    if m == 0 or k == 0:
+        return fp8_gemm("1d2d", a, b, out, out.dtype, False, main_config)
+    sf_a = _mn_major(sf_a)  # once for both launches
+    nb = n_main // 128
+    main = ((a_fp8, sf_a), (b_fp8[:n_main], sf_b[:nb]), out[:, :n_main], out.dtype, False,
+            main_config)  # fmt: skip
+    tail = ((a_fp8, sf_a), (b_fp8[n_main:], sf_b[nb:]), out[:, n_main:], out.dtype, False,
+            tail_config)  # fmt: skip
+    device = a_fp8.device
+    if mode == "serial":
+        fp8_gemm("1d2d", *main)
+        fp8_gemm("1d2d", *tail)
+        return out
+    side, fork, join = _split_streams(device.index if device.index is not None else 0)
+    if mode == "plain":
+        side = _plain_stream(device.index if device.index is not None else 0)
+    current = torch.cuda.current_stream(device)
+    fork.record(current)
+    side.wait_event(fork)
+    with torch.cuda.stream(side):
+        fp8_gemm("1d2d", *main)
+    join.record(side)
+    fp8_gemm("1d2d", *tail)
+    # Later work on the current stream (including frees of this call's temporaries, such as
+    # sf_a's MN-major copy, which the caching allocator orders on the current stream) waits
+    # for the side stream's launch.
+    current.wait_event(join)
+    return out
+
+
+@functools.cache
+def _plain_stream(device_index: int):
+    return torch.cuda.Stream(device=device_index)

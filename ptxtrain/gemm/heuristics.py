@@ -286,6 +286,36 @@ def gluon_tile(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_S
     return next(tile for tile in GLUON_TILES if fill[tile] >= best - 0.05)
 
 
+def gluon_column_split(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> int:
+    """Where the Triton backend's Gluon route cuts a 1D2D GEMM's columns in two: ``N_main``
+    (a multiple of 128) for 256x128 tiles over columns ``[0, N_main)`` and 256x64 tiles over
+    the 64-or-fewer columns past it, launched together so that the tail runs on the SMs that
+    the main launch's last wave leaves idle (:func:`ptxtrain.gemm.gluon.fp8_gemm_split_n`);
+    0: no cut (one launch of :func:`gluon_tile`'s tile).
+
+    Cut when :func:`gluon_tile` would give up 256x128 tiles for their wave fill, N leaves a
+    tail of at most 64 columns past a multiple of 128, and the tail's 256x64 tiles (each half
+    a 256x128 tile's work) fit in the idle slots of the main launch's last wave. At
+    4096 x 2112: 256 main tiles fill 132 + 124 slots, and the 16 tail tiles take the other 8
+    slots' time (the single-launch alternatives: 256x64 everywhere, whose N = 64 WGMMAs read
+    twice the shared memory per FLOP for B, or 128x128 / 256x128 at 82% / 69% wave fill).
+
+    Raises:
+        TypeError / ValueError: as :func:`select_config`.
+    """
+    _check_dims(m, n, k, kind, num_sms)
+    tail = n % 128
+    if kind != "1d2d" or k == 0 or not 0 < tail <= 64:
+        return 0
+    if gluon_tile(m, n, k, kind, num_sms) == (256, 128):
+        return 0
+    main = ceil_div(m, 256) * (n // 128)
+    idle = ceil_div(main, num_sms) * num_sms - main
+    if ceil_div(m, 256) > 2 * idle:  # (tail tiles take half a slot each)
+        return 0
+    return n - tail
+
+
 def _max_stages(bm: int, bn: int) -> int:
     per_stage = (bm + bn) * BLOCK_K
     return max(2, min(5, (_SMEM_BYTES - _EPILOGUE_SMEM) // per_stage))

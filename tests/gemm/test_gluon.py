@@ -188,6 +188,26 @@ def test_fp8_gemm_rejects_bad_input_before_any_launch():
         gluon.fp8_gemm("1d2d", qa, qb)
 
 
+def test_split_n_rejects_bad_input_before_any_launch():
+    from ptxtrain.gemm import gluon
+
+    x, w = scaled_operands(4, 200, 256, 0, "cpu")
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    out = torch.empty(4, 200, dtype=torch.bfloat16)
+    ws = gluon.ws_config(256, 128)
+    for n_main in (0, 64, 256, 128.0, True):
+        with pytest.raises(ValueError, match="n_main must be a multiple of 128"):
+            gluon.fp8_gemm_split_n(qa, qb, out, n_main, ws, ws)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        gluon.fp8_gemm_split_n(qa, qb, out, 128, ws, ws, mode="fast")
+    with pytest.raises(ValueError, match="tail_config must be a warp-specialized"):
+        gluon.fp8_gemm_split_n(qa, qb, out, 128, ws, gluon.GluonConfig())
+    with pytest.raises(ValueError, match=r"out must have shape \(4, 200\)"):
+        gluon.fp8_gemm_split_n(qa, qb, out[:, :199], 128, ws, ws)
+    with pytest.raises(ValueError, match="CUDA"):  # valid operands, but not on a GPU
+        gluon.fp8_gemm_split_n(qa, qb, out, 128, ws, ws)
+
+
 def _reference(kind, qa, qb):
     """The reference GEMM of ``kind`` in fp32."""
     if kind == "1d2d":
@@ -374,3 +394,59 @@ def test_gpu_pointer_epilogue_across_tiles(block_m, kind):
         gluon.fp8_gemm(kind, qa, qb, out, torch.float32, False, cfg)
         # Same FP8 products, same per-128-K promotion: only the fp32 summation order differs.
         assert calc_diff(out, want) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["priority", "plain", "serial"])
+@pytest.mark.parametrize("m,n,k", [(4096, 2112, 7168), (13, 200, 208), (1, 2112, 7168),
+                                   (300, 4160, 1536)])  # fmt: skip
+def test_gpu_split_n_matches_single_launches(m, n, k, mode):
+    """The column split (:func:`fp8_gemm_split_n`) against the reference, and bitwise against
+    one launch of each config over all columns: same tiles, same per-128-K promotion, so the
+    main columns must equal the 256x128 launch's and the tail the 256x64 launch's exactly."""
+    from ptxtrain.gemm import gluon
+
+    n_main = n - n % 128
+    _, _, qa, qb = _operands(m, n, k, "1d2d", seed=n + k + m)
+    main_cfg, tail_cfg = gluon.ws_config(256, 128, 4), gluon.ws_config(256, 64, 4)
+    out = torch.full((m, n), float("nan"), device="cuda")
+    gluon.fp8_gemm_split_n(qa, qb, out, n_main, main_cfg, tail_cfg, mode=mode)
+    torch.cuda.synchronize()
+    # Same FP8 products, same per-128-K promotion: only the fp32 summation order differs.
+    assert calc_diff(out, _reference("1d2d", qa, qb)) < 1e-6
+    whole_main = gluon.fp8_gemm("1d2d", qa, qb, None, torch.float32, False, main_cfg)
+    whole_tail = gluon.fp8_gemm("1d2d", qa, qb, None, torch.float32, False, tail_cfg)
+    assert torch.equal(out[:, :n_main], whole_main[:, :n_main])
+    assert torch.equal(out[:, n_main:], whole_tail[:, n_main:])
+
+
+@pytest.mark.gpu
+def test_gpu_split_n_in_a_cuda_graph_and_on_a_side_stream():
+    """The fork and join by events capture into a CUDA graph, and the call orders against the
+    caller's (non-default) stream: inputs written just before it are read, its out is complete
+    when that stream's next kernel reads it."""
+    from ptxtrain.gemm import gluon
+
+    m, n, k = 4096, 2112, 7168
+    _, _, qa, qb = _operands(m, n, k, "1d2d", seed=31)
+    cfgs = gluon.ws_config(256, 128), gluon.ws_config(256, 64)
+    want = _reference("1d2d", qa, qb)
+    stream = torch.cuda.Stream()
+    a_copy = torch.empty_like(qa[0])
+    with torch.cuda.stream(stream):
+        out = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):
+            a_copy.zero_()
+            a_copy.copy_(qa[0])  # written on `stream` right before the GEMM reads it
+            gluon.fp8_gemm_split_n((a_copy, qa[1]), qb, out, 2048, *cfgs)
+            got = out.float().clone()  # read on `stream` right after
+    torch.cuda.synchronize()
+    # bf16 rounding of the fp32 result bounds the difference (2^-8 relative per element).
+    assert calc_diff(got, want) < 1e-5
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gluon.fp8_gemm_split_n(qa, qb, out, 2048, *cfgs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert calc_diff(out.float(), want) < 1e-5
