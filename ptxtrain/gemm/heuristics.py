@@ -294,11 +294,23 @@ def gluon_column_split(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int 
     0: no cut (one launch of :func:`gluon_tile`'s tile).
 
     Cut when :func:`gluon_tile` would give up 256x128 tiles for their wave fill, N leaves a
-    tail of at most 64 columns past a multiple of 128, and the tail's 256x64 tiles (each half
-    a 256x128 tile's work) fit in the idle slots of the main launch's last wave. At
-    4096 x 2112: 256 main tiles fill 132 + 124 slots, and the 16 tail tiles take the other 8
-    slots' time (the single-launch alternatives: 256x64 everywhere, whose N = 64 WGMMAs read
-    twice the shared memory per FLOP for B, or 128x128 / 256x128 at 82% / 69% wave fill).
+    tail of at most 64 columns past a multiple of 128, the main launch runs at least 3 waves,
+    and the tail's 256x64 tiles (each half a 256x128 tile's work) fit in the idle slots of its
+    last wave. Measured on an H200 (session 16, call 1, x cuBLAS blockwise, at K = 7168,
+    N = 2112; the split's main columns: 256 / 512 / 128 tiles of 256x128):
+
+    ========  =====  ==========  ========  =========================================
+    M         split  256x64 all  256x128   why
+    ========  =====  ==========  ========  =========================================
+    8192      0.906  0.802       0.878     4 main waves: taken
+    4096      0.849  0.846       0.795     2 main waves: as good as 256x64, not taken
+    2048      0.837  1.024       0.735     1 main wave: 256x64 much better
+    ========  =====  ==========  ========  =========================================
+
+    256x64 runs 880-925 TFLOPS at every M (its N = 64 WGMMAs read B from shared memory at
+    twice 256x128's rate per FLOP); a launch of two or fewer waves of 256x128 pays its pipeline
+    fill and last epilogue on few tiles. Whether the tail shares the SMs or runs after the
+    main launch moved the time by 1-2% (stream priority: none).
 
     Raises:
         TypeError / ValueError: as :func:`select_config`.
@@ -311,7 +323,7 @@ def gluon_column_split(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int 
         return 0
     main = ceil_div(m, 256) * (n // 128)
     idle = ceil_div(main, num_sms) * num_sms - main
-    if ceil_div(m, 256) > 2 * idle:  # (tail tiles take half a slot each)
+    if ceil_div(main, num_sms) < 3 or ceil_div(m, 256) > 2 * idle:  # (tail tile: half a slot)
         return 0
     return n - tail
 

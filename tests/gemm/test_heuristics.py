@@ -196,14 +196,15 @@ def test_gluon_tile_by_wave_fill():
 def test_gluon_column_split():
     """256x128 tiles over the columns up to the last multiple of 128 and 256x64 ones past it,
     where gluon_tile gives up 256x128 and the tail fits the main launch's idle last-wave slots."""
-    picks = {(n, k): gluon_column_split(4096, n, k) for n, k in DSV3_DENSE_NK}
-    # 4096 x 2112: 16 x 16 = 256 main tiles leave 8 of 264 slots idle; 16 tail tiles of half a
-    # slot each fill them.
+    picks = {(n, k): gluon_column_split(8192, n, k) for n, k in DSV3_DENSE_NK}
+    # 8192 x 2112: 32 x 16 = 512 main tiles (4 waves) leave 16 of 528 slots idle; 32 tail
+    # tiles of half a slot each fill them.
     assert picks == {nk: 2048 if nk[0] == 2112 else 0 for nk in DSV3_DENSE_NK}, picks
-    assert gluon_column_split(8192, 2112, 7168) == 2048  # 512 tiles: 16 idle, 32 tail tiles
-    assert gluon_column_split(4096, 2112, 7168, num_sms=128) == 0  # 2 whole waves: no idle slot
-    assert gluon_column_split(4096, 2112, 7168, "1d1d") == 0  # 1D1D: 128x128 only
-    assert gluon_column_split(4096, 2148, 7168) == 0  # a 100-column tail needs a 128 tile
-    assert gluon_column_split(4096, 2112, 0) == 0
+    assert gluon_column_split(4096, 2112, 7168) == 0  # 2 main waves: measured no faster
+    assert gluon_column_split(16384, 2112, 7168) == 2048  # 8 waves, 32 idle slots, 64 tiles
+    assert gluon_column_split(8192, 2112, 7168, num_sms=128) == 0  # whole waves: no idle slot
+    assert gluon_column_split(8192, 2112, 7168, "1d1d") == 0  # 1D1D: 128x128 only
+    assert gluon_column_split(8192, 2148, 7168) == 0  # a 100-column tail needs a 128 tile
+    assert gluon_column_split(8192, 2112, 0) == 0
     with pytest.raises(ValueError, match="num_sms"):
         gluon_column_split(4096, 2112, 7168, num_sms=0)

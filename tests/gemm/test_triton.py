@@ -474,12 +474,12 @@ def test_gpu_default_routes_large_1d2d_to_gluon(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_default_splits_the_columns_of_4096_x_2112(monkeypatch):
-    """4096 x 2112 x 7168 (``gluon_column_split``: 2048) runs as the two concurrent Gluon
+def test_gpu_default_splits_the_columns_of_8192_x_2112(monkeypatch):
+    """8192 x 2112 x 7168 (``gluon_column_split``: 2048) runs as the two concurrent Gluon
     launches, not with ``PTXTRAIN_TRITON_GLUON_SPLIT=0``; both agree with the reference."""
     from ptxtrain.gemm import gluon
 
-    m, n, k = 4096, 2112, 7168
+    m, n, k = 8192, 2112, 7168
     if tg._device_sms(torch.device("cuda")) != 132:
         pytest.skip("the split is measured for 132 SMs (H100 SXM / H200)")
     calls = []
