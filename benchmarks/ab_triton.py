@@ -8,12 +8,10 @@ A variant is ``NAME:TILE:VARIANT[:pN]``: ``TILE`` is ``BMxBNwWARPSsSTAGESgGROUP_
 :class:`ptxtrain.gemm.heuristics.GemmConfig`), ``VARIANT`` one of
 :data:`ptxtrain.gemm.heuristics.VARIANTS`, ``pN`` the programs per SM of a persistent variant
 (default 1). ``--kind 1d1d`` times the wgrad kernel (fp32 out) against cuBLAS 1D1D.
-``NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK[gGROUP_M][bBUFFERS][ws]`` times the Gluon kernel
+``NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK[gGROUP_M][bBUFFERS][ws][k]`` times the Gluon kernel
 (:mod:`ptxtrain.gemm.gluon`; ``ws``: its warp-specialized form, ``wsg`` the same with the
-scales loaded from global memory by the consumers instead of brought into each stage by TMA).
-``NAME:gsplit:MODE`` times :func:`ptxtrain.gemm.gluon.fp8_gemm_split_n` (1D2D; columns past the
-last multiple of 128 as 256x64 tiles beside 256x128 ones; ``MODE`` ``priority``, ``plain`` or
-``serial``) with the configs the Triton backend's route uses.
+scales loaded from global memory by the consumers instead of brought into each stage by TMA;
+a final ``k``: the split tail, ``GluonConfig.split_k``).
 """
 
 # ruff: noqa: B023
@@ -33,7 +31,7 @@ from ptxtrain.gemm.heuristics import VARIANTS, GemmConfig
 from ptxtrain.testing import calc_diff
 
 _TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)g(\d+)")
-_GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:b(\d))?(wsg|ws)?")
+_GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:b(\d))?(wsg|ws)?(k)?")
 
 
 def parse_variant(text: str) -> tuple[str, object]:
@@ -44,12 +42,6 @@ def parse_variant(text: str) -> tuple[str, object]:
         ValueError: a malformed item, an unknown variant, or a config GemmConfig refuses.
     """
     parts = text.split(":")
-    if len(parts) == 3 and parts[1] == "gsplit":
-        from ptxtrain.gemm.gluon import _SPLIT_MODES
-
-        if parts[2] not in _SPLIT_MODES:
-            raise ValueError(f"variant {text!r}: MODE must be one of {_SPLIT_MODES}")
-        return parts[0], ("gsplit", parts[2])
     if len(parts) == 3 and parts[1] == "gluon":
         from ptxtrain.gemm.gluon import GluonConfig
 
@@ -60,7 +52,7 @@ def parse_variant(text: str) -> tuple[str, object]:
         group_m = int(t[6]) if t[6] else 8
         return parts[0], GluonConfig(bm, bn, warps, stages, chunk, group_m,
                                      warp_specialized=bool(t[8]), scales_tma=t[8] != "wsg",
-                                     store_buffers=int(t[7] or 1))  # fmt: skip
+                                     store_buffers=int(t[7] or 1), split_k=bool(t[9]))  # fmt: skip
     if len(parts) not in (3, 4):
         raise ValueError(f"variant {text!r}: expected NAME:TILE:VARIANT[:pN]")
     name, tile, variant, *rest = parts
@@ -76,12 +68,6 @@ def parse_variant(text: str) -> tuple[str, object]:
         pps = int(rest[0][1:])
     bm, bn, warps, stages, group_m = (int(v) for v in t.groups())
     return name, GemmConfig(bm, bn, warps, stages, group_m, variant, pps)
-
-
-def _cfg_record(cfg) -> dict:
-    if isinstance(cfg, tuple):  # ("gsplit", mode)
-        return {"type": cfg[0], "mode": cfg[1]}
-    return dict(type=type(cfg).__name__, **cfg.__dict__)
 
 
 def main() -> None:
@@ -115,18 +101,6 @@ def main() -> None:
 
                 def run():
                     return triton_gemm._gemm(args.kind, qa, qb, None, out_dtype, False, cfg)
-            elif isinstance(cfg, tuple):  # ("gsplit", mode)
-                from ptxtrain.gemm import gluon
-
-                if args.kind != "1d2d" or n % 128 == 0:
-                    continue
-                main_cfg, tail_cfg = gluon.ws_config(256, 128), gluon.ws_config(256, 64)
-
-                def run():
-                    out = torch.empty((m, n), dtype=out_dtype, device="cuda")
-                    return gluon.fp8_gemm_split_n(
-                        qa, qb, out, n - n % 128, main_cfg, tail_cfg, mode=cfg[1]
-                    )
             else:
                 from ptxtrain.gemm import gluon
 
@@ -142,7 +116,8 @@ def main() -> None:
                 diff, us, error = float("nan"), None, f"{type(e).__name__}: {e}"[:300]
             ok = diff < 1e-3  # the GEMM contract (DESIGN §2): FP8 inputs, FP32 promotion
             rows.append(
-                dict(m=m, n=n, k=k, variant=vname, cfg=_cfg_record(cfg), us=us, cublas_us=base_us,
+                dict(m=m, n=n, k=k, variant=vname, cfg=dict(type=type(cfg).__name__,
+                     **cfg.__dict__), us=us, cublas_us=base_us,
                      triton_heuristic_us=heur_us, x_cublas=base_us / us if us else None,
                      x_heuristic=heur_us / us if us else None, calc_diff=diff, ok=ok,
                      error=error)

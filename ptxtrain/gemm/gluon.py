@@ -53,6 +53,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -127,6 +128,23 @@ def _tile_coords(t, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, group_m)
     first_m = (t // width) * group_m
     group_rows = gl.minimum(gl.cdiv(M, BLOCK_M) - first_m, group_m)
     return (first_m + (t % width) % group_rows) * BLOCK_M, ((t % width) // group_rows) * BLOCK_N
+
+
+@gluon.jit
+def _work_item(w, whole, splits, k_steps):
+    """(tile, first K block, end K block) of a program's work item ``w``: items below
+    ``whole`` are whole tiles; the rest are K-slices, ``splits`` per tile past ``whole``
+    (slice ``(w - whole) % splits``, whose partial sums go to workspace slot ``w - whole``)."""
+    if w < whole:
+        t = w
+        kb0 = 0
+        kb1 = k_steps
+    else:
+        j = w - whole
+        t = whole + j // splits
+        kb0 = ((j % splits) * k_steps) // splits
+        kb1 = ((j % splits + 1) * k_steps) // splits
+    return t, kb0, kb1
 
 
 @gluon.jit
@@ -250,7 +268,7 @@ def _ws_producer(args):
     block's sf_a ([1, 64] per A box) and, for per-column sf_b (1D1D), its [1, BLOCK_N] box."""
     (a_desc, b_desc, a_ring, b_ring, ready, empty, _sfa, _sfb, _out, M, N, K,
      _s0, _s1, _s2, _s3, _s4, _s5, group_m, flags, _c, _c0, _c1,
-     sfa_desc, sfb_desc, sfa_ring, sfb_ring, _cb) = args  # fmt: skip
+     sfa_desc, sfb_desc, sfa_ring, sfb_ring, _cb, _ws, whole, splits) = args  # fmt: skip
     # The default partition: its constexpr arguments arrive as values, so sizes come from types.
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -264,10 +282,12 @@ def _ws_producer(args):
     )
     k_steps = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
-    it = 0  # K blocks issued by this program so far (all tiles): the ring position
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    num_items = whole + (num_tiles - whole) * splits  # whole tiles, then the tail's K-slices
+    it = 0  # K blocks issued by this program so far (all items): the ring position
+    for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        t, kb0, kb1 = _work_item(w, whole, splits, k_steps)
         off_m, off_n = _tile_coords(t, M, N, BOXES * HALF, BLOCK_N, group_m)
-        for kb in range(k_steps):
+        for kb in range(kb0, kb1):
             st = it % STAGES
             # mbarriers start with the phase before 0 complete: the first pass does not wait.
             mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
@@ -301,7 +321,7 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     (a_desc, b_desc, a_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
      stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, group_m,
      flags, c_desc, c0_smem, c1_smem, _sfa_desc, _sfb_desc, sfa_ring, sfb_ring,
-     c_bars) = args  # fmt: skip
+     c_bars, ws_ptr, whole, splits) = args  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = b_ring.type.shape[0]
@@ -322,9 +342,14 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     c_bar = c_bars.index(HALF_INDEX)
     k_steps = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
+    num_items = whole + (num_tiles - whole) * splits
     blk = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
     it = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    # A program's whole tiles come before its K-slices (items ascend, whole ones first), so the
+    # staging-buffer turns and c_bar's phases below, counted over items, only ever follow
+    # whole tiles.
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        t, kb0, kb1 = _work_item(item, whole, splits, k_steps)
         off_m, off_n = _tile_coords(t, M, N, BOXES * HALF, BLOCK_N, group_m)
         row0 = off_m + HALF_INDEX * WAVES * HALF  # this warpgroup's first row
         rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_layout))
@@ -333,14 +358,14 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                                           stride_sfb_n, SFB_PER_COL, BLOCK_N)  # fmt: skip
         acc0 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
         acc1 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)  # (WAVES = 2 only)
-        tile_iter = (t - gl.program_id(0)) // gl.num_programs(0)  # this program's tiles before
-        if TMA_STORE and ACCUMULATE:
+        tile_iter = (item - gl.program_id(0)) // gl.num_programs(0)  # this program's items before
+        if TMA_STORE and ACCUMULATE and item < whole:
             # D +=: wave 0's out comes in by TMA under the K loop, into the staging buffer once
             # the previous tile's store has read it.
             tma.store_wait(0)
             mbarrier.expect(c_bar, c_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(c_desc, [row0, off_n], c_bar, c_smem.index(0))
-        for kb in range(k_steps):
+        for kb in range(kb0, kb1):
             st = it % NUM_STAGES
             mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
             b_tile = b_ring.index(st).permute((1, 0))
@@ -387,31 +412,40 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                 else:
                     acc1 = _scaled_add(acc1, blk, sfa, sfb, PER_COL)
             it += 1
-        for w in gl.static_range(WAVES):
-            acc = acc0 if w == 0 else acc1
-            if TMA_STORE:
-                # Through shared memory and one TMA store per wave (clipped at M and N), from
-                # this consumer's BUFS staging buffers in turn over all its stores (D +=:
-                # BUFS = 1).
-                buf = c_smem.index((tile_iter * WAVES + w) % BUFS)
-                if ACCUMULATE:
-                    if w > 0:  # wave w's out, once the previous wave's store has read the buffer
-                        tma.store_wait(0)
-                        mbarrier.expect(c_bar, c_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(c_desc, [row0 + w * HALF, off_n], c_bar,
-                                                        buf)  # fmt: skip
-                    # c_bar's phase: its completions so far (WAVES per earlier tile)
-                    mbarrier.wait(c_bar, (tile_iter * WAVES + w) & 1)
-                    acc = acc + buf.load(mma_layout)
-                else:  # the store that last used this buffer must have read it (the newest
-                    # BUFS - 1 stores may still be in flight)
-                    tma.store_wait(BUFS - 1)
-                buf.store(acc.to(c_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [row0 + w * HALF, off_n], buf)
-            else:
-                _store_tile(out_ptr, acc, rows + w * HALF, cols, M, N, stride_om, stride_on,
-                            ACCUMULATE)  # fmt: skip
+        if item >= whole:  # a K-slice: its fp32 partial sums to workspace slot item - whole
+            slot = ws_ptr + (item - whole).to(gl.int64) * (BOXES * HALF * BLOCK_N)
+            lrows = HALF_INDEX * WAVES * HALF + gl.arange(0, HALF, gl.SliceLayout(1, mma_layout))
+            lcols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+            for w in gl.static_range(WAVES):
+                acc = acc0 if w == 0 else acc1
+                gl.store(slot + (lrows + w * HALF)[:, None] * BLOCK_N + lcols[None, :], acc)
+        else:
+            for w in gl.static_range(WAVES):
+                acc = acc0 if w == 0 else acc1
+                if TMA_STORE:
+                    # Through shared memory and one TMA store per wave (clipped at M and N), from
+                    # this consumer's BUFS staging buffers in turn over all its stores (D +=:
+                    # BUFS = 1).
+                    buf = c_smem.index((tile_iter * WAVES + w) % BUFS)
+                    if ACCUMULATE:
+                        # wave w's out, once the previous wave's store has read the buffer
+                        if w > 0:
+                            tma.store_wait(0)
+                            mbarrier.expect(c_bar, c_desc.block_type.nbytes)
+                            tma.async_copy_global_to_shared(c_desc, [row0 + w * HALF, off_n], c_bar,
+                                                            buf)  # fmt: skip
+                        # c_bar's phase: its completions so far (WAVES per earlier tile)
+                        mbarrier.wait(c_bar, (tile_iter * WAVES + w) & 1)
+                        acc = acc + buf.load(mma_layout)
+                    else:  # the store that last used this buffer must have read it (the newest
+                        # BUFS - 1 stores may still be in flight)
+                        tma.store_wait(BUFS - 1)
+                    buf.store(acc.to(c_desc.dtype))
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(c_desc, [row0 + w * HALF, off_n], buf)
+                else:
+                    _store_tile(out_ptr, acc, rows + w * HALF, cols, M, N, stride_om, stride_on,
+                                ACCUMULATE)  # fmt: skip
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -429,8 +463,9 @@ def _ws_consumer0(args):
 @gluon.jit
 def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc, sfb_desc, M, N,
                     K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
-                    stride_on, SFB_PER_COL: gl.constexpr, ACCUMULATE: gl.constexpr,
-                    TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, WAVES: gl.constexpr,
+                    stride_on, ws_ptr, whole, splits, SFB_PER_COL: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr,
+                    WAVES: gl.constexpr,
                     STORE_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per wave
@@ -484,12 +519,41 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
     args = (a_desc, b_desc, a_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr,
             M, N, K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
             stride_on, GROUP_M, flags, c_desc, c0_smem, c1_smem, sfa_desc, sfb_desc, sfa_ring,
-            sfb_ring, c_bars)  # fmt: skip
+            sfb_ring, c_bars, ws_ptr, whole, splits)  # fmt: skip
     gl.warp_specialize(
         [(_ws_producer, (args,)), (_ws_consumer0, (args,)), (_ws_consumer1, (args,))],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
     )
+
+
+@triton.jit
+def _split_finish_kernel(ws_ptr, out_ptr, M, N, stride_om, stride_on, whole, splits, group_m,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                         ACCUMULATE: tl.constexpr):  # fmt: skip
+    """Rows ``[ROWS·pid1, ROWS·(pid1 + 1))`` of split tile ``whole + pid0``: its ``splits``
+    partial sums from the workspace added in slice order (``out +=`` with ACCUMULATE), stored
+    at the tile's place (``_tile_coords``' rasterization)."""
+    tt = tl.program_id(0)
+    t = whole + tt
+    width = group_m * tl.cdiv(N, BLOCK_N)
+    first_m = (t // width) * group_m
+    group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, group_m)
+    off_m = (first_m + (t % width) % group_rows) * BLOCK_M
+    off_n = ((t % width) // group_rows) * BLOCK_N
+    lrows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    lcols = tl.arange(0, BLOCK_N)
+    part = ws_ptr + (tt * splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
+    part += lrows[:, None] * BLOCK_N + lcols[None, :]
+    acc = tl.load(part)
+    for i in range(1, splits):
+        acc += tl.load(part + i * (BLOCK_M * BLOCK_N))
+    rows, cols = off_m + lrows, off_n + lcols
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _BK = 128  # BLOCK_K on the host
@@ -564,6 +628,8 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
     signature.update(
         {f"stride_{s}": "i32" for s in ("sfa_m", "sfa_k", "sfb_n", "sfb_k", "om", "on")}
     )
+    if ws:  # the split tail's workspace and plan
+        signature.update({"ws_ptr": "*fp32", "whole": "i32", "splits": "i32"})
     constexprs = {
         "SFB_PER_COL": kind == "1d1d",
         "ACCUMULATE": accumulate,
@@ -609,6 +675,11 @@ class GluonConfig:
         store_buffers: (warp-specialized only) TMA-store staging buffers per consumer, 1 or 2,
             used in turn: with 2, a store does not wait for the previous one (a 256-row tile's
             first wave, or the previous tile) to have read its buffer (``D +=`` uses 1).
+        split_k: (warp-specialized only) cut the tiles of a partial last wave into K-slices
+            that run on the SMs it would leave idle
+            (:func:`ptxtrain.gemm.heuristics.gluon_split_k`): each slice writes its fp32
+            partial sums to a workspace, and ``_split_finish_kernel`` adds a tile's slices in
+            slice order (bitwise repeatable) and stores it.
 
     Raises:
         ValueError: block_m not 16 x num_warps (warp-specialized: not 128 or 256 with
@@ -626,9 +697,10 @@ class GluonConfig:
     warp_specialized: bool = False
     scales_tma: bool = True
     store_buffers: int = 1
+    split_k: bool = False
 
     def __post_init__(self) -> None:
-        for field in ("warp_specialized", "scales_tma"):
+        for field in ("warp_specialized", "scales_tma", "split_k"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(
                     f"GluonConfig.{field} must be a bool, got {getattr(self, field)!r}"
@@ -696,20 +768,26 @@ _WS_BUFFERS = {(128, 128): 1, (256, 128): 2, (256, 64): 1}
 @functools.cache  # (called for every GEMM the Triton backend routes here)
 def ws_config(block_m: int, block_n: int, out_size: int = 2) -> GluonConfig:
     """The warp-specialized config of a ``block_m x block_n`` tile with its measured stage count
-    and staging buffers; where the staging of ``out_size``-byte outputs would not fit, one
-    buffer, then fewer stages.
+    and staging buffers, and the split tail on (``split_k``); where the staging of
+    ``out_size``-byte outputs would not fit, one buffer, then fewer stages.
 
     Raises:
         KeyError: a tile without measurements (not in ``heuristics.GLUON_TILES``).
     """
     tile = (block_m, block_n)
     cfg = GluonConfig(block_m, block_n, 8, _WS_STAGES[tile], 4, warp_specialized=True,
-                      store_buffers=_WS_BUFFERS[tile])  # fmt: skip
+                      store_buffers=_WS_BUFFERS[tile], split_k=True)  # fmt: skip
     if cfg.smem_bytes(out_size) > _SMEM_MAX:
         cfg = dataclasses.replace(cfg, store_buffers=1)
     while cfg.smem_bytes(out_size) > _SMEM_MAX:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
+
+
+@functools.cache
+def _no_workspace(device: torch.device) -> torch.Tensor:
+    """The fp32 pointer the kernel gets when no tile is split (never read or written)."""
+    return torch.empty(1, dtype=torch.float32, device=device)
 
 
 def _check_out_offsets(m: int, n: int, stride_om: int, stride_on: int) -> None:
@@ -785,11 +863,17 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                               [a_box, _BK], _smem_layout(a_box))  # fmt: skip
     b_desc = TensorDescriptor(b_fp8, list(b_fp8.shape), list(b_fp8.stride()),
                               [cfg.block_n, _BK], _smem_layout(cfg.block_n))  # fmt: skip
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    grid = (num_tiles,)
+    whole, splits = num_tiles, 1
     if cfg.warp_specialized:  # persistent: one program per SM walks the tiles
+        from ptxtrain.gemm.heuristics import gluon_split_k
         from ptxtrain.gemm.triton import _device_sms
 
-        grid = (min(grid[0], _device_sms(a_fp8.device)),)
+        num_sms = _device_sms(a_fp8.device)
+        if cfg.split_k:
+            whole, splits = gluon_split_k(num_tiles, num_sms, triton.cdiv(k, _BK))
+        grid = (min(whole + (num_tiles - whole) * splits, num_sms),)
     with torch.cuda.device(a_fp8.device):
         if cfg.warp_specialized:
             # The output through TMA stores (and, for D +=, TMA loads) when it can take them
@@ -819,16 +903,29 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                 if kind == "1d1d":
                     sf_b = _mn_major(sf_b)
                     sfb_desc = _sf_desc(sf_b, cfg.block_n)
+            # K-slices' partial sums: [slices, BM, BN] fp32 (one float stands in without)
+            ws = _no_workspace(out.device)
+            if splits > 1:
+                slices = (num_tiles - whole) * splits
+                ws = torch.empty(slices * cfg.block_m * cfg.block_n, dtype=torch.float32,
+                                 device=out.device)  # fmt: skip
             _gemm_ws_kernel[grid](
                 a_desc, b_desc, sf_a, sf_b, out, c_desc, sfa_desc, sfb_desc, m, n, k,
                 sf_a.stride(0), sf_a.stride(1), sf_b.stride(0), sf_b.stride(1),
-                out.stride(0), out.stride(1),
+                out.stride(0), out.stride(1), ws, whole, splits,
                 SFB_PER_COL=kind == "1d1d", ACCUMULATE=accumulate, TMA_STORE=tma_store,
                 SCALES_TMA=cfg.scales_tma, WAVES=cfg.block_m // 128,
                 STORE_BUFFERS=cfg.store_buffers, GROUP_M=cfg.group_m,
                 NUM_STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS, num_warps=4,
                 maxnreg=_WS_MAXNREG,
             )  # fmt: skip
+            if splits > 1:
+                rows = 32  # rows of a tile per finishing program
+                _split_finish_kernel[(num_tiles - whole, cfg.block_m // rows)](
+                    ws, out, m, n, out.stride(0), out.stride(1), whole, splits, cfg.group_m,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROWS=rows, ACCUMULATE=accumulate,
+                    num_warps=4,
+                )  # fmt: skip
             return out
         _gemm_kernel[grid](
             a_desc, b_desc, sf_a, sf_b, out, m, n, k,
@@ -838,90 +935,3 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
             NUM_STAGES=cfg.num_stages, CHUNK=cfg.chunk, num_warps=cfg.num_warps,
         )  # fmt: skip
     return out
-
-
-_SPLIT_MODES = ("priority", "plain", "serial")
-
-
-@functools.cache
-def _split_streams(device_index: int) -> tuple:
-    """(high-priority side stream, fork event, join event) of one device, made once: the events
-    are re-recorded by every call (a wait takes the event's latest record)."""
-    hi = torch.cuda.Stream.priority_range()[1]  # (lowest, highest): lower numbers run first
-    stream = torch.cuda.Stream(device=device_index, priority=hi)
-    return stream, torch.cuda.Event(), torch.cuda.Event()
-
-
-def fp8_gemm_split_n(a: tuple, b: tuple, out: torch.Tensor, n_main: int,
-                     main_config: GluonConfig, tail_config: GluonConfig,
-                     mode: str = "priority") -> torch.Tensor:  # fmt: skip
-    """1D2D ``out = (A · sf_a) (B · sf_b)ᵀ`` as two concurrent warp-specialized launches: columns
-    ``[0, n_main)`` with ``main_config``'s tiles on a side stream of the highest priority, the
-    columns past ``n_main`` with ``tail_config``'s on the current stream. The block scheduler
-    starts the main launch's CTAs first (priority), so the tail's CTAs take the SMs that the
-    main launch's last partial wave leaves idle. The current stream waits for both, so the call
-    is ordered like one kernel (CUDA-graph capturable: a fork and a join by events).
-
-    Args:
-        a, b: as :func:`fp8_gemm` with ``kind="1d2d"`` (sf_b [ceil(N/128), ceil(K/128)]).
-        out: ``[M, N]`` bfloat16 / float32.
-        n_main: a multiple of 128 in ``(0, N)``
-            (:func:`ptxtrain.gemm.heuristics.gluon_column_split`).
-        main_config, tail_config: warp-specialized :class:`GluonConfig` s.
-        mode: ``"priority"``; ``"plain"`` (side stream of default priority) and ``"serial"``
-            (both on the current stream) exist for A/B measurements.
-
-    Returns:
-        ``out``.
-
-    Raises:
-        ValueError: ``n_main`` not a multiple of 128 inside ``(0, N)``, an unknown ``mode``,
-            configs that are not warp-specialized, or :func:`fp8_gemm`'s checks.
-    """
-    from ptxtrain.gemm.ref import validate_1d2d
-
-    m, n, k = validate_1d2d(a, b, out, out.dtype)
-    bad = isinstance(n_main, bool) or not isinstance(n_main, int)
-    if bad or n_main % 128 or not 0 < n_main < n:
-        raise ValueError(f"n_main must be a multiple of 128 in (0, N = {n}), got {n_main!r}")
-    if mode not in _SPLIT_MODES:
-        raise ValueError(f"mode must be one of {_SPLIT_MODES}, got {mode!r}")
-    for name, cfg in (("main_config", main_config), ("tail_config", tail_config)):
-        if not isinstance(cfg, GluonConfig) or not cfg.warp_specialized:
-            raise ValueError(f"{name} must be a warp-specialized GluonConfig, got {cfg!r}")
-    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
-    if a_fp8.device.type != "cuda":
-        raise ValueError(f"a must be a CUDA tensor, got device {a_fp8.device}")
-    if m == 0 or k == 0:
-        return fp8_gemm("1d2d", a, b, out, out.dtype, False, main_config)
-    sf_a = _mn_major(sf_a)  # once for both launches
-    nb = n_main // 128
-    main = ((a_fp8, sf_a), (b_fp8[:n_main], sf_b[:nb]), out[:, :n_main], out.dtype, False,
-            main_config)  # fmt: skip
-    tail = ((a_fp8, sf_a), (b_fp8[n_main:], sf_b[nb:]), out[:, n_main:], out.dtype, False,
-            tail_config)  # fmt: skip
-    device = a_fp8.device
-    if mode == "serial":
-        fp8_gemm("1d2d", *main)
-        fp8_gemm("1d2d", *tail)
-        return out
-    side, fork, join = _split_streams(device.index if device.index is not None else 0)
-    if mode == "plain":
-        side = _plain_stream(device.index if device.index is not None else 0)
-    current = torch.cuda.current_stream(device)
-    fork.record(current)
-    side.wait_event(fork)
-    with torch.cuda.stream(side):
-        fp8_gemm("1d2d", *main)
-    join.record(side)
-    fp8_gemm("1d2d", *tail)
-    # Later work on the current stream (including frees of this call's temporaries, such as
-    # sf_a's MN-major copy, which the caching allocator orders on the current stream) waits
-    # for the side stream's launch.
-    current.wait_event(join)
-    return out
-
-
-@functools.cache
-def _plain_stream(device_index: int):
-    return torch.cuda.Stream(device=device_index)

@@ -248,9 +248,50 @@ def prefers_gluon(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H10
     return ceil_div(m, 128) * ceil_div(n, 128) >= GLUON_MIN_WAVES * num_sms
 
 
-def _wave_efficiency(tiles: int, num_sms: int) -> float:
-    """Share of the SMs' tile slots that ``tiles`` use over all their waves."""
-    return tiles / (ceil_div(tiles, num_sms) * num_sms) if tiles else 0.0
+def _wave_efficiency(tiles: int, num_sms: int, k_blocks: int = 0) -> float:
+    """Share of the SMs' tile slots that ``tiles`` use over all their waves; with ``k_blocks``
+    (the K blocks of a tile), after :func:`gluon_split_k` cuts the last partial wave's tiles
+    into K-slices (that wave then counts ``1 / splits`` of a wave)."""
+    if not tiles:
+        return 0.0
+    whole, splits = gluon_split_k(tiles, num_sms, k_blocks) if k_blocks else (tiles, 1)
+    waves = ceil_div(tiles, num_sms) if splits == 1 else whole // num_sms + 1 / splits
+    return tiles / (waves * num_sms)
+
+
+# A K-slice of the split tail covers at least this many 128-K blocks (each slice's partial sums
+# cost a [BM, BN] fp32 write and read), and a tile is cut into at most this many.
+GLUON_SPLIT_MIN_BLOCKS = 4
+GLUON_SPLIT_MAX = 16
+
+
+def gluon_split_k(num_tiles: int, num_sms: int, k_blocks: int) -> tuple[int, int]:
+    """``(whole, splits)``: the warp-specialized Gluon kernel's persistent programs (one per SM)
+    run tiles ``[0, whole)`` whole and cut each tile past them into ``splits`` K-slices that
+    run side by side on the SMs the last partial wave would leave idle (their FP32 partial sums
+    go to a workspace; a second kernel adds them in slice order and stores the tile, so results
+    are bitwise repeatable). ``splits`` = SMs per tail tile, at most
+    :data:`GLUON_SPLIT_MAX` and at least :data:`GLUON_SPLIT_MIN_BLOCKS` K blocks per slice;
+    ``(num_tiles, 1)`` where that is below 2 or there is no partial wave.
+
+    Measured on an H200 (session 16, call 2, x cuBLAS): a lone 256x128 x 7168 tile takes
+    47 µs on one SM, and 4096 x 2112 x 7168's 272 tiles of 256x128 (two waves and 8 tiles)
+    146 µs against 103 µs for 4096 x 2048's 256: the 8-tile wave costs a whole wave.
+
+    Raises:
+        ValueError: a negative count or ``num_sms`` < 1.
+    """
+    for name, value in (("num_tiles", num_tiles), ("k_blocks", k_blocks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+        raise ValueError(f"num_sms must be an int >= 1, got {num_sms!r}")
+    whole = num_tiles // num_sms * num_sms
+    tail = num_tiles - whole
+    if tail == 0:
+        return num_tiles, 1
+    splits = min(num_sms // tail, k_blocks // GLUON_SPLIT_MIN_BLOCKS, GLUON_SPLIT_MAX)
+    return (whole, splits) if splits >= 2 else (num_tiles, 1)
 
 
 # The warp-specialized Gluon kernel's tiles, fewest L2 bytes per FLOP first: (BM + BN) / (BM BN)
@@ -261,8 +302,9 @@ GLUON_TILES = ((256, 128), (128, 128), (256, 64))
 def gluon_tile(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> tuple:
     """``(block_m, block_n)`` of the warp-specialized Gluon kernel: the first tile of
     :data:`GLUON_TILES` (fewest L2 bytes per FLOP first) whose tiles fill the SMs' waves within
-    5 points of the best-filling one. 1D1D: always 128x128 (its per-column scales spill with
-    two 64-row waves per consumer).
+    5 points of the best-filling one, a last partial wave cut into K-slices by
+    :func:`gluon_split_k` counting as ``1 / splits`` of a wave. 1D1D: always 128x128 (its
+    per-column scales spill with two 64-row waves per consumer).
 
     Measured on an H200 (session 15, calls 3-4, x cuBLAS blockwise, before the scale-ring fix
     of calls 15-16, which moved all tiles alike except 256x64, now 0.85-0.88): 1D2D at M = 4096
@@ -270,7 +312,8 @@ def gluon_tile(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_S
     4096 x 7168 0.954 / 0.892, 7168 x 2048 0.995 / 0.955 (equal wave fill); at 2112 x 7168,
     where 256x64's 528 tiles fill 4 waves exactly (128x128: 82% of 5, 256x128: 69% of 3),
     256x64 0.912, 128x128 0.882, 256x128 0.792; at M = 2048, 7168 x 2048 (128x128 and 256x64
-    97%, 256x128 85%), 128x128 0.961, 256x64 0.790, 256x128 0.876.
+    97%, 256x128 85%), 128x128 0.961, 256x64 0.790, 256x128 0.876. These fills are without
+    the split tail, which makes 256x128 fill 97-100% at these shapes.
 
     Raises:
         TypeError / ValueError: as :func:`select_config`.
@@ -278,54 +321,13 @@ def gluon_tile(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_S
     _check_dims(m, n, k, kind, num_sms)
     if kind != "1d2d":
         return (128, 128)
+    kb = ceil_div(k, BLOCK_K)
     fill = {
-        (bm, bn): _wave_efficiency(ceil_div(m, bm) * ceil_div(n, bn), num_sms)
+        (bm, bn): _wave_efficiency(ceil_div(m, bm) * ceil_div(n, bn), num_sms, kb)
         for bm, bn in GLUON_TILES
     }
     best = max(fill.values())
     return next(tile for tile in GLUON_TILES if fill[tile] >= best - 0.05)
-
-
-def gluon_column_split(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> int:
-    """Where the Triton backend's Gluon route cuts a 1D2D GEMM's columns in two: ``N_main``
-    (a multiple of 128) for 256x128 tiles over columns ``[0, N_main)`` and 256x64 tiles over
-    the 64-or-fewer columns past it, launched together so that the tail runs on the SMs that
-    the main launch's last wave leaves idle (:func:`ptxtrain.gemm.gluon.fp8_gemm_split_n`);
-    0: no cut (one launch of :func:`gluon_tile`'s tile).
-
-    Cut when :func:`gluon_tile` would give up 256x128 tiles for their wave fill, N leaves a
-    tail of at most 64 columns past a multiple of 128, the main launch runs at least 3 waves,
-    and the tail's 256x64 tiles (each half a 256x128 tile's work) fit in the idle slots of its
-    last wave. Measured on an H200 (session 16, call 1, x cuBLAS blockwise, at K = 7168,
-    N = 2112; the split's main columns: 256 / 512 / 128 tiles of 256x128):
-
-    ========  =====  ==========  ========  =========================================
-    M         split  256x64 all  256x128   why
-    ========  =====  ==========  ========  =========================================
-    8192      0.906  0.802       0.878     4 main waves: taken
-    4096      0.849  0.846       0.795     2 main waves: as good as 256x64, not taken
-    2048      0.837  1.024       0.735     1 main wave: 256x64 much better
-    ========  =====  ==========  ========  =========================================
-
-    256x64 runs 880-925 TFLOPS at every M (its N = 64 WGMMAs read B from shared memory at
-    twice 256x128's rate per FLOP); a launch of two or fewer waves of 256x128 pays its pipeline
-    fill and last epilogue on few tiles. Whether the tail shares the SMs or runs after the
-    main launch moved the time by 1-2% (stream priority: none).
-
-    Raises:
-        TypeError / ValueError: as :func:`select_config`.
-    """
-    _check_dims(m, n, k, kind, num_sms)
-    tail = n % 128
-    if kind != "1d2d" or k == 0 or not 0 < tail <= 64:
-        return 0
-    if gluon_tile(m, n, k, kind, num_sms) == (256, 128):
-        return 0
-    main = ceil_div(m, 256) * (n // 128)
-    idle = ceil_div(main, num_sms) * num_sms - main
-    if ceil_div(main, num_sms) < 3 or ceil_div(m, 256) > 2 * idle:  # (tail tile: half a slot)
-        return 0
-    return n - tail
 
 
 def _max_stages(bm: int, bn: int) -> int:

@@ -74,7 +74,7 @@ from ptxtrain.gemm.heuristics import (
     VARIANTS,
     GemmConfig,
     autotune_configs,
-    gluon_column_split,
+    gluon_split_k,
     gluon_tile,
     m_bucket,
     prefers_gluon,
@@ -334,12 +334,6 @@ def _gluon_shape_route(kind, m, n, k, device: torch.device, num_sms: int) -> boo
     return _gluon_available(index)
 
 
-def _split_enabled() -> bool:
-    """``PTXTRAIN_TRITON_GLUON_SPLIT`` is not ``0``: the Gluon route may cut a GEMM's columns
-    into two concurrent launches (:func:`ptxtrain.gemm.heuristics.gluon_column_split`)."""
-    return os.environ.get("PTXTRAIN_TRITON_GLUON_SPLIT", "1") != "0"
-
-
 def _gluon_runs(kind, a_fp8, b_fp8, out, m, n, k, num_sms) -> bool:
     """Does the default config route this GEMM to the warp-specialized Gluon kernel?
     (:func:`_gluon_shape_route`, TMA-loadable operands, and an ``out`` whose column offsets fit
@@ -481,12 +475,7 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
     if config is None and _gluon_runs(kind, a_fp8, b_fp8, out, m, n, k, num_sms):
         from ptxtrain.gemm import gluon
 
-        esz = out.element_size()
-        n_main = gluon_column_split(m, n, k, kind, num_sms) if _split_enabled() else 0
-        if n_main:
-            main, tail = gluon.ws_config(256, 128, esz), gluon.ws_config(256, 64, esz)
-            return gluon.fp8_gemm_split_n(a, b, out, n_main, main, tail)
-        cfg = gluon.ws_config(*gluon_tile(m, n, k, kind, num_sms), esz)
+        cfg = gluon.ws_config(*gluon_tile(m, n, k, kind, num_sms), out.element_size())
         return gluon.fp8_gemm(kind, a, b, out, out.dtype, accumulate, cfg)
     if config is None:
         cfg = select_config(m, n, k, kind, num_sms)
@@ -576,7 +565,8 @@ def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | Non
     """Which kernel and tile the default config runs for this shape on ``device`` (default:
     the current CUDA device, else the CPU, where the interpreter runs the plain Triton kernel
     with an H200's config), with TMA-loadable operands and a row-major output, e.g.
-    ``"gluon 256x128 s3 b2"`` (stages, staging buffers) or ``"triton 64x128 s3 tma"`` (shown
+    ``"gluon 256x128 s3 b2"`` (stages, staging buffers; ``" split 8x14"``: 8 tiles cut into
+    14 K-slices each, ``heuristics.gluon_split_k``) or ``"triton 64x128 s3 tma"`` (shown
     by ``ptxtrain bench gemm``).
 
     Raises:
@@ -589,17 +579,12 @@ def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | Non
     if _gluon_shape_route(kind, m, n, k, device, num_sms):
         from ptxtrain.gemm import gluon
 
-        esz = 2 if kind == "1d2d" else 4
-        n_main = gluon_column_split(m, n, k, kind, num_sms) if _split_enabled() else 0
-        if n_main:
-            main, tail = gluon.ws_config(256, 128, esz), gluon.ws_config(256, 64, esz)
-            return (
-                f"gluon 256x128 s{main.num_stages} b{main.store_buffers} + "
-                f"{n - n_main} cols 256x64 s{tail.num_stages} b{tail.store_buffers}"
-            )
         bm, bn = gluon_tile(m, n, k, kind, num_sms)
-        cfg = gluon.ws_config(bm, bn, esz)
-        return f"gluon {bm}x{bn} s{cfg.num_stages} b{cfg.store_buffers}"
+        cfg = gluon.ws_config(bm, bn, 2 if kind == "1d2d" else 4)
+        tiles = ceil_div(m, bm) * ceil_div(n, bn)
+        whole, splits = gluon_split_k(tiles, num_sms, ceil_div(k, BLOCK_K))
+        split = f" split {tiles - whole}x{splits}" if splits > 1 else ""
+        return f"gluon {bm}x{bn} s{cfg.num_stages} b{cfg.store_buffers}{split}"
     cfg = select_config(m, n, k, kind, num_sms)
     return f"triton {cfg.block_m}x{cfg.block_n} s{cfg.num_stages} {cfg.variant}"
 

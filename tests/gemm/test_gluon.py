@@ -1,6 +1,8 @@
 """The Gluon FP8 GEMM (``ptxtrain.gemm.gluon``): compile-only structure checks on CPU, and the
 kernel against the reference GEMM and the unquantized product on a GPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,6 +80,8 @@ def test_config_rejects_bad_fields():
         GluonConfig(block_n=96)
     with pytest.raises(ValueError, match="chunk"):
         GluonConfig(chunk=3)
+    with pytest.raises(ValueError, match="split_k must be a bool"):
+        GluonConfig(split_k=1)
     for bad in (0, True, 2.0):  # a bool or 0 would reach the kernel's raster as GROUP_M
         with pytest.raises(ValueError, match="group_m"):
             GluonConfig(group_m=bad)
@@ -186,26 +190,6 @@ def test_fp8_gemm_rejects_bad_input_before_any_launch():
         gluon.fp8_gemm("1d2d", qa, qb, config="128x128")
     with pytest.raises(ValueError, match="CUDA"):  # valid operands, but not on a GPU
         gluon.fp8_gemm("1d2d", qa, qb)
-
-
-def test_split_n_rejects_bad_input_before_any_launch():
-    from ptxtrain.gemm import gluon
-
-    x, w = scaled_operands(4, 200, 256, 0, "cpu")
-    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
-    out = torch.empty(4, 200, dtype=torch.bfloat16)
-    ws = gluon.ws_config(256, 128)
-    for n_main in (0, 64, 256, 128.0, True):
-        with pytest.raises(ValueError, match="n_main must be a multiple of 128"):
-            gluon.fp8_gemm_split_n(qa, qb, out, n_main, ws, ws)
-    with pytest.raises(ValueError, match="mode must be one of"):
-        gluon.fp8_gemm_split_n(qa, qb, out, 128, ws, ws, mode="fast")
-    with pytest.raises(ValueError, match="tail_config must be a warp-specialized"):
-        gluon.fp8_gemm_split_n(qa, qb, out, 128, ws, gluon.GluonConfig())
-    with pytest.raises(ValueError, match=r"out must have shape \(4, 200\)"):
-        gluon.fp8_gemm_split_n(qa, qb, out[:, :199], 128, ws, ws)
-    with pytest.raises(ValueError, match="CUDA"):  # valid operands, but not on a GPU
-        gluon.fp8_gemm_split_n(qa, qb, out, 128, ws, ws)
 
 
 def _reference(kind, qa, qb):
@@ -396,57 +380,45 @@ def test_gpu_pointer_epilogue_across_tiles(block_m, kind):
         assert calc_diff(out, want) < 1e-6
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["priority", "plain", "serial"])
-@pytest.mark.parametrize("m,n,k", [(4096, 2112, 7168), (13, 200, 208), (1, 2112, 7168),
-                                   (300, 4160, 1536)])  # fmt: skip
-def test_gpu_split_n_matches_single_launches(m, n, k, mode):
-    """The column split (:func:`fp8_gemm_split_n`) against the reference, and bitwise against
-    one launch of each config over all columns: same tiles, same per-128-K promotion, so the
-    main columns must equal the 256x128 launch's and the tail the 256x64 launch's exactly."""
-    from ptxtrain.gemm import gluon
+# (m, n, k, kind, block_m): the tiles and split on 132 SMs (heuristics.gluon_split_k)
+_SPLIT_CASES = [
+    (4096, 2112, 7168, "1d2d", 256),  # 272 tiles: 264 whole, 8 cut into 14 slices
+    (13, 300, 2048, "1d2d", 128),  # 3 tiles, M and N tails: all cut into 4 slices
+    (129, 576, 1536, "1d1d", 128),  # 10 tiles: all cut into 3 slices
+    (7168, 2112, 4096, "1d1d", 128),  # 952 tiles: 924 whole, 28 cut into 4 slices
+]
 
-    n_main = n - n % 128
-    _, _, qa, qb = _operands(m, n, k, "1d2d", seed=n + k + m)
-    main_cfg, tail_cfg = gluon.ws_config(256, 128, 4), gluon.ws_config(256, 64, 4)
-    out = torch.full((m, n), float("nan"), device="cuda")
-    gluon.fp8_gemm_split_n(qa, qb, out, n_main, main_cfg, tail_cfg, mode=mode)
-    torch.cuda.synchronize()
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("m,n,k,kind,block_m", _SPLIT_CASES)
+def test_gpu_split_tail(m, n, k, kind, block_m, accumulate):
+    """``GluonConfig.split_k``: the split tiles' K-slices summed by the finishing kernel match
+    the reference (and ``D +=`` for 1D1D), bitwise the same over repeated runs."""
+    from ptxtrain.gemm import gluon
+    from ptxtrain.gemm.heuristics import gluon_split_k
+    from ptxtrain.gemm.triton import _device_sms
+
+    if accumulate and kind == "1d2d":
+        pytest.skip("D += is a 1D1D option")
+    sms = _device_sms(torch.device("cuda"))
+    tiles = -(-m // block_m) * -(-n // 128)
+    whole, splits = gluon_split_k(tiles, sms, -(-k // 128))
+    if sms == 132:  # the cases are chosen for 132 SMs (H100 SXM / H200)
+        assert splits > 1 and whole < tiles
+    _, _, qa, qb = _operands(m, n, k, kind, seed=m + n + k + 5)
+    cfg = gluon.ws_config(block_m, 128, 4)
+    assert cfg.split_k
+    want = _reference(kind, qa, qb)
+    d0 = torch.randn(m, n, device="cuda") if accumulate else None
+    runs = []
+    for _ in range(2):
+        out = d0.clone() if accumulate else torch.full((m, n), float("nan"), device="cuda")
+        gluon.fp8_gemm(kind, qa, qb, out, torch.float32, accumulate, cfg)
+        runs.append(out)
     # Same FP8 products, same per-128-K promotion: only the fp32 summation order differs.
-    assert calc_diff(out, _reference("1d2d", qa, qb)) < 1e-6
-    whole_main = gluon.fp8_gemm("1d2d", qa, qb, None, torch.float32, False, main_cfg)
-    whole_tail = gluon.fp8_gemm("1d2d", qa, qb, None, torch.float32, False, tail_cfg)
-    assert torch.equal(out[:, :n_main], whole_main[:, :n_main])
-    assert torch.equal(out[:, n_main:], whole_tail[:, n_main:])
-
-
-@pytest.mark.gpu
-def test_gpu_split_n_in_a_cuda_graph_and_on_a_side_stream():
-    """The fork and join by events capture into a CUDA graph, and the call orders against the
-    caller's (non-default) stream: inputs written just before it are read, its out is complete
-    when that stream's next kernel reads it."""
-    from ptxtrain.gemm import gluon
-
-    m, n, k = 4096, 2112, 7168
-    _, _, qa, qb = _operands(m, n, k, "1d2d", seed=31)
-    cfgs = gluon.ws_config(256, 128), gluon.ws_config(256, 64)
-    want = _reference("1d2d", qa, qb)
-    stream = torch.cuda.Stream()
-    a_copy = torch.empty_like(qa[0])
-    with torch.cuda.stream(stream):
-        out = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
-        for _ in range(2):
-            a_copy.zero_()
-            a_copy.copy_(qa[0])  # written on `stream` right before the GEMM reads it
-            gluon.fp8_gemm_split_n((a_copy, qa[1]), qb, out, 2048, *cfgs)
-            got = out.float().clone()  # read on `stream` right after
-    torch.cuda.synchronize()
-    # bf16 rounding of the fp32 result bounds the difference (2^-8 relative per element).
-    assert calc_diff(got, want) < 1e-5
-    out.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gluon.fp8_gemm_split_n(qa, qb, out, 2048, *cfgs)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert calc_diff(out.float(), want) < 1e-5
+    assert calc_diff(runs[0], want + d0 if accumulate else want) < 1e-6
+    assert torch.equal(runs[0], runs[1])  # slices summed in slice order: repeatable
+    whole_only = gluon.fp8_gemm(kind, qa, qb, None, torch.float32, False,
+                                dataclasses.replace(cfg, split_k=False))  # fmt: skip
+    assert calc_diff(whole_only, want) < 1e-6

@@ -11,7 +11,7 @@ from ptxtrain.gemm.heuristics import (
     VARIANTS,
     GemmConfig,
     autotune_configs,
-    gluon_column_split,
+    gluon_split_k,
     gluon_tile,
     m_bucket,
     num_tiles,
@@ -182,29 +182,37 @@ def test_prefers_gluon_takes_gemms_of_two_waves():
 def test_gluon_tile_by_wave_fill():
     """The fewest-L2-bytes tile whose waves fill within 5 points of the best-filling tile."""
     picks = {(n, k): gluon_tile(4096, n, k) for n, k in DSV3_DENSE_NK}
-    # 4096 x 2112: 256x64's 16 x 33 = 528 tiles fill 4 waves exactly; 128x128 fills 82% of 5.
-    want = {nk: (256, 64) if nk[0] == 2112 else (256, 128) for nk in DSV3_DENSE_NK}
-    assert picks == want, picks
-    assert gluon_tile(2048, 7168, 2048) == (128, 128)  # 896 tiles: 97%; 256x128's 448: 85%
+    # 4096 x 2112: 256x128's 16 x 17 = 272 tiles are 2 waves and 8 tiles, which the split tail
+    # cuts into 14 K-slices each: 99.5% (without the split 69%, 256x64's 528 tiles 100%).
+    assert picks == {nk: (256, 128) for nk in DSV3_DENSE_NK}, picks
+    assert gluon_tile(2048, 7168, 2048) == (256, 128)  # 448 tiles, split 2 ways: 97% as 128x128
     assert gluon_tile(2048, 4096, 7168) == (256, 128)  # 256 tiles: 97%, as 128x128's 512
+    assert gluon_tile(1024, 7168, 16384) == (128, 128)  # 448 tiles: 97%; 256x128's 224: 85%
+    # K = 256 (2 blocks) cannot be split: 256x128's 272 tiles fill 69% of 3 waves, 128x128's
+    # 544 82% of 5, 256x64's 528 4 waves exactly.
+    assert gluon_tile(4096, 2112, 256) == (256, 64)
     assert all(gluon_tile(m, n, 4096, "1d1d") == (128, 128) for m, n in DSV3_WGRAD_MN)
     assert gluon_tile(0, 0, 0) == GLUON_TILES[0]  # no tiles: nothing to fill either way
     with pytest.raises(ValueError, match="num_sms"):
         gluon_tile(4096, 7168, 2048, num_sms=0)
 
 
-def test_gluon_column_split():
-    """256x128 tiles over the columns up to the last multiple of 128 and 256x64 ones past it,
-    where gluon_tile gives up 256x128 and the tail fits the main launch's idle last-wave slots."""
-    picks = {(n, k): gluon_column_split(8192, n, k) for n, k in DSV3_DENSE_NK}
-    # 8192 x 2112: 32 x 16 = 512 main tiles (4 waves) leave 16 of 528 slots idle; 32 tail
-    # tiles of half a slot each fill them.
-    assert picks == {nk: 2048 if nk[0] == 2112 else 0 for nk in DSV3_DENSE_NK}, picks
-    assert gluon_column_split(4096, 2112, 7168) == 0  # 2 main waves: measured no faster
-    assert gluon_column_split(16384, 2112, 7168) == 2048  # 8 waves, 32 idle slots, 64 tiles
-    assert gluon_column_split(8192, 2112, 7168, num_sms=128) == 0  # whole waves: no idle slot
-    assert gluon_column_split(8192, 2112, 7168, "1d1d") == 0  # 1D1D: 128x128 only
-    assert gluon_column_split(8192, 2148, 7168) == 0  # a 100-column tail needs a 128 tile
-    assert gluon_column_split(8192, 2112, 0) == 0
+def test_gluon_split_k():
+    """The partial last wave's tiles cut into K-slices: SMs per tail tile, at most 16, at least
+    4 K blocks per slice; none without a partial wave or with fewer than 2 slices."""
+    assert gluon_split_k(272, 132, 56) == (264, 14)  # 8 tail tiles: 16 SMs each, 56 / 4 = 14
+    assert gluon_split_k(544, 132, 56) == (528, 8)  # 16 tail tiles: 8 SMs each
+    assert gluon_split_k(3072, 132, 12) == (3036, 3)  # 36 tail tiles, 12 K blocks: 3 slices
+    assert gluon_split_k(3, 132, 16) == (0, 4)  # one partial wave only: every tile split
+    assert gluon_split_k(8, 132, 1000) == (0, 16)  # at most 16 slices
+    assert gluon_split_k(512, 132, 56) == (512, 1)  # 116 tail tiles: 1 SM each
+    assert gluon_split_k(264, 132, 56) == (264, 1)  # whole waves
+    assert gluon_split_k(272, 132, 7) == (272, 1)  # 7 K blocks: one slice of >= 4
+    assert gluon_split_k(0, 132, 56) == (0, 1)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="num_tiles"):
+            gluon_split_k(bad, 132, 56)
     with pytest.raises(ValueError, match="num_sms"):
-        gluon_column_split(4096, 2112, 7168, num_sms=0)
+        gluon_split_k(272, 0, 56)
+    with pytest.raises(ValueError, match="k_blocks"):
+        gluon_split_k(272, 132, -1)

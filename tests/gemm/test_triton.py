@@ -474,34 +474,6 @@ def test_gpu_default_routes_large_1d2d_to_gluon(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_default_splits_the_columns_of_8192_x_2112(monkeypatch):
-    """8192 x 2112 x 7168 (``gluon_column_split``: 2048) runs as the two concurrent Gluon
-    launches, not with ``PTXTRAIN_TRITON_GLUON_SPLIT=0``; both agree with the reference."""
-    from ptxtrain.gemm import gluon
-
-    m, n, k = 8192, 2112, 7168
-    if tg._device_sms(torch.device("cuda")) != 132:
-        pytest.skip("the split is measured for 132 SMs (H100 SXM / H200)")
-    calls = []
-    real = gluon.fp8_gemm_split_n
-    monkeypatch.setattr(
-        gluon, "fp8_gemm_split_n", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw)
-    )
-    x, w = _inputs(m, n, k, seed=13, device="cuda")
-    qa, qb = _quantize(x, w, "1d2d")
-    want = ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
-    assert tg.default_kernel("1d2d", m, n, k).endswith("64 cols 256x64 s5 b1")
-    got = tg.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
-    assert calls == [2048]
-    # Same FP8 products and per-128-K promotion: only the fp32 summation order differs.
-    assert calc_diff(got, want) < 1e-6
-    monkeypatch.setenv("PTXTRAIN_TRITON_GLUON_SPLIT", "0")
-    got = tg.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
-    assert calls == [2048] and calc_diff(got, want) < 1e-6
-    assert tg.default_kernel("1d2d", m, n, k) == "gluon 256x64 s5 b1"
-
-
-@pytest.mark.gpu
 def test_gpu_column_major_out_beyond_int32_stays_on_triton(monkeypatch):
     """A column-major out whose column offsets pass 2^31 elements is not routed to the Gluon
     kernel (int32 column offsets there); the Triton kernel takes it with int64 offsets."""
