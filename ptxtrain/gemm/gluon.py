@@ -131,23 +131,6 @@ def _tile_coords(t, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, group_m)
 
 
 @gluon.jit
-def _work_item(w, whole, splits, k_steps):
-    """(tile, first K block, end K block) of a program's work item ``w``: items below
-    ``whole`` are whole tiles; the rest are K-slices, ``splits`` per tile past ``whole``
-    (slice ``(w - whole) % splits``, whose partial sums go to workspace slot ``w - whole``)."""
-    if w < whole:
-        t = w
-        kb0 = 0
-        kb1 = k_steps
-    else:
-        j = w - whole
-        t = whole + j // splits
-        kb0 = ((j % splits) * k_steps) // splits
-        kb1 = ((j % splits + 1) * k_steps) // splits
-    return t, kb0, kb1
-
-
-@gluon.jit
 def _issue_load(a_desc, b_desc, a_ring, b_ring, ready, kb, off_m, off_n, pred,
                 NUM_STAGES: gl.constexpr):  # fmt: skip
     """TMA loads of K block ``kb`` into its stage (predicated: no branch in the K loop)."""
@@ -261,17 +244,18 @@ def _gemm_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, M, N, K, stride_sfa_
 
 
 @gluon.jit
-def _ws_producer(args):
-    """The TMA producer (the default partition): the K blocks of this program's tiles, one
-    after another, running ahead into the next tile while the consumers store the last. Each
-    stage takes BLOCK_M / 64 A boxes of [64, 128] and one B box; with SCALES_TMA also the K
-    block's sf_a ([1, 64] per A box) and, for per-column sf_b (1D1D), its [1, BLOCK_N] box."""
-    (a_desc, b_desc, a_ring, b_ring, ready, empty, _sfa, _sfb, _out, M, N, K,
-     _s0, _s1, _s2, _s3, _s4, _s5, group_m, flags, _c, _c0, _c1,
-     sfa_desc, sfb_desc, sfa_ring, sfb_ring, _cb, _ws, whole, splits) = args  # fmt: skip
-    # The default partition: its constexpr arguments arrive as values, so sizes come from types.
+def _slice_blocks(j, splits, k_steps):
+    """(first, end) K block of K-slice ``j % splits`` of a split tile."""
+    return ((j % splits) * k_steps) // splits, ((j % splits + 1) * k_steps) // splits
+
+
+@gluon.jit
+def _produce(a_desc, b_desc, a_ring, b_ring, ready, empty, flags, sfa_desc, sfb_desc, sfa_ring,
+             sfb_ring, off_m, off_n, kb0, kb1, it):  # fmt: skip
+    """TMA loads of K blocks ``[kb0, kb1)`` of the tile at ``(off_m, off_n)`` into the ring from
+    position ``it`` on; returns the position after them."""
+    # (In the default partition constexpr arguments arrive as values: sizes come from types.)
     HALF: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     STAGES: gl.constexpr = b_ring.type.shape[0]
     BOXES: gl.constexpr = a_ring.type.shape[0] // STAGES  # A boxes per stage: 2 WAVES
     SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
@@ -280,44 +264,139 @@ def _ws_producer(args):
     sf_nbytes: gl.constexpr = BOXES * sfa_desc.block_type.nbytes + (
         sfb_desc.block_type.nbytes if SFB_PER_COL else 0
     )
-    k_steps = gl.cdiv(K, BLOCK_K)
-    num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
-    num_items = whole + (num_tiles - whole) * splits  # whole tiles, then the tail's K-slices
-    it = 0  # K blocks issued by this program so far (all items): the ring position
-    for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        t, kb0, kb1 = _work_item(w, whole, splits, k_steps)
-        off_m, off_n = _tile_coords(t, M, N, BOXES * HALF, BLOCK_N, group_m)
-        for kb in range(kb0, kb1):
-            st = it % STAGES
-            # mbarriers start with the phase before 0 complete: the first pass does not wait.
-            mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(st)
-            k0 = kb * BLOCK_K
-            if SCALES_TMA:
-                mbarrier.expect(bar, nbytes + sf_nbytes)
-                # sf_a's MN-major view is [ceil(K/128), M]: row kb, 64 columns per A box. The
-                # scale ring has one slot more than the stages (slot it % (STAGES + 1); see
-                # the consumer).
-                ss = it % (STAGES + 1)
-                for i in gl.static_range(BOXES):
-                    tma.async_copy_global_to_shared(sfa_desc, [kb, off_m + i * HALF], bar,
-                                                    sfa_ring.index(ss * BOXES + i))  # fmt: skip
-                if SFB_PER_COL:
-                    tma.async_copy_global_to_shared(sfb_desc, [kb, off_n], bar,
-                                                    sfb_ring.index(ss))  # fmt: skip
-            else:
-                mbarrier.expect(bar, nbytes)
+    for kb in range(kb0, kb1):
+        st = it % STAGES
+        # mbarriers start with the phase before 0 complete: the first pass does not wait.
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+        bar = ready.index(st)
+        k0 = kb * BLOCK_K
+        if SCALES_TMA:
+            mbarrier.expect(bar, nbytes + sf_nbytes)
+            # sf_a's MN-major view is [ceil(K/128), M]: row kb, 64 columns per A box. The
+            # scale ring has one slot more than the stages (slot it % (STAGES + 1); see
+            # the consumer).
+            ss = it % (STAGES + 1)
             for i in gl.static_range(BOXES):
-                tma.async_copy_global_to_shared(a_desc, [off_m + i * HALF, k0], bar,
-                                                a_ring.index(st * BOXES + i))  # fmt: skip
-            tma.async_copy_global_to_shared(b_desc, [off_n, k0], bar, b_ring.index(st))
-            it += 1
+                tma.async_copy_global_to_shared(sfa_desc, [kb, off_m + i * HALF], bar,
+                                                sfa_ring.index(ss * BOXES + i))  # fmt: skip
+            if SFB_PER_COL:
+                tma.async_copy_global_to_shared(sfb_desc, [kb, off_n], bar,
+                                                sfb_ring.index(ss))  # fmt: skip
+        else:
+            mbarrier.expect(bar, nbytes)
+        for i in gl.static_range(BOXES):
+            tma.async_copy_global_to_shared(a_desc, [off_m + i * HALF, k0], bar,
+                                            a_ring.index(st * BOXES + i))  # fmt: skip
+        tma.async_copy_global_to_shared(b_desc, [off_n, k0], bar, b_ring.index(st))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _ws_producer(args):
+    """The TMA producer (the default partition): the K blocks of this program's tiles, one
+    after another, running ahead into the next tile while the consumers store the last. Each
+    stage takes BLOCK_M / 64 A boxes of [64, 128] and one B box; with SCALES_TMA also the K
+    block's sf_a ([1, 64] per A box) and, for per-column sf_b (1D1D), its [1, BLOCK_N] box.
+    With SPLIT, then this program's K-slices of the tiles past ``whole``."""
+    (a_desc, b_desc, a_ring, b_ring, ready, empty, _sfa, _sfb, _out, M, N, K,
+     _s0, _s1, _s2, _s3, _s4, _s5, group_m, flags, _c, _c0, _c1,
+     sfa_desc, sfb_desc, sfa_ring, sfb_ring, _cb, _ws, whole, splits) = args  # fmt: skip
+    HALF: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BOXES: gl.constexpr = a_ring.type.shape[0] // b_ring.type.shape[0]
+    SPLIT: gl.constexpr = flags.type.shape[4] == 2
+    k_steps = gl.cdiv(K, BLOCK_K)
+    ring = (a_desc, b_desc, a_ring, b_ring, ready, empty, flags, sfa_desc, sfb_desc, sfa_ring,
+            sfb_ring)  # fmt: skip
+    it = 0  # K blocks issued by this program so far (all tiles): the ring position
+    for t in range(gl.program_id(0), whole, gl.num_programs(0)):
+        off_m, off_n = _tile_coords(t, M, N, BOXES * HALF, BLOCK_N, group_m)
+        it = _produce(*ring, off_m, off_n, 0, k_steps, it)
+    if SPLIT:  # (whole is a multiple of the programs: this program's first slice is its id)
+        num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
+        for j in range(gl.program_id(0), (num_tiles - whole) * splits, gl.num_programs(0)):
+            off_m, off_n = _tile_coords(whole + j // splits, M, N, BOXES * HALF, BLOCK_N, group_m)
+            kb0, kb1 = _slice_blocks(j, splits, k_steps)
+            it = _produce(*ring, off_m, off_n, kb0, kb1, it)
+
+
+@gluon.jit
+def _consume(a_ring, b_ring, ready, empty, flags, sfa_ring, sfb_ring, sfa_ptr, sfb_ptrs, rows, M,
+             stride_sfa_m, stride_sfa_k, stride_sfb_k, kb0, kb1, it, blk, acc0, acc1,
+             HALF_INDEX: gl.constexpr):  # fmt: skip
+    """Consumer warpgroup HALF_INDEX's WGMMAs and promotion of K blocks ``[kb0, kb1)`` of one
+    tile from ring position ``it`` on, into ``acc0`` (wave 0) and ``acc1`` (wave 1); returns
+    ``(acc0, acc1, blk, it)``."""
+    NUM_STAGES: gl.constexpr = b_ring.type.shape[0]
+    BLOCK_N: gl.constexpr = b_ring.type.shape[1]
+    HALF: gl.constexpr = a_ring.type.shape[1]
+    BOXES: gl.constexpr = a_ring.type.shape[0] // NUM_STAGES
+    WAVES: gl.constexpr = BOXES // 2
+    SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
+    SCALES_TMA: gl.constexpr = flags.type.shape[3] == 2
+    PER_COL: gl.constexpr = SFB_PER_COL or (BLOCK_K % BLOCK_N != 0)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    # A stage's scale boxes read as vectors in the accumulator's row / column layout.
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    for kb in range(kb0, kb1):
+        st = it % NUM_STAGES
+        mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+        b_tile = b_ring.index(st).permute((1, 0))
+        # The scales sit in a ring of NUM_STAGES + 1 slots: slot it % (NUM_STAGES + 1) is
+        # written again for block it + NUM_STAGES + 1, whose stage the producer gets only
+        # once this warpgroup has released block it + 1, in a later iteration; before that
+        # iteration's start (a branch) every scale load of this one, consumed by this
+        # iteration's promotion, has returned. Read from a slot the release below frees,
+        # with ptxas free to sink the loads past it, 0.1% of the outputs came out wrong
+        # (1D1D, session 15, calls 11 and 13); a proxy fence before the release fixes that
+        # too but cost 1-5% (call 12), a release after the promotion 18% for 1D1D (call 14).
+        ss = it % (NUM_STAGES + 1)
+        for w in gl.static_range(WAVES):
+            box = st * BOXES + HALF_INDEX * WAVES + w
+            blk = warpgroup_mma(a_ring.index(box), b_tile, blk, use_acc=False, is_async=True)
+            # The scales load while the WGMMAs run (from the stage, or from global memory).
+            if SCALES_TMA:
+                sfa = (
+                    sfa_ring.index(ss * BOXES + HALF_INDEX * WAVES + w)
+                    ._reinterpret(gl.float32, [HALF], vec_layout)
+                    .load(gl.SliceLayout(1, mma_layout))
+                )
+                if SFB_PER_COL:
+                    sfb = (
+                        sfb_ring.index(ss)
+                        ._reinterpret(gl.float32, [BLOCK_N], vec_layout)
+                        .load(gl.SliceLayout(0, mma_layout))
+                    )
+                else:
+                    sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+            else:
+                # (wave 1's rows clamped too: rows past M read row 0, in bounds)
+                wave_rows = rows + w * HALF
+                sfa = gl.load(sfa_ptr + gl.where(wave_rows < M, wave_rows, 0) * stride_sfa_m
+                              + kb * stride_sfa_k)  # fmt: skip
+                sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
+            blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
+            if w == WAVES - 1:  # this warpgroup's WGMMAs are done with the stage's A / B
+                mbarrier.arrive(empty.index(st), count=1)
+            if w == 0:
+                acc0 = _scaled_add(acc0, blk, sfa, sfb, PER_COL)
+                if WAVES == 2:  # promoted before wave 1's WGMMAs reuse blk's registers
+                    acc0 = _pin(acc0)
+            else:
+                acc1 = _scaled_add(acc1, blk, sfa, sfb, PER_COL)
+        it += 1
+    return acc0, acc1, blk, it
 
 
 @gluon.jit
 def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     """Consumer warpgroup HALF_INDEX: rows [64 WAVES HALF_INDEX, 64 WAVES (HALF_INDEX + 1)) of
-    each tile of this program, in the producer's order (the same ring position ``it``)."""
+    each tile of this program, in the producer's order (the same ring position ``it``); with
+    SPLIT, then its K-slices of the tiles past ``whole``, whose fp32 partial sums go to the
+    workspace ``ws_ptr`` (slot j of ``[slices, BLOCK_M, BLOCK_N]`` for slice j)."""
     (a_desc, b_desc, a_ring, b_ring, ready, empty, sfa_ptr, sfb_ptr, out_ptr, M, N, K,
      stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om, stride_on, group_m,
      flags, c_desc, c0_smem, c1_smem, _sfa_desc, _sfb_desc, sfa_ring, sfb_ring,
@@ -330,26 +409,18 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
     SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
     ACCUMULATE: gl.constexpr = flags.type.shape[1] == 2
     TMA_STORE: gl.constexpr = flags.type.shape[2] == 2
-    SCALES_TMA: gl.constexpr = flags.type.shape[3] == 2
-    PER_COL: gl.constexpr = SFB_PER_COL or (BLOCK_K % BLOCK_N != 0)
+    SPLIT: gl.constexpr = flags.type.shape[4] == 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
     )
-    # A stage's scale boxes read as vectors in the accumulator's row / column layout.
-    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     c_smem = c0_smem if HALF_INDEX == 0 else c1_smem
     BUFS: gl.constexpr = c_smem.type.shape[0]  # staging buffers (with TMA_STORE)
     c_bar = c_bars.index(HALF_INDEX)
     k_steps = gl.cdiv(K, BLOCK_K)
-    num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
-    num_items = whole + (num_tiles - whole) * splits
+    ring = (a_ring, b_ring, ready, empty, flags, sfa_ring, sfb_ring, sfa_ptr)
     blk = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
     it = 0
-    # A program's whole tiles come before its K-slices (items ascend, whole ones first), so the
-    # staging-buffer turns and c_bar's phases below, counted over items, only ever follow
-    # whole tiles.
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        t, kb0, kb1 = _work_item(item, whole, splits, k_steps)
+    for t in range(gl.program_id(0), whole, gl.num_programs(0)):
         off_m, off_n = _tile_coords(t, M, N, BOXES * HALF, BLOCK_N, group_m)
         row0 = off_m + HALF_INDEX * WAVES * HALF  # this warpgroup's first row
         rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_layout))
@@ -358,94 +429,62 @@ def _ws_consumer(args, HALF_INDEX: gl.constexpr):
                                           stride_sfb_n, SFB_PER_COL, BLOCK_N)  # fmt: skip
         acc0 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
         acc1 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)  # (WAVES = 2 only)
-        tile_iter = (item - gl.program_id(0)) // gl.num_programs(0)  # this program's items before
-        if TMA_STORE and ACCUMULATE and item < whole:
+        tile_iter = (t - gl.program_id(0)) // gl.num_programs(0)  # this program's tiles before
+        if TMA_STORE and ACCUMULATE:
             # D +=: wave 0's out comes in by TMA under the K loop, into the staging buffer once
             # the previous tile's store has read it.
             tma.store_wait(0)
             mbarrier.expect(c_bar, c_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(c_desc, [row0, off_n], c_bar, c_smem.index(0))
-        for kb in range(kb0, kb1):
-            st = it % NUM_STAGES
-            mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
-            b_tile = b_ring.index(st).permute((1, 0))
-            # The scales sit in a ring of NUM_STAGES + 1 slots: slot it % (NUM_STAGES + 1) is
-            # written again for block it + NUM_STAGES + 1, whose stage the producer gets only
-            # once this warpgroup has released block it + 1, in a later iteration; before that
-            # iteration's start (a branch) every scale load of this one, consumed by this
-            # iteration's promotion, has returned. Read from a slot the release below frees,
-            # with ptxas free to sink the loads past it, 0.1% of the outputs came out wrong
-            # (1D1D, session 15, calls 11 and 13); a proxy fence before the release fixes that
-            # too but cost 1-5% (call 12), a release after the promotion 18% for 1D1D (call 14).
-            ss = it % (NUM_STAGES + 1)
-            for w in gl.static_range(WAVES):
-                box = st * BOXES + HALF_INDEX * WAVES + w
-                blk = warpgroup_mma(a_ring.index(box), b_tile, blk, use_acc=False, is_async=True)
-                # The scales load while the WGMMAs run (from the stage, or from global memory).
-                if SCALES_TMA:
-                    sfa = (
-                        sfa_ring.index(ss * BOXES + HALF_INDEX * WAVES + w)
-                        ._reinterpret(gl.float32, [HALF], vec_layout)
-                        .load(gl.SliceLayout(1, mma_layout))
-                    )
-                    if SFB_PER_COL:
-                        sfb = (
-                            sfb_ring.index(ss)
-                            ._reinterpret(gl.float32, [BLOCK_N], vec_layout)
-                            .load(gl.SliceLayout(0, mma_layout))
-                        )
-                    else:
-                        sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
-                else:
-                    # (wave 1's rows clamped too: rows past M read row 0, in bounds)
-                    wave_rows = rows + w * HALF
-                    sfa = gl.load(sfa_ptr + gl.where(wave_rows < M, wave_rows, 0) * stride_sfa_m
-                                  + kb * stride_sfa_k)  # fmt: skip
-                    sfb = gl.load(sfb_ptrs + kb * stride_sfb_k)
-                blk = warpgroup_mma_wait(num_outstanding=0, deps=(blk,))
-                if w == WAVES - 1:  # this warpgroup's WGMMAs are done with the stage's A / B
-                    mbarrier.arrive(empty.index(st), count=1)
-                if w == 0:
-                    acc0 = _scaled_add(acc0, blk, sfa, sfb, PER_COL)
-                    if WAVES == 2:  # promoted before wave 1's WGMMAs reuse blk's registers
-                        acc0 = _pin(acc0)
-                else:
-                    acc1 = _scaled_add(acc1, blk, sfa, sfb, PER_COL)
-            it += 1
-        if item >= whole:  # a K-slice: its fp32 partial sums to workspace slot item - whole
-            slot = ws_ptr + (item - whole).to(gl.int64) * (BOXES * HALF * BLOCK_N)
-            lrows = HALF_INDEX * WAVES * HALF + gl.arange(0, HALF, gl.SliceLayout(1, mma_layout))
-            lcols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        acc0, acc1, blk, it = _consume(*ring, sfb_ptrs, rows, M, stride_sfa_m, stride_sfa_k,
+                                       stride_sfb_k, 0, k_steps, it, blk, acc0, acc1,
+                                       HALF_INDEX)  # fmt: skip
+        for w in gl.static_range(WAVES):
+            acc = acc0 if w == 0 else acc1
+            if TMA_STORE:
+                # Through shared memory and one TMA store per wave (clipped at M and N), from
+                # this consumer's BUFS staging buffers in turn over all its stores (D +=:
+                # BUFS = 1).
+                buf = c_smem.index((tile_iter * WAVES + w) % BUFS)
+                if ACCUMULATE:
+                    if w > 0:  # wave w's out, once the previous wave's store has read the buffer
+                        tma.store_wait(0)
+                        mbarrier.expect(c_bar, c_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(c_desc, [row0 + w * HALF, off_n], c_bar,
+                                                        buf)  # fmt: skip
+                    # c_bar's phase: its completions so far (WAVES per earlier tile)
+                    mbarrier.wait(c_bar, (tile_iter * WAVES + w) & 1)
+                    acc = acc + buf.load(mma_layout)
+                else:  # the store that last used this buffer must have read it (the newest
+                    # BUFS - 1 stores may still be in flight)
+                    tma.store_wait(BUFS - 1)
+                buf.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row0 + w * HALF, off_n], buf)
+            else:
+                _store_tile(out_ptr, acc, rows + w * HALF, cols, M, N, stride_om, stride_on,
+                            ACCUMULATE)  # fmt: skip
+    if SPLIT:  # this program's K-slices (as the producer's): partial sums to the workspace
+        num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
+        lrows = HALF_INDEX * WAVES * HALF + gl.arange(0, HALF, gl.SliceLayout(1, mma_layout))
+        lcols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        for j in range(gl.program_id(0), (num_tiles - whole) * splits, gl.num_programs(0)):
+            off_m, off_n = _tile_coords(whole + j // splits, M, N, BOXES * HALF, BLOCK_N, group_m)
+            rows = off_m + lrows
+            cols = off_n + lcols
+            _sfa_ptrs, sfb_ptrs = _scale_ptrs(sfa_ptr, sfb_ptr, rows, cols, off_n, M, N,
+                                              stride_sfa_m, stride_sfb_n, SFB_PER_COL,
+                                              BLOCK_N)  # fmt: skip
+            kb0, kb1 = _slice_blocks(j, splits, k_steps)
+            acc0 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
+            acc1 = gl.zeros((HALF, BLOCK_N), gl.float32, mma_layout)
+            acc0, acc1, blk, it = _consume(*ring, sfb_ptrs, rows, M, stride_sfa_m, stride_sfa_k,
+                                           stride_sfb_k, kb0, kb1, it, blk, acc0, acc1,
+                                           HALF_INDEX)  # fmt: skip
+            slot = ws_ptr + j.to(gl.int64) * (BOXES * HALF * BLOCK_N)
             for w in gl.static_range(WAVES):
                 acc = acc0 if w == 0 else acc1
                 gl.store(slot + (lrows + w * HALF)[:, None] * BLOCK_N + lcols[None, :], acc)
-        else:
-            for w in gl.static_range(WAVES):
-                acc = acc0 if w == 0 else acc1
-                if TMA_STORE:
-                    # Through shared memory and one TMA store per wave (clipped at M and N), from
-                    # this consumer's BUFS staging buffers in turn over all its stores (D +=:
-                    # BUFS = 1).
-                    buf = c_smem.index((tile_iter * WAVES + w) % BUFS)
-                    if ACCUMULATE:
-                        # wave w's out, once the previous wave's store has read the buffer
-                        if w > 0:
-                            tma.store_wait(0)
-                            mbarrier.expect(c_bar, c_desc.block_type.nbytes)
-                            tma.async_copy_global_to_shared(c_desc, [row0 + w * HALF, off_n], c_bar,
-                                                            buf)  # fmt: skip
-                        # c_bar's phase: its completions so far (WAVES per earlier tile)
-                        mbarrier.wait(c_bar, (tile_iter * WAVES + w) & 1)
-                        acc = acc + buf.load(mma_layout)
-                    else:  # the store that last used this buffer must have read it (the newest
-                        # BUFS - 1 stores may still be in flight)
-                        tma.store_wait(BUFS - 1)
-                    buf.store(acc.to(c_desc.dtype))
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(c_desc, [row0 + w * HALF, off_n], buf)
-                else:
-                    _store_tile(out_ptr, acc, rows + w * HALF, cols, M, N, stride_om, stride_on,
-                                ACCUMULATE)  # fmt: skip
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -465,7 +504,7 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
                     K, stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k, stride_om,
                     stride_on, ws_ptr, whole, splits, SFB_PER_COL: gl.constexpr,
                     ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr,
-                    WAVES: gl.constexpr,
+                    SPLIT: gl.constexpr, WAVES: gl.constexpr,
                     STORE_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     HALF: gl.constexpr = a_desc.block_type.shape[0]  # A boxes are [64, 128]: one per wave
@@ -480,13 +519,13 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    # warp_specialize passes constexpr arguments to the partitions as values, so the four
+    # warp_specialize passes constexpr arguments to the partitions as values, so the five
     # flags travel in the shape of an unused shared-memory descriptor:
-    # [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE, 1 + SCALES_TMA].
+    # [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE, 1 + SCALES_TMA, 1 + SPLIT].
     flags = gl.allocate_shared_memory(
         gl.int8,
-        [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE, 1 + SCALES_TMA],
-        gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]),
+        [1 + SFB_PER_COL, 1 + ACCUMULATE, 1 + TMA_STORE, 1 + SCALES_TMA, 1 + SPLIT],
+        gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0]),
     )
     # The scale rings ([1, 64] sf_a boxes per A box, [1, BLOCK_N] per-column sf_b boxes; one
     # slot more than the stages, see the consumer), or ``flags`` standing in.
@@ -600,7 +639,7 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
                       accumulate: bool = False, ws: bool = False,
                       consumer_regs: int = _WS_CONSUMER_REGS,
                       scales_tma: bool = True, tma_store: bool = True,
-                      store_buffers: int = 1):  # fmt: skip
+                      store_buffers: int = 1, split: bool = False):  # fmt: skip
     """Compile the kernel for sm_90a without a GPU; returns Triton's ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -641,6 +680,7 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
         constexprs["CONSUMER_REGS"] = consumer_regs
         constexprs["TMA_STORE"] = tma_store
         constexprs["SCALES_TMA"] = scales_tma
+        constexprs["SPLIT"] = split
         constexprs["WAVES"] = waves
         constexprs["STORE_BUFFERS"] = store_buffers
     else:
@@ -914,7 +954,7 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                 sf_a.stride(0), sf_a.stride(1), sf_b.stride(0), sf_b.stride(1),
                 out.stride(0), out.stride(1), ws, whole, splits,
                 SFB_PER_COL=kind == "1d1d", ACCUMULATE=accumulate, TMA_STORE=tma_store,
-                SCALES_TMA=cfg.scales_tma, WAVES=cfg.block_m // 128,
+                SCALES_TMA=cfg.scales_tma, SPLIT=splits > 1, WAVES=cfg.block_m // 128,
                 STORE_BUFFERS=cfg.store_buffers, GROUP_M=cfg.group_m,
                 NUM_STAGES=cfg.num_stages, CONSUMER_REGS=_WS_CONSUMER_REGS, num_warps=4,
                 maxnreg=_WS_MAXNREG,

@@ -35,7 +35,12 @@ for name, kind, kw in [("1d2d_128x64", "1d2d", dict(block_m=128, block_n=64, num
                                                     accumulate=True)),
                        # the Triton backend's 256x128 config: two staging buffers each
                        ("1d2d_ws256b2", "1d2d", dict(block_m=256, block_n=128, num_stages=3,
-                                                     ws=True, store_buffers=2))]:
+                                                     ws=True, store_buffers=2)),
+                       # the split tail's second loop over K-slices
+                       ("1d2d_ws256_split", "1d2d", dict(block_m=256, block_n=128,
+                                                         num_stages=3, ws=True, split=True)),
+                       ("1d1d_acc_ws_split", "1d1d", dict(block_n=128, ws=True, out="fp32",
+                                                          accumulate=True, split=True))]:
     ck = gluon._compile_for_sm90(kind, **kw)
     ptx = ck.asm["ptx"]
     nreg = re.findall(r"setmaxnreg\\.(\\w+)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)
@@ -54,7 +59,7 @@ emit(results)
 
 def test_compile_overlaps_promotion_without_spills(tmp_path):
     results = run_sm90_script(_COMPILE, tmp_path)
-    assert len(results) == 8, results
+    assert len(results) == 10, results
     for name, r in results.items():
         if "_ws" in name:
             # A 4-warp producer down to 40 registers, two 4-warp consumers up to 232.
