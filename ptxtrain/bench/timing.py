@@ -130,6 +130,9 @@ def environment() -> dict:
             sm_count=p.multi_processor_count,
             capability=f"{p.major}.{p.minor}",
             gpu_memory_gib=round(p.total_memory / 2**30, 1),
+            # which physical GPU: device calls may land on different machines, whose
+            # timings can differ by a few percent
+            gpu_uuid=str(getattr(p, "uuid", "")),
         )
     else:
         env["device"] = "cpu"
