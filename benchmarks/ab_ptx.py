@@ -8,9 +8,14 @@ Triton kernel) in one process (bench method).
 A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[a][d][k]`` (block sizes,
 as ``benchmarks.profile_gemm --config``; default the heuristic's pick), ``sN`` (the heuristic's
 block sizes with an N-stage ring), ``split`` / ``nosplit`` (the config with / without the split
-tail, ``PtxConfig.split_k``) or ``#MACRO=VALUE`` (a
-``#define`` put before the header: ``ptx.set_source_defines``). ``--kind 1d1d`` times the wgrad
-kernel (fp32 out) against cuBLAS 1D1D.
+tail, ``PtxConfig.split_k``), ``#MACRO=VALUE`` (a ``#define`` put before the header:
+``ptx.set_source_defines``) or ``yield=MODE`` (the SASS post-pass on the promotion FFMAs' yield
+bits, ``ptx.set_ffma_yield``: ``interleave``, ``all`` or ``none``; variants without it run
+``off``, the bits as compiled). ``--kind 1d1d`` times the wgrad kernel (fp32 out) against cuBLAS
+1D1D.
+
+    python3 -m benchmarks.ab_ptx --kind 1d1d --shapes 7168,4096,4096 \
+        --variants base il:yield=interleave all:yield=all none:yield=none
 """
 
 # ruff: noqa: B023
@@ -27,23 +32,32 @@ from ptxtrain.bench.gemm import random_problem
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, ptx
 from ptxtrain.gemm import triton as triton_gemm
+from ptxtrain.jit.sass import FFMA_YIELD_MODES
 from ptxtrain.testing import calc_diff
 
 
-def parse_variant(text: str) -> tuple[str, str | None, str, bool | None]:
+def parse_variant(text: str) -> tuple[str, str | None, str, bool | None, str]:
     """``"name:128x128s5c1d:#PTXTRAIN_GEMM_CHUNK=16"`` -> (name, config text or None, defines,
-    split). A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block sizes with an N-stage ring
-    (fewer where shared memory ends); it is returned as the config text. ``split`` / ``nosplit``
-    set the config's ``split_k`` (split: True / False; None keeps the config's).
+    split, FFMA yield mode). A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block sizes with
+    an N-stage ring (fewer where shared memory ends); it is returned as the config text.
+    ``split`` / ``nosplit`` set the config's ``split_k`` (split: True / False; None keeps the
+    config's). ``yield=MODE`` sets the mode (default ``"off"``).
 
     Raises:
-        ValueError: a SPEC that is neither a config, ``sN``, ``split`` / ``nosplit`` nor
-            ``#MACRO=VALUE``.
+        ValueError: a SPEC that is neither a config, ``sN``, ``split`` / ``nosplit``,
+            ``#MACRO=VALUE`` nor ``yield=MODE`` with a mode of ``ptxtrain.jit.sass``.
     """
     name, *specs = text.split(":")
-    cfg, defines, split = None, "", None
+    cfg, defines, split, ffma_yield = None, "", None, "off"
     for spec in specs:
-        if spec[:1] == "s" and spec[1:].isdigit():
+        if spec.startswith("yield="):
+            ffma_yield = spec.removeprefix("yield=")
+            if ffma_yield not in FFMA_YIELD_MODES:
+                raise ValueError(
+                    f"variant {text!r}: expected yield=MODE, MODE one of {FFMA_YIELD_MODES}, "
+                    f"got {spec!r}"
+                )
+        elif spec[:1] == "s" and spec[1:].isdigit():
             cfg = spec
         elif spec in ("split", "nosplit"):
             split = spec == "split"
@@ -55,7 +69,7 @@ def parse_variant(text: str) -> tuple[str, str | None, str, bool | None]:
         else:
             parse_config(spec)  # raises on a malformed config
             cfg = spec
-    return name, cfg, defines, split
+    return name, cfg, defines, split, ffma_yield
 
 
 def _with_stages(cfg, stages: int, kind: str, out_dtype) -> ptx.PtxConfig:
@@ -93,7 +107,7 @@ def main() -> None:
         base_us = timer(lambda: fn(qa, qb))
         flops = 2.0 * m * n * k
         line = f"{m} {n} {k} | {args.baseline} {base_us:8.1f} {flops / base_us / 1e6:5.0f}"
-        for name, cfg_text, defines, split in variants:
+        for name, cfg_text, defines, split, ffma_yield in variants:
             cfg = ptx.select_config(args.kind, m, n, k, sms)
             if cfg_text and cfg_text[0] == "s":
                 cfg = _with_stages(cfg, int(cfg_text[1:]), args.kind, out_dtype)
@@ -102,6 +116,7 @@ def main() -> None:
             if split is not None:
                 cfg = dataclasses.replace(cfg, split_k=split)
             ptx.set_source_defines(defines)
+            ptx.set_ffma_yield(ffma_yield)
             try:
                 diff = calc_diff(
                     ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype).float(), want
@@ -109,9 +124,11 @@ def main() -> None:
                 us = timer(lambda: ptx.run_with_config(args.kind, qa, qb, cfg, out_dtype))
             finally:
                 ptx.set_source_defines("")
+                ptx.set_ffma_yield("off")
             ok = diff < 1e-3  # the GEMM contract (DESIGN §2): FP8 inputs, FP32 promotion
             rows.append(
-                dict(m=m, n=n, k=k, variant=name, cfg=cfg.__dict__, defines=defines, us=us,
+                dict(m=m, n=n, k=k, variant=name, cfg=cfg.__dict__, defines=defines,
+                     ffma_yield=ffma_yield, us=us,
                      baseline=args.baseline, baseline_us=base_us, x_baseline=base_us / us,
                      calc_diff=diff, ok=ok)
             )  # fmt: skip

@@ -101,7 +101,7 @@ def main() -> None:
                     shape, groups=g_, rows_per_group=rows_)  # fmt: skip
         summary[f"grouped_over_dense_ptx_{tag}"] = grp / dptx
         for spec in args.ab:
-            _, _, defines, _ = parse_variant(f"ab:{spec}")
+            defines = parse_variant(f"ab:{spec}")[2]
             ptx.set_source_defines(defines)
             try:
                 alt = timed(timer, f"m_grouped_contiguous {spec}",

@@ -2,7 +2,7 @@
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
-#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [abtriton] [probews] [wgrad] [race]
+#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [abyield] [abtriton] [probews] [wgrad] [race]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvldiag] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
@@ -31,6 +31,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 stages=${*:-env tests quant gemm linear train}
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+# The six DeepSeek-V3 GEMM shapes at M = 4096 (1D2D) and their wgrad shapes (1D1D, K = 4096 tokens).
+V3_SHAPES="4096,2112,7168 4096,24576,1536 4096,32768,512 4096,7168,16384 4096,4096,7168 4096,7168,2048"
+V3_WSHAPES="7168,2112,4096 1536,24576,4096 512,32768,4096 16384,7168,4096 7168,4096,4096 2048,7168,4096"
 status=0
 for stage in $stages; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
@@ -149,6 +152,19 @@ for stage in $stages; do
       python3 -m benchmarks.ab_ptx ${AB_ARGS:-} --json "$OUT/ab_ptx_${AB_TAG:-x}_${PTXTRAIN_GIT_SHA:-local}.json" \
         2>&1 | grep -v "^W" || status=1
       ;;
+    abyield)
+      # The SASS post-pass on the promotion FFMAs' yield bits (ptxtrain.jit.sass, after
+      # DeepGEMM's FFMA interleaving): compiled bits vs interleave / all / none, PTX GEMM vs
+      # cuBLAS at the V3 shapes (1D2D) and their wgrad shapes (1D1D).
+      for kind in 1d2d 1d1d; do
+        if [ $kind = 1d2d ]; then s=$V3_SHAPES; else s=$V3_WSHAPES; fi
+        python3 -m benchmarks.ab_ptx --kind $kind --shapes $s \
+          --variants base il:yield=interleave all:yield=all none:yield=none \
+          --json "$OUT/ab_yield_${kind}_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" \
+          | tee "$LOGS/ab_yield_$kind.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done
+      ;;
     abtriton)
       # Triton / Gluon GEMM configs vs cuBLAS and the Triton heuristic (benchmarks.ab_triton): by
       # default the warp-specialized Gluon kernel (ptxtrain.gemm.gluon; Triton's own automatic
@@ -156,12 +172,10 @@ for stage in $stages; do
       # M = 4096 over the six V3 shapes (1D2D) and the wgrad shapes (1D1D, K = 4096).
       # (the configs gluon.ws_config gives the Triton backend's tiles; 256 rows spill for 1D1D)
       v_ws="g128:gluon:128x128w8s4c4ws g256:gluon:256x128w8s3c4b2ws g256n64:gluon:256x64w8s5c4ws"
-      shapes="4096,2112,7168 4096,24576,1536 4096,32768,512 4096,7168,16384 4096,4096,7168 4096,7168,2048"
       # Each kind runs under `timeout` (ABT_TIMEOUT s, default 240): a config that hangs the GPU
       # ends its process; the JSON is rewritten after every shape, so finished shapes are kept.
-      wshapes="7168,2112,4096 1536,24576,4096 512,32768,4096 16384,7168,4096 7168,4096,4096 2048,7168,4096"
       for kind in 1d2d 1d1d; do
-        if [ $kind = 1d2d ]; then s=${ABT_SHAPES:-$shapes}; else s=${ABT_WSHAPES:-$wshapes}; fi
+        if [ $kind = 1d2d ]; then s=${ABT_SHAPES:-$V3_SHAPES}; else s=${ABT_WSHAPES:-$V3_WSHAPES}; fi
         timeout -k 10 ${ABT_TIMEOUT:-240} python3 -m benchmarks.ab_triton --kind $kind --shapes $s \
           --variants ${ABT_VARIANTS:-$v_ws} --json "$OUT/ab_triton_${kind}_${PTXTRAIN_GIT_SHA:-local}.json" \
           2>&1 | grep -v "^W" | tee "$LOGS/ab_triton_$kind.log"

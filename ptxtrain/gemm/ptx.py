@@ -23,6 +23,10 @@ Scales: the kernel reads A's scales (and B's for 1D1D) through TMA from an MN-ma
 4-row-padded copy ``[⌈K/128⌉, M]`` (row stride ``4·⌈M/4⌉``, the layout of DeepGEMM and
 ``torch._scaled_mm``); an ``sf`` that is already MN-major (``sf.stride() == (1, 4·⌈M/4⌉)``) is
 used as is, others are transposed once (one small copy).
+
+SASS post-pass (opt-in, for A/B timing): :func:`set_ffma_yield` or ``PTXTRAIN_JIT_FFMA_YIELD``
+rewrite the yield bits of the promotion's FFMAs before a kernel is loaded
+(:mod:`ptxtrain.jit.sass`, after DeepGEMM's FFMA interleaving); default ``"off"``.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ _SPLIT_TAIL = True  # select_config may set PtxConfig.split_k
 _1D1D_KINDS = ("1d1d", "k_grouped")  # kernel kinds with per-column scales of B
 # Lines put before the header in every kernel's source (set_source_defines).
 _SOURCE_DEFINES = ""
+# The SASS post-pass on the promotion FFMAs' yield bits (set_ffma_yield; None: the environment's).
+_FFMA_YIELD: str | None = None
 _GROUP_MODE = {"m_grouped": 1, "k_grouped": 2, "masked": 3}  # the kernel's kGroupMode (0: dense)
 
 
@@ -332,6 +338,34 @@ def set_source_defines(text: str) -> None:
         _plan.cache_clear()
 
 
+def set_ffma_yield(mode: str | None) -> None:
+    """Load every kernel from now on with the FFMA yield post-pass ``mode`` (``"off"``,
+    ``"interleave"``, ``"all"`` or ``"none"``: :func:`ptxtrain.jit.sass.patch_ffma_yield`
+    rewrites the yield / reuse control bits of the promotion's FFMAs in the SASS), for A/B runs
+    in one process (benchmarks/ab_ptx.py); ``None`` follows ``PTXTRAIN_JIT_FFMA_YIELD`` again
+    (default ``"off"``; read when a launch plan is built, i.e. at a shape's first call). The
+    cached launch plans are dropped; compiled cubins are kept (the pass runs on them at load).
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    global _FFMA_YIELD
+    from ptxtrain.jit.sass import FFMA_YIELD_MODES
+
+    if mode is not None and mode not in FFMA_YIELD_MODES:
+        raise ValueError(f"mode must be None or one of {FFMA_YIELD_MODES}, got {mode!r}")
+    if mode != _FFMA_YIELD:
+        _FFMA_YIELD = mode
+        _plan.cache_clear()
+
+
+def _ffma_yield_mode() -> str:
+    """The FFMA yield post-pass of kernels loaded now: set_ffma_yield's, else the environment's."""
+    from ptxtrain.jit.sass import default_ffma_yield_mode
+
+    return _FFMA_YIELD if _FFMA_YIELD is not None else default_ffma_yield_mode()
+
+
 @functools.lru_cache(maxsize=256)
 def compile_gemm(
     kind: str, cfg: PtxConfig, n: int, k: int, out_dtype: torch.dtype, accumulate: bool
@@ -496,6 +530,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     """(config, bound launch, grid) of one launch geometry, cached so a repeated shape costs one
     lookup of host time (``cfg=None``: the heuristic's)."""
     from ptxtrain.jit import BoundLaunch, load_kernel, max_active_clusters
+    from ptxtrain.jit.sass import with_ffma_yield
 
     if cfg is None and kind == "m_grouped":
         cfg = grouped_config(m, n, k, _num_sms(device_index), num_groups)
@@ -510,6 +545,8 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     aligned = aligned and (kind not in ("k_grouped", "masked") or m % cfg.block_m == 0)
     cfg = _resolve(cfg, kind, n, aligned, out_dtype)
     compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
+    # (a patched cubin carries a key of its own: load_kernel caches modules by key)
+    compiled = with_ffma_yield(compiled, _ffma_yield_mode(), expr)
     with torch.cuda.device(device_index):
         kernel = load_kernel(compiled, expr)
     if cfg.multicast_a:  # units: one M-block x `cluster` N-blocks

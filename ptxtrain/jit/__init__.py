@@ -18,6 +18,9 @@ Environment variables (read at each call):
 - ``PTXTRAIN_JIT_DUMP_SASS=1``: on a fresh compile, write ``kernel.sass`` beside the cubin with
   ``cuobjdump -sass`` (from PATH or the Triton wheel; skipped if none is found).
 - ``PTXTRAIN_JIT_DISABLE_CACHE=1``: always compile; nothing is read from or written to disk.
+- ``PTXTRAIN_JIT_FFMA_YIELD``: ``off`` (default), ``interleave``, ``all`` or ``none``: the SASS
+  post-pass on the yield bits of long FFMA runs (``ptxtrain.jit.sass``), for kernel families
+  that apply it to their cubins before loading them (read when they load a kernel).
 
 The cache key is a sha256 over the kernel name, the generated source, every header under
 ``ptxtrain/include`` (and extra include directories), the NVRTC options, the arch and the NVRTC
