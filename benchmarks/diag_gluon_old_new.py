@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 
 import torch
 
@@ -34,6 +35,7 @@ def main() -> None:
         "gluon_old", os.path.join(args.old_tree, "ptxtrain/gemm/gluon.py")
     )
     old = importlib.util.module_from_spec(spec)
+    sys.modules["gluon_old"] = old  # (dataclasses look their module up there)
     spec.loader.exec_module(old)
     timer = GpuTimer(repeats=30)
     rows = []
