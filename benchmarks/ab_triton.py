@@ -11,7 +11,7 @@ A variant is ``NAME:TILE:VARIANT[:pN]``: ``TILE`` is ``BMxBNwWARPSsSTAGESgGROUP_
 ``NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK[gGROUP_M][bBUFFERS][ws][k]`` times the Gluon kernel
 (:mod:`ptxtrain.gemm.gluon`; ``ws``: its warp-specialized form, ``wsg`` the same with the
 scales loaded from global memory by the consumers instead of brought into each stage by TMA;
-a final ``k``: the split tail, ``GluonConfig.split_k``).
+a final ``k[N]``: the split tail, ``GluonConfig.split_k``, at most N slices per tile).
 """
 
 # ruff: noqa: B023
@@ -31,7 +31,7 @@ from ptxtrain.gemm.heuristics import VARIANTS, GemmConfig
 from ptxtrain.testing import calc_diff
 
 _TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)g(\d+)")
-_GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:b(\d))?(wsg|ws)?(k)?")
+_GLUON = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:b(\d))?(wsg|ws)?(k\d*)?")
 
 
 def parse_variant(text: str) -> tuple[str, object]:
@@ -52,7 +52,8 @@ def parse_variant(text: str) -> tuple[str, object]:
         group_m = int(t[6]) if t[6] else 8
         return parts[0], GluonConfig(bm, bn, warps, stages, chunk, group_m,
                                      warp_specialized=bool(t[8]), scales_tma=t[8] != "wsg",
-                                     store_buffers=int(t[7] or 1), split_k=bool(t[9]))  # fmt: skip
+                                     store_buffers=int(t[7] or 1), split_k=bool(t[9]),
+                                     split_max=int(t[9][1:] or 16) if t[9] else 16)  # fmt: skip
     if len(parts) not in (3, 4):
         raise ValueError(f"variant {text!r}: expected NAME:TILE:VARIANT[:pN]")
     name, tile, variant, *rest = parts

@@ -570,12 +570,13 @@ def _gemm_ws_kernel(a_desc, b_desc, sfa_ptr, sfb_ptr, out_ptr, c_desc, sfa_desc,
 
 
 @triton.jit
-def _split_finish_kernel(ws_ptr, out_ptr, M, N, stride_om, stride_on, whole, splits, group_m,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                         ACCUMULATE: tl.constexpr):  # fmt: skip
-    """Rows ``[ROWS·pid1, ROWS·(pid1 + 1))`` of split tile ``whole + pid0``: its ``splits``
+def _split_finish_kernel(ws_ptr, out_ptr, M, N, stride_om, stride_on, whole, group_m,
+                         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ROWS: tl.constexpr, ACCUMULATE: tl.constexpr):  # fmt: skip
+    """Rows ``[ROWS·pid1, ROWS·(pid1 + 1))`` of split tile ``whole + pid0``: its ``SPLITS``
     partial sums from the workspace added in slice order (``out +=`` with ACCUMULATE), stored
-    at the tile's place (``_tile_coords``' rasterization)."""
+    at the tile's place (``_tile_coords``' rasterization). The loads are unrolled so that all
+    slices' are in flight at once (a loop of dependent loads ran latency-bound)."""
     tt = tl.program_id(0)
     t = whole + tt
     width = group_m * tl.cdiv(N, BLOCK_N)
@@ -585,10 +586,10 @@ def _split_finish_kernel(ws_ptr, out_ptr, M, N, stride_om, stride_on, whole, spl
     off_n = ((t % width) // group_rows) * BLOCK_N
     lrows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     lcols = tl.arange(0, BLOCK_N)
-    part = ws_ptr + (tt * splits).to(tl.int64) * (BLOCK_M * BLOCK_N)
+    part = ws_ptr + (tt * SPLITS).to(tl.int64) * (BLOCK_M * BLOCK_N)
     part += lrows[:, None] * BLOCK_N + lcols[None, :]
     acc = tl.load(part)
-    for i in range(1, splits):
+    for i in tl.static_range(1, SPLITS):
         acc += tl.load(part + i * (BLOCK_M * BLOCK_N))
     rows, cols = off_m + lrows, off_n + lcols
     ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
@@ -723,6 +724,7 @@ class GluonConfig:
             (:func:`ptxtrain.gemm.heuristics.gluon_split_k`): each slice writes its fp32
             partial sums to a workspace, and ``_split_finish_kernel`` adds a tile's slices in
             slice order (bitwise repeatable) and stores it.
+        split_max: with split_k, the most slices per tile (2 to 16).
 
     Raises:
         ValueError: block_m not 16 x num_warps (warp-specialized: not 128 or 256 with
@@ -741,6 +743,7 @@ class GluonConfig:
     scales_tma: bool = True
     store_buffers: int = 1
     split_k: bool = False
+    split_max: int = 16
 
     def __post_init__(self) -> None:
         for field in ("warp_specialized", "scales_tma", "split_k"):
@@ -762,6 +765,8 @@ class GluonConfig:
                 f"GluonConfig needs num_warps in (4, 8) and block_m = 16 x num_warps, got "
                 f"block_m={self.block_m}, num_warps={self.num_warps}"
             )
+        if isinstance(self.split_max, bool) or self.split_max not in range(2, 17):
+            raise ValueError(f"GluonConfig.split_max must be in [2, 16], got {self.split_max!r}")
         if self.store_buffers not in (1, 2) or isinstance(self.store_buffers, bool):
             raise ValueError(
                 f"GluonConfig.store_buffers must be 1 or 2, got {self.store_buffers!r}"
@@ -915,7 +920,7 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
 
         num_sms = _device_sms(a_fp8.device)
         if cfg.split_k:
-            whole, splits = gluon_split_k(num_tiles, num_sms, triton.cdiv(k, _BK))
+            whole, splits = gluon_split_k(num_tiles, num_sms, triton.cdiv(k, _BK), cfg.split_max)
         grid = (min(whole + (num_tiles - whole) * splits, num_sms),)
     with torch.cuda.device(a_fp8.device):
         if cfg.warp_specialized:
@@ -963,11 +968,11 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                 maxnreg=_WS_MAXNREG,
             )  # fmt: skip
             if splits > 1:
-                rows = 32  # rows of a tile per finishing program
+                rows = 16  # rows of a tile per finishing program
                 _split_finish_kernel[(num_tiles - whole, cfg.block_m // rows)](
-                    ws, out, m, n, out.stride(0), out.stride(1), whole, splits, cfg.group_m,
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROWS=rows, ACCUMULATE=accumulate,
-                    num_warps=4,
+                    ws, out, m, n, out.stride(0), out.stride(1), whole, cfg.group_m,
+                    SPLITS=splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROWS=rows,
+                    ACCUMULATE=accumulate, num_warps=4,
                 )  # fmt: skip
             return out
         _gemm_kernel[grid](

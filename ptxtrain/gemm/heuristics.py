@@ -265,7 +265,7 @@ def _wave_efficiency(tiles: int, num_sms: int, k_blocks: int = 0) -> float:
 # A K-slice of the split tail covers at least this many 128-K blocks (each slice's partial sums
 # cost a [BM, BN] fp32 write and read), and a tile is cut into at most this many.
 GLUON_SPLIT_MIN_BLOCKS = 4
-GLUON_SPLIT_MAX = 16
+GLUON_SPLIT_MAX = 16  # (GluonConfig.split_max's default)
 # Slices a split wave needs to count as 1 / splits of a wave in gluon_tile's choice. Session 16,
 # call 3: 2048 x 7168 x 2048 as 448 tiles of 256x128, the last 52 split 2 ways, ran 0.86x
 # cuBLAS against 0.95 for 896 tiles of 128x128 (equal fill on paper); 4096 x 2112 x 7168's
@@ -273,14 +273,17 @@ GLUON_SPLIT_MAX = 16
 GLUON_SPLIT_FILL_MIN = 4
 
 
-def gluon_split_k(num_tiles: int, num_sms: int, k_blocks: int) -> tuple[int, int]:
+def gluon_split_k(
+    num_tiles: int, num_sms: int, k_blocks: int, max_splits: int = 16
+) -> tuple[int, int]:
     """``(whole, splits)``: the warp-specialized Gluon kernel's persistent programs (one per SM)
     run tiles ``[0, whole)`` whole and cut each tile past them into ``splits`` K-slices that
     run side by side on the SMs the last partial wave would leave idle (their FP32 partial sums
     go to a workspace; a second kernel adds them in slice order and stores the tile, so results
-    are bitwise repeatable). ``splits`` = SMs per tail tile, at most
-    :data:`GLUON_SPLIT_MAX` and at least :data:`GLUON_SPLIT_MIN_BLOCKS` K blocks per slice;
-    ``(num_tiles, 1)`` where that is below 2 or there is no partial wave.
+    are bitwise repeatable). ``splits`` = SMs per tail tile, at most ``max_splits`` (the
+    config's ``split_max``, default :data:`GLUON_SPLIT_MAX`) and at least
+    :data:`GLUON_SPLIT_MIN_BLOCKS` K blocks per slice; ``(num_tiles, 1)`` where that is below
+    2 or there is no partial wave.
 
     Measured on an H200 (session 16, call 2, x cuBLAS): a lone 256x128 x 7168 tile takes
     47 µs on one SM, and 4096 x 2112 x 7168's 272 tiles of 256x128 (two waves and 8 tiles)
@@ -298,7 +301,7 @@ def gluon_split_k(num_tiles: int, num_sms: int, k_blocks: int) -> tuple[int, int
     tail = num_tiles - whole
     if tail == 0:
         return num_tiles, 1
-    splits = min(num_sms // tail, k_blocks // GLUON_SPLIT_MIN_BLOCKS, GLUON_SPLIT_MAX)
+    splits = min(num_sms // tail, k_blocks // GLUON_SPLIT_MIN_BLOCKS, max_splits)
     return (whole, splits) if splits >= 2 else (num_tiles, 1)
 
 
