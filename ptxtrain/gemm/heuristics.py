@@ -263,8 +263,10 @@ def _wave_efficiency(tiles: int, num_sms: int, k_blocks: int = 0) -> float:
 
 
 # A K-slice of the split tail covers at least this many 128-K blocks (each slice's partial sums
-# cost a [BM, BN] fp32 write and read), and a tile is cut into at most this many.
-GLUON_SPLIT_MIN_BLOCKS = 4
+# cost a [BM, BN] fp32 write and read; session 16, call 9: 4096 x 24576 x 1536's 36 tail tiles
+# in 3 slices of 4 blocks ran 0.993x cuBLAS against 1.005 unsplit, 4096 x 2112 x 7168's 8 in
+# 7 slices of 8 blocks 0.980, in 14 of 4 0.972), and a tile is cut into at most this many.
+GLUON_SPLIT_MIN_BLOCKS = 8
 GLUON_SPLIT_MAX = 16  # (GluonConfig.split_max's default)
 # Slices a split wave needs to count as 1 / splits of a wave in gluon_tile's choice. Session 16,
 # call 3: 2048 x 7168 x 2048 as 448 tiles of 256x128, the last 52 split 2 ways, ran 0.86x

@@ -387,9 +387,9 @@ def test_gpu_pointer_epilogue_across_tiles(block_m, kind):
 
 # (m, n, k, kind, block_m): the tiles and split on 132 SMs (heuristics.gluon_split_k)
 _SPLIT_CASES = [
-    (4096, 2112, 7168, "1d2d", 256),  # 272 tiles: 264 whole, 8 cut into 14 slices
-    (13, 300, 2048, "1d2d", 128),  # 3 tiles, M and N tails: all cut into 4 slices
-    (129, 576, 1536, "1d1d", 128),  # 10 tiles: all cut into 3 slices
+    (4096, 2112, 7168, "1d2d", 256),  # 272 tiles: 264 whole, 8 cut into 7 slices
+    (13, 300, 2048, "1d2d", 128),  # 3 tiles, M and N tails: all cut into 2 slices
+    (129, 576, 3072, "1d1d", 128),  # 10 tiles: all cut into 3 slices
     (7168, 2112, 4096, "1d1d", 128),  # 952 tiles: 924 whole, 28 cut into 4 slices
 ]
 

@@ -183,7 +183,7 @@ def test_gluon_tile_by_wave_fill():
     """The fewest-L2-bytes tile whose waves fill within 5 points of the best-filling tile."""
     picks = {(n, k): gluon_tile(4096, n, k) for n, k in DSV3_DENSE_NK}
     # 4096 x 2112: 256x128's 16 x 17 = 272 tiles are 2 waves and 8 tiles, which the split tail
-    # cuts into 14 K-slices each: 99.5% (without the split 69%, 256x64's 528 tiles 100%).
+    # cuts into 7 K-slices each: 97.5% (without the split 69%, 256x64's 528 tiles 100%).
     assert picks == {nk: (256, 128) for nk in DSV3_DENSE_NK}, picks
     # 448 tiles of 256x128 whose 52 last are split only 2 ways: 85% (counted as 3.5 waves,
     # 97%, as 128x128's 896 tiles, they measured slower)
@@ -201,16 +201,18 @@ def test_gluon_tile_by_wave_fill():
 
 
 def test_gluon_split_k():
-    """The partial last wave's tiles cut into K-slices: SMs per tail tile, at most 16, at least
-    4 K blocks per slice; none without a partial wave or with fewer than 2 slices."""
-    assert gluon_split_k(272, 132, 56) == (264, 14)  # 8 tail tiles: 16 SMs each, 56 / 4 = 14
-    assert gluon_split_k(544, 132, 56) == (528, 8)  # 16 tail tiles: 8 SMs each
-    assert gluon_split_k(3072, 132, 12) == (3036, 3)  # 36 tail tiles, 12 K blocks: 3 slices
-    assert gluon_split_k(3, 132, 16) == (0, 4)  # one partial wave only: every tile split
+    """The partial last wave's tiles cut into K-slices: SMs per tail tile, at most 16 (or the
+    given cap), at least 8 K blocks per slice; none without a partial wave or with fewer than
+    2 slices."""
+    assert gluon_split_k(272, 132, 56) == (264, 7)  # 8 tail tiles: 16 SMs each, 56 / 8 = 7
+    assert gluon_split_k(272, 132, 56, max_splits=4) == (264, 4)
+    assert gluon_split_k(952, 132, 32) == (924, 4)  # 28 tail tiles: 4 SMs each
+    assert gluon_split_k(2304, 132, 32) == (2244, 2)  # 60 tail tiles: 2 SMs each
+    assert gluon_split_k(3072, 132, 12) == (3072, 1)  # 12 K blocks: one slice of >= 8
+    assert gluon_split_k(3, 132, 16) == (0, 2)  # one partial wave only: every tile split
     assert gluon_split_k(8, 132, 1000) == (0, 16)  # at most 16 slices
     assert gluon_split_k(512, 132, 56) == (512, 1)  # 116 tail tiles: 1 SM each
     assert gluon_split_k(264, 132, 56) == (264, 1)  # whole waves
-    assert gluon_split_k(272, 132, 7) == (272, 1)  # 7 K blocks: one slice of >= 4
     assert gluon_split_k(0, 132, 56) == (0, 1)
     for bad in (-1, 1.0, True):
         with pytest.raises(ValueError, match="num_tiles"):
