@@ -43,6 +43,12 @@ cuBLAS, geomean 0.976 with the tiles ``gluon_tile`` picks (the plain Triton kern
 128x128 the kernel ran at 81% of L2 throughput (ncu, call 2). The scale ring has one slot
 more than the stages (see ``_ws_consumer``): with a slot per stage the consumers could release
 a stage before their loads of its scales returned (calls 10-13: 0.1% wrong outputs).
+A partial last wave of tiles is cut into K-slices (``GluonConfig.split_k``, the tiles past
+``whole``, a second loop behind the SPLIT constexpr): a lone 256x128 x 7168 tile takes 47 µs on
+one SM, so 4096 x 2112 x 7168's last 8 tiles cost a whole third wave; as 8 x 7 slices on the
+otherwise idle SMs, whose fp32 partial sums ``_split_finish_kernel`` adds in slice order, it
+runs 0.98x cuBLAS (256x64 tiles: 0.85x), and the Triton backend's M = 4096 geomean is
+1.007-1.012x (session 16, calls 2-10).
 Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-V3 §3.3).
 """
 
