@@ -337,17 +337,18 @@ def _consume(a_ring, b_ring, ready, empty, flags, sfa_ring, sfb_ring, sfa_ptr, s
     """Consumer warpgroup HALF_INDEX's WGMMAs and promotion of K blocks ``[kb0, kb1)`` of one
     tile from ring position ``it`` on, into ``acc0`` (wave 0) and ``acc1`` (wave 1); returns
     ``(acc0, acc1, blk, it)``."""
+    # (sizes from the rings' types; flags as in _gemm_ws_kernel)
     NUM_STAGES: gl.constexpr = b_ring.type.shape[0]
     BLOCK_N: gl.constexpr = b_ring.type.shape[1]
-    HALF: gl.constexpr = a_ring.type.shape[1]
-    BOXES: gl.constexpr = a_ring.type.shape[0] // NUM_STAGES
-    WAVES: gl.constexpr = BOXES // 2
-    SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
-    SCALES_TMA: gl.constexpr = flags.type.shape[3] == 2
-    PER_COL: gl.constexpr = SFB_PER_COL or (BLOCK_K % BLOCK_N != 0)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
     )
+    SCALES_TMA: gl.constexpr = flags.type.shape[3] == 2
+    SFB_PER_COL: gl.constexpr = flags.type.shape[0] == 2
+    PER_COL: gl.constexpr = SFB_PER_COL or (BLOCK_K % BLOCK_N != 0)
+    HALF: gl.constexpr = a_ring.type.shape[1]
+    BOXES: gl.constexpr = a_ring.type.shape[0] // NUM_STAGES  # A boxes per stage: 2 WAVES
+    WAVES: gl.constexpr = BOXES // 2
     # A stage's scale boxes read as vectors in the accumulator's row / column layout.
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     for kb in range(kb0, kb1):
