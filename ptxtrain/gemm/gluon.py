@@ -614,9 +614,16 @@ _WS_MAXNREG = 168
 _WS_CONSUMER_REGS = 232
 
 
+@functools.cache  # (get_default_for costs about 11 µs of host time per call)
 def _smem_layout(rows: int) -> gl.NVMMASharedLayout:
     """128-byte swizzled K-major tile of ``rows`` x 128 fp8 (the layout TMA and WGMMA share)."""
     return gl.NVMMASharedLayout.get_default_for([rows, _BK], gl.float8e4nv)
+
+
+@functools.cache
+def _out_layout(block_n: int, fp32: bool) -> gl.NVMMASharedLayout:
+    """The TMA-store staging layout of a [64, block_n] bf16 / fp32 box of the output."""
+    return gl.NVMMASharedLayout.get_default_for([64, block_n], gl.float32 if fp32 else gl.bfloat16)
 
 
 # A [1, n] fp32 box of an MN-major scale tensor: unswizzled, so it reads back as a vector.
@@ -664,9 +671,7 @@ def _compile_for_sm90(kind: str = "1d2d", block_m: int = 128, block_n: int = 128
     signature = {"a_desc": desc(block_m), "b_desc": desc(block_n), "sfa_ptr": "*fp32",
                  "sfb_ptr": "*fp32", "out_ptr": f"*{out}"}  # fmt: skip
     if ws:  # the TMA-store descriptor (A's stands in when the kernel stores through pointers)
-        c_layout = gl.NVMMASharedLayout.get_default_for(
-            [64, block_n], {"bf16": gl.bfloat16, "fp32": gl.float32}[out]
-        )
+        c_layout = _out_layout(block_n, out == "fp32")
         signature["c_desc"] = (
             f"tensordesc<{out}[64, {block_n}],{c_layout!r}>" if tma_store else desc(block_m)
         )
@@ -946,11 +951,9 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
                     f"over {_SMEM_MAX}: use fewer stages"
                 )
             if tma_store:
-                c_elem = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
-                c_box = [64, cfg.block_n]
-                c_layout = gl.NVMMASharedLayout.get_default_for(c_box, c_elem)
-                c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), c_box,
-                                          c_layout)  # fmt: skip
+                c_layout = _out_layout(cfg.block_n, out.dtype == torch.float32)
+                c_desc = TensorDescriptor(out, list(out.shape), list(out.stride()),
+                                          [64, cfg.block_n], c_layout)  # fmt: skip
             sfa_desc = sfb_desc = a_desc  # stand-ins the kernel never reads without SCALES_TMA
             if cfg.scales_tma:
                 sf_a = _mn_major(sf_a)

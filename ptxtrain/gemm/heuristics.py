@@ -312,6 +312,7 @@ def gluon_split_k(
 GLUON_TILES = ((256, 128), (128, 128), (256, 64))
 
 
+@functools.lru_cache(maxsize=4096, typed=True)  # (on the host path of every routed GEMM)
 def gluon_tile(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_SMS) -> tuple:
     """``(block_m, block_n)`` of the warp-specialized Gluon kernel: the first tile of
     :data:`GLUON_TILES` (fewest L2 bytes per FLOP first) whose tiles fill the SMs' waves within
