@@ -395,11 +395,13 @@ _SPLIT_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["row", "col"])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("m,n,k,kind,block_m", _SPLIT_CASES)
-def test_gpu_split_tail(m, n, k, kind, block_m, accumulate):
+def test_gpu_split_tail(m, n, k, kind, block_m, accumulate, layout):
     """``GluonConfig.split_k``: the split tiles' K-slices summed by the finishing kernel match
-    the reference (and ``D +=`` for 1D1D), bitwise the same over repeated runs."""
+    the reference (and ``D +=`` for 1D1D), bitwise the same over repeated runs; into a
+    row-major out (TMA stores for the whole tiles) and a column-major view (pointer stores)."""
     from ptxtrain.gemm import gluon
     from ptxtrain.gemm.heuristics import gluon_split_k
     from ptxtrain.gemm.triton import _device_sms
@@ -418,7 +420,10 @@ def test_gpu_split_tail(m, n, k, kind, block_m, accumulate):
     d0 = torch.randn(m, n, device="cuda") if accumulate else None
     runs = []
     for _ in range(2):
-        out = d0.clone() if accumulate else torch.full((m, n), float("nan"), device="cuda")
+        out = torch.full((m, n) if layout == "row" else (n, m), float("nan"), device="cuda")
+        out = out if layout == "row" else out.t()
+        if accumulate:
+            out.copy_(d0)
         gluon.fp8_gemm(kind, qa, qb, out, torch.float32, accumulate, cfg)
         runs.append(out)
     # Same FP8 products, same per-128-K promotion: only the fp32 summation order differs.
