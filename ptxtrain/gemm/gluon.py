@@ -900,7 +900,7 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         raise ValueError("accumulate=True is a 1D1D (wgrad) option, got kind='1d2d'")
     if config is not None and not isinstance(config, GluonConfig):
         raise TypeError(f"config must be a GluonConfig or None, got {type(config).__name__}")
-    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
+    a_fp8, b_fp8 = a[0], b[0]
     cfg = config or GluonConfig()
     if out is not None:
         _check_out_offsets(m, n, out.stride(0), out.stride(1))
@@ -916,8 +916,17 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         if k == 0 and not accumulate:
             out.zero_()
         return out
+    return _launch(kind, a, b, out, accumulate, cfg, m, n, k)
+
+
+def _launch(kind: str, a: tuple, b: tuple, out: torch.Tensor, accumulate: bool,
+            cfg: GluonConfig, m: int, n: int, k: int) -> torch.Tensor:  # fmt: skip
+    """:func:`fp8_gemm` after its checks (M, N, K > 0, operands TMA-loadable, ``out`` given
+    with int32 column offsets): ``ptxtrain.gemm.triton``'s route, which has made them, calls
+    this directly (the checks cost about a tenth of a call's host time)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     a_box = 64 if cfg.warp_specialized else cfg.block_m  # one box per 64-row wave
     a_desc = TensorDescriptor(a_fp8, list(a_fp8.shape), list(a_fp8.stride()),
                               [a_box, _BK], _smem_layout(a_box))  # fmt: skip
@@ -942,7 +951,7 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
             tma_store = (out.stride(1) == 1 and (out.stride(0) * esz) % 16 == 0
                          and out.data_ptr() % 16 == 0)  # fmt: skip
             c_desc = a_desc  # a stand-in the kernel never reads without TMA_STORE
-            if accumulate:  # D += stages each wave's out in one buffer per consumer
+            if accumulate and cfg.store_buffers != 1:  # D +=: one staging buffer per consumer
                 cfg = dataclasses.replace(cfg, store_buffers=1)
             smem = cfg.smem_bytes(esz if tma_store else 0)
             if smem > _SMEM_MAX:

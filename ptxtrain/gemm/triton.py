@@ -476,7 +476,8 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
         from ptxtrain.gemm import gluon
 
         cfg = gluon.ws_config(*gluon_tile(m, n, k, kind, num_sms), out.element_size())
-        return gluon.fp8_gemm(kind, a, b, out, out.dtype, accumulate, cfg)
+        # (validated above and by _gluon_runs: fp8_gemm's checks without repeating them)
+        return gluon._launch(kind, a, b, out, accumulate, cfg, m, n, k)
     if config is None:
         cfg = select_config(m, n, k, kind, num_sms)
     elif config == "autotune":
