@@ -14,25 +14,12 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
-import time
 
 import torch
 
 from ptxtrain.bench.gemm import random_problem
-from ptxtrain.bench.timing import environment
+from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import triton as tg
-
-
-def host_us(fn, calls: int = 50) -> float:
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -52,7 +39,7 @@ def main() -> None:
 
         for _ in range(5):
             call()
-        us = host_us(call)
+        us = GpuTimer(warmup=0).host_us(call, calls=50)
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()
