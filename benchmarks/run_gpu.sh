@@ -170,8 +170,9 @@ for stage in $stages; do
       # default the warp-specialized Gluon kernel (ptxtrain.gemm.gluon; Triton's own automatic
       # warp specialization faults on sm_90, see benchmarks.probe_triton_ws) at
       # M = 4096 over the six V3 shapes (1D2D) and the wgrad shapes (1D1D, K = 4096).
-      # (the configs gluon.ws_config gives the Triton backend's tiles; 256 rows spill for 1D1D)
-      v_ws="g128:gluon:128x128w8s4c4ws g256:gluon:256x128w8s3c4b2ws g256n64:gluon:256x64w8s5c4ws"
+      # (the configs gluon.ws_config gives the Triton backend's tiles, with the split tail (k) as
+      # the route runs them and without; 256 rows spill for 1D1D)
+      v_ws="g128k:gluon:128x128w8s4c4wsk g256k:gluon:256x128w8s3c4b2wsk g128:gluon:128x128w8s4c4ws g256:gluon:256x128w8s3c4b2ws g256n64:gluon:256x64w8s5c4ws"
       # Each kind runs under `timeout` (ABT_TIMEOUT s, default 240): a config that hangs the GPU
       # ends its process; the JSON is rewritten after every shape, so finished shapes are kept.
       for kind in 1d2d 1d1d; do
