@@ -27,7 +27,7 @@ from ptxtrain.bench.gemm import random_problem
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas
 from ptxtrain.gemm import triton as triton_gemm
-from ptxtrain.gemm.heuristics import VARIANTS, GemmConfig
+from ptxtrain.gemm.heuristics import GLUON_SPLIT_MAX, VARIANTS, GemmConfig
 from ptxtrain.testing import calc_diff
 
 _TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)g(\d+)")
@@ -50,10 +50,11 @@ def parse_variant(text: str) -> tuple[str, object]:
             raise ValueError(f"variant {text!r}: expected NAME:gluon:BMxBNwWARPSsSTAGEScCHUNK")
         bm, bn, warps, stages, chunk = (int(v) for v in t.groups()[:5])
         group_m = int(t[6]) if t[6] else 8
+        split_max = int((t[9] or "k")[1:] or GLUON_SPLIT_MAX)  # "k" alone: the default cap
         return parts[0], GluonConfig(bm, bn, warps, stages, chunk, group_m,
                                      warp_specialized=bool(t[8]), scales_tma=t[8] != "wsg",
                                      store_buffers=int(t[7] or 1), split_k=bool(t[9]),
-                                     split_max=int(t[9][1:] or 16) if t[9] else 16)  # fmt: skip
+                                     split_max=split_max)  # fmt: skip
     if len(parts) not in (3, 4):
         raise ValueError(f"variant {text!r}: expected NAME:TILE:VARIANT[:pN]")
     name, tile, variant, *rest = parts

@@ -70,6 +70,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ptxtrain.gemm.heuristics import GLUON_SPLIT_MAX, gluon_split_k
+
 BLOCK_K = gl.constexpr(128)  # one 1x128 / 128x128 scale block per K step
 
 
@@ -736,7 +738,8 @@ class GluonConfig:
             (:func:`ptxtrain.gemm.heuristics.gluon_split_k`): each slice writes its fp32
             partial sums to a workspace, and ``_split_finish_kernel`` adds a tile's slices in
             slice order (bitwise repeatable) and stores it.
-        split_max: with split_k, the most slices per tile (2 to 16).
+        split_max: with split_k, the most slices per tile (2 to
+            :data:`ptxtrain.gemm.heuristics.GLUON_SPLIT_MAX`, its default).
 
     Raises:
         ValueError: block_m not 16 x num_warps (warp-specialized: not 128 or 256 with
@@ -755,7 +758,7 @@ class GluonConfig:
     scales_tma: bool = True
     store_buffers: int = 1
     split_k: bool = False
-    split_max: int = 16
+    split_max: int = GLUON_SPLIT_MAX
 
     def __post_init__(self) -> None:
         for field in ("warp_specialized", "scales_tma", "split_k"):
@@ -777,8 +780,10 @@ class GluonConfig:
                 f"GluonConfig needs num_warps in (4, 8) and block_m = 16 x num_warps, got "
                 f"block_m={self.block_m}, num_warps={self.num_warps}"
             )
-        if isinstance(self.split_max, bool) or self.split_max not in range(2, 17):
-            raise ValueError(f"GluonConfig.split_max must be in [2, 16], got {self.split_max!r}")
+        if isinstance(self.split_max, bool) or self.split_max not in range(2, GLUON_SPLIT_MAX + 1):
+            raise ValueError(
+                f"GluonConfig.split_max must be in [2, {GLUON_SPLIT_MAX}], got {self.split_max!r}"
+            )
         if self.store_buffers not in (1, 2) or isinstance(self.store_buffers, bool):
             raise ValueError(
                 f"GluonConfig.store_buffers must be 1 or 2, got {self.store_buffers!r}"
@@ -936,7 +941,6 @@ def _launch(kind: str, a: tuple, b: tuple, out: torch.Tensor, accumulate: bool,
     grid = (num_tiles,)
     whole, splits = num_tiles, 1
     if cfg.warp_specialized:  # persistent: one program per SM walks the tiles
-        from ptxtrain.gemm.heuristics import gluon_split_k
         from ptxtrain.gemm.triton import _device_sms
 
         num_sms = _device_sms(a_fp8.device)

@@ -248,14 +248,14 @@ def prefers_gluon(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H10
     return ceil_div(m, 128) * ceil_div(n, 128) >= GLUON_MIN_WAVES * num_sms
 
 
-def _wave_efficiency(tiles: int, num_sms: int, k_blocks: int = 0) -> float:
-    """Share of the SMs' tile slots that ``tiles`` use over all their waves; with ``k_blocks``
-    (the K blocks of a tile), after :func:`gluon_split_k` cuts the last partial wave's tiles
-    into at least :data:`GLUON_SPLIT_FILL_MIN` K-slices (that wave then counts
-    ``1 / splits`` of a wave)."""
+def _wave_efficiency(tiles: int, num_sms: int, k_blocks: int) -> float:
+    """Share of the SMs' tile slots that ``tiles`` use over all their waves, after
+    :func:`gluon_split_k` cuts the last partial wave's tiles (of ``k_blocks`` K blocks each)
+    into at least :data:`GLUON_SPLIT_FILL_MIN` K-slices (that wave then counts ``1 / splits``
+    of a wave)."""
     if not tiles:
         return 0.0
-    whole, splits = gluon_split_k(tiles, num_sms, k_blocks) if k_blocks else (tiles, 1)
+    whole, splits = gluon_split_k(tiles, num_sms, k_blocks)
     if splits < GLUON_SPLIT_FILL_MIN:
         return tiles / (ceil_div(tiles, num_sms) * num_sms)
     waves = whole // num_sms + 1 / splits
@@ -267,7 +267,7 @@ def _wave_efficiency(tiles: int, num_sms: int, k_blocks: int = 0) -> float:
 # in 3 slices of 4 blocks ran 0.993x cuBLAS against 1.005 unsplit, 4096 x 2112 x 7168's 8 in
 # 7 slices of 8 blocks 0.980, in 14 of 4 0.972), and a tile is cut into at most this many.
 GLUON_SPLIT_MIN_BLOCKS = 8
-GLUON_SPLIT_MAX = 16  # (GluonConfig.split_max's default)
+GLUON_SPLIT_MAX = 16  # (GluonConfig.split_max's default and largest value)
 # Slices a split wave needs to count as 1 / splits of a wave in gluon_tile's choice. Session 16,
 # call 3: 2048 x 7168 x 2048 as 448 tiles of 256x128, the last 52 split 2 ways, ran 0.86x
 # cuBLAS against 0.95 for 896 tiles of 128x128 (equal fill on paper); 4096 x 2112 x 7168's
@@ -276,7 +276,7 @@ GLUON_SPLIT_FILL_MIN = 4
 
 
 def gluon_split_k(
-    num_tiles: int, num_sms: int, k_blocks: int, max_splits: int = 16
+    num_tiles: int, num_sms: int, k_blocks: int, max_splits: int = GLUON_SPLIT_MAX
 ) -> tuple[int, int]:
     """``(whole, splits)``: the warp-specialized Gluon kernel's persistent programs (one per SM)
     run tiles ``[0, whole)`` whole and cut each tile past them into ``splits`` K-slices that

@@ -39,9 +39,10 @@ there) unless the caller passes one, or ``config="autotune"``, which times the c
 Every variant was checked on an H200 over the DeepSeek-V3 shapes (``calc_diff`` < 1e-3).
 
 Speed of the default configs (H200, L2 flushed, vs cuBLAS blockwise through
-``torch._scaled_mm``, DeepSeek-V3 shapes, session 15 ``bench gemm``): 1D2D geometric mean
-1.12x at M = 64, 1.06x at M = 128 (this kernel), 0.976x at M = 4096 (the Gluon kernel; this
-one alone: 0.78x); 1D1D (wgrad, K = 4096) 0.94-0.97x (Gluon; this one alone 0.77-0.80x).
+``torch._scaled_mm``, DeepSeek-V3 shapes, session 16 ``bench gemm``): 1D2D geometric mean
+1.12x at M = 64, 1.06x at M = 128 (this kernel), 1.007-1.012x at M = 4096 (the Gluon kernel
+with its split tail; this one alone: 0.78x); 1D1D (wgrad, K = 4096) 0.94-1.02x per shape
+(Gluon; this one alone 0.77-0.80x).
 This kernel's ceiling is structural: Triton 3.6 waits for each block's WGMMAs before the
 promotion can read them, so only other programs on the SM overlap the promotion (heuristics.py).
 Host overhead is ~50-110 µs per call against cuBLAS's ~20 µs: hide it with CUDA graphs.
@@ -583,7 +584,11 @@ def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | Non
         bm, bn = gluon_tile(m, n, k, kind, num_sms)
         cfg = gluon.ws_config(bm, bn, 2 if kind == "1d2d" else 4)
         tiles = ceil_div(m, bm) * ceil_div(n, bn)
-        whole, splits = gluon_split_k(tiles, num_sms, ceil_div(k, BLOCK_K))
+        whole, splits = (
+            gluon_split_k(tiles, num_sms, ceil_div(k, BLOCK_K), cfg.split_max)
+            if cfg.split_k
+            else (tiles, 1)
+        )
         split = f" split {tiles - whole}x{splits}" if splits > 1 else ""
         return f"gluon {bm}x{bn} s{cfg.num_stages} b{cfg.store_buffers}{split}"
     cfg = select_config(m, n, k, kind, num_sms)

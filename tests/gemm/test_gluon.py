@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
+from ptxtrain._checks import ceil_div
 from ptxtrain.gemm import ref
 from ptxtrain.quant.ref import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing import calc_diff
@@ -409,8 +410,8 @@ def test_gpu_split_tail(m, n, k, kind, block_m, accumulate, layout):
     if accumulate and kind == "1d2d":
         pytest.skip("D += is a 1D1D option")
     sms = _device_sms(torch.device("cuda"))
-    tiles = -(-m // block_m) * -(-n // 128)
-    whole, splits = gluon_split_k(tiles, sms, -(-k // 128))
+    tiles = ceil_div(m, block_m) * ceil_div(n, 128)
+    whole, splits = gluon_split_k(tiles, sms, ceil_div(k, 128))
     if sms == 132:  # the cases are chosen for 132 SMs (H100 SXM / H200)
         assert splits > 1 and whole < tiles
     _, _, qa, qb = _operands(m, n, k, kind, seed=m + n + k + 5)
