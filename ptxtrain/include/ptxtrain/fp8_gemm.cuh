@@ -83,6 +83,13 @@
 // GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
 // speed bounds what the promotion's overlap can reach with the same tiles, TMA ring and
 // epilogue.
+// Two math warpgroups: warpgroup 1 starts once warpgroup 0 has retired this many K blocks
+// (a named barrier at the start), so that from then on one warpgroup's epilogue and tile start
+// fall inside the other's main loop instead of both leaving the tensor core idle at once (the
+// stagger persists: nothing else synchronizes the two). 0: off (both start together).
+#ifndef PTXTRAIN_GEMM_STAGGER
+#define PTXTRAIN_GEMM_STAGGER 0
+#endif
 #ifndef PTXTRAIN_GEMM_DIAG_NO_PROMOTE
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
@@ -516,6 +523,23 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   constexpr int kGroup = Units::kGroup;
   const int wg = threadIdx.x / 128;
   if constexpr (kNumMathWG == 2) setmaxnreg_inc<232>();
+  // Stagger (PTXTRAIN_GEMM_STAGGER), at most kNumStages - 2 blocks: warpgroup 0 may take at
+  // most kNumStages - 1 blocks before warpgroup 1 releases any (with double accumulators it
+  // waits on one block beyond those it retired), so the barrier always completes.
+  static_assert(PTXTRAIN_GEMM_STAGGER >= 0, "PTXTRAIN_GEMM_STAGGER >= 0");
+  constexpr u32 kStaggerWant = PTXTRAIN_GEMM_STAGGER;
+  constexpr u32 kStagger = kNumMathWG != 2 ? 0u
+                           : kStaggerWant + 2 <= kNumStages ? kStaggerWant
+                                                            : kNumStages - 2;
+  constexpr u32 kStaggerBarrier = 3;  // (1 and 2: the warpgroups' epilogue barriers)
+  if constexpr (kStagger > 0) {
+    if (wg == 1) named_barrier_sync(kStaggerBarrier, 256);
+  }
+  auto stagger_arrive = [&](u32 retired) {
+    if constexpr (kStagger > 0) {
+      if (wg == 0 && retired == kStagger) named_barrier_arrive(kStaggerBarrier, 256);
+    }
+  };
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   // This thread's rows in wave w: w * 64 * kNumMathWG + row0 and + 8; columns 8j + col0 + {0, 1}.
@@ -651,6 +675,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     release_read_stage<kCluster>(&empty[s], lane);                                            \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
     ++it;                                                                                     \
+    stagger_arrive(it);                                                                       \
   }
       // Chunks of kChunk blocks, each fully unrolled and drained at its end (wait_group 0): ptxas
       // serializes wgmmas that are still in flight across a loop's back edge, so none is. After
@@ -708,6 +733,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
           __syncwarp();
           release_stage<kCluster>(&empty[(it - 1) % kNumStages], lane);
         }
+        stagger_arrive(it + 1);
       }
       wgmma_wait_group<0>();
       wgmma_fence_operand(acc);
@@ -747,6 +773,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         }
         promote<kBlockN, k1D1D>(fin[w], acc, sa0, sa1, sfb_lo, sfb_hi, split, sb);
       }
+      stagger_arrive(it + 1);
     }
     }
     }
@@ -830,6 +857,10 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
     }
   }
+  }
+  // Fewer blocks than the stagger in this CTA: release warpgroup 1 now.
+  if constexpr (kStagger > 0) {
+    if (wg == 0 && it < kStagger) named_barrier_arrive(kStaggerBarrier, 256);
   }
   // The staging boxes stay valid (and the kernel alive) until the last stores completed.
   if constexpr (kEpiBoxes > 0) {
