@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from ptxtrain._backend import sm_clock_khz
 from ptxtrain.bench.linear import _fwd_bwd  # the timed call of `ptxtrain bench linear`
 from ptxtrain.bench.timing import environment
 from ptxtrain.nn import Fp8Linear, Fp8LinearConfig
@@ -40,11 +41,48 @@ def kernel_times(run, iters: int) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def timeline(run, sleep_us: float = 2000.0) -> list[dict]:
+    """The kernels of one call of ``run`` as the bench times it (L2 flushed, then a device sleep
+    long enough for the host to enqueue the whole call): name, start and end in µs from the
+    first kernel's start, and the idle gap before each (the device waiting between kernels)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    cycles = int(sleep_us * sm_clock_khz(0) / 1e3)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush.zero_()
+        torch.cuda._sleep(cycles)
+        run()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    # the call's kernels: everything after the sleep
+    last_sleep = max(
+        i for i, e in enumerate(kernels) if "sleep" in e.name.lower() or "spin" in e.name.lower()
+    )
+    kernels = kernels[last_sleep + 1 :]
+    t0 = kernels[0].time_range.start
+    out, prev_end = [], t0
+    for e in kernels:
+        start, end = e.time_range.start - t0, e.time_range.end - t0
+        out.append(dict(name=e.name[:90], start=start, end=end, gap=start - (prev_end - t0)))
+        prev_end = e.time_range.end
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json")
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also one bench-timed call per layer: each kernel's start / end and the idle gaps",
+    )
     args = p.parse_args()
     rows = []
     for n, k in DSV3_DENSE_NK:
@@ -56,6 +94,15 @@ def main() -> None:
         for name, layer in (("bf16", bf16), ("fp8", fp8)):
             times = kernel_times(_fwd_bwd(layer, x, dy), args.iters)
             row[name] = times
+            if args.timeline:
+                tl = timeline(_fwd_bwd(layer, x, dy))
+                row[f"{name}_timeline"] = tl
+                busy = sum(k["end"] - k["start"] for k in tl)
+                print(
+                    f"  timeline {name}: span {tl[-1]['end']:.1f} µs, kernels {busy:.1f}, gaps "
+                    + " ".join(f"{k['gap']:.1f}" for k in tl),
+                    flush=True,
+                )
             print(f"--- {args.m} x {n} x {k} {name}: {sum(times.values()):.1f} µs", flush=True)
             for kname, us in times.items():
                 print(f"  {us:8.1f}  {kname}")
