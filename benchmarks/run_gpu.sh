@@ -2,7 +2,7 @@
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
 #   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
-#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [abstagger] [abyield] [abtriton] [probews] [wgrad] [race]
+#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [abyield] [abtriton] [probews] [wgrad] [race]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvldiag] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
 # pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
@@ -153,24 +153,6 @@ for stage in $stages; do
       # A/B of PTX GEMM variants vs cuBLAS (AB_ARGS: --shapes ... --variants ...; see ab_ptx).
       python3 -m benchmarks.ab_ptx ${AB_ARGS:-} --json "$OUT/ab_ptx_${AB_TAG:-x}_${PTXTRAIN_GIT_SHA:-local}.json" \
         2>&1 | grep -v "^W" || status=1
-      ;;
-    abstagger)
-      # Warpgroup 1 started PTXTRAIN_GEMM_STAGGER K blocks after warpgroup 0 (fp8_gemm.cuh), so
-      # that the two warpgroups' epilogues and tile starts stop coinciding: base vs 1 / 2 blocks
-      # (and 3 at the V3 shapes) over the V3 shapes, their dgrad shapes (1D2D) and the wgrad
-      # shapes (1D1D).
-      v_st="base st1:#PTXTRAIN_GEMM_STAGGER=1 st2:#PTXTRAIN_GEMM_STAGGER=2"
-      for kind in 1d2d dgrad 1d1d; do
-        case $kind in
-          1d2d) s=$V3_SHAPES; k=1d2d; v="$v_st st3:#PTXTRAIN_GEMM_STAGGER=3" ;;
-          dgrad) s=$V3_DSHAPES; k=1d2d; v=$v_st ;;
-          1d1d) s=$V3_WSHAPES; k=1d1d; v=$v_st ;;
-        esac
-        python3 -m benchmarks.ab_ptx --kind $k --shapes $s --variants $v \
-          --json "$OUT/ab_stagger_${kind}_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" \
-          | tee "$LOGS/ab_stagger_$kind.log"
-        [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      done
       ;;
     abyield)
       # The SASS post-pass on the promotion FFMAs' yield bits (ptxtrain.jit.sass, after

@@ -84,7 +84,9 @@ class PtxConfig:
     or TMA reductions for ``accumulate``; needs ``block_n`` a multiple of 64 (bf16 D) or 32 (fp32
     D), 16-byte D rows and a 16-byte-aligned D, else the launch falls back to direct stores),
     ``epi_boxes`` (TMA store: 64-row x 128-byte boxes of D staged per math warpgroup at once;
-    0 = the whole tile; fewer write the tile in rounds and leave shared memory to the stages),
+    0 = a 64-row wave's boxes (the whole tile up to 128 rows); fewer write it in rounds and leave
+    shared memory to the stages; twice a wave's boxes with ``block_m = 256``: both waves at once,
+    no wait between them),
     ``raster_m`` (rows of A per rasterization group: the persistent CTAs walk
     ``raster_m / (block_m · cluster)`` M-blocks (``raster_m / block_m`` with ``multicast_a``),
     M fastest, before the next N-block, so the
@@ -130,9 +132,17 @@ def _tile_boxes(block_n: int, out_dtype: torch.dtype) -> int:
 def epilogue_bytes(block_m: int, block_n: int, out_dtype: torch.dtype, epi_boxes: int = 0) -> int:
     """Shared memory of the TMA-store epilogue's staging boxes: ``epi_boxes`` (0 = all) boxes of
     64 rows x 128 bytes of D per math warpgroup (mirrors ``EpiShape`` in fp8_gemm.cuh)."""
-    boxes = _tile_boxes(block_n, out_dtype)
-    boxes = min(epi_boxes, boxes) if epi_boxes else boxes
+    boxes = _staged_boxes(block_m, block_n, out_dtype, epi_boxes)
     return (2 if block_m > 64 else 1) * boxes * 64 * 128
+
+
+def _staged_boxes(block_m: int, block_n: int, out_dtype: torch.dtype, epi_boxes: int) -> int:
+    """Boxes staged per math warpgroup (the kernel's kEpiBoxes): ``epi_boxes`` up to one wave's
+    boxes (0 = all of them), or both waves' of a 256-row tile (``epi_boxes`` = twice a wave's)."""
+    boxes = _tile_boxes(block_n, out_dtype)
+    if block_m == 256 and epi_boxes == 2 * boxes:
+        return epi_boxes
+    return min(epi_boxes, boxes) if epi_boxes else boxes
 
 
 def tma_store_fits(block_n: int, n: int, out_dtype: torch.dtype) -> bool:
@@ -297,8 +307,7 @@ def _epi_boxes(cfg: PtxConfig, out_dtype: torch.dtype) -> int:
     """The kernel's kEpiBoxes: 0 = direct stores, else staged boxes per warpgroup."""
     if not cfg.tma_store:
         return 0
-    boxes = _tile_boxes(cfg.block_n, out_dtype)
-    return min(cfg.epi_boxes, boxes) if cfg.epi_boxes else boxes
+    return _staged_boxes(cfg.block_m, cfg.block_n, out_dtype, cfg.epi_boxes)
 
 
 def kernel_source(

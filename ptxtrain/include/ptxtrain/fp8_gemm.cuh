@@ -83,13 +83,6 @@
 // GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
 // speed bounds what the promotion's overlap can reach with the same tiles, TMA ring and
 // epilogue.
-// Two math warpgroups: warpgroup 1 starts once warpgroup 0 has retired this many K blocks
-// (a named barrier at the start), so that from then on one warpgroup's epilogue and tile start
-// fall inside the other's main loop instead of both leaving the tensor core idle at once (the
-// stagger persists: nothing else synchronizes the two). 0: off (both start together).
-#ifndef PTXTRAIN_GEMM_STAGGER
-#define PTXTRAIN_GEMM_STAGGER 0
-#endif
 #ifndef PTXTRAIN_GEMM_DIAG_NO_PROMOTE
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
@@ -228,27 +221,37 @@ struct MathShape {
 // (or adds them, for accumulate) and the warpgroup goes on to its next tile while they drain.
 // kEpiBoxes boxes per warpgroup are staged at once; fewer than the tile's kBoxes write it in
 // rounds (each waits for the previous round's reads), leaving shared memory to the K stages.
+// Two-wave tiles (BLOCK_M = 256) may stage both waves (kEpiBoxes = 2 kBoxes, kWholeTile): the
+// second wave's boxes then go to their own slots without waiting for the first wave's stores.
 template <int kBlockM, int kBlockN, int kOut, int kEpiBoxes>
 struct EpiShape {
   static constexpr int kElem = kOut == 0 ? 2 : 4;
   static constexpr int kBoxCols = 128 / kElem;
-  static constexpr int kBoxes = kBlockN / kBoxCols;
+  static constexpr int kBoxes = kBlockN / kBoxCols;  // per 64-row wave
   static constexpr int kGroupsPerBox = kBoxCols / 8;  // 8-column accumulator groups per box
   static constexpr u32 kBoxBytes = 64 * 128;
   static constexpr u32 kWgBytes = kEpiBoxes * kBoxBytes;
   static constexpr int kBytes = MathShape<kBlockM>::kWarpgroups * kWgBytes;
+  static constexpr int kWaves = MathShape<kBlockM>::kWaves;
+  static constexpr bool kWholeTile = kWaves > 1 && kEpiBoxes == kWaves * kBoxes;
+  // Boxes per store round (store_tile_tma's kEpiBoxes).
+  static constexpr int kRoundBoxes = kWholeTile ? kBoxes : kEpiBoxes;
   static_assert(kEpiBoxes == 0 || kBlockN % kBoxCols == 0,
                 "TMA store: BLOCK_N must be a multiple of the box columns");
-  static_assert(kEpiBoxes >= 0 && kEpiBoxes <= kBoxes, "TMA store: 0 <= kEpiBoxes <= boxes");
+  static_assert(kEpiBoxes >= 0 && (kEpiBoxes <= kBoxes || kWholeTile),
+                "TMA store: 0 <= kEpiBoxes <= boxes, or the whole two-wave tile");
 };
 
 // Stores one wave's FP32 results `fin` (rows row_base.. of this warpgroup, columns n0..) through
 // this warpgroup's staging boxes `stage` (see EpiShape). Rows >= M and columns >= N are clipped
 // by TMA. `leader` (thread 0 of the warpgroup) issues the stores and owns their bulk group.
+// `wait`: the first round waits until earlier stores have read the staging boxes (false when
+// `stage` holds boxes no store in flight reads: a whole tile's second wave).
 template <int kBlockN, int kOut, bool kAccumulate, int kN, int kEpiBoxes>
 __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
                                                unsigned char* stage, const TmaDescriptor* tma_d,
-                                               int row_base, int n0, int wg, bool leader) {
+                                               int row_base, int n0, int wg, bool leader,
+                                               bool wait = true) {
   using Epi = EpiShape<64, kBlockN, kOut, kEpiBoxes>;
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
@@ -258,7 +261,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
     constexpr int kRoundGroups = kEpiBoxes * Epi::kGroupsPerBox;
     const int g0 = b0 * Epi::kGroupsPerBox;
     // The previous round's (or tile's) stores have finished reading the staging boxes.
-    if (leader) tma_store_wait_read<0>();
+    if (leader && (wait || b0 > 0)) tma_store_wait_read<0>();
     named_barrier_sync(1 + wg, 128);
     if constexpr (kOut == 0) {
       // stmatrix x4 per pair of 8-column groups (j, j + 1): matrix q = lane / 8 is rows
@@ -523,23 +526,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   constexpr int kGroup = Units::kGroup;
   const int wg = threadIdx.x / 128;
   if constexpr (kNumMathWG == 2) setmaxnreg_inc<232>();
-  // Stagger (PTXTRAIN_GEMM_STAGGER), at most kNumStages - 2 blocks: warpgroup 0 may take at
-  // most kNumStages - 1 blocks before warpgroup 1 releases any (with double accumulators it
-  // waits on one block beyond those it retired), so the barrier always completes.
-  static_assert(PTXTRAIN_GEMM_STAGGER >= 0, "PTXTRAIN_GEMM_STAGGER >= 0");
-  constexpr u32 kStaggerWant = PTXTRAIN_GEMM_STAGGER;
-  constexpr u32 kStagger = kNumMathWG != 2 ? 0u
-                           : kStaggerWant + 2 <= kNumStages ? kStaggerWant
-                                                            : kNumStages - 2;
-  constexpr u32 kStaggerBarrier = 3;  // (1 and 2: the warpgroups' epilogue barriers)
-  if constexpr (kStagger > 0) {
-    if (wg == 1) named_barrier_sync(kStaggerBarrier, 256);
-  }
-  auto stagger_arrive = [&](u32 retired) {
-    if constexpr (kStagger > 0) {
-      if (wg == 0 && retired == kStagger) named_barrier_arrive(kStaggerBarrier, 256);
-    }
-  };
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   // This thread's rows in wave w: w * 64 * kNumMathWG + row0 and + 8; columns 8j + col0 + {0, 1}.
@@ -675,7 +661,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     release_read_stage<kCluster>(&empty[s], lane);                                            \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
     ++it;                                                                                     \
-    stagger_arrive(it);                                                                       \
   }
       // Chunks of kChunk blocks, each fully unrolled and drained at its end (wait_group 0): ptxas
       // serializes wgmmas that are still in flight across a loop's back edge, so none is. After
@@ -733,7 +718,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
           __syncwarp();
           release_stage<kCluster>(&empty[(it - 1) % kNumStages], lane);
         }
-        stagger_arrive(it + 1);
       }
       wgmma_wait_group<0>();
       wgmma_fence_operand(acc);
@@ -773,7 +757,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         }
         promote<kBlockN, k1D1D>(fin[w], acc, sa0, sa1, sfb_lo, sfb_hi, split, sb);
       }
-      stagger_arrive(it + 1);
     }
     }
     }
@@ -812,9 +795,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         for (int w = 0; w < kWaves; ++w) {
         // (K-grouped / masked: D[g] is rows g·M.. of the [G·M, N] view (M = M_max when masked);
         // TMA stores only where M % BLOCK_M == 0, so no box reaches the next group's rows.)
-          store_tile_tma<kBlockN, kOut, kAccumulate, kN, kEpiBoxes>(
-              fin[w], smem_d + wg * Epi::kWgBytes, tma_d,
-              kg * m + m0 + w * 64 * kNumMathWG + wg * 64, n0, wg, threadIdx.x % 128 == 0);
+          // (whole two-wave tile: wave w in its own slots, only the first waits for old stores)
+          store_tile_tma<kBlockN, kOut, kAccumulate, kN, Epi::kRoundBoxes>(
+              fin[w],
+              smem_d + wg * Epi::kWgBytes + (Epi::kWholeTile ? w * Epi::kBoxes * Epi::kBoxBytes : 0),
+              tma_d, kg * m + m0 + w * 64 * kNumMathWG + wg * 64, n0, wg, threadIdx.x % 128 == 0,
+              !Epi::kWholeTile || w == 0);
         }
         continue;
       }
@@ -857,10 +843,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
     }
   }
-  }
-  // Fewer blocks than the stagger in this CTA: release warpgroup 1 now.
-  if constexpr (kStagger > 0) {
-    if (wg == 0 && it < kStagger) named_barrier_arrive(kStaggerBarrier, 256);
   }
   // The staging boxes stay valid (and the kernel alive) until the last stores completed.
   if constexpr (kEpiBoxes > 0) {

@@ -90,12 +90,6 @@ __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Arrive at named barrier `id` without waiting (the producer side of a bar.sync with the same
-// thread count). PTX ISA "bar / barrier" (bar.arrive).
-__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // ---- thread-block clusters (sm_90) ------------------------------------------------------------
 
 // This CTA's rank in its cluster. PTX ISA "Special Registers: %cluster_ctarank".
