@@ -206,6 +206,26 @@ def test_multicast_a_reaches_the_kernel():
     )
 
 
+def test_epilogue_staging_boxes():
+    # Boxes of 64 rows x 128 bytes staged per math warpgroup (the kernel's kEpiBoxes) and their
+    # shared memory: a 128-column bf16 wave is 2 boxes (fp32: 4); 0 = a wave's boxes; a 256-row
+    # tile may stage both waves (twice a wave's boxes), other tiles clamp to one wave's.
+    bf16, f32 = torch.bfloat16, torch.float32
+    cases = [
+        ((256, 128, bf16, 0), 2), ((256, 128, bf16, 1), 1), ((256, 128, bf16, 4), 4),
+        ((256, 128, bf16, 3), 2), ((256, 128, f32, 8), 8), ((128, 128, bf16, 4), 2),
+        ((64, 64, bf16, 0), 1), ((128, 128, f32, 0), 4),
+    ]  # fmt: skip
+    for (bm, bn, dtype, boxes), want in cases:
+        cfg = ptx.PtxConfig(bm, bn, 3, 1, tma_store=True, epi_boxes=boxes)
+        assert ptx._epi_boxes(cfg, dtype) == want, (bm, bn, dtype, boxes)
+        warpgroups = 1 if bm == 64 else 2
+        assert ptx.epilogue_bytes(bm, bn, dtype, boxes) == warpgroups * want * 64 * 128
+    # The kernel template gets the whole-tile count (its EpiShape::kWholeTile).
+    cfg = ptx.PtxConfig(256, 128, 3, 2, tma_store=True, epi_boxes=4)
+    assert ", 4, 0, 2048," in ptx.kernel_source("1d2d", cfg, 7168, 2048, bf16, False)[1]
+
+
 def test_source_defines_reach_the_kernel_source_and_reset():
     # The A/B hook of benchmarks/ab_ptx.py: the text goes before the header and "" restores it.
     cfg = ptx.select_config("1d2d", 4096, 7168, 2048, H200_SMS)
@@ -666,6 +686,31 @@ def test_gpu_tma_store_epilogue_equals_direct_stores(kind, out_dtype, accumulate
     ptx.run_with_config(kind, qa, qb, cfg, out_dtype, out=shifted, accumulate=accumulate)
     torch.testing.assert_close(shifted, got[True], rtol=0, atol=0)
     assert torch.isnan(flat[0]) and torch.isnan(flat[1 + m * n :]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "m,n,k", [(129, 576, 1536), (4096, 2112, 7168), (13, 7168, 512), (300, 1000, 2048)]
+)
+def test_gpu_256_row_epilogue_stagings_agree(out_dtype, m, n, k):
+    # 256-row tiles (two waves per math warpgroup): direct stores, one staged box per round,
+    # a wave's boxes per round, and (bf16 D) both waves staged at once (epi_boxes = twice a
+    # wave's boxes, no wait between the waves) store the same accumulators with the same cvt.rn:
+    # bitwise equal, and right against the FP64 product (M and N tails clip the second wave).
+    x, w = _inputs(m, n, k, seed=3 * m + n + k)
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    wave_boxes = 128 * (2 if out_dtype == torch.bfloat16 else 4) // 128
+    variants = [(False, 0, 4), (True, 1, 4), (True, wave_boxes, 3)]
+    if out_dtype == torch.bfloat16:  # (fp32: both waves' boxes exceed shared memory)
+        variants.append((True, 2 * wave_boxes, 3))
+    got = {}
+    for tma, boxes, stages in variants:
+        cfg = ptx.PtxConfig(256, 128, stages, 2, tma_store=tma, epi_boxes=boxes)
+        got[tma, boxes] = ptx.run_with_config("1d2d", qa, qb, cfg, out_dtype)
+    for key, val in got.items():
+        torch.testing.assert_close(val, got[False, 0], rtol=0, atol=0, msg=f"{key}")
+    _check(got[False, 0], x.double() @ w.double().t(), m, n, k, "256-row epilogues")
 
 
 @pytest.mark.gpu
