@@ -126,6 +126,11 @@ class Variant(NamedTuple):
         min_ctas: ``__launch_bounds__`` minimum CTAs per SM for 16-bit input (fp32: 2/3 of it,
             at least 1); 0 = 768 / threads for 16-bit input and 512 / threads for fp32 (80 /
             128 registers per thread).
+        async_copy: the quantizers with a column output (1x128 + 128x1, 128x1) take their raw
+            tiles into shared memory by 16-byte ``cp.async`` copies, two tile buffers per CTA,
+            the next tile's copies in flight while this one is quantized (FULL launches with
+            ``tiles_per_cta != 1`` and no ``pipe``; the others run as without it, two buffers
+            still allocated).
     """
 
     threads: int = 256
@@ -137,6 +142,7 @@ class Variant(NamedTuple):
     amax16: bool = False
     fast_sf: bool = False
     pair: bool = False
+    async_copy: bool = False
 
     def ctas_per_sm(self, dtype: torch.dtype) -> int:
         """The ``__launch_bounds__`` minimum CTAs per SM for input ``dtype``."""
@@ -164,6 +170,10 @@ VARIANTS: dict[str, Variant] = {
     # (benchmarks/results/2026-11-22-s8-h200/call12/): occupancy does not limit these kernels.
     "pair_occ4": Variant(pair=True, min_ctas=4, **_FAST),
     "t512_pair_occ2": Variant(threads=512, pair=True, min_ctas=2, **_FAST),
+    # cp.async double buffering (two 32 KB bf16 tiles per CTA), persistent grids: 3 CTAs of 256
+    # threads per SM (shared memory allows 3), or 2.
+    "async_pair": Variant(tiles_per_cta=0, async_copy=True, pair=True, min_ctas=3, **_FAST),
+    "async_pair_occ2": Variant(tiles_per_cta=0, async_copy=True, pair=True, min_ctas=2, **_FAST),
 }
 # The variant each public quantizer runs (update from ``python -m benchmarks.sweep_quant
 # --cuda``: the fastest variant per op, by the worst fraction of copy bandwidth over 4096x7168,
@@ -210,7 +220,8 @@ def _expression(
     knobs = (
         f"ptxtrain_quant::Knobs<{v.threads}, {loop}, {_b(v.pipe)}, {_b(v.mul_pow2)}, "
         f"{v.min_ctas}, {_b(v.byte_t)}, {_b(v.amax16)}, {_b(v.fast_sf)}"
-        f"{', true' if v.pair else ''}>"
+        f"{', true' if v.pair else (', false' if v.async_copy else '')}"
+        f"{', true' if v.async_copy else ''}>"
     )
     return f"ptxtrain_quant::cast_fp8<{in_kind}, {flags}, {knobs}{', true' if full else ''}>"
 
@@ -357,7 +368,8 @@ def _run(
     if tiles >= 2**31:
         raise ValueError(f"x has too many 128x128 tiles for one launch ({tiles}), shape {(m, k)}")
     tile_bytes = _TILE * _TILE * (1 if block_mode and variant.byte_t else x.element_size())
-    smem = (tile_bytes if col else 0) + 4 * (variant.threads // 32)
+    buffers = 2 if variant.async_copy and not block_mode else 1  # (the kernel's kAsyncLayout)
+    smem = (buffers * tile_bytes if col else 0) + 4 * (variant.threads // 32)
     flags = _vec_flags(x, m, k)
     args = [
         x,

@@ -175,6 +175,7 @@ def _emu_key(variant) -> tuple:
         variant.amax16,
         variant.fast_sf,
         variant.pair,
+        variant.async_copy,
     )
 
 
@@ -193,13 +194,9 @@ def emu_build(tmp_path_factory):
             src = cq.KERNEL_DIR / "host_emulation.cpp"
             cmd = [gxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared"]
             cmd += [f"-I{cq.KERNEL_DIR}", str(src), "-o", str(out)]
-            cmd += [
-                f"-DPTXTRAIN_QUANT_EMU_{n}={int(v)}"
-                for n, v in zip(
-                    ("THREADS", "LOOP", "PIPE", "MUL_POW2", "BYTE_T", "AMAX16", "FAST_SF", "PAIR"),
-                    key,
-                )
-            ]
+            names = ("THREADS", "LOOP", "PIPE", "MUL_POW2", "BYTE_T", "AMAX16", "FAST_SF")
+            names += ("PAIR", "ASYNC")
+            cmd += [f"-DPTXTRAIN_QUANT_EMU_{n}={int(v)}" for n, v in zip(names, key)]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             assert res.returncode == 0, res.stderr[-3000:]
             lib = ctypes.CDLL(str(out))
@@ -379,6 +376,29 @@ def test_emulated_full_tiles_take_the_unchecked_kernel(emulated, dtype_name):
     assert emulated and not any(mode[4] for mode, *_ in emulated)
 
 
+@pytest.mark.parametrize("name", ["async_pair", "async_pair_occ2"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_emulated_async_copies_over_several_tiles_per_cta(emulated, name, dtype_name, monkeypatch):
+    # The ASYNC knob's double buffering: a persistent grid of fewer CTAs than tiles (2 "SMs",
+    # 20 whole tiles), so each CTA copies its next tile into the other buffer while it
+    # quantizes this one and comes back to the first buffer on its third tile; bit-exact with
+    # the reference, NaN / inf / a zero tile riding along, power-of-two scales too.
+    monkeypatch.setattr(cq, "SELECT", {f: name for f in FUNCS})
+    variant = cq.VARIANTS[name]
+    x = _rand(512, 640, DTYPES[dtype_name], seed=31)
+    x[3, 5] = float("nan")
+    x[400, 600] = float("inf")
+    x[128:256, 256:384] = 0.0
+    for fn in ("per_token_cast_to_fp8_t", "per_token_cast_to_fp8_both"):
+        for pow2 in (False, True):
+            _check_same(fn, x, pow2=pow2)
+    assert emulated
+    for mode, v, grid, smem in emulated:
+        assert v == variant and mode[4], "the FULL kernel (whole, aligned tiles)"
+        assert grid * 3 <= 20, "several tiles per CTA"
+        assert smem == 2 * 128 * 128 * x.element_size() + 4 * v.threads // 32, "two buffers"
+
+
 def test_emulated_strided_and_unaligned_inputs(emulated):
     base = _rand(140, 400, torch.bfloat16, seed=11)
     cases = (
@@ -495,6 +515,23 @@ def test_gpu_awkward_shapes(m, k, dtype_name):
     for name in FUNCS:
         for pow2 in (False, True):
             _check_same(name, x, pow2=pow2)
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@pytest.mark.parametrize("name", ["async_pair", "async_pair_occ2"])
+@pytest.mark.parametrize("m,k", [(4096, 7168), (1024, 4096), (129, 300), (256, 384)])
+def test_gpu_async_copy_variants(name, m, k, monkeypatch):
+    # The cp.async double-buffered variants on the hardware (the emulation's copies complete at
+    # once; here the next tile's copies are in flight while this one is quantized): bit-exact
+    # with the reference at the DeepSeek-V3 shapes, a tail shape and a few-tile one.
+    monkeypatch.setattr(cq, "SELECT", {f: name for f in FUNCS})
+    x = _rand(m, k, torch.bfloat16, seed=m + 3 * k, device="cuda")
+    x[7, 3] = float("nan")
+    x[m - 1, k - 2] = float("-inf")
+    for fn in ("per_token_cast_to_fp8_t", "per_token_cast_to_fp8_both"):
+        for pow2 in (False, True):
+            _check_same(fn, x, pow2=pow2)
 
 
 @pytest.mark.gpu

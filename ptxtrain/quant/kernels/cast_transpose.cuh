@@ -54,7 +54,7 @@
 #ifdef PTXTRAIN_QUANT_HOST_EMULATION
 #include "host_emulation.hpp"
 #else
-#include <ptxtrain/ptx.cuh>
+#include <ptxtrain/tma.cuh>
 #endif
 
 namespace ptxtrain_quant {
@@ -110,6 +110,17 @@ __device__ __forceinline__ void sts_v2(void* ptr, uint2 v) { *static_cast<uint2*
 __device__ __forceinline__ u32 ld_u32(const void* ptr) { return *static_cast<const u32*>(ptr); }
 __device__ __forceinline__ u32 ld_u16(const void* ptr) { return *static_cast<const u16*>(ptr); }
 
+// ASYNC knob: 16-byte global -> shared copies in flight while the previous tile is quantized.
+__device__ __forceinline__ void cp_async_v4(void* smem_dst, const void* src) {
+  ptxtrain::cp_async_16(smem_dst, src);
+}
+__device__ __forceinline__ void cp_async_commit() { ptxtrain::cp_async_commit_group(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  ptxtrain::cp_async_wait_group<N>();
+}
+__device__ __forceinline__ uint4 lds_v4(const void* ptr) { return *static_cast<const uint4*>(ptr); }
+
 // A predicated store (no branch): the address is computed on every lane, so the compiler keeps
 // the scale pointers as incremented registers instead of rebuilding them inside a branch.
 __device__ __forceinline__ void st_f32_if(bool pred, float* ptr, float v) {
@@ -126,6 +137,16 @@ __device__ __forceinline__ float rcp_rn(float b) { return __frcp_rn(b); }
 #else
 inline void st_f32_if(bool pred, float* ptr, float v) {
   if (pred) st_f32(ptr, v);
+}
+// (host: the copy completes at once, through the checked 16-byte load and shared store)
+inline void cp_async_v4(void* smem_dst, const void* src) { sts_v4(smem_dst, ld_stream_v4(src)); }
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+inline uint4 lds_v4(const void* ptr) {
+  uint4 v{0u, 0u, 0u, 0u};
+  if (emu::aligned(ptr, 16, "misaligned 16-byte shared load")) std::memcpy(&v, ptr, 16);
+  return v;
 }
 inline float rcp_rn(float b) { return __frcp_rn(b); }
 #endif
@@ -386,14 +407,21 @@ __device__ __forceinline__ u32 warp_max(u32 v) {
 //             so each load instruction still reads whole 128-byte row segments): a row's amax
 //             needs one shuffle level less and its scale, its division setup and its scale
 //             store are shared by twice the elements.
+//   ASYNC     (1x128 / 128x1 modes with a column output, FULL, LOOP without PIPE) the raw tiles
+//             reach shared memory by 16-byte cp.async copies into two buffers: the CTA's next
+//             tile is copied while this one is quantized (the row pass reads its chunks back
+//             from shared memory), so loads stay in flight without registers holding them.
+//             Other instantiations of an ASYNC variant run as LOOP (the two-buffer layout
+//             kept, the second buffer unused).
 //   MIN_CTAS  __launch_bounds__ minimum CTAs per SM for 16-bit input, 2/3 of it for fp32 (at
 //             least 1; the registers are capped at 65536 / (NT * it));
 //             0: 768 / NT for 16-bit input, 512 / NT for fp32 (at least 1), i.e. the original
 //             80 / 128 registers per thread.
 template <int NT, bool LOOP, bool PIPE, bool MUL_POW2, int MIN_CTAS, bool BYTE_T = false,
-          bool AMAX16 = false, bool FAST_SF = false, bool PAIR = false>
+          bool AMAX16 = false, bool FAST_SF = false, bool PAIR = false, bool ASYNC = false>
 struct Knobs {
   static constexpr bool kPair = PAIR;
+  static constexpr bool kAsync = ASYNC;
   static constexpr bool kFastSf = FAST_SF;
   static constexpr bool kAmax16 = AMAX16;
   static constexpr bool kByteT = BYTE_T;
@@ -512,10 +540,14 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
   constexpr bool kAmax16 = KN::kAmax16 && In<IN>::kBytes == 2;
   constexpr bool kFastSf = KN::kFastSf;
   constexpr bool kFull = FULL;
-  // Shared memory: the raw tile [128][WPR] words for the column pass (or, with kByteT, its FP8
-  // bytes [128][32] words), then the warp maxima.
+  // ASYNC (see Knobs): two raw-tile buffers; kAsync where this instantiation uses them.
+  constexpr bool kAsyncLayout = KN::kAsync && COL && !BLOCK;
+  constexpr bool kAsync = kAsyncLayout && kFull && KN::kLoop && !kPipe;
+  // Shared memory: the raw tile [128][WPR] words for the column pass (two with kAsyncLayout;
+  // with kByteT, its FP8 bytes [128][32] words), then the warp maxima.
   PTXTRAIN_DYNAMIC_SMEM(u32, smem);
-  u32* red = smem + (COL ? kTile * (kByteT ? kTile / 4 : WPR) : 0);
+  constexpr int kTileWords = kTile * (kByteT ? kTile / 4 : WPR);
+  u32* red = smem + (COL ? kTileWords * (kAsyncLayout ? 2 : 1) : 0);
 
   const int tid = threadIdx.x;
   const i64 tiles = (M + kTile - 1) / kTile * k_tiles;
@@ -541,6 +573,32 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     return t - mt * k_tiles;
   };
 
+  // Word offset in the swizzled raw tile of this thread's chunk i (pass i / CH, chunk column
+  // c + (i % CH) * LPR). RPP a multiple of 16 (a power of two): ((r >> 4) & 7) of row
+  // r = r_base + ip * RPP is that of r_base XOR that of ip * RPP (no carries), so the offset is
+  // one XOR with a constant per pass from a per-thread base.
+  const auto chunk_word = [&](int i) -> int {
+    const int ip = i / CH;
+    const int r = r_base + ip * RPP;
+    if constexpr (RPP % 16 == 0) {
+      const int swz0 = ((r_base >> 4) & 7) << 2;
+      const int base = r_base * WPR + (((c + i % CH * LPR) * 4) ^ swz0);
+      return (base ^ (((ip * RPP / 16) & 7) << 2)) + ip * RPP * WPR;
+    } else {
+      return r * WPR + (((c + i % CH * LPR) * 4) ^ (((r >> 4) & 7) << 2));
+    }
+  };
+  // kAsync: start the copies of tile t's chunks of this thread into raw-tile buffer `buf`.
+  const auto copy_tile = [&](i64 t, u32* buf) {
+    const i64 t_mt = tile_mt(t);
+    const i64 t_col = tile_kt(t, t_mt) * kTile + c * VEC;
+    const ChunkSrc src = chunk_src<IN, RPP>(xb, M, ldx, t_mt * kTile, t_col, r_base, x_vec);
+#pragma unroll
+    for (int i = 0; i < PASSES * CH; ++i) {
+      cp_async_v4(buf + chunk_word(i), src.p + (i / CH) * src.step + (i % CH) * DC * kBytes);
+    }
+  };
+
   uint4 v[PASSES * CH];  // v[i * CH + j]: pass i, chunk column c + j * LPR
   if constexpr (kPipe) {  // the first tile; later ones are prefetched during the previous one
     const i64 t0 = blockIdx.x;
@@ -551,9 +609,16 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     for (int i = 0; i < PASSES * CH; ++i) v[i] = load_chunk<IN, RPP, kFull>(src, K, i / CH, i % CH * DC);
   }
 
+  if constexpr (kAsync) {  // the first tile; later ones are copied during the previous one
+    if (blockIdx.x < tiles) copy_tile(blockIdx.x, smem);
+    cp_async_commit();
+  }
+
   // FULL without LOOP: the host launches one CTA per tile, so tile < tiles needs no test.
+  // (`iter`: this CTA's tile count so far; kAsync's buffer parity)
 #pragma unroll 1
-  for (i64 tile = blockIdx.x; (kFull && !KN::kLoop) || tile < tiles; tile += stride) {
+  for (i64 tile = blockIdx.x, iter = 0; (kFull && !KN::kLoop) || tile < tiles;
+       tile += stride, ++iter) {
     const i64 mt = tile_mt(tile);
     const i64 kt = tile_kt(tile, mt);
     const i64 m0 = mt * kTile;
@@ -565,7 +630,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
       const i64 n_mt = tile_mt(nt);
       const i64 n_col = tile_kt(nt, n_mt) * kTile + c * VEC;
       next = chunk_src<IN, RPP>(xb, M, ldx, n_mt * kTile, n_col, r_base, x_vec);
-    } else {
+    } else if constexpr (!kAsync) {
       const ChunkSrc src = chunk_src<IN, RPP>(xb, M, ldx, m0, col, r_base, x_vec);
 #pragma unroll
       for (int i = 0; i < PASSES * CH; ++i) v[i] = load_chunk<IN, RPP, kFull>(src, K, i / CH, i % CH * DC);
@@ -574,26 +639,25 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
       // The previous tile's column pass (shared tile) and block amax (red) are done everywhere.
       if (tile != blockIdx.x) __syncthreads();
     }
+    // The raw tile the column pass reads (kAsync: this tile's buffer).
+    u32* const tile_s = kAsync ? smem + (iter & 1) * kTileWords : smem;
+    if constexpr (kAsync) {
+      // The other buffer was last read by the previous tile's passes (done: the barrier above):
+      // copy the next tile into it, then wait for this tile's copies (all but the newest group)
+      // and for every thread's (the barrier), and take this thread's chunks for the row pass.
+      const i64 nt = tile + stride;
+      if (nt < tiles) copy_tile(nt, smem + ((iter & 1) ^ 1) * kTileWords);
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < PASSES * CH; ++i) v[i] = lds_v4(tile_s + chunk_word(i));
+    }
 
     // ---- stage the raw tile in shared memory (swizzled) for the column pass ----
-    if constexpr (COL && !kByteT) {
-      // RPP a multiple of 16 (a power of two): ((r >> 4) & 7) of row r = r_base + ip * RPP is
-      // that of r_base XOR that of ip * RPP (no carries), so the swizzled word offset of a chunk
-      // is one XOR with a constant per pass from a per-thread base.
-      constexpr bool kXorRows = RPP % 16 == 0;
-      const int swz0 = kXorRows ? ((r_base >> 4) & 7) << 2 : 0;
+    if constexpr (COL && !kByteT && !kAsync) {
 #pragma unroll
-      for (int i = 0; i < PASSES * CH; ++i) {
-        const int ip = i / CH;
-        const int r = r_base + ip * RPP;
-        if constexpr (kXorRows) {
-          const int base = r_base * WPR + (((c + i % CH * LPR) * 4) ^ swz0);
-          sts_v4(smem + (base ^ (((ip * RPP / 16) & 7) << 2)) + ip * RPP * WPR, v[i]);
-        } else {
-          const int w = ((c + i % CH * LPR) * 4) ^ (((r >> 4) & 7) << 2);
-          sts_v4(smem + r * WPR + w, v[i]);
-        }
-      }
+      for (int i = 0; i < PASSES * CH; ++i) sts_v4(smem + chunk_word(i), v[i]);
     }
 
     Scale block_scale;
@@ -616,7 +680,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
       for (int wi = 1; wi < kWarps; ++wi) amax = max(amax, red[wi]);
       block_scale = make_scale<POW2, kFastSf>(amax);
       if (tid == 0) st_f32(sf + mt * sf_s0 + kt * sf_s1, block_scale.sf);
-    } else if constexpr (COL) {
+    } else if constexpr (COL && !kAsync) {
       __syncthreads();  // the column pass reads other threads' chunks
     }
     if constexpr (kPipe && !ROW) {  // the chunks are in shared memory: fetch the next tile
@@ -778,7 +842,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
         u32 wd[16];
         if constexpr (!kSplit || (kAmax16 && !BLOCK)) {
 #pragma unroll
-          for (int j = 0; j < 16; ++j) wd[j] = smem[(16 * g + j) * WPR + (p ^ (g << 2))];
+          for (int j = 0; j < 16; ++j) wd[j] = tile_s[(16 * g + j) * WPR + (p ^ (g << 2))];
         }
         u32 amax2 = 0u;  // kAmax16: the |h| maxima of word column p's two columns, per half
         if constexpr (kAmax16 && !BLOCK) {
@@ -790,7 +854,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
           constexpr bool kHaveWords = !kSplit || (kAmax16 && !BLOCK);  // wd read above
           if (kSplit && (e > 0 || !kHaveWords)) {
 #pragma unroll
-            for (int j = 0; j < 16; ++j) wd[j] = smem[(16 * g + j) * WPR + (p ^ (g << 2))];
+            for (int j = 0; j < 16; ++j) wd[j] = tile_s[(16 * g + j) * WPR + (p ^ (g << 2))];
           }
           float fe[16];  // ((r >> 4) & 7) == g for tile rows r = 16g + j
 #pragma unroll

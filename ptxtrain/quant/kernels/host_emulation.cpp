@@ -2,7 +2,7 @@
 // kernels, run on the CPU through host_emulation.hpp, to tests/quant/test_cuda.py (ctypes).
 // Build: g++ -std=c++20 -O1 -ffp-contract=off -fPIC -shared host_emulation.cpp -o emu.so
 // The kernel variant (ptxtrain_quant::Knobs) comes from -DPTXTRAIN_QUANT_EMU_THREADS=..., _LOOP,
-// _PIPE, _MUL_POW2, _BYTE_T, _AMAX16, _FAST_SF, _PAIR (defaults: the default variant), one shared library per variant.
+// _PIPE, _MUL_POW2, _BYTE_T, _AMAX16, _FAST_SF, _PAIR, _ASYNC (defaults: the default variant), one shared library per variant.
 #define PTXTRAIN_QUANT_HOST_EMULATION 1
 #include "cast_transpose.cuh"
 
@@ -30,6 +30,9 @@
 #ifndef PTXTRAIN_QUANT_EMU_PAIR
 #define PTXTRAIN_QUANT_EMU_PAIR 0
 #endif
+#ifndef PTXTRAIN_QUANT_EMU_ASYNC
+#define PTXTRAIN_QUANT_EMU_ASYNC 0
+#endif
 
 namespace {
 
@@ -38,7 +41,7 @@ constexpr int kThreads = PTXTRAIN_QUANT_EMU_THREADS;
 using Kn = ptxtrain_quant::Knobs<kThreads, PTXTRAIN_QUANT_EMU_LOOP != 0, PTXTRAIN_QUANT_EMU_PIPE != 0,
                                  PTXTRAIN_QUANT_EMU_MUL_POW2 != 0, 0, PTXTRAIN_QUANT_EMU_BYTE_T != 0,
                                  PTXTRAIN_QUANT_EMU_AMAX16 != 0, PTXTRAIN_QUANT_EMU_FAST_SF != 0,
-                                 PTXTRAIN_QUANT_EMU_PAIR != 0>;
+                                 PTXTRAIN_QUANT_EMU_PAIR != 0, PTXTRAIN_QUANT_EMU_ASYNC != 0>;
 
 struct Args {
   const void* x;
@@ -55,7 +58,8 @@ template <int IN, bool BLOCK, bool ROW, bool COL, bool POW2, bool FULL>
 int run(const Args& a) {
   const i64 k_tiles = (a.k + 127) / 128;
   const int bytes = IN == ptxtrain_quant::kF32 ? 4 : 2;
-  const std::size_t smem = (COL ? 128 * 128 * bytes : 0) + 4 * (kThreads / 32);
+  const int buffers = PTXTRAIN_QUANT_EMU_ASYNC && !BLOCK ? 2 : 1;  // (the kernel's kAsyncLayout)
+  const std::size_t smem = (COL ? buffers * 128 * 128 * bytes : 0) + 4 * (kThreads / 32);
   emu::launch(ptxtrain_quant::cast_fp8<IN, BLOCK, ROW, COL, POW2, Kn, FULL>, a.grid, kThreads, smem, a.x, a.q,
               a.sf, a.qt, a.sft, a.m, a.k, a.ldx, a.sf_s0, a.sf_s1, a.sft_s0, a.sft_s1, k_tiles,
               a.vec_flags);
