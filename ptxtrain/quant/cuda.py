@@ -171,7 +171,9 @@ VARIANTS: dict[str, Variant] = {
     "pair_occ4": Variant(pair=True, min_ctas=4, **_FAST),
     "t512_pair_occ2": Variant(threads=512, pair=True, min_ctas=2, **_FAST),
     # cp.async double buffering (two 32 KB bf16 tiles per CTA), persistent grids: 3 CTAs of 256
-    # threads per SM (shared memory allows 3), or 2.
+    # threads per SM (shared memory allows 3), or 2. On an H200 the fused 1x128 + 128x1 kernel
+    # ran 0.80-0.84 of copy with them against pair_occ4's 0.86-0.87; 128x1 alone 0.88 against
+    # 0.86-0.87 at 4096 x 24576 / 32768 only (benchmarks/results/2026-11-23-s17-h200/call5).
     "async_pair": Variant(tiles_per_cta=0, async_copy=True, pair=True, min_ctas=3, **_FAST),
     "async_pair_occ2": Variant(tiles_per_cta=0, async_copy=True, pair=True, min_ctas=2, **_FAST),
 }
