@@ -99,9 +99,13 @@ constexpr int kDefaultRasterM = 2048;
 // global memory per block, which their early issue hides (the copy measured 6-10% slower at
 // K >= 7168, M = 64 / 128, and 2% slower at 4096 x 32768 x 512;
 // benchmarks/results/2026-11-22-s12-h200/call7).
+// PTXTRAIN_GEMM_SFB_IN_STAGE_ALL=1 (A/B switch): every 1D2D tile takes them from the stage.
+#ifndef PTXTRAIN_GEMM_SFB_IN_STAGE_ALL
+#define PTXTRAIN_GEMM_SFB_IN_STAGE_ALL 0
+#endif
 template <bool k1D1D, int kBlockM, int kK>
 __host__ __device__ constexpr bool sfb_in_stage() {
-  return !k1D1D && kBlockM == 64 && (kK + 127) / 128 <= 16;
+  return !k1D1D && ((kBlockM == 64 && (kK + 127) / 128 <= 16) || PTXTRAIN_GEMM_SFB_IN_STAGE_ALL);
 }
 
 template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0>
@@ -127,6 +131,13 @@ struct Fp8GemmSmem {
   static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
 };
 
+// 1D2D double accumulators with B's block scales from global memory: 1 loads block k + 1's two
+// scales right after block k's stage release (its fence) instead of at the start of block k's
+// own retirement, so their L2 latency overlaps a whole block and the release fence (which waits
+// for every load this warp has in flight) no longer waits for them.
+#ifndef PTXTRAIN_GEMM_SFB_PREFETCH
+#define PTXTRAIN_GEMM_SFB_PREFETCH 0
+#endif
 // Diagnostic only (racy by design): 1 drops the fence of release_read_stage, to check that the
 // repeated-runs test and benchmarks.diag_race still catch the race it prevents.
 #ifndef PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE
@@ -627,6 +638,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // faster at K = 2048-7168; at K = 512 reading them late was 3% faster,
       // benchmarks/results/2026-11-22-s12-h200/call16).
       constexpr bool kEarlySa = kEarlyGroups > 0 || kNumKBlocks >= PTXTRAIN_GEMM_CHUNK;
+      constexpr bool kSfbPrefetch = PTXTRAIN_GEMM_SFB_PREFETCH != 0 && !k1D1D && !kSfbInStage;
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
       // rest of its scales, release the stage, promote.
@@ -634,7 +646,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   {                                                                                           \
     const u32 s = it % kNumStages;                                                            \
     float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
-    load_sfb(s, (kb), sfb_lo, sfb_hi);                                                        \
+    if constexpr (kSfbPrefetch) {                                                             \
+      sfb_lo = pf_lo;                                                                         \
+      sfb_hi = pf_hi;                                                                         \
+    } else {                                                                                  \
+      load_sfb(s, (kb), sfb_lo, sfb_hi);                                                      \
+    }                                                                                         \
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
     float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
@@ -659,6 +676,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }                                                                                         \
     load_sb(s, sb, kEarlyGroups);                                                             \
     release_read_stage<kCluster>(&empty[s], lane);                                            \
+    if constexpr (kSfbPrefetch) {                                                             \
+      if ((kb) + 1 < kb_last) {                                                               \
+        pf_lo = ldg_nc_f32_pinned(sfb_lo_hi[0] + (kb) + 1);                                   \
+        pf_hi = ldg_nc_f32_pinned(sfb_lo_hi[1] + (kb) + 1);                                   \
+      }                                                                                       \
+    }                                                                                         \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
     ++it;                                                                                     \
   }
@@ -686,6 +709,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // (Split tail: a slice's K range is whole chunks, plus the remainder for the last slice;
       // a whole tile is blocks 0 .. kNumKBlocks - 1 as constants.)
       const int kb_first = kSlice ? kb_begin : 0;
+      // (kSfbPrefetch: one past this unit's last K block)
+      const int kb_last = kSlice ? kb_begin + num_kb : kNumKBlocks;
+      float pf_lo = 1.0f, pf_hi = 1.0f;  // kSfbPrefetch: B's scales of the next block to retire
+      if constexpr (kSfbPrefetch) {
+        if (kb_first < kb_last) load_sfb(0, kb_first, pf_lo, pf_hi);
+      }
       const int kb_full = kSlice ? kb_begin + num_kb / kChunk * kChunk
                                   : kNumKBlocks / kChunk * kChunk;
 #pragma unroll 1
