@@ -9,9 +9,9 @@
 // warpgroup is the producer: one thread issues the TMA loads of A (BLOCK_M x 128, 128-byte
 // swizzle), B (BLOCK_N x 128, 128-byte swizzle) and the scales of A (and of B for 1D1D) of each
 // 128-K block into a ring of kNumStages shared-memory stages, each guarded by a `full` and an
-// `empty` mbarrier; for decode-sized 1D2D tiles of short K (sfb_in_stage) it also copies the
-// block's two 128x128-block scales of B into the stage with cp.async, tracked by the same `full`
-// barrier. The math warpgroups (one for BLOCK_M = 64, two for 128 and 256, each then covering
+// `empty` mbarrier; for decode-sized 1D2D tiles of short K and dense 128-row tiles of
+// K >= 1024 (sfb_in_stage) it also copies the block's two 128x128-block scales of B into the
+// stage with cp.async, tracked by the same `full` barrier. The math warpgroups (one for BLOCK_M = 64, two for 128 and 256, each then covering
 // BLOCK_M / 128 waves of 64 rows) wait on `full`, issue 4 wgmma m64nBLOCK_Nk32 per wave
 // (operands straight from shared memory), wait for them, release the stage (`empty`, one arrival
 // per warp) and promote the block's partial sums into FP32 accumulators on the CUDA cores:
@@ -92,20 +92,22 @@ namespace ptxtrain {
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
 constexpr int kDefaultRasterM = 2048;
 
-// 1D2D: where B's two 128x128-block scales of a K block come from. Decode-sized tiles (BLOCK_M
-// = 64) of short K: the producer copies them into the stage with cp.async, so the math warps do
-// not wait on a global load at every tile start (their tiles change every few blocks: 3-7%
-// faster at K = 512-2048, M = 64 / 128 on an H200). Otherwise the math warps load them from
-// global memory per block, which their early issue hides (the copy measured 6-10% slower at
-// K >= 7168, M = 64 / 128, and 2% slower at 4096 x 32768 x 512;
-// benchmarks/results/2026-11-22-s12-h200/call7).
-// PTXTRAIN_GEMM_SFB_IN_STAGE_ALL=1 (A/B switch): every 1D2D tile takes them from the stage.
-#ifndef PTXTRAIN_GEMM_SFB_IN_STAGE_ALL
-#define PTXTRAIN_GEMM_SFB_IN_STAGE_ALL 0
-#endif
-template <bool k1D1D, int kBlockM, int kK>
+// 1D2D: where B's two 128x128-block scales of a K block come from. Either the producer copies
+// them into the stage with cp.async (tracked by its `full` barrier), or the math warps load them
+// from global memory per block. The stage, for
+// - decode-sized tiles (BLOCK_M = 64) of short K: their tiles change every few blocks, so the
+//   global loads would stall each tile start (3-7% faster at K = 512-2048, M = 64 / 128 on an
+//   H200; at K >= 7168 the copy was 6-10% slower there, benchmarks/results/2026-11-22-s12-h200/
+//   call7);
+// - dense 128-row tiles of K >= 1024: a global load in flight makes the release fence of the
+//   stage (MEMBAR.ALL.CTA in the SASS) wait for it every block; through the stage 0.3-4% faster
+//   at the V3 fprop / dgrad shapes of K = 1536-24576, 3% slower at K = 512
+//   (benchmarks/results/2026-11-23-s17-h200/call9). 256-row tiles: not measured faster.
+template <bool k1D1D, int kBlockM, int kK, int kGroupMode = 0>
 __host__ __device__ constexpr bool sfb_in_stage() {
-  return !k1D1D && ((kBlockM == 64 && (kK + 127) / 128 <= 16) || PTXTRAIN_GEMM_SFB_IN_STAGE_ALL);
+  constexpr int kBlocks = (kK + 127) / 128;
+  return !k1D1D && ((kBlockM == 64 && kBlocks <= 16) ||
+                    (kBlockM == 128 && kGroupMode == 0 && kBlocks >= 8));
 }
 
 template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0>
@@ -131,13 +133,6 @@ struct Fp8GemmSmem {
   static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
 };
 
-// 1D2D double accumulators with B's block scales from global memory: 1 loads block k + 1's two
-// scales right after block k's stage release (its fence) instead of at the start of block k's
-// own retirement, so their L2 latency overlaps a whole block and the release fence (which waits
-// for every load this warp has in flight) no longer waits for them.
-#ifndef PTXTRAIN_GEMM_SFB_PREFETCH
-#define PTXTRAIN_GEMM_SFB_PREFETCH 0
-#endif
 // Diagnostic only (racy by design): 1 drops the fence of release_read_stage, to check that the
 // repeated-runs test and benchmarks.diag_race still catch the race it prevents.
 #ifndef PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE
@@ -587,7 +582,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     // 1D2D: B's two block scales of block kb (in stage s): from the stage where the producer
     // copied them (sfb_in_stage), else from global memory (cached; hi = lo where the tile lies
     // in one scale block). 1D1D: per column from the stage (load_sb).
-    constexpr bool kSfbInStage = sfb_in_stage<k1D1D, kBlockM, kK>();
+    constexpr bool kSfbInStage = sfb_in_stage<k1D1D, kBlockM, kK, kGroupMode>();
     const float* sfb_lo_hi[2];
     if constexpr (!k1D1D && !kSfbInStage) {
       sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b, group, n0, sfb_lo_hi);
@@ -638,7 +633,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // faster at K = 2048-7168; at K = 512 reading them late was 3% faster,
       // benchmarks/results/2026-11-22-s12-h200/call16).
       constexpr bool kEarlySa = kEarlyGroups > 0 || kNumKBlocks >= PTXTRAIN_GEMM_CHUNK;
-      constexpr bool kSfbPrefetch = PTXTRAIN_GEMM_SFB_PREFETCH != 0 && !k1D1D && !kSfbInStage;
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
       // rest of its scales, release the stage, promote.
@@ -646,12 +640,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   {                                                                                           \
     const u32 s = it % kNumStages;                                                            \
     float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
-    if constexpr (kSfbPrefetch) {                                                             \
-      sfb_lo = pf_lo;                                                                         \
-      sfb_hi = pf_hi;                                                                         \
-    } else {                                                                                  \
-      load_sfb(s, (kb), sfb_lo, sfb_hi);                                                      \
-    }                                                                                         \
+    load_sfb(s, (kb), sfb_lo, sfb_hi);                                                        \
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
     float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
@@ -676,12 +665,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }                                                                                         \
     load_sb(s, sb, kEarlyGroups);                                                             \
     release_read_stage<kCluster>(&empty[s], lane);                                            \
-    if constexpr (kSfbPrefetch) {                                                             \
-      if ((kb) + 1 < kb_last) {                                                               \
-        pf_lo = ldg_nc_f32_pinned(sfb_lo_hi[0] + (kb) + 1);                                   \
-        pf_hi = ldg_nc_f32_pinned(sfb_lo_hi[1] + (kb) + 1);                                   \
-      }                                                                                       \
-    }                                                                                         \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
     ++it;                                                                                     \
   }
@@ -709,12 +692,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // (Split tail: a slice's K range is whole chunks, plus the remainder for the last slice;
       // a whole tile is blocks 0 .. kNumKBlocks - 1 as constants.)
       const int kb_first = kSlice ? kb_begin : 0;
-      // (kSfbPrefetch: one past this unit's last K block)
-      const int kb_last = kSlice ? kb_begin + num_kb : kNumKBlocks;
-      float pf_lo = 1.0f, pf_hi = 1.0f;  // kSfbPrefetch: B's scales of the next block to retire
-      if constexpr (kSfbPrefetch) {
-        if (kb_first < kb_last) load_sfb(0, kb_first, pf_lo, pf_hi);
-      }
       const int kb_full = kSlice ? kb_begin + num_kb / kChunk * kChunk
                                   : kNumKBlocks / kChunk * kChunk;
 #pragma unroll 1
@@ -1013,7 +990,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         if (group < 0) continue;
         const int a_row = (kGroupMode == 3 ? kg * m : 0) + m0;
         const float* sfb_lo_hi[2];
-        if constexpr (sfb_in_stage<k1D1D, kBlockM, kK>()) {
+        if constexpr (sfb_in_stage<k1D1D, kBlockM, kK, kGroupMode>()) {
           sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b, group, n0, sfb_lo_hi);
         }
 #pragma unroll 1
@@ -1022,7 +999,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
-          if constexpr (sfb_in_stage<k1D1D, kBlockM, kK>()) {
+          if constexpr (sfb_in_stage<k1D1D, kBlockM, kK, kGroupMode>()) {
             // 1D2D: block kb's two scales of B into the stage; the stage's phase completes only
             // once they have landed (read by the math warps after their `full` wait).
             unsigned char* slot = smem_sfb + s * Smem::kSlotSfb;

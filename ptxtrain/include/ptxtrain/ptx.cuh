@@ -126,15 +126,6 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
   return v;
 }
 
-// 4-byte read-only global load that keeps its place in the instruction stream (asm volatile with a
-// memory clobber: __ldg is an invariant load the compiler may move across barriers and fences).
-// PTX ISA "ld.global.nc".
-__device__ __forceinline__ float ldg_nc_f32_pinned(const float* ptr) {
-  float v;
-  asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
 // 4-byte variant of ld_nc_v4 (same switch, same sections).
 __device__ __forceinline__ float ld_nc_f32(const float* ptr) {
   float v;
