@@ -133,12 +133,6 @@ struct Fp8GemmSmem {
   static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
 };
 
-// Double accumulators: 1 releases a block's stage after its promotion instead of before (A/B
-// switch; the promotion has then consumed every scale the warp read from the stage, so the
-// release fence finds no shared-memory load in flight, at the price of a later release).
-#ifndef PTXTRAIN_GEMM_RELEASE_LATE
-#define PTXTRAIN_GEMM_RELEASE_LATE 0
-#endif
 // Diagnostic only (racy by design): 1 drops the fence of release_read_stage, to check that the
 // repeated-runs test and benchmarks.diag_race still catch the race it prevents.
 #ifndef PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE
@@ -670,9 +664,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       sa1 = sfa[row0 + 8];                                                                    \
     }                                                                                         \
     load_sb(s, sb, kEarlyGroups);                                                             \
-    if constexpr (!PTXTRAIN_GEMM_RELEASE_LATE) release_read_stage<kCluster>(&empty[s], lane); \
+    release_read_stage<kCluster>(&empty[s], lane);                                            \
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
-    if constexpr (PTXTRAIN_GEMM_RELEASE_LATE) release_read_stage<kCluster>(&empty[s], lane);  \
     ++it;                                                                                     \
   }
       // Chunks of kChunk blocks, each fully unrolled and drained at its end (wait_group 0): ptxas
