@@ -92,19 +92,25 @@ def main() -> None:
         default="cublas",
         help="the backend timed beside the variants (triton: for shapes cuBLAS cannot run)",
     )
+    p.add_argument(
+        "--out",
+        choices=["bf16", "fp32"],
+        help="D's dtype (default: bf16 for 1d2d, fp32 for 1d1d; Fp8Linear's wgrad writes bf16)",
+    )
     p.add_argument("--json")
     args = p.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     timer = GpuTimer(repeats=args.repeats)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out_dtype = torch.bfloat16 if args.kind == "1d2d" else torch.float32
+    default_out = "bf16" if args.kind == "1d2d" else "fp32"
+    out_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.out or default_out]
     rows = []
     for item in args.shapes:
         m, n, k = (int(v) for v in item.split(","))
         want, qa, qb = random_problem(m, n, k, args.kind)
         mod = cublas if args.baseline == "cublas" else triton_gemm
         fn = mod.fp8_gemm_nt if args.kind == "1d2d" else mod.fp8_gemm_nt_1d1d
-        base_us = timer(lambda: fn(qa, qb))
+        base_us = timer(lambda: fn(qa, qb, out_dtype=out_dtype))
         flops = 2.0 * m * n * k
         line = f"{m} {n} {k} | {args.baseline} {base_us:8.1f} {flops / base_us / 1e6:5.0f}"
         for name, cfg_text, defines, split, ffma_yield in variants:

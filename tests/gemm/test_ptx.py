@@ -260,6 +260,10 @@ def _variants():
         k = DSV3_WGRAD_K[0]
         cfg = ptx.select_config("1d1d", m, n, k, H200_SMS)
         seen[("1d1d", cfg, n, k, torch.float32, True)] = None
+    for n, k in DSV3_DENSE_NK:  # Fp8Linear's wgrad: dW [N, K] in bf16, K = the tokens
+        tokens = DSV3_WGRAD_K[0]
+        cfg = ptx.select_config("1d1d", n, k, tokens, H200_SMS)
+        seen[("1d1d", cfg, k, tokens, torch.bfloat16, False)] = None
     for n, k in ((4096, 7168), (7168, 2048)):  # the MoE experts' m-grouped GEMMs
         cfg = ptx.grouped_config(8192, n, k, H200_SMS)
         seen[("m_grouped", cfg, n, k, torch.bfloat16, False)] = None

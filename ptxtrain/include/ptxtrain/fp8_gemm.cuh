@@ -78,6 +78,10 @@
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT 6
 #endif
+// The same for a bf16 D (Fp8Linear's wgrad) without the split tail: 8 spill 8 bytes there.
+#ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16
+#define PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16 7
+#endif
 // Diagnostic only (benchmarks.ab_ptx "#PTXTRAIN_GEMM_DIAG_NO_PROMOTE=1"; wrong results): the
 // one-accumulator K loop of single-wave tiles without the FP32 promotion, i.e. a plain FP8
 // GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
@@ -622,10 +626,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // waiting for kb, so their shared-memory latency hides behind the wait instead of stalling
       // the promotion; more early groups hold more registers across the wait (all 16 of a
       // 128-column tile spill). 0: every scale after the wait.
-      static_assert(PTXTRAIN_GEMM_EARLY_SB_GROUPS >= 0 && PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT >= 0,
-                    "PTXTRAIN_GEMM_EARLY_SB_GROUPS(_SPLIT) >= 0");
-      constexpr int kEarlyWant =
-          kSplitK ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT : PTXTRAIN_GEMM_EARLY_SB_GROUPS;
+      static_assert(PTXTRAIN_GEMM_EARLY_SB_GROUPS >= 0 && PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT >= 0 &&
+                        PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16 >= 0,
+                    "PTXTRAIN_GEMM_EARLY_SB_GROUPS(_SPLIT / _BF16) >= 0");
+      constexpr int kEarlyWant = kSplitK    ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT
+                                 : kOut == 0 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16
+                                             : PTXTRAIN_GEMM_EARLY_SB_GROUPS;
       constexpr int kEarlyGroups =
           k1D1D ? (kEarlyWant < kBlockN / 8 ? kEarlyWant : kBlockN / 8) : 0;
       // Row scales before the wait too (1D2D as well once K spans a whole chunk: the fence before
