@@ -538,7 +538,12 @@ def _split_counters(device_index: int, count: int) -> torch.Tensor:
 def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_groups=1):
     """(config, bound launch, grid) of one launch geometry, cached so a repeated shape costs one
     lookup of host time (``cfg=None``: the heuristic's)."""
-    from ptxtrain.jit import BoundLaunch, load_kernel, max_active_clusters
+    from ptxtrain.jit import (
+        BoundLaunch,
+        load_kernel,
+        max_active_clusters,
+        programmatic_launch_enabled,
+    )
     from ptxtrain.jit.sass import with_ffma_yield
 
     if cfg is None and kind == "m_grouped":
@@ -591,6 +596,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
         cfg.num_threads,
         smem_bytes=smem,
         cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
+        programmatic=programmatic_launch_enabled(),  # the kernel waits (grid_dependency_wait)
     )
     return cfg, bound, grid, split
 

@@ -45,6 +45,7 @@ from ptxtrain.jit.launch import (
     make_tma_2d_desc,
     max_active_clusters,
     param_layout,
+    programmatic_launch_enabled,
     tma_2d_bytes,
     tma_2d_params,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "nvrtc_available",
     "nvrtc_version",
     "param_layout",
+    "programmatic_launch_enabled",
     "tma_2d_bytes",
     "tma_2d_params",
 ]

@@ -33,6 +33,15 @@ _TMAP_BYTES = 128  # sizeof(CUtensorMap)
 
 
 @functools.cache
+def programmatic_launch_enabled() -> bool:
+    """Whether the PTX GEMM and quantizer kernels launch with programmatic stream serialization
+    (Programmatic Dependent Launch, see :class:`BoundLaunch`): ``PTXTRAIN_PDL`` unset or not
+    ``0``. Read when a kernel's launch is first prepared (those are cached per process)."""
+    import os
+
+    return os.environ.get("PTXTRAIN_PDL", "1") != "0"
+
+
 def driver_available() -> bool:
     """True when the CUDA driver library (``libcuda.so.1``) can be loaded. Never touches
     ``cuda.bindings.driver``, so it is safe on machines without a driver."""
@@ -573,6 +582,12 @@ class BoundLaunch:
         block: threads per CTA (an int or 1- to 3-tuple).
         smem_bytes: dynamic shared memory per CTA (above 48 KB the kernel's limit is raised here).
         cluster: thread-block-cluster dims (sm_90), or None.
+        programmatic: launch with programmatic stream serialization (sm_90, Programmatic
+            Dependent Launch, CUDA programming guide): the grid may start while the previous
+            kernel on the stream finishes, so the launch latency and the kernel's prologue
+            overlap that kernel's tail. Only for kernels that execute ``griddepcontrol.wait``
+            (``ptxtrain/ptx.cuh``: ``grid_dependency_wait``) before their first global memory
+            access; such a kernel launched without it waits for nothing.
 
     Call: ``bound(grid, *values, stream=None)`` with ``grid`` an int or a 3-tuple of ints, one
     value per signature character, ``stream`` a raw ``cudaStream_t`` handle (default: PyTorch's
@@ -585,13 +600,25 @@ class BoundLaunch:
         RuntimeError: no CUDA driver, or the driver rejected the launch (its error in the message).
     """
 
-    def __init__(self, kernel, signature: str, block, *, smem_bytes: int = 0, cluster=None):
+    def __init__(
+        self,
+        kernel,
+        signature: str,
+        block,
+        *,
+        smem_bytes: int = 0,
+        cluster=None,
+        programmatic: bool = False,
+    ):
         if not isinstance(kernel, LoadedKernel):
             raise TypeError(f"kernel: expected a LoadedKernel, got {type(kernel).__name__}")
         fmt, self.offsets, self.nbytes = param_layout(signature)
         self.signature = signature
         self.block = _dim3(block, "block")
         self.cluster = _dim3(cluster, "cluster") if cluster is not None else None
+        if not isinstance(programmatic, bool):
+            raise TypeError(f"programmatic: expected a bool, got {programmatic!r}")
+        self.programmatic = programmatic
         if not isinstance(smem_bytes, int) or smem_bytes < 0:
             raise ValueError(f"smem_bytes: expected a non-negative int, got {smem_bytes!r}")
         self.smem_bytes = smem_bytes
@@ -608,11 +635,9 @@ class BoundLaunch:
             )
             kernel.max_dynamic_smem = smem_bytes
         self._function = int(kernel.function)
-        self._cluster_attr_id = (
-            int(driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
-            if self.cluster is not None
-            else 0
-        )
+        ids = driver.CUlaunchAttributeID
+        self._cluster_attr_id = int(ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+        self._pdl_attr_id = int(ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._lib = _libcuda()
 
     def _state(self):
@@ -624,16 +649,25 @@ class BoundLaunch:
             n = max(len(self.offsets), 1)
             pointers = (ctypes.c_void_p * n)(*[base + o for o in self.offsets])
             config = None
-            if self.cluster is not None:
-                attr = _LaunchAttribute()
-                attr.id = self._cluster_attr_id
-                attr.value[0], attr.value[1], attr.value[2] = self.cluster
+            if self.cluster is not None or self.programmatic:
+                attrs = (_LaunchAttribute * 2)()
+                n_attrs = 0
+                if self.cluster is not None:
+                    attrs[n_attrs].id = self._cluster_attr_id
+                    attrs[n_attrs].value[0], attrs[n_attrs].value[1], attrs[n_attrs].value[2] = (
+                        self.cluster
+                    )
+                    n_attrs += 1
+                if self.programmatic:
+                    attrs[n_attrs].id = self._pdl_attr_id
+                    attrs[n_attrs].value[0] = 1  # programmaticStreamSerializationAllowed
+                    n_attrs += 1
                 config = _LaunchConfig()
                 config.blockDimX, config.blockDimY, config.blockDimZ = self.block
                 config.sharedMemBytes = self.smem_bytes
-                config.attrs = ctypes.pointer(attr)
-                config.numAttrs = 1
-                config._attr = attr  # keep the attribute alive with the config
+                config.attrs = ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute))
+                config.numAttrs = n_attrs
+                config._attrs = attrs  # keep the attributes alive with the config
             state = self._tls.state = (block, pointers, config)
         return state
 
@@ -666,7 +700,7 @@ class BoundLaunch:
                     self._function, gx, gy, gz, bx, by, bz, self.smem_bytes, stream, pointers, None
                 )
             else:
-                cx, cy, cz = self.cluster
+                cx, cy, cz = self.cluster or (1, 1, 1)
                 if gx % cx or gy % cy or gz % cz:
                     raise ValueError(
                         f"grid {(gx, gy, gz)} is not divisible by cluster {self.cluster}"

@@ -53,6 +53,7 @@ from ptxtrain.jit import (
     driver_available,
     load_kernel,
     nvrtc_available,
+    programmatic_launch_enabled,
 )
 from ptxtrain.quant.ref import (
     BLOCK,
@@ -405,7 +406,14 @@ def _bound(dtype: torch.dtype, mode: tuple, variant: Variant, index: int, smem: 
     module = compile_module(dtype, variant=variant, full=mode[4])
     with torch.cuda.device(index):
         kernel = load_kernel(module, _expression(_IN_KIND[dtype], *mode[:4], variant, mode[4]))
-    return BoundLaunch(kernel, _SIGNATURE, variant.threads, smem_bytes=smem)
+    # (the kernel waits for the previous one before reading x: grid_dependency_wait)
+    return BoundLaunch(
+        kernel,
+        _SIGNATURE,
+        variant.threads,
+        smem_bytes=smem,
+        programmatic=programmatic_launch_enabled(),
+    )
 
 
 def _launch(

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ptxtrain.jit import (
+    BoundLaunch,
     CompiledKernel,
     JitCompileError,
     LoadedKernel,
@@ -538,3 +539,49 @@ def test_gpu_test_kernels_compile(source, name):
     """The GPU tests' kernels compile here, so a GPU run fails only on what needs a GPU."""
     built = compile_cuda(source, name=name, flags=("-DPTXTRAIN_AGGRESSIVE_PTX",))
     assert built.cubin.startswith(b"\x7fELF") and built.symbol() == name
+
+
+PDL_SOURCE = r"""
+#include <ptxtrain/ptx.cuh>
+using namespace ptxtrain;
+
+// A slow producer: every thread spins ~20 us, then writes its element.
+extern "C" __global__ void slow_fill(float* out, float value, long long spin_cycles) {
+  grid_dependency_launch();
+  grid_dependency_wait();
+  const long long t0 = clock64();
+  while (clock64() - t0 < spin_cycles) {
+  }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = value + blockIdx.x;
+}
+
+// A consumer launched programmatically right after it: reads `in` after the wait.
+extern "C" __global__ void copy_after_wait(const float* in, float* out) {
+  grid_dependency_launch();
+  grid_dependency_wait();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  out[i] = in[i];
+}
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_programmatic_launch_waits_for_the_previous_kernel():
+    # Programmatic dependent launch (BoundLaunch(programmatic=True)): the consumer may start
+    # while the slow producer still spins, and must still read every value the producer wrote
+    # (griddepcontrol.wait); repeated with fresh values so a stale read cannot pass by luck.
+    fill = load_kernel(compile_cuda(PDL_SOURCE, name="slow_fill"))
+    copy = load_kernel(compile_cuda(PDL_SOURCE, name="copy_after_wait"))
+    producer = BoundLaunch(fill, "pfq", 128, programmatic=True)
+    consumer = BoundLaunch(copy, "pp", 128, programmatic=True)
+    blocks = 264  # two per SM on a 132-SM GPU
+    buf = torch.zeros(blocks * 128, device="cuda")
+    out = torch.zeros_like(buf)
+    for rep in range(5):
+        producer(blocks, buf.data_ptr(), float(1000 * (rep + 1)), 40_000)
+        consumer(blocks, buf.data_ptr(), out.data_ptr())
+        torch.cuda.synchronize()
+        want = 1000.0 * (rep + 1) + torch.arange(blocks, device="cuda").repeat_interleave(128)
+        torch.testing.assert_close(out, want.float(), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="programmatic"):
+        BoundLaunch(copy, "pp", 128, programmatic=1)

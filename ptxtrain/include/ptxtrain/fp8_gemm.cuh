@@ -964,6 +964,11 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   } else {
     __syncthreads();
   }
+  // Programmatic dependent launch (ptxtrain.jit.BoundLaunch(programmatic=True)): the next kernel
+  // may start its prologue during this one's tail; this one's first global access (loads of A,
+  // B and the scales, stores of D) waits for the previous kernel's results.
+  grid_dependency_launch();
+  grid_dependency_wait();
 
   if (wg == kNumMathWG) {
     // ---- producer warpgroup: one thread issues every TMA load ----------------------------

@@ -90,6 +90,24 @@ __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// ---- programmatic dependent launch (sm_90) ---------------------------------------------------
+
+// Waits until every grid this one depends on (the previous kernel on the stream, when this one
+// was launched with programmatic stream serialization: ptxtrain.jit.BoundLaunch(programmatic=
+// True)) has completed and its memory operations are visible; returns at once otherwise. A
+// kernel launched that way executes it before its first global memory access (read or write).
+// PTX ISA "griddepcontrol" (.wait).
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+// Lets the grids that depend on this one launch (once every CTA of this grid has executed it or
+// exited) so their prologues overlap this grid's tail; they still wait for its completion in
+// grid_dependency_wait. PTX ISA "griddepcontrol" (.launch_dependents).
+__device__ __forceinline__ void grid_dependency_launch() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 // ---- thread-block clusters (sm_90) ------------------------------------------------------------
 
 // This CTA's rank in its cluster. PTX ISA "Special Registers: %cluster_ctarank".

@@ -110,6 +110,9 @@ __device__ __forceinline__ void sts_v2(void* ptr, uint2 v) { *static_cast<uint2*
 __device__ __forceinline__ u32 ld_u32(const void* ptr) { return *static_cast<const u32*>(ptr); }
 __device__ __forceinline__ u32 ld_u16(const void* ptr) { return *static_cast<const u16*>(ptr); }
 
+using ptxtrain::grid_dependency_launch;
+using ptxtrain::grid_dependency_wait;
+
 // ASYNC knob: 16-byte global -> shared copies in flight while the previous tile is quantized.
 __device__ __forceinline__ void cp_async_v4(void* smem_dst, const void* src) {
   ptxtrain::cp_async_16(smem_dst, src);
@@ -138,6 +141,9 @@ __device__ __forceinline__ float rcp_rn(float b) { return __frcp_rn(b); }
 inline void st_f32_if(bool pred, float* ptr, float v) {
   if (pred) st_f32(ptr, v);
 }
+// (host: one kernel at a time, nothing to wait for)
+inline void grid_dependency_launch() {}
+inline void grid_dependency_wait() {}
 // (host: the copy completes at once, through the checked 16-byte load and shared store)
 inline void cp_async_v4(void* smem_dst, const void* src) { sts_v4(smem_dst, ld_stream_v4(src)); }
 inline void cp_async_commit() {}
@@ -548,6 +554,12 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
   PTXTRAIN_DYNAMIC_SMEM(u32, smem);
   constexpr int kTileWords = kTile * (kByteT ? kTile / 4 : WPR);
   u32* red = smem + (COL ? kTileWords * (kAsyncLayout ? 2 : 1) : 0);
+
+  // Programmatic dependent launch (ptxtrain.jit.BoundLaunch(programmatic=True)): let the next
+  // kernel start its prologue during this one's tail, and read x only once the previous
+  // kernel's results are visible.
+  grid_dependency_launch();
+  grid_dependency_wait();
 
   const int tid = threadIdx.x;
   const i64 tiles = (M + kTile - 1) / kTile * k_tiles;
