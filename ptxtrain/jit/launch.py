@@ -35,11 +35,13 @@ _TMAP_BYTES = 128  # sizeof(CUtensorMap)
 @functools.cache
 def programmatic_launch_enabled() -> bool:
     """Whether the PTX GEMM and quantizer kernels launch with programmatic stream serialization
-    (Programmatic Dependent Launch, see :class:`BoundLaunch`): ``PTXTRAIN_PDL`` unset or not
-    ``0``. Read when a kernel's launch is first prepared (those are cached per process)."""
+    (Programmatic Dependent Launch, see :class:`BoundLaunch`): ``PTXTRAIN_PDL=1``. Off by
+    default: on an H200 it made Fp8Linear's fwd + bwd 0-4.6% slower per layer (geomean 1.266-
+    1.276x BF16 against 1.294-1.299x without, benchmarks/results/2026-11-23-s17-h200/call17).
+    Read when a kernel's launch is first prepared (those are cached per process)."""
     import os
 
-    return os.environ.get("PTXTRAIN_PDL", "1") != "0"
+    return os.environ.get("PTXTRAIN_PDL", "0") == "1"
 
 
 def driver_available() -> bool:
