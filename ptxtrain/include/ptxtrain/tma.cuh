@@ -89,27 +89,6 @@ __device__ __forceinline__ void cp_async_4(void* smem_dst, const void* src) {
                : "memory");
 }
 
-// 16-byte asynchronous copy global -> shared that bypasses L1 (.cg; both addresses 16-byte
-// aligned), tracked by this thread's cp.async groups (cp_async_commit_group /
-// cp_async_wait_group). PTX ISA "cp.async" (.cg, sm_80+).
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem_dst)),
-               "l"(static_cast<unsigned long long>(__cvta_generic_to_global(src)))
-               : "memory");
-}
-
-// "cp.async.commit_group": closes the group of this thread's cp.async copies issued so far.
-__device__ __forceinline__ void cp_async_commit_group() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// "cp.async.wait_group": waits until at most N of this thread's committed cp.async groups are
-// pending (their data then visible to this thread; other threads see it after a barrier).
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // Makes `bar` track this thread's cp.async copies issued so far: its pending count goes up by one
 // now and down by one once they have landed, so the phase cannot complete before them (and a
 // thread that waits on the phase sees their data). PTX ISA "cp.async.mbarrier.arrive" (no .noinc).

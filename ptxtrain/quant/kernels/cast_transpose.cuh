@@ -54,7 +54,7 @@
 #ifdef PTXTRAIN_QUANT_HOST_EMULATION
 #include "host_emulation.hpp"
 #else
-#include <ptxtrain/tma.cuh>
+#include <ptxtrain/ptx.cuh>
 #endif
 
 namespace ptxtrain_quant {
@@ -113,14 +113,21 @@ __device__ __forceinline__ u32 ld_u16(const void* ptr) { return *static_cast<con
 using ptxtrain::grid_dependency_launch;
 using ptxtrain::grid_dependency_wait;
 
-// ASYNC knob: 16-byte global -> shared copies in flight while the previous tile is quantized.
+// ASYNC knob: 16-byte global -> shared copies that bypass L1 (both addresses 16-byte aligned),
+// in flight while the previous tile is quantized. cp_async_commit_wait<N> closes this thread's
+// group of copies issued so far, then waits until at most N of its groups are pending (their
+// data then visible to this thread; to the others after a barrier). PTX ISA "cp.async" (.cg),
+// "cp.async.commit_group", "cp.async.wait_group".
 __device__ __forceinline__ void cp_async_v4(void* smem_dst, const void* src) {
-  ptxtrain::cp_async_16(smem_dst, src);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(ptxtrain::smem_addr(smem_dst)),
+               "l"(static_cast<unsigned long long>(__cvta_generic_to_global(src)))
+               : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { ptxtrain::cp_async_commit_group(); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  ptxtrain::cp_async_wait_group<N>();
+__device__ __forceinline__ void cp_async_commit_wait() {
+  asm volatile("cp.async.commit_group;\n"
+               "cp.async.wait_group %0;\n" ::"n"(N)
+               : "memory");
 }
 __device__ __forceinline__ uint4 lds_v4(const void* ptr) { return *static_cast<const uint4*>(ptr); }
 
@@ -146,9 +153,8 @@ inline void grid_dependency_launch() {}
 inline void grid_dependency_wait() {}
 // (host: the copy completes at once, through the checked 16-byte load and shared store)
 inline void cp_async_v4(void* smem_dst, const void* src) { sts_v4(smem_dst, ld_stream_v4(src)); }
-inline void cp_async_commit() {}
 template <int N>
-inline void cp_async_wait() {}
+inline void cp_async_commit_wait() {}
 inline uint4 lds_v4(const void* ptr) {
   uint4 v{0u, 0u, 0u, 0u};
   if (emu::aligned(ptr, 16, "misaligned 16-byte shared load")) std::memcpy(&v, ptr, 16);
@@ -623,7 +629,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
 
   if constexpr (kAsync) {  // the first tile; later ones are copied during the previous one
     if (blockIdx.x < tiles) copy_tile(blockIdx.x, smem);
-    cp_async_commit();
+    cp_async_commit_wait<1>();  // (closes the first tile's group; waits for nothing yet)
   }
 
   // FULL without LOOP: the host launches one CTA per tile, so tile < tiles needs no test.
@@ -659,8 +665,7 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
       // and for every thread's (the barrier), and take this thread's chunks for the row pass.
       const i64 nt = tile + stride;
       if (nt < tiles) copy_tile(nt, smem + ((iter & 1) ^ 1) * kTileWords);
-      cp_async_commit();
-      cp_async_wait<1>();
+      cp_async_commit_wait<1>();
       __syncthreads();
 #pragma unroll
       for (int i = 0; i < PASSES * CH; ++i) v[i] = lds_v4(tile_s + chunk_word(i));
