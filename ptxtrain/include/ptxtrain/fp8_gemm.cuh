@@ -11,13 +11,13 @@
 // 128-K block into a ring of kNumStages shared-memory stages, each guarded by a `full` and an
 // `empty` mbarrier; for decode-sized 1D2D tiles of short K and dense 128-row tiles of
 // K >= 1024 (sfb_in_stage) it also copies the block's two 128x128-block scales of B into the
-// stage with cp.async, tracked by the same `full` barrier. The math warpgroups (one for BLOCK_M = 64, two for 128 and 256, each then covering
-// BLOCK_M / 128 waves of 64 rows) wait on `full`, issue 4 wgmma m64nBLOCK_Nk32 per wave
-// (operands straight from shared memory), wait for them, release the stage (`empty`, one arrival
-// per warp) and promote the block's partial sums into FP32 accumulators on the CUDA cores:
-// fin += acc · sf_a[row] · sf_b[col block]. While one math warpgroup promotes, the other's
-// wgmmas keep the tensor core busy. setmaxnreg moves registers from the producer (40) to the
-// math warpgroups (232) when there are two of them.
+// stage with cp.async, tracked by the same `full` barrier. The math warpgroups (one for
+// BLOCK_M = 64, two for 128 and 256, each then covering BLOCK_M / 128 waves of 64 rows) wait on
+// `full`, issue 4 wgmma m64nBLOCK_Nk32 per wave (operands straight from shared memory), wait
+// for them, release the stage (`empty`, one arrival per warp) and promote the block's partial
+// sums into FP32 accumulators on the CUDA cores: fin += acc · sf_a[row] · sf_b[col block].
+// While one math warpgroup promotes, the other's wgmmas keep the tensor core busy. setmaxnreg
+// moves registers from the producer (40) to the math warpgroups (232) when there are two of them.
 //
 // Double accumulators (kDoubleAcc, one wave per warpgroup, BLOCK_N <= 128): block k + 1's
 // wgmmas are issued into a second register set before block k is promoted, and wait_group 1
@@ -626,7 +626,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // waiting for kb, so their shared-memory latency hides behind the wait instead of stalling
       // the promotion; more early groups hold more registers across the wait (all 16 of a
       // 128-column tile spill). 0: every scale after the wait.
-      static_assert(PTXTRAIN_GEMM_EARLY_SB_GROUPS >= 0 && PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT >= 0 &&
+      static_assert(PTXTRAIN_GEMM_EARLY_SB_GROUPS >= 0 &&
+                        PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT >= 0 &&
                         PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16 >= 0,
                     "PTXTRAIN_GEMM_EARLY_SB_GROUPS(_SPLIT / _BF16) >= 0");
       constexpr int kEarlyWant = kSplitK    ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT
@@ -810,7 +811,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
           // (whole two-wave tile: wave w in its own slots, only the first waits for old stores)
           store_tile_tma<kBlockN, kOut, kAccumulate, kN, Epi::kRoundBoxes>(
               fin[w],
-              smem_d + wg * Epi::kWgBytes + (Epi::kWholeTile ? w * Epi::kBoxes * Epi::kBoxBytes : 0),
+              smem_d + wg * Epi::kWgBytes +
+                  (Epi::kWholeTile ? w * Epi::kBoxes * Epi::kBoxBytes : 0),
               tma_d, kg * m + m0 + w * 64 * kNumMathWG + wg * 64, n0, wg, threadIdx.x % 128 == 0,
               !Epi::kWholeTile || w == 0);
         }

@@ -2,7 +2,8 @@
 // kernels, run on the CPU through host_emulation.hpp, to tests/quant/test_cuda.py (ctypes).
 // Build: g++ -std=c++20 -O1 -ffp-contract=off -fPIC -shared host_emulation.cpp -o emu.so
 // The kernel variant (ptxtrain_quant::Knobs) comes from -DPTXTRAIN_QUANT_EMU_THREADS=..., _LOOP,
-// _PIPE, _MUL_POW2, _BYTE_T, _AMAX16, _FAST_SF, _PAIR, _ASYNC (defaults: the default variant), one shared library per variant.
+// _PIPE, _MUL_POW2, _BYTE_T, _AMAX16, _FAST_SF, _PAIR, _ASYNC (defaults: the default variant),
+// one shared library per variant.
 #define PTXTRAIN_QUANT_HOST_EMULATION 1
 #include "cast_transpose.cuh"
 
