@@ -264,6 +264,9 @@ def _variants():
         tokens = DSV3_WGRAD_K[0]
         cfg = ptx.select_config("1d1d", n, k, tokens, H200_SMS)
         seen[("1d1d", cfg, k, tokens, torch.bfloat16, False)] = None
+        # and its dgrad: dx [tokens, K] = dy [tokens, N] · W, i.e. a 1D2D GEMM with N and K swapped
+        cfg = ptx.select_config("1d2d", tokens, k, n, H200_SMS)
+        seen[("1d2d", cfg, k, n, torch.bfloat16, False)] = None
     for n, k in ((4096, 7168), (7168, 2048)):  # the MoE experts' m-grouped GEMMs
         cfg = ptx.grouped_config(8192, n, k, H200_SMS)
         seen[("m_grouped", cfg, n, k, torch.bfloat16, False)] = None
