@@ -26,24 +26,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptxtrain.jit.cache import _env_flag
 from ptxtrain.jit.compiler import CompiledKernel
 
 _STATIC_SMEM_LIMIT = 48 * 1024  # bytes of dynamic smem allowed without cuFuncSetAttribute
 _TMAP_BYTES = 128  # sizeof(CUtensorMap)
 
 
-@functools.cache
 def programmatic_launch_enabled() -> bool:
     """Whether the PTX GEMM and quantizer kernels launch with programmatic stream serialization
-    (Programmatic Dependent Launch, see :class:`BoundLaunch`): ``PTXTRAIN_PDL=1``. Off by
-    default: on an H200 it made Fp8Linear's fwd + bwd 0-4.6% slower per layer (geomean 1.266-
-    1.276x BF16 against 1.294-1.299x without, benchmarks/results/2026-11-23-s17-h200/call17).
-    Read when a kernel's launch is first prepared (those are cached per process)."""
-    import os
+    (Programmatic Dependent Launch, see :class:`BoundLaunch`): ``PTXTRAIN_PDL=1`` (or true /
+    yes / on, as the other JIT switches). Off by default: on an H200 it made Fp8Linear's fwd +
+    bwd 0-4.6% slower per layer (geomean 1.266-1.276x BF16 against 1.294-1.299x without,
+    benchmarks/results/2026-11-23-s17-h200/call17). Read when a kernel's launch is first prepared
+    (those are cached per process)."""
+    return _env_flag("PTXTRAIN_PDL")
 
-    return os.environ.get("PTXTRAIN_PDL", "0") == "1"
 
-
+@functools.cache
 def driver_available() -> bool:
     """True when the CUDA driver library (``libcuda.so.1``) can be loaded. Never touches
     ``cuda.bindings.driver``, so it is safe on machines without a driver."""
