@@ -34,8 +34,6 @@ NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 # The six DeepSeek-V3 GEMM shapes at M = 4096 (1D2D) and their wgrad shapes (1D1D, K = 4096 tokens).
 V3_SHAPES="4096,2112,7168 4096,24576,1536 4096,32768,512 4096,7168,16384 4096,4096,7168 4096,7168,2048"
 V3_WSHAPES="7168,2112,4096 1536,24576,4096 512,32768,4096 16384,7168,4096 7168,4096,4096 2048,7168,4096"
-# Their dgrad shapes (Fp8Linear's backward: dx [4096, K] = dy [4096, N] · W).
-V3_DSHAPES="4096,7168,2112 4096,1536,24576 4096,512,32768 4096,16384,7168 4096,7168,4096 4096,2048,7168"
 status=0
 for stage in $stages; do
   echo "=== $stage ($(date -u +%H:%M:%S))"

@@ -707,7 +707,7 @@ def test_gpu_256_row_epilogue_stagings_agree(out_dtype, m, n, k):
     # bitwise equal, and right against the FP64 product (M and N tails clip the second wave).
     x, w = _inputs(m, n, k, seed=3 * m + n + k)
     qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
-    wave_boxes = 128 * (2 if out_dtype == torch.bfloat16 else 4) // 128
+    wave_boxes = 2 if out_dtype == torch.bfloat16 else 4  # 128 columns in 128-byte boxes
     variants = [(False, 0, 4), (True, 1, 4), (True, wave_boxes, 3)]
     if out_dtype == torch.bfloat16:  # (fp32: both waves' boxes exceed shared memory)
         variants.append((True, 2 * wave_boxes, 3))
