@@ -262,6 +262,43 @@ def _wave_efficiency(tiles: int, num_sms: int, k_blocks: int) -> float:
     return tiles / (waves * num_sms)
 
 
+def split_tail(
+    units: int, grid_units: int, num_kb: int, quantum: int, max_splits: int | None = None
+) -> tuple[int, int]:
+    """``(num_dp_units, splits)`` of a persistent launch of ``units`` work units on
+    ``grid_units`` CTAs (clusters) with ``num_kb`` K blocks per tile (pure function).
+
+    The first ``num_dp_units`` units are whole tiles: full waves, each CTA the same number. The
+    ``tail = units - num_dp_units`` tiles of the partial last wave are cut into ``splits``
+    K-slices of whole ``quantum``-block steps, as many as the idle CTAs take in one round:
+    ``splits = min(grid_units // tail, num_kb // quantum)`` (and at most ``max_splits``). The
+    PTX kernel's split tail (``PtxConfig.split_k``, quantum = its double-accumulator chunk) and
+    the Gluon kernel's (:func:`gluon_split_k`) both cut by it.
+    A single partial wave (``units < grid_units``, decode-sized M) is cut the same way, with no
+    whole tiles in front: 64 x 2112 x 7168 with 64x32 tiles is 66 tiles on 132 SMs, cut in 2.
+    ``splits == 1`` (nothing cut) when there is no partial wave or fewer than two slices fit.
+    E.g. 4096 x 2112 x 7168 with 128x128 tiles on 132 SMs: 544 tiles = 4 waves + 16, cut into
+    7 slices of 8 K blocks (112 units).
+
+    Raises:
+        ValueError: a non-positive ``grid_units`` or ``quantum``, or negative ``units`` /
+            ``num_kb``.
+    """
+    if grid_units < 1 or quantum < 1:
+        raise ValueError(f"grid_units and quantum must be positive, got {grid_units}, {quantum}")
+    if units < 0 or num_kb < 0:
+        raise ValueError(f"units and num_kb must be >= 0, got {units}, {num_kb}")
+    tail = units % grid_units
+    if tail == 0:  # (also M = 0: no units)
+        return units, 1
+    splits = min(grid_units // tail, num_kb // quantum)
+    if max_splits is not None:
+        splits = min(splits, max_splits)
+    if splits < 2:
+        return units, 1
+    return units - tail, splits
+
+
 # A K-slice of the split tail covers at least this many 128-K blocks (each slice's partial sums
 # cost a [BM, BN] fp32 write and read; session 16, call 9: 4096 x 24576 x 1536's 36 tail tiles
 # in 3 slices of 4 blocks ran 0.993x cuBLAS against 1.005 unsplit, 4096 x 2112 x 7168's 8 in
@@ -299,12 +336,7 @@ def gluon_split_k(
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
         raise ValueError(f"num_sms must be an int >= 1, got {num_sms!r}")
-    whole = num_tiles // num_sms * num_sms
-    tail = num_tiles - whole
-    if tail == 0:
-        return num_tiles, 1
-    splits = min(num_sms // tail, k_blocks // GLUON_SPLIT_MIN_BLOCKS, max_splits)
-    return (whole, splits) if splits >= 2 else (num_tiles, 1)
+    return split_tail(num_tiles, num_sms, k_blocks, GLUON_SPLIT_MIN_BLOCKS, max_splits)
 
 
 # The warp-specialized Gluon kernel's tiles, fewest L2 bytes per FLOP first: (BM + BN) / (BM BN)

@@ -40,6 +40,7 @@ import torch
 
 from ptxtrain._checks import ceil_div
 from ptxtrain.gemm import ref
+from ptxtrain.gemm.heuristics import split_tail
 from ptxtrain.quant.ref import to_mn_major
 
 BLOCK_K = 128
@@ -474,38 +475,6 @@ def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
 # sf_b, out, m, m_indices, block_group, num_groups, the K-grouped / masked info pointer, and the
 # split tail's num_dp_units, splits, workspace and counters.
 _SIGNATURE = "TTTTTppippipiipp"
-
-
-def split_tail(units: int, grid_units: int, num_kb: int, quantum: int) -> tuple[int, int]:
-    """``(num_dp_units, splits)`` of a persistent launch of ``units`` work units on
-    ``grid_units`` CTAs (clusters) with ``num_kb`` K blocks per tile, for ``PtxConfig.split_k``
-    (pure function).
-
-    The first ``num_dp_units`` units are whole tiles: full waves, each CTA the same number. The
-    ``tail = units - num_dp_units`` tiles of the partial last wave are cut into ``splits``
-    K-slices of whole ``quantum``-block steps (the double-accumulator chunk), as many as the
-    idle CTAs take in one round: ``splits = min(grid_units // tail, num_kb // quantum)``.
-    A single partial wave (``units < grid_units``, decode-sized M) is cut the same way, with no
-    whole tiles in front: 64 x 2112 x 7168 with 64x32 tiles is 66 tiles on 132 SMs, cut in 2.
-    ``splits == 1`` (nothing cut) when there is no partial wave or fewer than two slices fit.
-    E.g. 4096 x 2112 x 7168 with 128x128 tiles on 132 SMs: 544 tiles = 4 waves + 16, cut into
-    7 slices of 8 K blocks (112 units).
-
-    Raises:
-        ValueError: a non-positive ``grid_units`` or ``quantum``, or negative ``units`` /
-            ``num_kb``.
-    """
-    if grid_units < 1 or quantum < 1:
-        raise ValueError(f"grid_units and quantum must be positive, got {grid_units}, {quantum}")
-    if units < 0 or num_kb < 0:
-        raise ValueError(f"units and num_kb must be >= 0, got {units}, {num_kb}")
-    tail = units % grid_units
-    if tail == 0:  # (also M = 0: no units)
-        return units, 1
-    splits = min(grid_units // tail, num_kb // quantum)
-    if splits < 2:
-        return units, 1
-    return units - tail, splits
 
 
 def _split_quantum() -> int:
