@@ -636,9 +636,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
     };
     // (j0 .. j1 - 1: the 8-column groups to load; all by default)
-    // (diagnostic PTXTRAIN_GEMM_SB_PERM=2: these loads from the TMA's layout; 3: the producer's
-    // permuted copy read with the plain loads; both give wrong results)
-    constexpr bool kSbPerm = sb_permuted<k1D1D, kBlockN, kGroupMode>() && PTXTRAIN_GEMM_SB_PERM != 3;
+    constexpr bool kSbPerm = sb_permuted<k1D1D, kBlockN, kGroupMode>();
     // (sb_permuted: this thread's chunk c lies at 144q + 16c in the slot, q = lane % 4)
     const u32 sb_lane = smem_addr(smem_sfb) + sb_perm_offset(lane % 4, 0);
     auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1], int j0 = 0,
@@ -1033,7 +1031,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     if constexpr (kNumMathWG == 2) setmaxnreg_dec<40>();
     // (sb_permuted: the whole first warp runs the loop and copies B's column scales in, its
     // lane 0 issues the TMA loads.)
-    constexpr bool kSbPerm = sb_permuted<k1D1D, kBlockN, kGroupMode>() && PTXTRAIN_GEMM_SB_PERM != 2;
+    constexpr bool kSbPerm = sb_permuted<k1D1D, kBlockN, kGroupMode>();
     const int plane = threadIdx.x % 128;
     const bool leader = plane == 0;
     if (leader || (kSbPerm && plane < 32)) {
