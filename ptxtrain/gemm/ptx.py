@@ -157,9 +157,8 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str, epilogue:
     """Dynamic shared memory of one CTA (mirrors ``Fp8GemmSmem`` in fp8_gemm.cuh); ``epilogue``:
     bytes of the TMA-store staging tiles (:func:`epilogue_bytes`, 0 for direct stores)."""
     slot_sfa = ceil_div(block_m * 4, 128) * 128
-    # (1D1D: B's per-column scales, with room for the permuted layout's 48 bytes of padding;
-    # 1D2D: its two block scales, see Fp8GemmSmem)
-    slot_sfb = ceil_div(block_n * 4 + 48, 128) * 128 if kind in _1D1D_KINDS else 16
+    # (1D1D: B's per-column scales by TMA; 1D2D: its two block scales, see Fp8GemmSmem)
+    slot_sfb = ceil_div(block_n * 4, 128) * 128 if kind in _1D1D_KINDS else 16
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + slot_sfa + slot_sfb
     return epilogue + num_stages * per_stage + 2 * num_stages * 8 + 1024
 

@@ -82,23 +82,6 @@
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16 7
 #endif
-// 1D1D: the column scales of B in each stage in the lane-major order of sb_perm_offset, copied in
-// by the producer warp (cp.async) instead of TMA, so a math thread reads its 32 scales of a
-// 128-column block with 8 16-byte shared loads instead of 16 8-byte ones.
-#ifndef PTXTRAIN_GEMM_SB_PERM
-#define PTXTRAIN_GEMM_SB_PERM 0
-#endif
-// Early column-scale groups with the permuted layout (fp32 D / split tail / bf16 D): the 16-byte
-// loads take register quads, and ptxas spills with more.
-#ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_PERM
-#define PTXTRAIN_GEMM_EARLY_SB_GROUPS_PERM 4
-#endif
-#ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_PERM_SPLIT
-#define PTXTRAIN_GEMM_EARLY_SB_GROUPS_PERM_SPLIT 2
-#endif
-#ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_PERM_BF16
-#define PTXTRAIN_GEMM_EARLY_SB_GROUPS_PERM_BF16 0
-#endif
 // Diagnostic only (benchmarks.ab_ptx "#PTXTRAIN_GEMM_DIAG_NO_PROMOTE=1"; wrong results): the
 // one-accumulator K loop of single-wave tiles without the FP32 promotion, i.e. a plain FP8
 // GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
@@ -131,22 +114,6 @@ __host__ __device__ constexpr bool sfb_in_stage() {
                     (kBlockM == 128 && kGroupMode == 0 && kBlocks >= 8));
 }
 
-// 1D1D, dense 128-column tiles: the stage holds B's 128 column scales of a K block permuted
-// (sb_perm_offset) so that a math thread's scales are contiguous: a thread of the wgmma
-// accumulator layout with q = lane % 4 needs columns 8j + 2q + {0, 1} (j = 0..15), i.e. chunk c
-// = j / 2 of 4 floats {16c + 2q, +1, 16c + 8 + 2q, +1}. Thread group q's 8 chunks fill 128
-// bytes at 144q (16 bytes of padding between groups): in one 16-byte load of chunk c the four
-// groups hit the four different 4-bank sets 4(q + c) mod 32 (one shared-memory wavefront for the
-// warp, the eight lanes of a group broadcast), and chunk c is an immediate offset 16c from the
-// thread's base.
-template <bool k1D1D, int kBlockN, int kGroupMode>
-__host__ __device__ constexpr bool sb_permuted() {
-  return k1D1D && PTXTRAIN_GEMM_SB_PERM != 0 && kBlockN == 128 && kGroupMode == 0;
-}
-
-// Byte offset in the stage's column-scale slot of chunk c (0..7) of thread group q (0..3).
-__host__ __device__ constexpr unsigned sb_perm_offset(int q, int c) { return 144u * q + 16u * c; }
-
 template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0>
 struct Fp8GemmSmem {
   static constexpr int kBlockK = 128;
@@ -160,8 +127,7 @@ struct Fp8GemmSmem {
   static constexpr u32 kSlotSfa = (kBytesSfa + 127) / 128 * 128;  // TMA destinations: 128-B aligned
   // (1D2D: room for the two 128x128-block scales of B of a stage's block, lo and hi, when the
   // producer copies them in, see sfb_in_stage; not part of the TMA transaction bytes)
-  // (1D1D: with room for sb_permuted's padding: 3 x 16 bytes for 128 columns)
-  static constexpr u32 kSlotSfb = k1D1D ? (kBytesSfb + 48 + 127) / 128 * 128 : 16;
+  static constexpr u32 kSlotSfb = k1D1D ? (kBytesSfb + 127) / 128 * 128 : 16;
   static constexpr u32 kOffB = kOffA + kNumStages * kBytesA;
   static constexpr u32 kOffSfa = kOffB + kNumStages * kBytesB;
   static constexpr u32 kOffSfb = kOffSfa + kNumStages * kSlotSfa;
@@ -636,25 +602,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
     };
     // (j0 .. j1 - 1: the 8-column groups to load; all by default)
-    constexpr bool kSbPerm = sb_permuted<k1D1D, kBlockN, kGroupMode>();
-    // (sb_permuted: this thread's chunk c lies at 144q + 16c in the slot, q = lane % 4)
-    const u32 sb_lane = smem_addr(smem_sfb) + sb_perm_offset(lane % 4, 0);
     auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1], int j0 = 0,
                        int j1 = kBlockN / 8) {
-      if constexpr (kSbPerm) {
-        const u32 base = sb_lane + s * Smem::kSlotSfb;
-#pragma unroll
-        for (int c = 0; c < kBlockN / 16; ++c) {  // groups 2c and 2c + 1, where in [j0, j1)
-          const bool lo = 2 * c >= j0 && 2 * c < j1, hi = 2 * c + 1 >= j0 && 2 * c + 1 < j1;
-          if (lo && hi) {
-            ld_shared_v4(base + 16u * c, sb[4 * c], sb[4 * c + 1], sb[4 * c + 2], sb[4 * c + 3]);
-          } else if (lo) {
-            ld_shared_v2(base + 16u * c, sb[4 * c], sb[4 * c + 1]);
-          } else if (hi) {
-            ld_shared_v2(base + 16u * c + 8u, sb[4 * c + 2], sb[4 * c + 3]);
-          }
-        }
-      } else if constexpr (k1D1D) {
+      if constexpr (k1D1D) {
         // col0 is even and the slot 128-B aligned: one 8-byte load per 8-column group.
         const float2* sfb = reinterpret_cast<const float2*>(smem_sfb + s * Smem::kSlotSfb);
 #pragma unroll
@@ -680,13 +630,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                         PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT >= 0 &&
                         PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16 >= 0,
                     "PTXTRAIN_GEMM_EARLY_SB_GROUPS(_SPLIT / _BF16) >= 0");
-      constexpr int kEarlyWant =
-          kSbPerm ? (kSplitK    ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_PERM_SPLIT
-                     : kOut == 0 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_PERM_BF16
-                                 : PTXTRAIN_GEMM_EARLY_SB_GROUPS_PERM)
-                  : (kSplitK    ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT
-                     : kOut == 0 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16
-                                 : PTXTRAIN_GEMM_EARLY_SB_GROUPS);
+      constexpr int kEarlyWant = kSplitK    ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_SPLIT
+                                 : kOut == 0 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16
+                                             : PTXTRAIN_GEMM_EARLY_SB_GROUPS;
       constexpr int kEarlyGroups =
           k1D1D ? (kEarlyWant < kBlockN / 8 ? kEarlyWant : kBlockN / 8) : 0;
       // Row scales before the wait too (1D2D as well once K spans a whole chunk: the fence before
@@ -1029,19 +975,12 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   if (wg == kNumMathWG) {
     // ---- producer warpgroup: one thread issues every TMA load ----------------------------
     if constexpr (kNumMathWG == 2) setmaxnreg_dec<40>();
-    // (sb_permuted: the whole first warp runs the loop and copies B's column scales in, its
-    // lane 0 issues the TMA loads.)
-    constexpr bool kSbPerm = sb_permuted<k1D1D, kBlockN, kGroupMode>();
-    const int plane = threadIdx.x % 128;
-    const bool leader = plane == 0;
-    if (leader || (kSbPerm && plane < 32)) {
-      if (leader) {
-        tma_prefetch_desc(&tma_a);
-        tma_prefetch_desc(&tma_b);
-        tma_prefetch_desc(&tma_sfa);
-        if constexpr (k1D1D && !kSbPerm) tma_prefetch_desc(&tma_sfb);
-        if constexpr (kEpiBoxes > 0) tma_prefetch_desc(&tma_d);
-      }
+    if (threadIdx.x % 128 == 0) {
+      tma_prefetch_desc(&tma_a);
+      tma_prefetch_desc(&tma_b);
+      tma_prefetch_desc(&tma_sfa);
+      if constexpr (k1D1D) tma_prefetch_desc(&tma_sfb);
+      if constexpr (kEpiBoxes > 0) tma_prefetch_desc(&tma_d);
       u32 it = 0;
       // The math warpgroups' two unit loops (fp8_gemm_math), unit for unit.
       int unit = first_unit;
@@ -1081,28 +1020,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
             cp_async_4(slot + 4, sfb_lo_hi[1] + kb);
             cp_async_mbarrier_arrive(&full[s]);
           }
-          if constexpr (kSbPerm) {
-            // 1D1D: block kb's 128 column scales (sf_b as [K blocks, N] with 16-byte rows, the
-            // MN-major layout the host passes) into the stage in sb_perm_offset's order, two
-            // 8-byte pairs per lane (zeros past N); every lane's arrival makes the phase wait
-            // for its copies, and the warp barrier puts them all before lane 0's arrival.
-            constexpr int kLd = (kN + 3) / 4 * 4;
-            const float* src_row = sf_b + static_cast<long long>(kb) * kLd + n0;
-            const u32 slot = smem_addr(smem_sfb + s * Smem::kSlotSfb);
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              const int pair = plane + 32 * i;  // (c, h, q): columns 16c + 8h + 2q + {0, 1}
-              const int q = pair & 3, h = (pair >> 2) & 1, c = pair >> 3;
-              const int col = 16 * c + 8 * h + 2 * q;
-              cp_async_8_zfill(slot + sb_perm_offset(q, c) + 8 * h, src_row + col,
-                               n0 + col < kN);
-            }
-            cp_async_mbarrier_arrive(&full[s]);
-            __syncwarp();
-            if (!leader) continue;
-          }
           // The full tiles arrive: this CTA's part plus the peer's multicast part.
-          mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes - (kSbPerm ? Smem::kBytesSfb : 0));
+          mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
           if constexpr (kMcastA) {
             tma_load_2d_multicast(smem_a + s * Smem::kBytesA + rank * kHalfA, &tma_a, &full[s],
                                   kb * 128, a_row + static_cast<int>(rank) * (kBlockM / kCluster),
@@ -1118,9 +1037,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
             tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, group * kN + n0);
           }
           tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
-          if constexpr (k1D1D && !kSbPerm) {
-            tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
-          }
+          if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
         }
       }
       }

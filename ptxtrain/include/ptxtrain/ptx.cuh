@@ -22,21 +22,6 @@ __device__ __forceinline__ u32 smem_addr(const void* ptr) {
   return static_cast<u32>(__cvta_generic_to_shared(ptr));
 }
 
-// ---- shared-memory loads ---------------------------------------------------------------------
-
-// 16- / 8-byte loads of fp32 from a 32-bit shared address (16- / 8-byte aligned). volatile keeps
-// them in program order with the other volatile asm (the stage-release fence after them).
-// PTX ISA "ld" (.shared, .v4 / .v2).
-__device__ __forceinline__ void ld_shared_v4(u32 addr, float& a, float& b, float& c, float& d) {
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(a), "=f"(b), "=f"(c), "=f"(d)
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ld_shared_v2(u32 addr, float& a, float& b) {
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(a), "=f"(b) : "r"(addr));
-}
-
 // ---- proxies and fences ----------------------------------------------------------------------
 
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy reads

@@ -89,15 +89,6 @@ __device__ __forceinline__ void cp_async_4(void* smem_dst, const void* src) {
                : "memory");
 }
 
-// 8-byte global -> shared copy to the shared address `smem_dst`, or 8 zero bytes when `valid` is
-// false (src-size 0: nothing is read). PTX ISA "cp.async" (cp-size 8, src-size).
-__device__ __forceinline__ void cp_async_8_zfill(u32 smem_dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_dst),
-               "l"(static_cast<unsigned long long>(__cvta_generic_to_global(src))),
-               "r"(valid ? 8u : 0u)
-               : "memory");
-}
-
 // Makes `bar` track this thread's cp.async copies issued so far: its pending count goes up by one
 // now and down by one once they have landed, so the phase cannot complete before them (and a
 // thread that waits on the phase sees their data). PTX ISA "cp.async.mbarrier.arrive" (no .noinc).
