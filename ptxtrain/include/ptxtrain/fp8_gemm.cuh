@@ -966,10 +966,10 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   } else {
     __syncthreads();
   }
-  // Programmatic dependent launch (ptxtrain.jit.BoundLaunch(programmatic=True)): the next kernel
-  // may start its prologue during this one's tail; this one's first global access (loads of A,
-  // B and the scales, stores of D) waits for the previous kernel's results.
-  grid_dependency_launch();
+  // Programmatic dependent launch (ptxtrain.jit.BoundLaunch(programmatic=True)): this one's first
+  // global access (loads of A, B and the scales, stores of D) waits for the previous kernel's
+  // results; the next kernel may launch once the producer of every CTA has issued its last
+  // loads (below), so its prologue overlaps only this one's last tiles.
   grid_dependency_wait();
 
   if (wg == kNumMathWG) {
@@ -1041,6 +1041,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         }
       }
       }
+      grid_dependency_launch();
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,

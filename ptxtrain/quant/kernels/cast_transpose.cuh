@@ -561,10 +561,8 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
   constexpr int kTileWords = kTile * (kByteT ? kTile / 4 : WPR);
   u32* red = smem + (COL ? kTileWords * (kAsyncLayout ? 2 : 1) : 0);
 
-  // Programmatic dependent launch (ptxtrain.jit.BoundLaunch(programmatic=True)): let the next
-  // kernel start its prologue during this one's tail, and read x only once the previous
-  // kernel's results are visible.
-  grid_dependency_launch();
+  // Programmatic dependent launch (ptxtrain.jit.BoundLaunch(programmatic=True)): read x only
+  // once the previous kernel's results are visible. (The next kernel is let in at the end.)
   grid_dependency_wait();
 
   const int tid = threadIdx.x;
@@ -906,6 +904,11 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     }
     if constexpr (!KN::kLoop) break;  // one tile per CTA
   }
+  // The next kernel may launch once every CTA got here: in the last wave, not at the start. A
+  // grid of many waves that lets it in at the start loses SMs to its CTAs (a GEMM's take a
+  // whole SM each and wait there for this grid's end): Fp8Linear ran 1.7-2.3% slower so
+  // (benchmarks/results/2026-11-23-s17-h200/call17).
+  grid_dependency_launch();
 }
 
 }  // namespace ptxtrain_quant
