@@ -33,14 +33,18 @@ _STATIC_SMEM_LIMIT = 48 * 1024  # bytes of dynamic smem allowed without cuFuncSe
 _TMAP_BYTES = 128  # sizeof(CUtensorMap)
 
 
-def programmatic_launch_enabled() -> bool:
-    """Whether the PTX GEMM and quantizer kernels launch with programmatic stream serialization
-    (Programmatic Dependent Launch, see :class:`BoundLaunch`): ``PTXTRAIN_PDL=1`` (or true /
-    yes / on, as the other JIT switches). Off by default: on an H200 it made Fp8Linear's fwd +
-    bwd 0-4.6% slower per layer (geomean 1.266-1.276x BF16 against 1.294-1.299x without,
-    benchmarks/results/2026-11-23-s17-h200/call17). Read when a kernel's launch is first prepared
-    (those are cached per process)."""
-    return _env_flag("PTXTRAIN_PDL")
+def programmatic_launch_enabled(quant: bool = False) -> bool:
+    """Whether the PTX GEMM kernels (``quant``: the CUDA quantizers) launch with programmatic
+    stream serialization (Programmatic Dependent Launch, see :class:`BoundLaunch`):
+    ``PTXTRAIN_PDL=1`` (or true / yes / on, as the other JIT switches) for the GEMMs, and
+    ``PTXTRAIN_PDL_QUANT=1`` as well for the quantizers. Off by default. On an H200, with every
+    kernel launched so and letting the next one in at its start, Fp8Linear's fwd + bwd was 0-4.6%
+    slower per layer (benchmarks/results/2026-11-23-s17-h200/call17); letting it in at the end
+    gained 2% at 2112 x 7168 but a quantizer launched behind a GEMM ran 2-13% longer (3.6% lost at
+    32768 x 512, benchmarks/results/2026-11-23-s18-h200/call3). Read when a kernel's launch is
+    first prepared (those are cached per process)."""
+    flag = _env_flag("PTXTRAIN_PDL")
+    return flag and (not quant or _env_flag("PTXTRAIN_PDL_QUANT"))
 
 
 @functools.cache

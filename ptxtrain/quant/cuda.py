@@ -412,7 +412,7 @@ def _bound(dtype: torch.dtype, mode: tuple, variant: Variant, index: int, smem: 
         _SIGNATURE,
         variant.threads,
         smem_bytes=smem,
-        programmatic=programmatic_launch_enabled(),
+        programmatic=programmatic_launch_enabled(quant=True),
     )
 
 
