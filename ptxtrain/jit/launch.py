@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import struct
 import threading
 from collections.abc import Sequence
@@ -35,16 +36,19 @@ _TMAP_BYTES = 128  # sizeof(CUtensorMap)
 
 def programmatic_launch_enabled(quant: bool = False) -> bool:
     """Whether the PTX GEMM kernels (``quant``: the CUDA quantizers) launch with programmatic
-    stream serialization (Programmatic Dependent Launch, see :class:`BoundLaunch`):
-    ``PTXTRAIN_PDL=1`` (or true / yes / on, as the other JIT switches) for the GEMMs, and
-    ``PTXTRAIN_PDL_QUANT=1`` as well for the quantizers. Off by default. On an H200, with every
-    kernel launched so and letting the next one in at its start, Fp8Linear's fwd + bwd was 0-4.6%
-    slower per layer (benchmarks/results/2026-11-23-s17-h200/call17); letting it in at the end
-    gained 2% at 2112 x 7168 but a quantizer launched behind a GEMM ran 2-13% longer (3.6% lost at
-    32768 x 512, benchmarks/results/2026-11-23-s18-h200/call3). Read when a kernel's launch is
-    first prepared (those are cached per process)."""
-    flag = _env_flag("PTXTRAIN_PDL")
-    return flag and (not quant or _env_flag("PTXTRAIN_PDL_QUANT"))
+    stream serialization (Programmatic Dependent Launch, see :class:`BoundLaunch`).
+
+    GEMMs: on unless ``PTXTRAIN_PDL`` is set to something other than 1 / true / yes / on (e.g.
+    ``PTXTRAIN_PDL=0``). With the GEMM letting the next kernel in once its producer has issued the
+    last loads, Fp8Linear's fwd + bwd ran 0.8-1.0% faster on an H200 (geomean 1.293 / 1.305x BF16
+    against 1.282 / 1.292x without, up to 1.7% per layer,
+    benchmarks/results/2026-11-23-s18-h200/call4). Quantizers: only with ``PTXTRAIN_PDL_QUANT=1``
+    as well. Launched behind a GEMM, a quantizer of many CTA waves ran 2-13% longer that way
+    (every CTA executes griddepcontrol.wait; 3.6% lost at 32768 x 512, call3 and call4 there).
+    Read when a kernel's launch is first prepared (those are cached per process)."""
+    value = os.environ.get("PTXTRAIN_PDL", "").strip()
+    gemm = not value or _env_flag("PTXTRAIN_PDL")
+    return gemm and (not quant or _env_flag("PTXTRAIN_PDL_QUANT"))
 
 
 @functools.cache

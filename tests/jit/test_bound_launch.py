@@ -184,3 +184,24 @@ def test_gpu_patched_tma_bytes_equal_fresh_encodings():
     for v in views:
         got = jit_launch.tma_2d_bytes(v, 64, 128, "128B")
         assert got == jit_launch._encode_2d(v, 64, 128, "128B")  # a fresh driver encoding
+
+
+@pytest.mark.parametrize(
+    "pdl,pdl_quant,gemm,quant",
+    [
+        (None, None, True, False),  # the defaults: the GEMMs programmatic, the quantizers not
+        ("0", None, False, False),
+        ("off", "1", False, False),  # the quantizers' switch needs the GEMMs' one
+        ("1", "1", True, True),
+        (None, "yes", True, True),
+        ("", "0", True, False),
+    ],
+)
+def test_programmatic_launch_switches(monkeypatch, pdl, pdl_quant, gemm, quant):
+    for name, value in (("PTXTRAIN_PDL", pdl), ("PTXTRAIN_PDL_QUANT", pdl_quant)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert jit_launch.programmatic_launch_enabled() is gemm
+    assert jit_launch.programmatic_launch_enabled(quant=True) is quant
