@@ -107,11 +107,16 @@ constexpr int kDefaultRasterM = 2048;
 //   stage (MEMBAR.ALL.CTA in the SASS) wait for it every block; through the stage 0.3-4% faster
 //   at the V3 fprop / dgrad shapes of K = 1536-24576, 3% slower at K = 512
 //   (benchmarks/results/2026-11-23-s17-h200/call9). 256-row tiles: not measured faster.
+// M-grouped 128-row tiles (the experts' GEMMs) the same way with PTXTRAIN_GEMM_SFB_STAGE_GROUPED.
+#ifndef PTXTRAIN_GEMM_SFB_STAGE_GROUPED
+#define PTXTRAIN_GEMM_SFB_STAGE_GROUPED 1
+#endif
 template <bool k1D1D, int kBlockM, int kK, int kGroupMode = 0>
 __host__ __device__ constexpr bool sfb_in_stage() {
   constexpr int kBlocks = (kK + 127) / 128;
+  constexpr bool kDense = kGroupMode == 0 || (kGroupMode == 1 && PTXTRAIN_GEMM_SFB_STAGE_GROUPED);
   return !k1D1D && ((kBlockM == 64 && kBlocks <= 16) ||
-                    (kBlockM == 128 && kGroupMode == 0 && kBlocks >= 8));
+                    (kBlockM == 128 && kDense && kBlocks >= 8));
 }
 
 template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0>
