@@ -520,7 +520,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     elif cfg is None and kind == "k_grouped":
         cfg = k_grouped_config(m, n, _num_sms(device_index))
     elif cfg is None and kind == "masked":
-        cfg = grouped_config(max(m * num_groups, 1), n, k, _num_sms(device_index))
+        cfg = grouped_config(max(m * num_groups, 1), n, k, _num_sms(device_index), split=False)
     elif cfg is None:
         cfg = select_config(kind, m, n, k, _num_sms(device_index))
     # K-grouped / masked: a TMA box must not cross into the next group's rows of the [G·M, N]
@@ -670,27 +670,36 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
     # on the same stream (PyTorch's caching allocator), as for any PyTorch op's temporaries.
 
 
-def grouped_config(m: int, n: int, k: int, num_sms: int, num_groups: int = 0) -> PtxConfig:
+def grouped_config(
+    m: int, n: int, k: int, num_sms: int, num_groups: int = 0, split: bool = True
+) -> PtxConfig:
     """Block sizes of the m-grouped contiguous GEMM: :func:`select_config`'s 1D2D choice for the
     total M, kept inside one 128-row group chunk (``block_m`` <= 128, no multicast: adjacent
     M-blocks may belong to different groups), with rasterization groups of about one expert's
     rows, ``M / num_groups`` rounded down to a power of two in [512, 2048] (512 when
     ``num_groups`` is unknown, 0): the tiles in flight then read few experts' B. 8 x 512 rows on
     an H200: 512 gave 1.03x / 1.01x the dense default 2048
-    (benchmarks/results/2026-11-22-s7-h200/call4/sweep_raster_b624f63.json)."""
+    (benchmarks/results/2026-11-22-s7-h200/call4/sweep_raster_b624f63.json). ``split``: the
+    dense rule's split tail (K-slices of the last partial wave's tiles, ``PtxConfig.split_k``);
+    the masked GEMM has none."""
     raster = _GROUPED_RASTER_M
     if num_groups > 0:
         per_group = max(1, m // num_groups)
         raster = min(2048, max(_GROUPED_RASTER_M, 1 << (per_group.bit_length() - 1)))
-    cfg = dataclasses.replace(select_config("1d2d", m, n, k, num_sms), split_k=False)
+    cfg = select_config("1d2d", m, n, k, num_sms)
     if cfg.block_m <= 128 and cfg.cluster == 1:
-        return dataclasses.replace(cfg, raster_m=raster)
+        return dataclasses.replace(cfg, raster_m=raster, split_k=cfg.split_k and split)
     bn = min(cfg.block_n, 128)
     epi = epilogue_bytes(128, bn, torch.bfloat16) if cfg.tma_store else 0
     stages = _MAX_STAGES
     while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > _SMEM_BYTES:
         stages -= 1
-    return PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0, raster)
+    cfg = PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0, raster)
+    if split and _SPLIT_TAIL:
+        tiles = ceil_div(max(m, 1), 128) * ceil_div(n, bn)
+        splits = split_tail(tiles, num_sms, ceil_div(k, BLOCK_K), _split_quantum())[1]
+        cfg = dataclasses.replace(cfg, split_k=splits > 1)
+    return cfg
 
 
 def k_grouped_config(m: int, n: int, num_sms: int) -> PtxConfig:

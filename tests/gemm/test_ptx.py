@@ -187,7 +187,10 @@ def test_select_config_splits_short_last_waves():
     assert ptx.select_config("1d2d", 13, 1000, 3008, H200_SMS).split_k  # 16 tiles, 24 blocks
     assert not ptx.select_config("1d2d", 13, 1000, 1024, H200_SMS).split_k  # one 8-block chunk
     assert not ptx.select_config("1d1d", 64, 2112, 7168, H200_SMS).split_k  # 1D2D only
-    assert not ptx.grouped_config(4096, 2112, 7168, H200_SMS).split_k
+    # M-grouped: the dense rule (4096 x 2112 x 7168 cut); masked (split=False): never.
+    assert ptx.grouped_config(4096, 2112, 7168, H200_SMS).split_k
+    assert not ptx.grouped_config(4096, 2112, 7168, H200_SMS, split=False).split_k
+    assert not ptx.grouped_config(4096, 4096, 2048, H200_SMS).split_k  # 1024 tiles, 16 blocks
     _, expr = ptx.kernel_source(
         "1d2d", ptx.select_config("1d2d", 4096, 2112, 7168, H200_SMS), 2112, 7168,
         torch.bfloat16, False,
@@ -775,6 +778,47 @@ def test_gpu_m_grouped_contiguous(sizes, n, k, out_dtype):
     keep = torch.ones(res.shape[0], dtype=torch.bool, device="cuda")
     keep[chunk : chunk + 128] = False
     torch.testing.assert_close(res[keep], got[keep], rtol=0, atol=0)  # other tiles unchanged
+
+
+@pytest.mark.gpu
+def test_gpu_m_grouped_split_tail(monkeypatch):
+    # 8 experts of ~512 rows at 4096 x 7168: 1024 tiles of 128x128 on an H200's 132 SMs = 7 waves
+    # + 100 tiles, which grouped_config cuts into K-slices. Against the same kernel without the
+    # cut: the same products summed in another order (fp32 partial sums, then one bf16
+    # rounding), and the cut runs repeat bitwise (slices summed in slice order).
+    from ptxtrain.moe.ref import grouped_layout_ref
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    g = torch.Generator().manual_seed(5)
+    counts = torch.tensor([512, 500, 0, 512, 511, 512, 512, 300])
+    padded_rows, m_indices = grouped_layout_ref(counts, 128)
+    n, k = 4096, 7168
+    if not ptx.grouped_config(m_indices.numel(), n, k, sms, len(counts)).split_k:
+        pytest.skip(f"no partial last wave on {sms} SMs")
+    x = torch.randn(m_indices.numel(), k, generator=g) * 3  # padding rows: garbage
+    x[padded_rows] = torch.randn(int(counts.sum()), k, generator=g)
+    w = torch.randn(len(counts), n, k, generator=g)
+    x, w, m_indices = x.cuda(), w.cuda(), m_indices.cuda()
+    qa = per_token_cast_to_fp8(x)
+    qb = [per_block_cast_to_fp8(w[i]) for i in range(len(counts))]
+    qb = (torch.stack([q[0] for q in qb]), torch.stack([q[1] for q in qb]))
+    ptx._plan.cache_clear()
+    cut = [ptx.m_grouped_fp8_gemm_nt_contiguous(qa, qb, m_indices) for _ in range(3)]
+    for other in cut[1:]:
+        torch.testing.assert_close(other, cut[0], rtol=0, atol=0)
+    monkeypatch.setattr(ptx, "_SPLIT_TAIL", False)
+    ptx._plan.cache_clear()
+    whole = ptx.m_grouped_fp8_gemm_nt_contiguous(qa, qb, m_indices)
+    ptx._plan.cache_clear()
+    # (bf16 D: the two fp32 sums round to the same or to adjacent bf16 values, ~1e-6 calc_diff)
+    assert calc_diff(cut[0].float(), whole.float()) < 1e-5
+    mi = m_indices.long()
+    assert bool((cut[0][mi < 0] == 0).all()), "padding rows must be zeros"
+    want = torch.zeros(cut[0].shape, dtype=torch.float64, device="cuda")
+    for i in range(len(counts)):
+        rows = (mi == i).nonzero().flatten()
+        want[rows] = x[rows].double() @ w[i].double().t()
+    _check(cut[0], want, m_indices.numel(), n, k, "m-grouped split tail")
 
 
 @pytest.mark.gpu

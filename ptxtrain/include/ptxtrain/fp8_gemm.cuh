@@ -383,7 +383,7 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
 // A work unit's tile and K range. K-grouped (kGroupMode 2) and masked (3): unit =
 // g · units_per_group + the unit within D[g]; K-grouped: group g's K blocks are group_info[g] ..
 // group_info[g + 1] - 1 (prefix sums of the groups' K / 128); otherwise all kNumKBlocks blocks
-// (and g = 0 for kGroupMode 0 / 1). Split tail (kSplitK, dense): units from num_dp_units on are
+// (and g = 0 for kGroupMode 0 / 1). Split tail (kSplitK, dense or M-grouped): units from num_dp_units on are
 // `splits` K-slices of each remaining tile (tile num_dp_units + t / splits, slice t % splits);
 // the slices cut K at multiples of kQuantum blocks (the double-accumulator chunk), the last one
 // also takes the K blocks past the last whole quantum; `slice` is the slice, -1 for a whole tile.
@@ -928,8 +928,9 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   static_assert(kGroupMode != 3 || (kCluster == 1 && kBlockM <= 128 && !k1D1D),
                 "masked: 1D2D, BLOCK_M 64 or 128, no multicast");
   static_assert(!kMcastA || kCluster == 2, "multicast of A: clusters of 2 CTAs");
-  static_assert(!kSplitK || (kGroupMode == 0 && kDoubleAcc),
-                "split tail: dense GEMMs with double accumulators (K-slices of whole chunks)");
+  static_assert(!kSplitK || ((kGroupMode == 0 || kGroupMode == 1) && kDoubleAcc),
+                "split tail: dense or M-grouped GEMMs with double accumulators (K-slices of whole "
+                "chunks)");
   constexpr u32 kHalfB = Smem::kBytesB / kCluster;  // the part of B one CTA of the cluster loads
   constexpr u32 kHalfA = Smem::kBytesA / kCluster;  // kMcastA: the part of A one CTA loads
 
