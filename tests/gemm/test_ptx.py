@@ -782,15 +782,15 @@ def test_gpu_m_grouped_contiguous(sizes, n, k, out_dtype):
 
 @pytest.mark.gpu
 def test_gpu_m_grouped_split_tail(monkeypatch):
-    # 8 experts of ~512 rows at 4096 x 7168: 1024 tiles of 128x128 on an H200's 132 SMs = 7 waves
-    # + 100 tiles, which grouped_config cuts into K-slices. Against the same kernel without the
+    # 8 experts of 0-640 rows at 4096 x 7168: 34 x 32 tiles of 128x128 on an H200's 132 SMs = 8
+    # waves + 32 tiles, which grouped_config cuts into K-slices. Against the same kernel without the
     # cut: the same products summed in another order (fp32 partial sums, then one bf16
     # rounding), and the cut runs repeat bitwise (slices summed in slice order).
     from ptxtrain.moe.ref import grouped_layout_ref
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator().manual_seed(5)
-    counts = torch.tensor([512, 500, 0, 512, 511, 512, 512, 300])
+    counts = torch.tensor([640, 600, 0, 640, 639, 640, 640, 500])
     padded_rows, m_indices = grouped_layout_ref(counts, 128)
     n, k = 4096, 7168
     if not ptx.grouped_config(m_indices.numel(), n, k, sms, len(counts)).split_k:
