@@ -32,8 +32,8 @@
 // share A, each loading half of its rows (DeepGEMM's multicast on A); A is then read from L2 by
 // half the CTAs.
 //
-// Split tail (kSplitK, dense): a persistent grid of G CTAs runs `units` tiles in whole
-// waves of G plus a partial last wave that leaves SMs idle (4096 x 2112 x 7168 with 128x128
+// Split tail (kSplitK, dense or M-grouped): a persistent grid of G CTAs runs `units` tiles in
+// whole waves of G plus a partial last wave that leaves SMs idle (4096 x 2112 x 7168 with 128x128
 // tiles: 4 waves + 16 tiles on 132 SMs). The host (ptx.split_tail) passes num_dp_units, the
 // tiles of the whole waves, and `splits`: each remaining tile becomes `splits` units over K
 // ranges of whole double-accumulator chunks, run after the whole tiles (a second unit loop, so
@@ -383,8 +383,8 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
 // A work unit's tile and K range. K-grouped (kGroupMode 2) and masked (3): unit =
 // g · units_per_group + the unit within D[g]; K-grouped: group g's K blocks are group_info[g] ..
 // group_info[g + 1] - 1 (prefix sums of the groups' K / 128); otherwise all kNumKBlocks blocks
-// (and g = 0 for kGroupMode 0 / 1). Split tail (kSplitK, dense or M-grouped): units from num_dp_units on are
-// `splits` K-slices of each remaining tile (tile num_dp_units + t / splits, slice t % splits);
+// (and g = 0 for kGroupMode 0 / 1). Split tail (kSplitK, dense or M-grouped): units from
+// num_dp_units on are `splits` K-slices of each remaining tile (tile num_dp_units + t / splits, slice t % splits);
 // the slices cut K at multiples of kQuantum blocks (the double-accumulator chunk), the last one
 // also takes the K blocks past the last whole quantum; `slice` is the slice, -1 for a whole tile.
 template <int kGroupMode, int kGroup, int kNumNBlocks, int kNumKBlocks, bool kSplitK = false,
@@ -888,8 +888,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // a computed tile are written, as the contract allows). kRasterM: rows of A per rasterization
 // group (unit_coords; UnitShape::kGroup M-groups, at least one). kMcastA (kCluster = 2, dense
 // only): the cluster shares A over adjacent N-blocks instead of B over adjacent M-blocks; tma_a's
-// box is then BLOCK_M / 2 rows, tma_b's BLOCK_N. kSplitK (dense): units from num_dp_units on are
-// `splits` K-slices of the last tiles (group_unit, split_fixup), with `split_ws` (FP32, splits x
+// box is then BLOCK_M / 2 rows, tma_b's BLOCK_N. kSplitK (dense, M-grouped): units from
+// num_dp_units on are `splits` K-slices of the last tiles (group_unit, split_fixup), with `split_ws` (FP32, splits x
 // BLOCK_M x BLOCK_N per cut tile) and `split_counters` (int, 4 per math warpgroup per cut tile,
 // zero before the launch and left zero after it).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
