@@ -723,6 +723,30 @@ def test_gpu_256_row_epilogue_stagings_agree(out_dtype, m, n, k):
     _check(got[False, 0], x.double() @ w.double().t(), m, n, k, "256-row epilogues")
 
 
+def _m_grouped_problem(sizes, n: int, k: int, seed: int):
+    """An m-grouped GEMM on CUDA with ``sizes`` rows per group (each padded to 128 rows, the
+    padding rows of A random garbage): ``(m_indices, (A fp8, sf), (B [G, N, K] fp8, sf), want)``,
+    ``want`` the fp64 product of each group's rows with its B (zeros on padding rows)."""
+    from ptxtrain.moe.ref import grouped_layout_ref
+
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.tensor(sizes, dtype=torch.int64)
+    padded_rows, m_indices = grouped_layout_ref(counts, 128)
+    x = torch.randn(m_indices.numel(), k, generator=g) * 3  # padding rows: garbage
+    x[padded_rows] = torch.randn(int(counts.sum()), k, generator=g)
+    w = torch.randn(len(sizes), n, k, generator=g)
+    x, w, m_indices = x.cuda(), w.cuda(), m_indices.cuda()
+    qa = per_token_cast_to_fp8(x)
+    qb = [per_block_cast_to_fp8(w[i]) for i in range(len(sizes))]
+    qb = (torch.stack([q[0] for q in qb]), torch.stack([q[1] for q in qb]))
+    mi = m_indices.long()
+    want = torch.zeros((m_indices.numel(), n), dtype=torch.float64, device="cuda")
+    for i in range(len(sizes)):
+        rows = (mi == i).nonzero().flatten()
+        want[rows] = x[rows].double() @ w[i].double().t()
+    return m_indices, qa, qb, want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "sizes,n,k,out_dtype",
@@ -737,25 +761,11 @@ def test_gpu_m_grouped_contiguous(sizes, n, k, out_dtype):
     # The PTX m-grouped kernel against the dense product of each group's rows (fp64) and the
     # reference on the same FP8 operands; padding rows (random garbage in A) must store zeros.
     from ptxtrain.gemm import grouped as gg
-    from ptxtrain.moe.ref import grouped_layout_ref
 
-    g = torch.Generator().manual_seed(n + k)
-    counts = torch.tensor(sizes, dtype=torch.int64)
-    padded_rows, m_indices = grouped_layout_ref(counts, 128)
-    x = torch.randn(m_indices.numel(), k, generator=g) * 3  # padding rows: garbage
-    x[padded_rows] = torch.randn(int(counts.sum()), k, generator=g)
-    w = torch.randn(len(sizes), n, k, generator=g)
-    x, w, m_indices = x.cuda(), w.cuda(), m_indices.cuda()
-    qa = per_token_cast_to_fp8(x)
-    qb = [per_block_cast_to_fp8(w[i]) for i in range(len(sizes))]
-    qb = (torch.stack([q[0] for q in qb]), torch.stack([q[1] for q in qb]))
+    m_indices, qa, qb, want = _m_grouped_problem(sizes, n, k, seed=n + k)
     got = ptx.m_grouped_fp8_gemm_nt_contiguous(qa, qb, m_indices, out_dtype=out_dtype)
     assert got.dtype == out_dtype and got.shape == (m_indices.numel(), n)
     mi = m_indices.long()
-    want = torch.zeros(got.shape, dtype=torch.float64, device="cuda")
-    for i in range(len(sizes)):
-        rows = (mi == i).nonzero().flatten()
-        want[rows] = x[rows].double() @ w[i].double().t()
     _check(got, want, m_indices.numel(), n, k, f"m-grouped {sizes}")
     assert bool((got[mi < 0] == 0).all()), "padding rows must be zeros"
     # The dispatcher sends a K-major B here (same kernel: bitwise); a transposed-view B (not
@@ -789,19 +799,11 @@ def test_gpu_m_grouped_split_tail(monkeypatch):
     from ptxtrain.moe.ref import grouped_layout_ref
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    g = torch.Generator().manual_seed(5)
-    counts = torch.tensor([640, 600, 0, 640, 639, 640, 640, 500])
-    padded_rows, m_indices = grouped_layout_ref(counts, 128)
-    n, k = 4096, 7168
-    if not ptx.grouped_config(m_indices.numel(), n, k, sms, len(counts)).split_k:
+    sizes, n, k = [640, 600, 0, 640, 639, 640, 640, 500], 4096, 7168
+    rows = grouped_layout_ref(torch.tensor(sizes), 128)[1].numel()
+    if not ptx.grouped_config(rows, n, k, sms, len(sizes)).split_k:
         pytest.skip(f"no partial last wave on {sms} SMs")
-    x = torch.randn(m_indices.numel(), k, generator=g) * 3  # padding rows: garbage
-    x[padded_rows] = torch.randn(int(counts.sum()), k, generator=g)
-    w = torch.randn(len(counts), n, k, generator=g)
-    x, w, m_indices = x.cuda(), w.cuda(), m_indices.cuda()
-    qa = per_token_cast_to_fp8(x)
-    qb = [per_block_cast_to_fp8(w[i]) for i in range(len(counts))]
-    qb = (torch.stack([q[0] for q in qb]), torch.stack([q[1] for q in qb]))
+    m_indices, qa, qb, want = _m_grouped_problem(sizes, n, k, seed=5)
     ptx._plan.cache_clear()
     cut = [ptx.m_grouped_fp8_gemm_nt_contiguous(qa, qb, m_indices) for _ in range(3)]
     for other in cut[1:]:
@@ -812,12 +814,7 @@ def test_gpu_m_grouped_split_tail(monkeypatch):
     ptx._plan.cache_clear()
     # (bf16 D: the two fp32 sums round to the same or to adjacent bf16 values, ~1e-6 calc_diff)
     assert calc_diff(cut[0].float(), whole.float()) < 1e-5
-    mi = m_indices.long()
-    assert bool((cut[0][mi < 0] == 0).all()), "padding rows must be zeros"
-    want = torch.zeros(cut[0].shape, dtype=torch.float64, device="cuda")
-    for i in range(len(counts)):
-        rows = (mi == i).nonzero().flatten()
-        want[rows] = x[rows].double() @ w[i].double().t()
+    assert bool((cut[0][m_indices < 0] == 0).all()), "padding rows must be zeros"
     _check(cut[0], want, m_indices.numel(), n, k, "m-grouped split tail")
 
 
