@@ -82,6 +82,11 @@
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16 7
 #endif
+// Programmatic dependent launch: 1 lets the next kernel launch once every CTA's producer has
+// issued its last loads; 0 only when the grid has exited (A/B of the next kernel's early start).
+#ifndef PTXTRAIN_GEMM_PDL_TRIGGER
+#define PTXTRAIN_GEMM_PDL_TRIGGER 1
+#endif
 // Diagnostic only (benchmarks.ab_ptx "#PTXTRAIN_GEMM_DIAG_NO_PROMOTE=1"; wrong results): the
 // one-accumulator K loop of single-wave tiles without the FP32 promotion, i.e. a plain FP8
 // GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
@@ -1047,7 +1052,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         }
       }
       }
-      grid_dependency_launch();
+      if (PTXTRAIN_GEMM_PDL_TRIGGER) grid_dependency_launch();
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
