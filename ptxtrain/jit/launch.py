@@ -43,8 +43,10 @@ def programmatic_launch_enabled(quant: bool = False) -> bool:
     last loads, Fp8Linear's fwd + bwd ran 0.8-1.0% faster on an H200 (geomean 1.293 / 1.305x BF16
     against 1.282 / 1.292x without, up to 1.7% per layer,
     benchmarks/results/2026-11-23-s18-h200/call4). Quantizers: only with ``PTXTRAIN_PDL_QUANT=1``
-    as well. Launched behind a GEMM, a quantizer of many CTA waves ran 2-13% longer that way
-    (every CTA executes griddepcontrol.wait; 3.6% lost at 32768 x 512, call3 and call4 there).
+    as well. Launched behind a GEMM, a quantizer of many CTA waves ran 2-13% longer that way:
+    its CTAs land on the SMs that the GEMM's early-finishing CTAs free (3.6% lost at 32768 x 512,
+    call3 and call4 there); with the GEMM letting it in only at its exit it is not slowed, and
+    not faster than without PDL either (call13).
     Read when a kernel's launch is first prepared (those are cached per process)."""
     value = os.environ.get("PTXTRAIN_PDL", "").strip()
     gemm = not value or _env_flag("PTXTRAIN_PDL")
