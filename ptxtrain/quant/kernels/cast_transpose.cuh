@@ -904,10 +904,10 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
     }
     if constexpr (!KN::kLoop) break;  // one tile per CTA
   }
-  // The next kernel may launch once every CTA got here: in the last wave, not at the start. A
-  // grid of many waves that lets it in at the start loses SMs to its CTAs (a GEMM's take a
-  // whole SM each and wait there for this grid's end): Fp8Linear ran 1.7-2.3% slower so
-  // (benchmarks/results/2026-11-23-s17-h200/call17).
+  // The next kernel may launch once every CTA got here: in the last wave, not at the start,
+  // where its CTAs could take SMs this grid's later waves need (a GEMM's take a whole SM and
+  // wait there for this grid's end). Session 17 let it in at the start and measured Fp8Linear
+  // 1.7-2.3% slower with PDL (benchmarks/results/2026-11-23-s17-h200/call17).
   grid_dependency_launch();
 }
 
