@@ -82,6 +82,11 @@
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16 7
 #endif
+// Diagnostic only (wrong results unless 4): wgmma k32 slices issued per 128-K block, to time a
+// block's chain of dependent wgmmas against the data it waits for.
+#ifndef PTXTRAIN_GEMM_DIAG_KK
+#define PTXTRAIN_GEMM_DIAG_KK 4
+#endif
 // Programmatic dependent launch: 1 lets the next kernel launch once every CTA's producer has
 // issued its last loads; 0 only when the grid has exited (A/B of the next kernel's early start).
 #ifndef PTXTRAIN_GEMM_PDL_TRIGGER
@@ -191,7 +196,7 @@ __device__ __forceinline__ void issue_kblock(float (&acc)[kBlockN / 2], u32 a_lo
   constexpr u32 kHi = smem_desc_hi(1024, SmemSwizzle::kB128);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
+  for (int kk = 0; kk < PTXTRAIN_GEMM_DIAG_KK; ++kk) {
     Mma::mma(acc, smem_desc(a_lo + 2 * kk, kHi), smem_desc(b_lo + 2 * kk, kHi), kk > 0);
   }
   wgmma_commit_group();
