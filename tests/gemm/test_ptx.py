@@ -55,17 +55,20 @@ def test_config_at_large_and_decode_m():
     # the 6 V3 shapes on an H200 (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200/).
     cfg = ptx.select_config("1d2d", 4096, 4096, 7168, H200_SMS)
     assert (cfg.block_m, cfg.block_n, cfg.cluster, cfg.double_acc) == (128, 128, 1, True)
-    # Decode-sized M keeps one 64-row math warpgroup and narrow tiles spread over the SMs; the
-    # picks below measured fastest (or within 3%) on an H200 (sweep_decode_5b2ef08.json).
-    for (m, n, k), bn in {
-        (64, 2112, 7168): 32,
-        (64, 32768, 512): 128,
-        (128, 4096, 7168): 64,
-        (128, 7168, 16384): 128,
-        (128, 24576, 1536): 128,
+    # Decode-sized M: narrow tiles spread over the SMs, one 64-row math warpgroup per tile at
+    # M <= 64 (sweep_decode_5b2ef08.json); at 64 < M <= 128 the 64xBN pick (BN >= 64) becomes one
+    # 128-row M-block of BN / 2 columns, two warpgroups per tile (session 18, call15).
+    for (m, n, k), (bm, bn) in {
+        (64, 2112, 7168): (64, 32),
+        (64, 32768, 512): (64, 128),
+        (128, 2112, 7168): (64, 32),
+        (128, 4096, 7168): (128, 32),
+        (128, 7168, 16384): (128, 64),
+        (100, 24576, 1536): (128, 64),
     }.items():
         small = ptx.select_config("1d2d", m, n, k, H200_SMS)
-        assert (small.block_m, small.block_n, small.cluster) == (64, bn, 1), (m, n, k, small)
+        assert (small.block_m, small.block_n, small.cluster) == (bm, bn, 1), (m, n, k, small)
+    assert ptx.select_config("1d1d", 128, 7168, 16384, H200_SMS).block_m == 64  # 1D2D only
 
 
 def test_config_rejects_bad_arguments():
