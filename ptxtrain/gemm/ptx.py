@@ -59,7 +59,7 @@ _RASTER_MS = tuple(1 << i for i in range(7, 15))  # PtxConfig.raster_m: 128 .. 1
 _GROUPED_RASTER_M = 512  # grouped_config's raster_m (see there)
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
 _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
-_DECODE_TWO_WG = True  # decode regime, 64 < M <= 128: 128-row tiles of half the width
+_DECODE_TWO_WG = True  # decode regime, M = 128: 128-row tiles of half the width
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 _TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
 _SPLIT_TAIL = True  # select_config may set PtxConfig.split_k
@@ -241,12 +241,13 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
             if best is None or key < best[0]:
                 best = (key, bm, bn)
     _, bm, bn = best
-    if _DECODE_TWO_WG and kind == "1d2d" and not large and 64 < m <= 128 and bm == 64 and bn >= 64:
+    if _DECODE_TWO_WG and kind == "1d2d" and not large and m == 128 and bm == 64 and bn >= 64:
         # One 128-row M-block of half as wide tiles instead of two 64-row ones: as many tiles,
         # each with two math warpgroups (two wgmma chains per SM) instead of one. At M = 128 on
-        # an H200, 128x64 against 64x128: 1.8-6.5% faster at N x K = 7168 x 16384, 24576 x 1536
-        # and 7168 x 2048 (benchmarks/results/2026-11-23-s18-h200/call15); 128x32 against 64x64
-        # at 4096 x 7168 3% (2026-11-23-s17-h200/call8).
+        # an H200, 128x64 against 64x128: 2.0-6.4% faster at N x K = 7168 x 16384, 24576 x 1536
+        # and 7168 x 2048, 128x32 against 64x64 at 4096 x 7168 1.2-1.7%
+        # (benchmarks/results/2026-11-23-s18-h200/call15, call16). At M = 100 the same tiles
+        # were 3-13% slower (call16), so partly filled 128-row blocks keep the 64-row pick.
         bm, bn = 128, bn // 2
     # TMA-store epilogue (the tile drains from shared memory while the next one computes) where
     # whole boxes fit the tile, sized for the kind's usual D (bf16 1D2D, fp32 1D1D).
