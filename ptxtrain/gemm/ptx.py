@@ -246,8 +246,9 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
         # each with two math warpgroups (two wgmma chains per SM) instead of one. At M = 128 on
         # an H200, 128x64 against 64x128: 2.0-6.4% faster at N x K = 7168 x 16384, 24576 x 1536
         # and 7168 x 2048, 128x32 against 64x64 at 4096 x 7168 1.2-1.7%
-        # (benchmarks/results/2026-11-23-s18-h200/call15, call16). At M = 100 the same tiles
-        # were 3-13% slower (call16), so partly filled 128-row blocks keep the 64-row pick.
+        # (benchmarks/results/2026-11-23-s18-h200/call15, call16); on an H100 within ±1.3%
+        # (call17). At M = 100 the same tiles were 3-13% slower (call16), so partly filled
+        # 128-row blocks keep the 64-row pick.
         bm, bn = 128, bn // 2
     # TMA-store epilogue (the tile drains from shared memory while the next one computes) where
     # whole boxes fit the tile, sized for the kind's usual D (bf16 1D2D, fp32 1D1D).
