@@ -1,7 +1,7 @@
 """Run a ``ptxtrain`` command with compile-time switches of the PTX GEMM header set, for A/B runs
 of whole benchmarks in separate processes (``benchmarks.ab_ptx`` does it per GEMM in one).
 
-    python3 -m benchmarks.with_defines "#PTXTRAIN_GEMM_PDL_TRIGGER=0" -- bench linear --json x.json
+    python3 -m benchmarks.with_defines "#PTXTRAIN_GEMM_CHUNK=16" -- bench linear --json x.json
 
 Each ``#MACRO=VALUE`` becomes a ``#define`` before the header (``ptx.set_source_defines``).
 

@@ -59,7 +59,6 @@ _RASTER_MS = tuple(1 << i for i in range(7, 15))  # PtxConfig.raster_m: 128 .. 1
 _GROUPED_RASTER_M = 512  # grouped_config's raster_m (see there)
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
 _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
-_DECODE_TWO_WG = True  # decode regime, M = 128: 128-row tiles of half the width
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
 _TMA_STORE = True  # select_config's epilogue (see PtxConfig.tma_store)
 _SPLIT_TAIL = True  # select_config may set PtxConfig.split_k
@@ -241,7 +240,7 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
             if best is None or key < best[0]:
                 best = (key, bm, bn)
     _, bm, bn = best
-    if _DECODE_TWO_WG and kind == "1d2d" and not large and m == 128 and bm == 64 and bn >= 64:
+    if kind == "1d2d" and not large and m == 128 and bm == 64 and bn >= 64:
         # One 128-row M-block of half as wide tiles instead of two 64-row ones: as many tiles,
         # each with two math warpgroups (two wgmma chains per SM) instead of one. At M = 128 on
         # an H200, 128x64 against 64x128: 2.0-6.4% faster at N x K = 7168 x 16384, 24576 x 1536
@@ -276,18 +275,26 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     cfg = PtxConfig(
         bm, bn, stages, cluster, _UNROLL_K, double_acc, tma_store, epi_boxes if tma_store else 0
     )
-    # Split tail where whole waves leave SMs idle at the end that K-slices of the last tiles can
-    # fill (e.g. 4096 x 2112 x 7168: 4 waves + 16 tiles of 128x128), and (1D2D) where the tiles of
-    # decode-sized M are one wave that leaves at least half the SMs idle (64 x 2112 x 7168: 66
-    # tiles of 64x32, cut in 2: 1.20x faster on an H200; cutting wider tiles of shapes that fill
-    # the SMs was not faster except at 128 x 2112 x 7168; the tails of several decode-sized waves
-    # were not measured, so they are not cut: benchmarks/results/2026-11-22-s12-h200/call13).
-    # Double accumulators only: 256-row tiles spill registers with the slice loop compiled in.
-    # (Such tiles never take a cluster here: one unit per tile.)
-    if (large or (kind == "1d2d" and tiles < num_sms)) and _SPLIT_TAIL and double_acc:
-        _, splits = split_tail(tiles, num_sms, ceil_div(k, BLOCK_K), _split_quantum())
-        cfg = dataclasses.replace(cfg, split_k=splits > 1)
-    return cfg
+    return _with_split_tail(cfg, kind, m, n, k, num_sms)
+
+
+def _with_split_tail(cfg: PtxConfig, kind: str, m: int, n: int, k: int, num_sms: int):
+    """``cfg`` with ``split_k`` set by the split-tail rule (pure function).
+
+    Split tail where whole waves leave SMs idle at the end that K-slices of the last tiles can
+    fill (e.g. 4096 x 2112 x 7168: 4 waves + 16 tiles of 128x128), and (1D2D) where the tiles of
+    decode-sized M are one wave that leaves at least half the SMs idle (64 x 2112 x 7168: 66
+    tiles of 64x32, cut in 2: 1.20x faster on an H200; cutting wider tiles of shapes that fill
+    the SMs was not faster except at 128 x 2112 x 7168; the tails of several decode-sized waves
+    were not measured, so they are not cut: benchmarks/results/2026-11-22-s12-h200/call13).
+    Double accumulators only: 256-row tiles spill registers with the slice loop compiled in.
+    (Such tiles never take a cluster here: one unit per tile.)"""
+    large = ceil_div(max(m, 1), 128) * ceil_div(n, 128) >= 2 * num_sms
+    tiles = ceil_div(max(m, 1), cfg.block_m) * ceil_div(n, cfg.block_n)
+    split = False
+    if (large or (kind == "1d2d" and tiles < num_sms)) and _SPLIT_TAIL and cfg.double_acc:
+        split = split_tail(tiles, num_sms, ceil_div(k, BLOCK_K), _split_quantum())[1] > 1
+    return dataclasses.replace(cfg, split_k=split)
 
 
 def _wgmma_struct(block_n: int) -> str:
@@ -705,11 +712,7 @@ def grouped_config(
     while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > _SMEM_BYTES:
         stages -= 1
     cfg = PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0, raster)
-    if split and _SPLIT_TAIL:
-        tiles = ceil_div(max(m, 1), 128) * ceil_div(n, bn)
-        splits = split_tail(tiles, num_sms, ceil_div(k, BLOCK_K), _split_quantum())[1]
-        cfg = dataclasses.replace(cfg, split_k=splits > 1)
-    return cfg
+    return _with_split_tail(cfg, "1d2d", m, n, k, num_sms) if split else cfg
 
 
 def k_grouped_config(m: int, n: int, num_sms: int) -> PtxConfig:

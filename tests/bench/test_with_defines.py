@@ -20,13 +20,13 @@ def test_switches_reach_the_gemm_source_and_the_command_runs(monkeypatch, capsys
     monkeypatch.setattr(with_defines, "cli_main", fake_cli)
     try:
         rc = with_defines.main(
-            ["#PTXTRAIN_GEMM_PDL_TRIGGER=0", "#PTXTRAIN_GEMM_CHUNK=16", "--", "bench", "linear"]
+            ["#PTXTRAIN_GEMM_EARLY_SB_GROUPS=6", "#PTXTRAIN_GEMM_CHUNK=16", "--", "bench", "linear"]
         )
     finally:
         ptx.set_source_defines("")
     assert rc == 0
     assert seen["argv"] == ["bench", "linear"]
-    assert "#define PTXTRAIN_GEMM_PDL_TRIGGER 0\n" in seen["defines"]
+    assert "#define PTXTRAIN_GEMM_EARLY_SB_GROUPS 6\n" in seen["defines"]
     assert "#define PTXTRAIN_GEMM_CHUNK 16\n" in seen["defines"]
     assert ptx._SOURCE_DEFINES == ""
 

@@ -87,11 +87,6 @@
 #ifndef PTXTRAIN_GEMM_DIAG_KK
 #define PTXTRAIN_GEMM_DIAG_KK 4
 #endif
-// Programmatic dependent launch: 1 lets the next kernel launch once every CTA's producer has
-// issued its last loads; 0 only when the grid has exited (A/B of the next kernel's early start).
-#ifndef PTXTRAIN_GEMM_PDL_TRIGGER
-#define PTXTRAIN_GEMM_PDL_TRIGGER 1
-#endif
 // Diagnostic only (benchmarks.ab_ptx "#PTXTRAIN_GEMM_DIAG_NO_PROMOTE=1"; wrong results): the
 // one-accumulator K loop of single-wave tiles without the FP32 promotion, i.e. a plain FP8
 // GEMM main loop whose wgmmas chain on one accumulator with the next block in flight. Its
@@ -117,16 +112,13 @@ constexpr int kDefaultRasterM = 2048;
 //   stage (MEMBAR.ALL.CTA in the SASS) wait for it every block; through the stage 0.3-4% faster
 //   at the V3 fprop / dgrad shapes of K = 1536-24576, 3% slower at K = 512
 //   (benchmarks/results/2026-11-23-s17-h200/call9). 256-row tiles: not measured faster.
-// M-grouped 128-row tiles (the experts' GEMMs) the same way with PTXTRAIN_GEMM_SFB_STAGE_GROUPED.
-#ifndef PTXTRAIN_GEMM_SFB_STAGE_GROUPED
-#define PTXTRAIN_GEMM_SFB_STAGE_GROUPED 1
-#endif
+//   M-grouped 128-row tiles (the experts' GEMMs) as well: 1-6% faster at 8 x 4096 and 4 x 8192
+//   rows, level at 8 x 512 (benchmarks/results/2026-11-23-s18-h200/call7, call8).
 template <bool k1D1D, int kBlockM, int kK, int kGroupMode = 0>
 __host__ __device__ constexpr bool sfb_in_stage() {
   constexpr int kBlocks = (kK + 127) / 128;
-  constexpr bool kDense = kGroupMode == 0 || (kGroupMode == 1 && PTXTRAIN_GEMM_SFB_STAGE_GROUPED);
   return !k1D1D && ((kBlockM == 64 && kBlocks <= 16) ||
-                    (kBlockM == 128 && kDense && kBlocks >= 8));
+                    (kBlockM == 128 && kGroupMode <= 1 && kBlocks >= 8));
 }
 
 template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0>
@@ -394,9 +386,10 @@ __device__ __forceinline__ void unit_coords(int unit, int num_m_groups, int& m_g
 // g · units_per_group + the unit within D[g]; K-grouped: group g's K blocks are group_info[g] ..
 // group_info[g + 1] - 1 (prefix sums of the groups' K / 128); otherwise all kNumKBlocks blocks
 // (and g = 0 for kGroupMode 0 / 1). Split tail (kSplitK, dense or M-grouped): units from
-// num_dp_units on are `splits` K-slices of each remaining tile (tile num_dp_units + t / splits, slice t % splits);
-// the slices cut K at multiples of kQuantum blocks (the double-accumulator chunk), the last one
-// also takes the K blocks past the last whole quantum; `slice` is the slice, -1 for a whole tile.
+// num_dp_units on are `splits` K-slices of each remaining tile (tile num_dp_units + t / splits,
+// slice t % splits); the slices cut K at multiples of kQuantum blocks (the double-accumulator
+// chunk), the last one also takes the K blocks past the last whole quantum; `slice` is the
+// slice, -1 for a whole tile.
 template <int kGroupMode, int kGroup, int kNumNBlocks, int kNumKBlocks, bool kSplitK = false,
           int kQuantum = 1>
 __device__ __forceinline__ void group_unit(int unit, int units_per_group, int num_m_groups,
@@ -899,9 +892,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // group (unit_coords; UnitShape::kGroup M-groups, at least one). kMcastA (kCluster = 2, dense
 // only): the cluster shares A over adjacent N-blocks instead of B over adjacent M-blocks; tma_a's
 // box is then BLOCK_M / 2 rows, tma_b's BLOCK_N. kSplitK (dense, M-grouped): units from
-// num_dp_units on are `splits` K-slices of the last tiles (group_unit, split_fixup), with `split_ws` (FP32, splits x
-// BLOCK_M x BLOCK_N per cut tile) and `split_counters` (int, 4 per math warpgroup per cut tile,
-// zero before the launch and left zero after it).
+// num_dp_units on are `splits` K-slices of the last tiles (group_unit, split_fixup), with
+// `split_ws` (FP32, splits x BLOCK_M x BLOCK_N per cut tile) and `split_counters` (int, 4 per
+// math warpgroup per cut tile, zero before the launch and left zero after it).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
           int kGroupMode, int kRasterM = kDefaultRasterM, bool kMcastA = false,
@@ -1057,7 +1050,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         }
       }
       }
-      if (PTXTRAIN_GEMM_PDL_TRIGGER) grid_dependency_launch();
+      grid_dependency_launch();
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
