@@ -9,11 +9,11 @@ A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[a][d][k
 as ``benchmarks.profile_gemm --config``; default the heuristic's pick), ``sN`` (the heuristic's
 block sizes with an N-stage ring), ``split`` / ``nosplit`` (the config with / without the split
 tail, ``PtxConfig.split_k``), ``splitn`` / ``nosplitn`` (with / without two math warpgroups on a
-64-row tile's column halves, ``PtxConfig.split_n``), ``#MACRO=VALUE`` (a ``#define`` put before
-the header: ``ptx.set_source_defines``) or ``yield=MODE`` (the SASS post-pass on the promotion
-FFMAs' yield bits, ``ptx.set_ffma_yield``: ``interleave``, ``all`` or ``none``; variants
-without it run ``off``, the bits as compiled). ``--kind 1d1d`` times the wgrad kernel (fp32
-out) against cuBLAS 1D1D.
+64-row tile's column halves, ``PtxConfig.split_n``), ``#MACRO=VALUE`` (a ``#define`` put before the header:
+``ptx.set_source_defines``) or ``yield=MODE`` (the SASS post-pass on the promotion FFMAs' yield
+bits, ``ptx.set_ffma_yield``: ``interleave``, ``all`` or ``none``; variants without it run
+``off``, the bits as compiled). ``--kind 1d1d`` times the wgrad kernel (fp32 out) against cuBLAS
+1D1D.
 
     python3 -m benchmarks.ab_ptx --kind 1d1d --shapes 7168,4096,4096 \
         --variants base il:yield=interleave all:yield=all none:yield=none
