@@ -5,11 +5,10 @@ Triton kernel) in one process (bench method).
     python3 -m benchmarks.ab_ptx --shapes 4096,7168,16384 4096,4096,7168 \
         --variants base "chunk16:#PTXTRAIN_GEMM_CHUNK=16" "c144:128x144s5c1" [--json OUT.json]
 
-A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[a][d][k][w]`` (block sizes,
+A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[a][d][k]`` (block sizes,
 as ``benchmarks.profile_gemm --config``; default the heuristic's pick), ``sN`` (the heuristic's
 block sizes with an N-stage ring), ``split`` / ``nosplit`` (the config with / without the split
-tail, ``PtxConfig.split_k``), ``splitn`` / ``nosplitn`` (with / without two math warpgroups on a
-64-row tile's column halves, ``PtxConfig.split_n``), ``#MACRO=VALUE`` (a ``#define`` put before the header:
+tail, ``PtxConfig.split_k``), ``#MACRO=VALUE`` (a ``#define`` put before the header:
 ``ptx.set_source_defines``) or ``yield=MODE`` (the SASS post-pass on the promotion FFMAs' yield
 bits, ``ptx.set_ffma_yield``: ``interleave``, ``all`` or ``none``; variants without it run
 ``off``, the bits as compiled). ``--kind 1d1d`` times the wgrad kernel (fp32 out) against cuBLAS
@@ -37,20 +36,19 @@ from ptxtrain.jit.sass import FFMA_YIELD_MODES
 from ptxtrain.testing import calc_diff
 
 
-def parse_variant(text: str) -> tuple[str, str | None, str, dict[str, bool], str]:
+def parse_variant(text: str) -> tuple[str, str | None, str, bool | None, str]:
     """``"name:128x128s5c1d:#PTXTRAIN_GEMM_CHUNK=16"`` -> (name, config text or None, defines,
-    config overrides, FFMA yield mode). A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block
-    sizes with an N-stage ring (fewer where shared memory ends); it is returned as the config
-    text. ``split`` / ``nosplit`` override the config's ``split_k``, ``splitn`` / ``nosplitn``
-    its ``split_n`` (the overrides: field -> value). ``yield=MODE`` sets the mode (default
-    ``"off"``).
+    split, FFMA yield mode). A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block sizes with
+    an N-stage ring (fewer where shared memory ends); it is returned as the config text.
+    ``split`` / ``nosplit`` set the config's ``split_k`` (split: True / False; None keeps the
+    config's). ``yield=MODE`` sets the mode (default ``"off"``).
 
     Raises:
-        ValueError: a SPEC that is neither a config, ``sN``, ``[no]split``, ``[no]splitn``,
+        ValueError: a SPEC that is neither a config, ``sN``, ``split`` / ``nosplit``,
             ``#MACRO=VALUE`` nor ``yield=MODE`` with a mode of ``ptxtrain.jit.sass``.
     """
     name, *specs = text.split(":")
-    cfg, defines, overrides, ffma_yield = None, "", {}, "off"
+    cfg, defines, split, ffma_yield = None, "", None, "off"
     for spec in specs:
         if spec.startswith("yield="):
             ffma_yield = spec.removeprefix("yield=")
@@ -62,9 +60,7 @@ def parse_variant(text: str) -> tuple[str, str | None, str, dict[str, bool], str
         elif spec[:1] == "s" and spec[1:].isdigit():
             cfg = spec
         elif spec in ("split", "nosplit"):
-            overrides["split_k"] = spec == "split"
-        elif spec in ("splitn", "nosplitn"):
-            overrides["split_n"] = spec == "splitn"
+            split = spec == "split"
         elif spec.startswith("#"):
             macro, eq, value = spec[1:].partition("=")
             if not eq or not macro.isidentifier():
@@ -73,7 +69,7 @@ def parse_variant(text: str) -> tuple[str, str | None, str, dict[str, bool], str
         else:
             parse_config(spec)  # raises on a malformed config
             cfg = spec
-    return name, cfg, defines, overrides, ffma_yield
+    return name, cfg, defines, split, ffma_yield
 
 
 def _with_stages(cfg, stages: int, kind: str, out_dtype) -> ptx.PtxConfig:
@@ -117,13 +113,14 @@ def main() -> None:
         base_us = timer(lambda: fn(qa, qb, out_dtype=out_dtype))
         flops = 2.0 * m * n * k
         line = f"{m} {n} {k} | {args.baseline} {base_us:8.1f} {flops / base_us / 1e6:5.0f}"
-        for name, cfg_text, defines, overrides, ffma_yield in variants:
+        for name, cfg_text, defines, split, ffma_yield in variants:
             cfg = ptx.select_config(args.kind, m, n, k, sms)
             if cfg_text and cfg_text[0] == "s":
                 cfg = _with_stages(cfg, int(cfg_text[1:]), args.kind, out_dtype)
             elif cfg_text:
                 cfg = parse_config(cfg_text)
-            cfg = dataclasses.replace(cfg, **overrides)
+            if split is not None:
+                cfg = dataclasses.replace(cfg, split_k=split)
             ptx.set_source_defines(defines)
             ptx.set_ffma_yield(ffma_yield)
             try:

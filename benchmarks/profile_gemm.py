@@ -28,33 +28,31 @@ from ptxtrain.gemm import cublas, ptx
 from ptxtrain.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 from ptxtrain.testing.shapes import DSV3_DENSE_NK, DSV3_M, DSV3_WGRAD_MN
 
-_CONFIG_RE = re.compile(r"^(\d+)x(\d+)s(\d+)c([12])(a?)(d?)(k?)(w?)(?:e(\d+))?$")
+_CONFIG_RE = re.compile(r"^(\d+)x(\d+)s(\d+)c([12])(a?)(d?)(k?)(?:e(\d+))?$")
 
 
 def parse_config(text: str) -> ptx.PtxConfig:
     """``"128x128s5c1d"`` -> PtxConfig(128, 128, 5, cluster=1, double_acc=True, tma_store=True);
     ``a`` after the cluster (``"64x16s16c2ad"``) multicasts A instead of B; ``k`` splits
-    the last partial wave's tiles along K (``PtxConfig.split_k``); ``w`` gives a 64-row tile two
-    math warpgroups, one per half of its columns (``PtxConfig.split_n``); a final ``eN`` stages N
+    the last partial wave's tiles along K (``PtxConfig.split_k``); a final ``eN`` stages N
     epilogue boxes per math warpgroup (``PtxConfig.epi_boxes``; default 1 for 256-row tiles,
     else 0 = all; ``256x128s3c2e4``: both waves of a 256-row tile at once).
 
     Raises:
-        ValueError: ``text`` does not match ``BMxBNsSTAGEScCLUSTER[a][d][k][w][eN]``.
+        ValueError: ``text`` does not match ``BMxBNsSTAGEScCLUSTER[a][d][k][eN]``.
     """
     match = _CONFIG_RE.match(text)
     if match is None:
         raise ValueError(
-            "--config must look like 128x128s5c1d (BMxBNsSTAGEScCLUSTER[a][d][k][w][eN]), "
+            "--config must look like 128x128s5c1d (BMxBNsSTAGEScCLUSTER[a][d][k][eN]), "
             f"got {text!r}"
         )
     bm, bn, stages, cluster = (int(g) for g in match.groups()[:4])
     return ptx.PtxConfig(
         bm, bn, stages, cluster, double_acc=bool(match.group(6)), tma_store=True,
-        epi_boxes=int(match.group(9)) if match.group(9) else 1 if bm == 256 else 0,
+        epi_boxes=int(match.group(8)) if match.group(8) else 1 if bm == 256 else 0,
         multicast_a=bool(match.group(5)),
         split_k=bool(match.group(7)),
-        split_n=bool(match.group(8)),
     )  # fmt: skip
 
 

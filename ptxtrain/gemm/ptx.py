@@ -95,10 +95,7 @@ class PtxConfig:
     ``split_k`` (dense 1D2D / 1D1D: the tiles of a partial last wave are cut along K into
     slices that run on the otherwise idle SMs; each slice writes FP32 partial sums to a
     workspace and the last one of a tile sums them in slice order and stores the tile, so
-    results are bitwise repeatable; see :func:`split_tail`; with ``double_acc`` only),
-    ``split_n`` (1D2D, ``block_m = 64``: two math warpgroups share the tile's 64 rows, each
-    issuing wgmma m64n(``block_n / 2``) on its half of the columns; the TMA-store epilogue then
-    needs ``block_n / 2`` to be whole boxes)."""
+    results are bitwise repeatable; see :func:`split_tail`; with ``double_acc`` only)."""
 
     block_m: int
     block_n: int
@@ -111,22 +108,11 @@ class PtxConfig:
     raster_m: int = 2048
     multicast_a: bool = False
     split_k: bool = False
-    split_n: bool = False
-
-    @property
-    def math_warpgroups(self) -> int:
-        """One (block_m = 64) or two (block_m >= 128, or ``split_n``) math warpgroups."""
-        return 2 if self.split_n else min(self.block_m // 64, 2)
-
-    @property
-    def wg_n(self) -> int:
-        """Columns of the tile one math warpgroup computes (``block_n``, halved by split_n)."""
-        return self.block_n // 2 if self.split_n else self.block_n
 
     @property
     def num_threads(self) -> int:
-        """One producer warpgroup + the math warpgroups."""
-        return (self.math_warpgroups + 1) * 128
+        """One producer warpgroup + one (block_m = 64) or two math warpgroups."""
+        return (min(self.block_m // 64, 2) + 1) * 128
 
 
 def _out_bytes(out_dtype: torch.dtype) -> int:
@@ -144,14 +130,11 @@ def _tile_boxes(block_n: int, out_dtype: torch.dtype) -> int:
     return block_n * _out_bytes(out_dtype) // 128
 
 
-def epilogue_bytes(
-    block_m: int, block_n: int, out_dtype: torch.dtype, epi_boxes: int = 0, split_n: bool = False
-) -> int:
+def epilogue_bytes(block_m: int, block_n: int, out_dtype: torch.dtype, epi_boxes: int = 0) -> int:
     """Shared memory of the TMA-store epilogue's staging boxes: ``epi_boxes`` (0 = all) boxes of
-    64 rows x 128 bytes of D per math warpgroup (mirrors ``EpiShape`` in fp8_gemm.cuh);
-    ``split_n``: two warpgroups of ``block_n / 2`` columns on a 64-row tile."""
-    boxes = _staged_boxes(block_m, block_n // 2 if split_n else block_n, out_dtype, epi_boxes)
-    return (2 if block_m > 64 or split_n else 1) * boxes * 64 * 128
+    64 rows x 128 bytes of D per math warpgroup (mirrors ``EpiShape`` in fp8_gemm.cuh)."""
+    boxes = _staged_boxes(block_m, block_n, out_dtype, epi_boxes)
+    return (2 if block_m > 64 else 1) * boxes * 64 * 128
 
 
 def _staged_boxes(block_m: int, block_n: int, out_dtype: torch.dtype, epi_boxes: int) -> int:
@@ -185,11 +168,7 @@ def _default_out(kind: str) -> torch.dtype:
 
 
 def _config_smem(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
-    epi = (
-        epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype, cfg.epi_boxes, cfg.split_n)
-        if cfg.tma_store
-        else 0
-    )
+    epi = epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype, cfg.epi_boxes) if cfg.tma_store else 0
     return smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind, epi)
 
 
@@ -346,7 +325,7 @@ def _epi_boxes(cfg: PtxConfig, out_dtype: torch.dtype) -> int:
     """The kernel's kEpiBoxes: 0 = direct stores, else staged boxes per warpgroup."""
     if not cfg.tma_store:
         return 0
-    return _staged_boxes(cfg.block_m, cfg.wg_n, out_dtype, cfg.epi_boxes)
+    return _staged_boxes(cfg.block_m, cfg.block_n, out_dtype, cfg.epi_boxes)
 
 
 def kernel_source(
@@ -356,14 +335,14 @@ def kernel_source(
     ``"1d2d"``, ``"1d1d"``, ``"m_grouped"`` (the 1D2D kernel over an m-grouped contiguous A) or
     ``"k_grouped"`` (the 1D1D kernel over groups of K; ``k`` is then unused))."""
     # The name expression instantiates the template (NVRTC's nvrtcAddNameExpression).
-    src = f"{_SOURCE_DEFINES}#include <ptxtrain/fp8_gemm.cuh>\n{_wgmma_struct(cfg.wg_n)}"
+    src = f"{_SOURCE_DEFINES}#include <ptxtrain/fp8_gemm.cuh>\n{_wgmma_struct(cfg.block_n)}"
     expr = (
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
         f"{n}, {k}, {'true' if kind in _1D1D_KINDS else 'false'}, {_OUT_CODE[out_dtype]}, "
         f"{'true' if accumulate else 'false'}, {cfg.cluster}, {cfg.unroll_k}, "
         f"{'true' if cfg.double_acc else 'false'}, {_epi_boxes(cfg, out_dtype)}, "
         f"{_GROUP_MODE.get(kind, 0)}, {cfg.raster_m}, {'true' if cfg.multicast_a else 'false'}, "
-        f"{'true' if cfg.split_k else 'false'}, {'true' if cfg.split_n else 'false'}>"
+        f"{'true' if cfg.split_k else 'false'}>"
     )
     return src, expr
 
@@ -595,7 +574,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
             if cfg.cluster == 1:
                 grid = min(dp + (units - dp) * splits, grid_units)
             tiles = (units - dp) * cfg.cluster  # CTA tiles cut into slices
-            math_warps = 4 * cfg.math_warpgroups
+            math_warps = 4 * min(cfg.block_m // 64, 2)
             split = (dp, splits, tiles * splits * cfg.block_m * cfg.block_n, tiles * math_warps)
     bound = BoundLaunch(
         kernel,
@@ -752,7 +731,7 @@ def k_grouped_config(m: int, n: int, num_sms: int) -> PtxConfig:
 def _resolve(cfg: PtxConfig, kind: str, n: int, aligned: bool, out_dtype: torch.dtype):
     """``cfg`` adapted to this D: direct stores where the TMA store cannot write it (box rule,
     16-byte rows or base), and fewer stages where a wider (fp32) staging tile needs the room."""
-    if cfg.tma_store and not (tma_store_fits(cfg.wg_n, n, out_dtype) and aligned):
+    if cfg.tma_store and not (tma_store_fits(cfg.block_n, n, out_dtype) and aligned):
         cfg = dataclasses.replace(cfg, tma_store=False)
     while cfg.num_stages > 2 and _config_smem(cfg, kind, out_dtype) > _SMEM_BYTES:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
@@ -800,8 +779,6 @@ def run_with_config(
         or (cfg.double_acc and cfg.num_stages < 2)
         # (split tail: built for the double-accumulator kernels; the others spill with it)
         or (cfg.split_k and not cfg.double_acc)
-        # (two warpgroups on one 64-row tile's halves: the 1D2D kernel's 64-row tiles only)
-        or (cfg.split_n and (cfg.block_m != 64 or kind != "1d2d"))
         or not 1 <= cfg.num_stages <= _MAX_STAGES_ANY
         or cfg.raster_m not in _RASTER_MS
         or isinstance(cfg.epi_boxes, bool)

@@ -93,7 +93,7 @@ def test_rasterization_group_per_kind():
     # The constant reaches the kernel's template arguments and its cache name.
     cfg = dataclasses.replace(ptx.grouped_config(4096, 4096, 7168, H200_SMS), raster_m=1024)
     src, expr = ptx.kernel_source("m_grouped", cfg, 4096, 7168, torch.bfloat16, False)
-    assert expr.endswith(", 1, 1024, false, false, false>") and "fp8_gemm.cuh" in src
+    assert expr.endswith(", 1, 1024, false, false>") and "fp8_gemm.cuh" in src
 
 
 def test_run_with_config_rejects_a_bad_rasterization_group():
@@ -128,13 +128,6 @@ def test_run_with_config_rejects_a_bad_rasterization_group():
     for bad in (ptx.PtxConfig(256, 192, 3, 1), ptx.PtxConfig(128, 176, 4, 1)):
         with pytest.raises(ValueError, match=f"block_n={bad.block_n}"):
             ptx.run_with_config("1d2d", a, b, bad, torch.bfloat16)
-    # split_n: two warpgroups on the column halves of a 1D2D 64-row tile only
-    cfg = ptx.PtxConfig(128, 64, 8, 1, double_acc=True, split_n=True)
-    with pytest.raises(ValueError, match="split_n=True"):
-        ptx.run_with_config("1d2d", a, b, cfg, torch.bfloat16)
-    cfg = ptx.PtxConfig(64, 64, 8, 1, double_acc=True, split_n=True)
-    with pytest.raises(ValueError, match="split_n=True"):
-        ptx.run_with_config("1d1d", a, b1, cfg, torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -207,32 +200,18 @@ def test_select_config_splits_short_last_waves():
         "1d2d", ptx.select_config("1d2d", 4096, 2112, 7168, H200_SMS), 2112, 7168,
         torch.bfloat16, False,
     )  # fmt: skip
-    assert expr.endswith(", false, true, false>")
+    assert expr.endswith(", false, true>")
 
 
 def test_multicast_a_reaches_the_kernel():
     # The kernel's kMcastA template argument follows the config (SASS: the compile test).
     cfg = ptx.PtxConfig(64, 16, 16, 2, double_acc=True, multicast_a=True)
     _, expr = ptx.kernel_source("1d2d", cfg, 2112, 7168, torch.bfloat16, False)
-    assert expr.endswith(", 2048, true, false, false>")
+    assert expr.endswith(", 2048, true, false>")
     plain = dataclasses.replace(cfg, multicast_a=False)
     assert ptx.kernel_source("1d2d", plain, 2112, 7168, torch.bfloat16, False)[1].endswith(
-        ", 2048, false, false, false>"
+        ", 2048, false, false>"
     )
-
-
-def test_split_n_reaches_the_kernel():
-    # split_n: the kernel's last template argument, a wgmma of half the tile's columns, two math
-    # warpgroups (384 threads, 8 split-tail counters per tile), and staging boxes per half.
-    cfg = ptx.PtxConfig(64, 128, 8, 1, double_acc=True, tma_store=True, split_n=True)
-    src, expr = ptx.kernel_source("1d2d", cfg, 32768, 512, torch.bfloat16, False)
-    assert expr.endswith(", false, false, true>") and "m64n64k32" in src
-    assert (cfg.wg_n, cfg.math_warpgroups, cfg.num_threads) == (64, 2, 384)
-    assert ptx._epi_boxes(cfg, torch.bfloat16) == 1  # one 64-column bf16 box per half
-    assert ptx.epilogue_bytes(64, 128, torch.bfloat16, 0, split_n=True) == 2 * 64 * 128
-    plain = dataclasses.replace(cfg, split_n=False)
-    assert (plain.wg_n, plain.math_warpgroups, plain.num_threads) == (128, 1, 256)
-    assert "m64n128k32" in ptx.kernel_source("1d2d", plain, 32768, 512, torch.bfloat16, False)[0]
 
 
 def test_epilogue_staging_boxes():
@@ -310,13 +289,6 @@ def _variants():
     seen[("1d2d", a16, 2112, 7168, torch.bfloat16, False)] = None
     a64 = ptx.PtxConfig(64, 64, 8, 2, double_acc=True, tma_store=True, multicast_a=True)
     seen[("1d1d", a64, 576, 7168, torch.float32, True)] = None
-    # Two math warpgroups on a 64-row tile's column halves (split_n): with the split tail, with
-    # direct stores (32-column halves) and with the TMA store (64-column halves).
-    for bn, n, k, split in ((32, 2112, 7168, True), (64, 7168, 16384, False),
-                            (128, 32768, 512, False)):  # fmt: skip
-        cfg = ptx.PtxConfig(64, bn, 8, 1, double_acc=True, tma_store=bn == 128, split_k=split,
-                            split_n=True)  # fmt: skip
-        seen[("1d2d", cfg, n, k, torch.bfloat16, False)] = None
     return list(seen)
 
 
@@ -556,43 +528,6 @@ def test_gpu_1d2d_192_column_tiles(cfg, m, n, k):
 def test_gpu_split_tail(kind, m, n, k, out_dtype, accumulate):
     cfg = ptx.PtxConfig(128, 128, 5, 1, double_acc=True, tma_store=True, split_k=True)
     _check_split(kind, m, n, k, out_dtype, accumulate, cfg)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        ptx.PtxConfig(64, 16, 16, 1, double_acc=True, split_n=True),  # wgmma n8 halves
-        ptx.PtxConfig(64, 32, 16, 1, double_acc=True, split_k=True, split_n=True),
-        ptx.PtxConfig(64, 64, 13, 1, double_acc=True, tma_store=True, split_n=True),  # direct
-        ptx.PtxConfig(64, 112, 8, 1, double_acc=True, split_n=True),  # halves of 56 columns
-        ptx.PtxConfig(64, 128, 8, 1, double_acc=True, tma_store=True, split_n=True),
-        ptx.PtxConfig(64, 64, 8, 1, unroll_k=2, split_n=True),  # one accumulator
-        ptx.PtxConfig(64, 64, 8, 2, double_acc=True, multicast_a=True, split_n=True),
-    ],
-    ids=str,
-)
-@pytest.mark.parametrize(
-    "m,n,k,out_dtype",
-    [
-        (1, 2112, 7168, torch.bfloat16),
-        (13, 300, 272, torch.bfloat16),
-        (64, 576, 7168, torch.float32),
-        (100, 1000, 1536, torch.bfloat16),  # two M-blocks, an M tail, an N tail
-    ],
-)
-def test_gpu_split_n_equals_one_warpgroup(cfg, m, n, k, out_dtype):
-    # Two math warpgroups on a 64-row tile's column halves (split_n): each element is the same
-    # wgmma block sums promoted with the same scales in the same order as with one warpgroup,
-    # so D is bitwise equal to the one-warpgroup kernel's; tiles straddling a 128-column scale
-    # block of B (112, N tails) check that each half takes its own columns' scales. (64x64
-    # halves are 32 columns: no whole TMA-store box, so that config falls back to direct stores.)
-    x, w = _inputs(m, n, k, seed=m + 5 * n + k)
-    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
-    got = ptx.run_with_config("1d2d", qa, qb, cfg, out_dtype)
-    _check(got, x.double() @ w.double().t(), m, n, k, f"split_n {cfg}")
-    one = ptx.run_with_config("1d2d", qa, qb, dataclasses.replace(cfg, split_n=False), out_dtype)
-    torch.testing.assert_close(got, one, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

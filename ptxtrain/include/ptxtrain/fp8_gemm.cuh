@@ -18,8 +18,6 @@
 // sums into FP32 accumulators on the CUDA cores: fin += acc · sf_a[row] · sf_b[col block].
 // While one math warpgroup promotes, the other's wgmmas keep the tensor core busy. setmaxnreg
 // moves registers from the producer (40) to the math warpgroups (232) when there are two of them.
-// With kSplitN a 64-row tile also gets two math warpgroups, one per half of its columns: two
-// shorter wgmma chains per K block, each promoting half the tile.
 //
 // Double accumulators (kDoubleAcc, one wave per warpgroup, BLOCK_N <= 128): block k + 1's
 // wgmmas are issued into a second register set before block k is promoted, and wait_group 1
@@ -226,15 +224,11 @@ __device__ __forceinline__ void promote(float (&fin)[kBlockN / 2], const float (
 }
 
 // Math warpgroups of a BLOCK_M tile: one for 64 rows, two for 128 and 256 (each then covers
-// BLOCK_M / 128 "waves" of 64 rows). kSplitN (BLOCK_M = 64 only): two warpgroups on the same 64
-// rows, each taking BLOCK_N / 2 columns (kWgN) of the tile.
-template <int kBlockM, bool kSplitN = false>
+// BLOCK_M / 128 "waves" of 64 rows).
+template <int kBlockM>
 struct MathShape {
-  static_assert(!kSplitN || kBlockM == 64, "split N: 64-row tiles only");
-  static constexpr int kWarpgroups = kBlockM == 64 && !kSplitN ? 1 : 2;
-  static constexpr int kWaves = kSplitN ? 1 : kBlockM / (64 * kWarpgroups);
-  // Rows of A between consecutive warpgroups' parts (0: they share the tile's 64 rows).
-  static constexpr int kWgRows = kSplitN ? 0 : 64;
+  static constexpr int kWarpgroups = kBlockM == 64 ? 1 : 2;
+  static constexpr int kWaves = kBlockM / (64 * kWarpgroups);
 };
 
 // TMA-store epilogue geometry (kEpiBoxes > 0): each math warpgroup stages its 64 x BLOCK_N part
@@ -246,8 +240,7 @@ struct MathShape {
 // rounds (each waits for the previous round's reads), leaving shared memory to the K stages.
 // Two-wave tiles (BLOCK_M = 256) may stage both waves (kEpiBoxes = 2 kBoxes, kWholeTile): the
 // second wave's boxes then go to their own slots without waiting for the first wave's stores.
-// kBlockN: the columns of one warpgroup's part (BLOCK_N / 2 with kSplitN, see MathShape).
-template <int kBlockM, int kBlockN, int kOut, int kEpiBoxes, bool kSplitN = false>
+template <int kBlockM, int kBlockN, int kOut, int kEpiBoxes>
 struct EpiShape {
   static constexpr int kElem = kOut == 0 ? 2 : 4;
   static constexpr int kBoxCols = 128 / kElem;
@@ -255,8 +248,8 @@ struct EpiShape {
   static constexpr int kGroupsPerBox = kBoxCols / 8;  // 8-column accumulator groups per box
   static constexpr u32 kBoxBytes = 64 * 128;
   static constexpr u32 kWgBytes = kEpiBoxes * kBoxBytes;
-  static constexpr int kBytes = MathShape<kBlockM, kSplitN>::kWarpgroups * kWgBytes;
-  static constexpr int kWaves = MathShape<kBlockM, kSplitN>::kWaves;
+  static constexpr int kBytes = MathShape<kBlockM>::kWarpgroups * kWgBytes;
+  static constexpr int kWaves = MathShape<kBlockM>::kWaves;
   static constexpr bool kWholeTile = kWaves > 1 && kEpiBoxes == kWaves * kBoxes;
   // Boxes per store round (store_tile_tma's kEpiBoxes).
   static constexpr int kRoundBoxes = kWholeTile ? kBoxes : kEpiBoxes;
@@ -531,7 +524,7 @@ __device__ __forceinline__ bool split_fixup(float (&fin)[kWaves][kBlockN / 2], f
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
           int kGroupMode, int kRasterM = kDefaultRasterM, bool kMcastA = false,
-          bool kSplitK = false, bool kSplitN = false>
+          bool kSplitK = false>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
                                               unsigned char* smem_sfb, u64* full, u64* empty,
@@ -542,33 +535,27 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                               int num_groups, const int* group_info,
                                               int num_dp_units, int splits, float* split_ws,
                                               int* split_counters) {
-  // This warpgroup's columns of the tile (kSplitN: half of them, see MathShape).
-  constexpr int kWgN = kSplitN ? kBlockN / 2 : kBlockN;
-  using Epi = EpiShape<kBlockM, kWgN, kOut, kEpiBoxes, kSplitN>;
+  using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
-  constexpr int kNumMathWG = MathShape<kBlockM, kSplitN>::kWarpgroups;
-  constexpr int kWaves = MathShape<kBlockM, kSplitN>::kWaves;
-  constexpr int kWgRows = MathShape<kBlockM, kSplitN>::kWgRows;
+  constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
+  constexpr int kWaves = MathShape<kBlockM>::kWaves;
   constexpr int kNumKBlocks = (kK + 127) / 128;
   using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
   constexpr int kGroup = Units::kGroup;
   const int wg = threadIdx.x / 128;
-  const int wg_n = kSplitN ? wg * kWgN : 0;  // this warpgroup's first column in the tile
   if constexpr (kNumMathWG == 2) setmaxnreg_inc<232>();
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  // This thread's rows in wave w: w * 64 * kNumMathWG + row0 and + 8; columns
-  // wg_n + 8j + col0 + {0, 1}.
-  const int row0 = wg * kWgRows + warp * 16 + lane / 4;
+  // This thread's rows in wave w: w * 64 * kNumMathWG + row0 and + 8; columns 8j + col0 + {0, 1}.
+  const int row0 = wg * 64 + warp * 16 + lane / 4;
   const int col0 = 2 * (lane % 4);
-  // Descriptor low words (issue_kblock) of stage 0: this warpgroup's first 64 rows of A, and its
-  // first row of B (kSplitN: wg_n rows of 128 bytes in, a whole number of 1024-byte swizzle atoms).
-  const u32 a_lo0 = (smem_addr(smem_a) + wg * kWgRows * 128) >> 4;
-  const u32 b_lo0 = (smem_addr(smem_b) + wg_n * 128) >> 4;
+  // Descriptor low words (issue_kblock) of stage 0: this warpgroup's first 64 rows of A, and B.
+  const u32 a_lo0 = (smem_addr(smem_a) + wg * 64 * 128) >> 4;
+  const u32 b_lo0 = smem_addr(smem_b) >> 4;
   u32 it = 0;
   const int units_per_group = num_m_groups * Units::kNumNUnits;
-  float acc[kWgN / 2];
-  float fin[kWaves][kWgN / 2];
+  float acc[kBlockN / 2];
+  float fin[kWaves][kBlockN / 2];
   // Whole tiles, then (split tail) the K-slices of the last tiles: the phase loop unrolls into
   // two unit loops, so that the whole tiles' loop keeps the registers of a kernel without
   // slices. A slice (kSlice) stores only if it completes its tile's sum (split_fixup).
@@ -599,12 +586,11 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 #pragma unroll
     for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
-      for (int i = 0; i < kWgN / 2; ++i) fin[w][i] = 0.0f;
+      for (int i = 0; i < kBlockN / 2; ++i) fin[w][i] = 0.0f;
     }
     // 1D2D: the tile's columns lie in scale block n0 / 128 below `split`, in the next one above
-    // (both blocks' scales are loaded for every K block, see sfb_rows); `split` counts from this
-    // warpgroup's first column (<= 0: all of them in the next block).
-    const int split = 128 - n0 % 128 - wg_n;
+    // (both blocks' scales are loaded for every K block, see sfb_rows).
+    const int split = 128 - n0 % 128;
     // 1D2D: B's two block scales of block kb (in stage s): from the stage where the producer
     // copied them (sfb_in_stage), else from global memory (cached; hi = lo where the tile lies
     // in one scale block). 1D1D: per column from the stage (load_sb).
@@ -624,14 +610,14 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
     };
     // (j0 .. j1 - 1: the 8-column groups to load; all by default)
-    auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kWgN / 4 : 1], int j0 = 0,
-                       int j1 = (kSplitN ? kBlockN / 2 : kBlockN) / 8) {
+    auto load_sb = [&](u32 s, float (&sb)[k1D1D ? kBlockN / 4 : 1], int j0 = 0,
+                       int j1 = kBlockN / 8) {
       if constexpr (k1D1D) {
         // col0 is even and the slot 128-B aligned: one 8-byte load per 8-column group.
         const float2* sfb = reinterpret_cast<const float2*>(smem_sfb + s * Smem::kSlotSfb);
 #pragma unroll
         for (int j = j0; j < j1; ++j) {
-          const float2 v = sfb[wg_n / 2 + 4 * j + col0 / 2];
+          const float2 v = sfb[4 * j + col0 / 2];
           sb[2 * j] = v.x;
           sb[2 * j + 1] = v.y;
         }
@@ -642,7 +628,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // Block kb's wgmmas are in flight in one accumulator while block kb + 1's are issued into
       // the other; wait_group 1 then retires kb alone, which is promoted while kb + 1 runs.
       static_assert(kWaves == 1, "double accumulators need a single wave per warpgroup");
-      float acc2[kWgN / 2];
+      float acc2[kBlockN / 2];
       // 1D1D: read block kb's row scales and the first kEarlyGroups 8-column groups of its
       // column scales (in its stage since its `full` wait) before issuing block kb + 1 and
       // waiting for kb, so their shared-memory latency hides behind the wait instead of stalling
@@ -656,7 +642,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                  : kOut == 0 ? PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16
                                              : PTXTRAIN_GEMM_EARLY_SB_GROUPS;
       constexpr int kEarlyGroups =
-          k1D1D ? (kEarlyWant < kWgN / 8 ? kEarlyWant : kWgN / 8) : 0;
+          k1D1D ? (kEarlyWant < kBlockN / 8 ? kEarlyWant : kBlockN / 8) : 0;
       // Row scales before the wait too (1D2D as well once K spans a whole chunk: the fence before
       // the stage's release then finds their loads done instead of waiting for them, up to 1.4%
       // faster at K = 2048-7168; at K = 512 reading them late was 3% faster,
@@ -672,7 +658,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     load_sfb(s, (kb), sfb_lo, sfb_hi);                                                        \
     const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);         \
     float sa0 = 0.0f, sa1 = 0.0f;                                                             \
-    float sb[k1D1D ? kWgN / 4 : 1];                                                           \
+    float sb[k1D1D ? kBlockN / 4 : 1];                                                        \
     if constexpr (kEarlySa) {                                                                 \
       sa0 = sfa[row0];                                                                        \
       sa1 = sfa[row0 + 8];                                                                    \
@@ -681,7 +667,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     if (next) {                                                                               \
       const u32 s1 = (it + 1) % kNumStages;                                                   \
       mbarrier_wait(&full[s1], ((it + 1) / kNumStages) & 1u);                                 \
-      issue_kblock<Mma, kWgN>(nxt, a_lo0 + s1 * (Smem::kBytesA >> 4),                       \
+      issue_kblock<Mma, kBlockN>(nxt, a_lo0 + s1 * (Smem::kBytesA >> 4),                    \
                                  b_lo0 + s1 * (Smem::kBytesB >> 4));                          \
       wgmma_wait_group<1>();                                                                  \
     } else {                                                                                  \
@@ -694,7 +680,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     }                                                                                         \
     load_sb(s, sb, kEarlyGroups);                                                             \
     release_read_stage<kCluster>(&empty[s], lane);                                            \
-    promote<kWgN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                   \
+    promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
     ++it;                                                                                     \
   }
       // Chunks of kChunk blocks, each fully unrolled and drained at its end (wait_group 0): ptxas
@@ -705,7 +691,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     {                                                                                         \
       const u32 s = it % kNumStages;                                                          \
       mbarrier_wait(&full[s], (it / kNumStages) & 1u);                                        \
-      issue_kblock<Mma, kWgN>(acc, a_lo0 + s * (Smem::kBytesA >> 4),                        \
+      issue_kblock<Mma, kBlockN>(acc, a_lo0 + s * (Smem::kBytesA >> 4),                     \
                                  b_lo0 + s * (Smem::kBytesB >> 4));                           \
     }                                                                                         \
     _Pragma("unroll") for (int i = 0; i < (count); ++i) {                                     \
@@ -761,7 +747,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         release_stage<kCluster>(&empty[(it - 1) % kNumStages], lane);
       }
 #pragma unroll
-      for (int i = 0; i < kWgN / 2; ++i) fin[0][i] = acc[i];
+      for (int i = 0; i < kBlockN / 2; ++i) fin[0][i] = acc[i];
     } else {
     // kUnrollK: how far the compiler may unroll the K loop (more overlaps one block's scale
     // loads and address math with the previous block's promotion; too much spills).
@@ -774,7 +760,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       mbarrier_wait(&full[s], phase);
       if constexpr (kSfbInStage) load_sfb(s, kb, sfb_lo, sfb_hi);
       const float* sfa = reinterpret_cast<const float*>(smem_sfa + s * Smem::kSlotSfa);
-      float sb[k1D1D ? kWgN / 4 : 1];
+      float sb[k1D1D ? kBlockN / 4 : 1];
       load_sb(s, sb);
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
@@ -782,7 +768,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         // Scales first: once this warp releases the stage, the producer may overwrite it.
         const float sa0 = sfa[wrow];
         const float sa1 = sfa[wrow + 8];
-        issue_kblock<Mma, kWgN>(
+        issue_kblock<Mma, kBlockN>(
             acc, a_lo0 + s * (Smem::kBytesA >> 4) + w * 64 * kNumMathWG * 128 / 16,
             b_lo0 + s * (Smem::kBytesB >> 4));
         wgmma_wait_group<0>();
@@ -790,7 +776,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         if (w == kWaves - 1) {
           release_read_stage<kCluster>(&empty[s], lane);
         }
-        promote<kWgN, k1D1D>(fin[w], acc, sa0, sa1, sfb_lo, sfb_hi, split, sb);
+        promote<kBlockN, k1D1D>(fin[w], acc, sa0, sa1, sfb_lo, sfb_hi, split, sb);
       }
     }
     }
@@ -802,7 +788,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         const int w = wh / 2, h = wh % 2;
         if (row_midx[wh] < 0) {
 #pragma unroll
-          for (int j = 0; j < kWgN / 8; ++j) {
+          for (int j = 0; j < kBlockN / 8; ++j) {
             fin[w][4 * j + 2 * h] = 0.0f;
             fin[w][4 * j + 2 * h + 1] = 0.0f;
           }
@@ -817,7 +803,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     if constexpr (kSplitK) {
       if (kSlice) {
         const int tail_tile = ((unit - num_dp_units) / splits) * kCluster + static_cast<int>(rank);
-        if (!split_fixup<kWgN, kWaves, kNumMathWG>(fin, split_ws, split_counters, tail_tile,
+        if (!split_fixup<kBlockN, kWaves, kNumMathWG>(fin, split_ws, split_counters, tail_tile,
                                                       slice, splits, wg, warp, lane)) {
           continue;
         }
@@ -831,12 +817,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         // (K-grouped / masked: D[g] is rows g·M.. of the [G·M, N] view (M = M_max when masked);
         // TMA stores only where M % BLOCK_M == 0, so no box reaches the next group's rows.)
           // (whole two-wave tile: wave w in its own slots, only the first waits for old stores)
-          store_tile_tma<kWgN, kOut, kAccumulate, kN, Epi::kRoundBoxes>(
+          store_tile_tma<kBlockN, kOut, kAccumulate, kN, Epi::kRoundBoxes>(
               fin[w],
               smem_d + wg * Epi::kWgBytes +
                   (Epi::kWholeTile ? w * Epi::kBoxes * Epi::kBoxBytes : 0),
-              tma_d, kg * m + m0 + w * 64 * kNumMathWG + wg * kWgRows, n0 + wg_n, wg,
-              threadIdx.x % 128 == 0, !Epi::kWholeTile || w == 0);
+              tma_d, kg * m + m0 + w * 64 * kNumMathWG + wg * 64, n0, wg, threadIdx.x % 128 == 0,
+              !Epi::kWholeTile || w == 0);
         }
         continue;
       }
@@ -848,8 +834,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       const int row = m0 + w * 64 * kNumMathWG + row0 + 8 * h;
       if (row >= m) continue;
 #pragma unroll
-      for (int j = 0; j < kWgN / 8; ++j) {
-        const int col = n0 + wg_n + 8 * j + col0;
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const int col = n0 + 8 * j + col0;
         if (col >= kN) continue;
         const float v0 = fin[w][4 * j + 2 * h], v1 = fin[w][4 * j + 2 * h + 1];
         const long long off = (static_cast<long long>(kg) * m + row) * kN + col;
@@ -886,9 +872,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   }
 }
 
-// Mma: a struct with `static void mma(float (&d)[kWgN / 2], u64 desc_a, u64 desc_b, bool
-// accumulate)` issuing one wgmma.mma_async m64n<kWgN>k32 e4m3 (generated per BLOCK_N; kWgN is
-// BLOCK_N, or BLOCK_N / 2 with kSplitN).
+// Mma: a struct with `static void mma(float (&d)[kBlockN / 2], u64 desc_a, u64 desc_b, bool
+// accumulate)` issuing one wgmma.mma_async m64n<kBlockN>k32 e4m3 (generated per BLOCK_N).
 // kOut: 0 = bf16, 1 = fp32. kAccumulate (fp32 only): D += A·Bᵀ. kUnrollK: unroll factor of the
 // math warpgroups' K loop. kDoubleAcc (one wave only): two wgmma accumulators, so the next
 // 128-K block's wgmmas run while this block is promoted (wgmma.wait_group 1 instead of 0).
@@ -909,14 +894,12 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // box is then BLOCK_M / 2 rows, tma_b's BLOCK_N. kSplitK (dense, M-grouped): units from
 // num_dp_units on are `splits` K-slices of the last tiles (group_unit, split_fixup), with
 // `split_ws` (FP32, splits x BLOCK_M x BLOCK_N per cut tile) and `split_counters` (int, 4 per
-// math warpgroup per cut tile, zero before the launch and left zero after it). kSplitN (1D2D,
-// BLOCK_M = 64): two math warpgroups share the tile's 64 rows of A, each issuing wgmma
-// m64n(BLOCK_N / 2) on its half of B's rows and storing its half of the columns (MathShape).
+// math warpgroup per cut tile, zero before the launch and left zero after it).
 template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, bool k1D1D,
           int kOut, bool kAccumulate, int kCluster, int kUnrollK, bool kDoubleAcc, int kEpiBoxes,
           int kGroupMode, int kRasterM = kDefaultRasterM, bool kMcastA = false,
-          bool kSplitK = false, bool kSplitN = false>
-__global__ void __launch_bounds__((MathShape<kBlockM, kSplitN>::kWarpgroups + 1) * 128, 1)
+          bool kSplitK = false>
+__global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1)
     fp8_gemm_nt_kernel(const __grid_constant__ TmaDescriptor tma_a,
                        const __grid_constant__ TmaDescriptor tma_b,
                        const __grid_constant__ TmaDescriptor tma_sfa,
@@ -925,9 +908,9 @@ __global__ void __launch_bounds__((MathShape<kBlockM, kSplitN>::kWarpgroups + 1)
                        int m, const int* m_indices, const int* block_group, int num_groups,
                        const int* group_info, int num_dp_units, int splits, float* split_ws,
                        int* split_counters) {
-  using Epi = EpiShape<kBlockM, kSplitN ? kBlockN / 2 : kBlockN, kOut, kEpiBoxes, kSplitN>;
+  using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
-  constexpr int kNumMathWG = MathShape<kBlockM, kSplitN>::kWarpgroups;
+  constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kNumKBlocks = (kK + 127) / 128;
   using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
   constexpr int kGroup = Units::kGroup;
@@ -948,8 +931,6 @@ __global__ void __launch_bounds__((MathShape<kBlockM, kSplitN>::kWarpgroups + 1)
   static_assert(kGroupMode != 3 || (kCluster == 1 && kBlockM <= 128 && !k1D1D),
                 "masked: 1D2D, BLOCK_M 64 or 128, no multicast");
   static_assert(!kMcastA || kCluster == 2, "multicast of A: clusters of 2 CTAs");
-  static_assert(!kSplitN || (kBlockM == 64 && !k1D1D),
-                "split N: 1D2D 64-row tiles (two math warpgroups of BLOCK_N / 2 columns each)");
   static_assert(!kSplitK || ((kGroupMode == 0 || kGroupMode == 1) && kDoubleAcc),
                 "split tail: dense or M-grouped GEMMs with double accumulators (K-slices of whole "
                 "chunks)");
@@ -1073,7 +1054,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM, kSplitN>::kWarpgroups + 1)
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
-                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kMcastA, kSplitK, kSplitN>(
+                  kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kMcastA, kSplitK>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
         num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
         num_groups, group_info, num_dp_units, splits, split_ws, split_counters);
