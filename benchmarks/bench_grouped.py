@@ -15,12 +15,14 @@ against the matmul of the unquantized inputs) before it is timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 
 import torch
 
 from benchmarks.ab_ptx import parse_variant
+from benchmarks.profile_gemm import parse_config
 from ptxtrain.bench.gemm import SF_LAYOUT
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, grouped, ptx
@@ -65,6 +67,20 @@ def m_grouped_operands(n: int, k: int, groups: int = G, rows: int = ROWS) -> dic
     )
 
 
+def _grouped_cfg(spec: str) -> ptx.PtxConfig:
+    """``"128x128s6c1de1:r256"`` -> the PtxConfig (raster_m 256; default 512, grouped_config's
+    for unknown group sizes).
+
+    Raises:
+        ValueError: a malformed config or raster part.
+    """
+    text, _, raster = spec.partition(":r")
+    cfg = parse_config(text)
+    if raster and not raster.isdigit():
+        raise ValueError(f"--cfg {spec!r}: expected CONFIG[:rROWS], got raster {raster!r}")
+    return dataclasses.replace(cfg, raster_m=int(raster) if raster else 512)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -79,6 +95,14 @@ def main() -> None:
         default=[],
         help="header switches (#MACRO=VALUE, as benchmarks.ab_ptx) under which the m-grouped "
         "contiguous GEMM is timed again, in the same process, against the same dense PTX",
+    )
+    ap.add_argument(
+        "--cfg",
+        nargs="*",
+        default=[],
+        help="explicit PTX configs of the m-grouped contiguous GEMM (BMxBNsSTAGEScCLUSTER[d][k]"
+        "[eN] as benchmarks.profile_gemm, with an optional ':rROWS' rasterization group), each "
+        "timed in the same process against the same dense PTX",
     )
     args = ap.parse_args()
     timer = GpuTimer(repeats=30)
@@ -110,6 +134,14 @@ def main() -> None:
                             flops, want, rows, shape, groups=g_, rows_per_group=rows_)  # fmt: skip
             finally:
                 ptx.set_source_defines("")
+            summary[f"grouped[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
+        for spec in args.cfg:
+            cfg = _grouped_cfg(spec)
+            alt = timed(timer, f"m_grouped_contiguous {spec}",
+                        lambda: ptx._m_grouped_contiguous(
+                            qa, qb, m_indices, None, torch.bfloat16, (m, n, k, g_), cfg),
+                        flops, want, rows, shape, groups=g_, rows_per_group=rows_,
+                        cfg=cfg.__dict__)  # fmt: skip
             summary[f"grouped[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
         if (g_, rows_) != (G, ROWS):
             del ops, x, w, qa, qws, qb, want, dense_want

@@ -883,8 +883,9 @@ def m_grouped_fp8_gemm_nt_contiguous(
     return _m_grouped_contiguous(a, b, m_indices, out, out_dtype, (m, n, k, g))
 
 
-def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims):
-    """:func:`m_grouped_fp8_gemm_nt_contiguous` after validation (``dims`` = (M, N, K, G))."""
+def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
+    """:func:`m_grouped_fp8_gemm_nt_contiguous` after validation (``dims`` = (M, N, K, G));
+    ``cfg``: explicit block sizes (benchmarks; None: :func:`grouped_config`'s)."""
     m, n, k, g = dims
     a_fp8 = a[0]
     dtype = out.dtype if out is not None else out_dtype
@@ -900,7 +901,7 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims):
     block_group = m_indices.reshape(-1, 64).amax(dim=1)
     return _write_into(
         out, (m, n), dtype, a_fp8.device, False,
-        lambda d: _launch("m_grouped", a, b, d, False, dtype, None, (m_indices, block_group)),
+        lambda d: _launch("m_grouped", a, b, d, False, dtype, cfg, (m_indices, block_group)),
     )  # fmt: skip
 
 
