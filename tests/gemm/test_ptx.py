@@ -7,6 +7,7 @@ reference GEMM over the DeepSeek-V3 shapes and awkward ones (M = 0, 1, 13, 129; 
 """
 
 import dataclasses
+import re
 import subprocess
 
 import pytest
@@ -329,6 +330,21 @@ def test_every_dsv3_variant_compiles_to_qgmma_without_spills(tmp_path, monkeypat
             [cuobjdump, "-sass", str(path)], capture_output=True, text=True, check=True
         ).stdout
         assert "STL" not in sass, f"{args}: register spills (STL) in the SASS"
+        # Registers within the budget: the launch allocation fits one CTA per SM (65536
+        # registers over the CTA's threads, in steps of 8), and kernels with two math
+        # warpgroups move them with setmaxnreg (producer down to 40, math up to 232: 128 x 40 +
+        # 256 x 232 <= 65536) so the math code may use up to 232.
+        cfg = args[1]
+        regs = int(re.search(r"REG:(\d+)", res).group(1))
+        assert regs <= min(255, 65536 // cfg.num_threads // 8 * 8), f"{args}: {regs} registers"
+        if cfg.num_threads == 384:
+            alloc = re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, (0x[0-9a-f]+)", sass)
+            dealloc = re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", sass)
+            assert [int(v, 16) for v in alloc] == [232], f"{args}: setmaxnreg.inc {alloc}"
+            assert [int(v, 16) for v in dealloc] == [40], f"{args}: setmaxnreg.dec {dealloc}"
+            assert 128 * 40 + 256 * 232 <= 65536
+        else:  # one math warpgroup: no reallocation
+            assert "USETMAXREG" not in sass, f"{args}: setmaxnreg with one math warpgroup"
         waves = 2 if args[1].block_m == 256 else 1  # block_m = 256: two waves of 64-row wgmmas
         count = sass.count("QGMMA")  # 4 per wave per copy of the (unrolled) K-loop body
         assert count >= 4 * waves and count % (4 * waves) == 0, f"{args}: {count} QGMMA"
