@@ -15,6 +15,7 @@ import functools
 import importlib.metadata
 import os
 import re
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from ptxtrain.jit.cache import (
     INCLUDE_DIR,
     CacheEntry,
     _env_flag,
+    atomic_write_bytes,
+    cache_dir,
     cache_disabled,
     debug_log,
     default_cache,
@@ -37,16 +40,28 @@ _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 class JitCompileError(RuntimeError):
     """NVRTC rejected a kernel. ``name``: the kernel; ``log``: NVRTC's full compile log;
-    ``options``: the command line given to NVRTC."""
+    ``options``: the command line given to NVRTC; ``detail``: the NVRTC call and result;
+    ``source_path``: where the generated translation unit was saved for inspection
+    (:func:`compile_cuda` sets it; None if it could not be written)."""
 
-    def __init__(self, name: str, log: str, options: Sequence[str], detail: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        log: str,
+        options: Sequence[str],
+        detail: str = "",
+        source_path: Path | None = None,
+    ) -> None:
         self.name = name
         self.log = log
         self.options = list(options)
+        self.detail = detail
+        self.source_path = source_path
         head = f"NVRTC failed to compile kernel {name!r}"
         if detail:
             head += f" ({detail})"
-        super().__init__(f"{head}; options: {' '.join(options)}\n--- NVRTC log ---\n{log}")
+        where = f"\ngenerated source: {source_path}" if source_path is not None else ""
+        super().__init__(f"{head}; options: {' '.join(options)}{where}\n--- NVRTC log ---\n{log}")
 
 
 @dataclass(frozen=True)
@@ -184,6 +199,26 @@ def _nvrtc_compile(
     )
 
 
+def _save_failed_source(
+    source: str, name: str, key: str, options: Sequence[str], expressions: Sequence[str]
+) -> Path | None:
+    """Writes a translation unit NVRTC rejected to ``<cache dir>/failed/<name>-<key[:16]>.cu``
+    (the system temp dir's ``ptxtrain-jit-failed/`` instead with ``PTXTRAIN_JIT_DISABLE_CACHE``;
+    atomically, with the options and name expressions as a leading comment) and returns the
+    path, or None if it cannot be written (the compile error is raised either way)."""
+    root = Path(tempfile.gettempdir()) / "ptxtrain-jit-failed" if cache_disabled() else None
+    path = (root or cache_dir() / "failed") / f"{name}-{key[:16]}.cu"
+    head = "".join(f"// nvrtc option: {o}\n" for o in options)
+    head += "".join(f"// name expression: {e}\n" for e in expressions)
+    try:
+        atomic_write_bytes(path, (head + source).encode())
+    except OSError as exc:
+        debug_log(f"could not save the failed source of {name} at {path}: {exc}")
+        return None
+    debug_log(f"NVRTC rejected {name}: source saved at {path}")
+    return path
+
+
 def _str_tuple(value, arg: str) -> tuple[str, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
         raise TypeError(f"{arg}: expected a sequence of str, got {type(value).__name__}")
@@ -263,7 +298,11 @@ def compile_cuda(
     )
 
     def build() -> CacheEntry:
-        entry = _nvrtc_compile(source, name, options, expressions, arch)
+        try:
+            entry = _nvrtc_compile(source, name, options, expressions, arch)
+        except JitCompileError as exc:
+            saved = _save_failed_source(source, name, key, options, expressions)
+            raise JitCompileError(exc.name, exc.log, exc.options, exc.detail, saved) from None
         debug_log(f"compiled {name} for {arch}: {len(entry.cubin)} B cubin, key={key[:16]}")
         return entry
 

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -352,6 +353,24 @@ def test_compile_error_names_kernel_and_has_log():
     assert err.name == "broken" and "'broken'" in str(err)
     assert "undefined_thing_42" in err.log and "undefined_thing_42" in str(err)
     assert "-arch=sm_90a" in str(err)
+    # The generated source is saved for inspection and its path is in the message.
+    assert err.source_path is not None and f"generated source: {err.source_path}" in str(err)
+    saved = err.source_path.read_text()
+    assert saved.endswith(src) and "// nvrtc option: -arch=sm_90a" in saved
+    assert "// name expression: broken" in saved
+
+
+def test_compile_error_source_path_without_the_cache(monkeypatch, tmp_path):
+    # PTXTRAIN_JIT_DISABLE_CACHE writes nothing to the cache: the source goes to the temp dir.
+    monkeypatch.setenv("PTXTRAIN_JIT_DISABLE_CACHE", "1")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    src = 'extern "C" __global__ void broken2(float* x) { x[0] = undefined_thing_43; }\n'
+    with pytest.raises(JitCompileError) as info:
+        compile_cuda(src, name="broken2")
+    path = info.value.source_path
+    assert path is not None and path.parent == tmp_path / "ptxtrain-jit-failed"
+    assert path.read_text().endswith(src)
 
 
 def test_ptxas_error_is_reported():
