@@ -82,6 +82,11 @@
 #ifndef PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16
 #define PTXTRAIN_GEMM_EARLY_SB_GROUPS_BF16 7
 #endif
+// fp32 TMA-store epilogue: lanes of odd rows stage their groups in a permuted order so that a
+// half-warp's 8-byte stores hit distinct banks (see store_tile_tma); 0: every lane in order.
+#ifndef PTXTRAIN_GEMM_EPI_F32_PERMUTE
+#define PTXTRAIN_GEMM_EPI_F32_PERMUTE 1
+#endif
 // Diagnostic only (wrong results unless 4): wgmma k32 slices issued per 128-K block, to time a
 // block's chain of dependent wgmmas against the data it waits for.
 #ifndef PTXTRAIN_GEMM_DIAG_KK
@@ -299,16 +304,35 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
     } else {
       // fp32: 8 bytes per (row, pair of columns); 32 columns per box, so group jr of the round
       // is in slot jr / 4, 16-byte chunk 2 (jr % 4) + (lane % 4) / 2, 8-byte half lane % 2.
+      // A warp's 8-byte stores go out as two half-warps (128 bytes each, rows lane / 4 of 0..3
+      // or 4..7). With every lane at the same group, a half-warp's 16-byte chunks (2 (jr % 4) +
+      // {0, 1}) ^ (row % 8) are 4 chunks written twice: two wavefronts each (ncu: 4.9 per
+      // store instead of 2, benchmarks/results/2026-11-23-s19-h200/call7). Lanes of odd rows
+      // therefore write group jr ^ 2 (the same slot) when the others write jr: the 8 chunks of a
+      // half-warp then differ, and every lane still writes each of its groups once (the value
+      // is a select between two fixed registers, no indexed register access).
+      // Group jr ^ 2 lies 4 chunks from jr, so an odd row's chunk is its even neighbour's
+      // XOR 4: folded into the row's swizzle term once, the addresses cost what they did.
+      // (the lane read here again, %laneid through volatile asm: computed once at the kernel's
+      // start instead, these two values would hold registers across the whole main loop, and
+      // ptxas spilled there)
+      u32 lid;
+      asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lid));
+      const bool odd = PTXTRAIN_GEMM_EPI_F32_PERMUTE && ((lid / 4) & 1);
+      // chunk ^ (r % 8) = 2 (jr % 4) ^ swz: swz = the row's r % 8 (lane / 4), XOR 4 for odd
+      // rows, XOR the lane's chunk of the group ((lane % 4) / 2).
+      const int swz = static_cast<int>((lid / 4) ^ (odd ? 4 : 0) ^ ((lid % 4) / 2));
 #pragma unroll
       for (int jr = 0; jr < kRoundGroups && g0 + jr < kBlockN / 8; ++jr) {
-        const int j = g0 + jr;
+        // (fp32 boxes hold whole sets of 4 groups, so jr ^ 2 exists when jr does)
+        const int ja = g0 + jr, jb = g0 + (jr ^ 2);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = warp * 16 + lane / 4 + 8 * h;
-          const int chunk = 2 * (jr % 4) + (lane % 4) / 2;
           float2* p = reinterpret_cast<float2*>(stage + (jr / 4) * Epi::kBoxBytes + r * 128 +
-                                                ((chunk ^ (r % 8)) * 16) + (lane % 2) * 8);
-          *p = make_float2(fin[4 * j + 2 * h], fin[4 * j + 2 * h + 1]);
+                                                (((2 * (jr % 4)) ^ swz) * 16) + (lane % 2) * 8);
+          *p = odd ? make_float2(fin[4 * jb + 2 * h], fin[4 * jb + 2 * h + 1])
+                   : make_float2(fin[4 * ja + 2 * h], fin[4 * ja + 2 * h + 1]);
         }
       }
     }
