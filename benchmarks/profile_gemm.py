@@ -78,6 +78,13 @@ def main() -> None:
     p.add_argument("--backend", choices=["ptx", "cublas", "triton"], default="ptx")
     p.add_argument("--config", default=None, help="PTX block sizes, e.g. 128x128s5c1d")
     p.add_argument("--iters", type=int, default=4)
+    p.add_argument(
+        "--out",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="D's dtype for --shape (default bf16 for 1d2d, fp32 for 1d1d; Fp8Linear's wgrad "
+        "writes bf16)",
+    )
     p.add_argument("--grid", choices=["1d2d", "1d1d"], default=None, help="every V3 shape once")
     args = p.parse_args()
     if args.grid:
@@ -105,6 +112,8 @@ def main() -> None:
     m, n, k = args.shape
     a, b = _operands(args.kind, m, n, k)
     out_dtype = torch.bfloat16 if args.kind == "1d2d" else torch.float32
+    if args.out:
+        out_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.out]
     if args.backend in ("cublas", "triton"):
         mod = (
             cublas if args.backend == "cublas" else importlib.import_module("ptxtrain.gemm.triton")
@@ -112,7 +121,7 @@ def main() -> None:
         fn = mod.fp8_gemm_nt if args.kind == "1d2d" else mod.fp8_gemm_nt_1d1d
 
         def run():
-            return fn(a, b)
+            return fn(a, b, out_dtype=out_dtype)
     else:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         pick = ptx.select_config(args.kind, m, n, k, sms)
