@@ -93,6 +93,11 @@ _X_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
 _W_DTYPES = (torch.float32, torch.float64)
 _BACKENDS = ("all_to_all", "nvlink")
 _DEFAULT_NVL_BYTES = 1 << 30
+# Experts per rank that a dispatch's count message has room for. The message goes out padded
+# to this fixed width (5 + it int64 columns per peer), so ranks that disagree on num_experts
+# still exchange messages of one size and the signature check raises on every rank, instead of
+# the collective itself failing (gloo aborts the process; NCCL does not check sizes).
+_MAX_EXPERTS_PER_RANK = 1024
 
 
 def _check_topk_idx(topk_idx: object, num_experts: int) -> torch.Tensor:
@@ -379,8 +384,9 @@ def _describe_signature(pair: tuple[int, int]) -> str:
     k, num_experts = code % 4096, code // 4096
     plausible = 0 < hidden < 2**31 and k > 0 and 0 < num_experts < 2**20
     if not (plausible and x_code <= len(_X_DTYPES)):
-        # The count message's width is 5 + num_experts / ranks: a peer with another
-        # num_experts sends rows of another width, and these two columns are not its signature.
+        # The count message holds 5 + num_experts / ranks columns (padded to one width for the
+        # exchange): a peer with another num_experts has its signature in other columns, and
+        # these two are its per-expert counts or the padding's zeros.
         return "a count message of another width (another num_experts)"
     x_name = "(float8_e4m3fn, sf)" if x_code == len(_X_DTYPES) else str(_X_DTYPES[x_code])
     w_name = str(_W_DTYPES[w_code]).removeprefix("torch.")
@@ -630,6 +636,11 @@ class Buffer:
     # ------------------------------------------------------------------ validation
     def _check_dispatch_args(self, x, topk_idx, topk_weights, num_experts):
         _check_experts(num_experts, self.num_ranks)
+        if num_experts // self.num_ranks > _MAX_EXPERTS_PER_RANK:
+            raise ValueError(
+                f"num_experts must be at most {_MAX_EXPERTS_PER_RANK} per rank (the count "
+                f"message's width) x {self.num_ranks} ranks, got {num_experts}"
+            )
         if isinstance(x, (tuple, list)):
             if len(x) != 2:
                 raise ValueError(f"x as a tuple must be (x_fp8, sf), got {len(x)} items")
@@ -854,8 +865,13 @@ class Buffer:
         # receives the exchange, so ONE copy to the host carries both sides.
         sig = _encode_signature(signature)
         in_rank, counts, order, slot = send_layout(topk_idx, num_experts, n_ranks, extra=sig)
+        # Padded with zeros to one width on every rank whatever its num_experts (one launch),
+        # read back at this rank's width: a peer whose E differs has its signature elsewhere, so
+        # the signature check below raises on every rank.
+        width = counts.shape[-1]
+        counts = torch.nn.functional.pad(counts, (0, 5 + _MAX_EXPERTS_PER_RANK - width))
         _all_to_all(counts[1], counts[0], group, "Buffer.dispatch", self.timeout_s)
-        sent, rows = counts.tolist()  # the one host sync
+        sent, rows = counts[:, :, :width].tolist()  # the one host sync
         _check_signatures(sig, [tuple(row[-2:]) for row in rows], self.rank)
 
         bad = [s for s, row in enumerate(rows) if row[2]]

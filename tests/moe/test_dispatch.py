@@ -154,6 +154,12 @@ def _check_validation(buf, rank):
             buf.dispatch(xx, idx, ww, n_exp)
     with pytest.raises(ValueError, match="k=3"):  # a wider topk_idx on one rank
         buf.dispatch(x, idx[:, [0, 1, 1]] if odd else idx, w[:, [0, 1, 1]] if odd else w, n_exp)
+    # Another num_experts on one rank: its count message has another number of columns, padded
+    # to the same width for the exchange, so every rank raises (gloo used to abort the process).
+    with pytest.raises(ValueError, match="num_experts"):
+        buf.dispatch(x, idx, w, 2 * n_exp if odd else n_exp)
+    with pytest.raises(ValueError, match="at most 1024 per rank"):  # before any communication
+        buf.dispatch(x, idx, w, 1025 * buf.num_ranks)
     # combine's rows must have the dispatch's hidden size (then every rank's agree): raised
     # locally, before any communication, on the rank that differs.
     recv_x, _, _, _, handle = buf.dispatch(x, idx, w, n_exp)

@@ -334,6 +334,24 @@ def _check_timeout_with_rows(rank, world):
     dist.barrier()
 
 
+def _check_other_num_experts(ref, buf, rank: int, world: int) -> None:
+    """One rank passing another num_experts: its count rows have other columns but the same
+    (padded) size, so on NCCL, which does not check message sizes, every rank raises from the
+    signature check; the group stays in step (a dispatch after it moves the right rows)."""
+    g = torch.Generator().manual_seed(70 + rank)
+    n_exp = 2 * world
+    x = torch.randn(6, 16, generator=g).cuda()
+    idx = torch.stack([torch.randperm(n_exp, generator=g)[:2] for _ in range(6)]).cuda()
+    w = torch.rand(6, 2, generator=g).cuda()
+    for b in (ref, buf):
+        with pytest.raises(ValueError, match="num_experts"):
+            b.dispatch(x, idx, w, 4 * n_exp if rank == world - 1 else n_exp)
+        recv_ref = ref.dispatch(x, idx, w, n_exp)[0]
+        recv = b.dispatch(x, idx, w, n_exp)[0]
+        assert torch.equal(recv, recv_ref)
+    dist.barrier()
+
+
 def _gpu_worker(rank: int, world: int) -> None:
     ref = Buffer(backend="all_to_all")
     with pytest.raises(ValueError, match="num_sms"):
@@ -361,6 +379,7 @@ def _gpu_worker(rank: int, world: int) -> None:
         buf.check_errors()  # waits for the last kernel
         dist.barrier()  # no rank frees a buffer a peer still writes to
     _check_epoch_restart(ref, rank, world)
+    _check_other_num_experts(ref, buf, rank, world)
     _check_async(ref, buf, rank, world)
     _check_async(ref, ref, rank, world)  # async all_to_all on NCCL too
     _check_capacity(rank, world)
