@@ -715,7 +715,8 @@ class Buffer:
         Raises:
             TypeError: a wrong dtype or a non-tensor argument (the message names it).
             ValueError: wrong shapes, ids outside ``[-1, E)``, ``E`` not a multiple of the
-                group size, tensors on different devices (or not on the nvlink buffer's GPU):
+                group size or above 1024 experts per rank (the count message's width),
+                tensors on different devices (or not on the nvlink buffer's GPU):
                 raised before any communication, except ids outside ``[-1, E)`` (any rank's)
                 and ranks disagreeing on the hidden size, ``k``, the dtypes of ``x`` /
                 ``topk_weights`` or ``E``, raised on every rank after the count exchange,
