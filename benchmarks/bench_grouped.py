@@ -68,8 +68,8 @@ def m_grouped_operands(n: int, k: int, groups: int = G, rows: int = ROWS) -> dic
 
 
 def _grouped_cfg(spec: str) -> ptx.PtxConfig:
-    """``"128x128s6c1de1:r256"`` -> the PtxConfig (raster_m 256; default 512, grouped_config's
-    for unknown group sizes).
+    """``"128x128s6c1de1:r256"`` -> the PtxConfig (raster_m 256; default grouped_config's for
+    unknown group sizes, ``ptx._GROUPED_RASTER_M``).
 
     Raises:
         ValueError: a malformed config or raster part.
@@ -78,7 +78,7 @@ def _grouped_cfg(spec: str) -> ptx.PtxConfig:
     cfg = parse_config(text)
     if raster and not raster.isdigit():
         raise ValueError(f"--cfg {spec!r}: expected CONFIG[:rROWS], got raster {raster!r}")
-    return dataclasses.replace(cfg, raster_m=int(raster) if raster else 512)
+    return dataclasses.replace(cfg, raster_m=int(raster) if raster else ptx._GROUPED_RASTER_M)
 
 
 def main() -> None:
@@ -100,8 +100,8 @@ def main() -> None:
         "--cfg",
         nargs="*",
         default=[],
-        help="explicit PTX configs of the m-grouped contiguous GEMM (BMxBNsSTAGEScCLUSTER[d][k]"
-        "[eN] as benchmarks.profile_gemm, with an optional ':rROWS' rasterization group), each "
+        help="explicit PTX configs of the m-grouped contiguous GEMM (BMxBNsSTAGEScCLUSTER[a][d]"
+        "[k][eN] as benchmarks.profile_gemm, with an optional ':rROWS' rasterization group), each "
         "timed in the same process against the same dense PTX",
     )
     args = ap.parse_args()

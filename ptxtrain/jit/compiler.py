@@ -206,8 +206,11 @@ def _save_failed_source(
     (the system temp dir's ``ptxtrain-jit-failed/`` instead with ``PTXTRAIN_JIT_DISABLE_CACHE``;
     atomically, with the options and name expressions as a leading comment) and returns the
     path, or None if it cannot be written (the compile error is raised either way)."""
-    root = Path(tempfile.gettempdir()) / "ptxtrain-jit-failed" if cache_disabled() else None
-    path = (root or cache_dir() / "failed") / f"{name}-{key[:16]}.cu"
+    if cache_disabled():
+        root = Path(tempfile.gettempdir()) / "ptxtrain-jit-failed"
+    else:
+        root = cache_dir() / "failed"
+    path = root / f"{name}-{key[:16]}.cu"
     head = "".join(f"// nvrtc option: {o}\n" for o in options)
     head += "".join(f"// name expression: {e}\n" for e in expressions)
     try:

@@ -299,24 +299,20 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
     } else {
       // fp32: 8 bytes per (row, pair of columns); 32 columns per box, so group jr of the round
       // is in slot jr / 4, 16-byte chunk 2 (jr % 4) + (lane % 4) / 2, 8-byte half lane % 2.
-      // A warp's 8-byte stores go out as two half-warps (128 bytes each, rows lane / 4 of 0..3
-      // or 4..7). With every lane at the same group, a half-warp's 16-byte chunks (2 (jr % 4) +
-      // {0, 1}) ^ (row % 8) are 4 chunks written twice: two wavefronts each (ncu: 4.9 per
-      // store instead of 2, benchmarks/results/2026-11-23-s19-h200/call7). Lanes of odd rows
-      // therefore write group jr ^ 2 (the same slot) when the others write jr: the 8 chunks of a
-      // half-warp then differ, and every lane still writes each of its groups once (the value
-      // is a select between two fixed registers, no indexed register access). Measured: 3.2
-      // wavefronts per store, the 1D1D fp32 GEMMs 1.1-2.1% faster at every wgrad shape (call8).
-      // Group jr ^ 2 lies 4 chunks from jr, so an odd row's chunk is its even neighbour's
-      // XOR 4: folded into the row's swizzle term once, the addresses cost what they did.
-      // (the lane read here again, %laneid through volatile asm: computed once at the kernel's
-      // start instead, these two values would hold registers across the whole main loop, and
-      // ptxas spilled there)
+      // A warp's 8-byte stores go out as two half-warps (rows lane / 4 of 0..3 or 4..7). With
+      // every lane at group jr, a half-warp's chunks (2 (jr % 4) + {0, 1}) ^ (row % 8) are 4
+      // chunks written twice (ncu: 4.9 wavefronts per store instead of 2,
+      // benchmarks/results/2026-11-23-s19-h200/call7). So lanes of odd rows write group jr ^ 2
+      // (same slot, 4 chunks away) while the others write jr: a half-warp's 8 chunks differ,
+      // each lane still writes each group once (a select of two fixed registers). Measured 3.2
+      // wavefronts per store, the 1D1D fp32 GEMMs 1.1-2.1% faster (call8). The lane is read
+      // again here through volatile asm: derived once at the kernel's start, these values held
+      // registers across the main loop and ptxas spilled.
       u32 lid;
       asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lid));
       const bool odd = (lid / 4) & 1;
-      // chunk ^ (r % 8) = 2 (jr % 4) ^ swz: swz = the row's r % 8 (lane / 4), XOR 4 for odd
-      // rows, XOR the lane's chunk of the group ((lane % 4) / 2).
+      // chunk ^ (r % 8) = 2 (jr % 4) ^ swz: the row's r % 8 (lane / 4), XOR 4 for odd rows,
+      // XOR the lane's chunk of the group ((lane % 4) / 2).
       const int swz = static_cast<int>((lid / 4) ^ (odd ? 4 : 0) ^ ((lid % 4) / 2));
 #pragma unroll
       for (int jr = 0; jr < kRoundGroups && g0 + jr < kBlockN / 8; ++jr) {
