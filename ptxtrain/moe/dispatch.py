@@ -79,6 +79,7 @@ from ptxtrain._checks import ceil_div, check_positive_int, check_shape, check_te
 from ptxtrain.moe.layout import (
     combine_sum,
     pack_rows,
+    recv_tail,
     send_layout,
     torch_combine_sum,
     triton_usable,
@@ -248,23 +249,29 @@ def _nvl_index(handle: DispatchHandle, combine: bool) -> tuple[torch.Tensor, ...
     Dispatch: the send list is ``send_src_idx`` grouped by destination (``send_off``, prefix
     sums of the send counts), the output grouped by source (``recv_off``). Combine sends the
     received rows in order (``send_row = arange``) and swaps the offsets. Built from the device
-    copies of the counts that ``dispatch`` leaves in the cache (key ``"counts"``): one cumsum
-    and one pad for both offsets, no host sync and no host-to-device copy.
+    offsets that ``dispatch`` leaves in the cache (key ``"off"``, built on the device from the
+    exchanged counts before its host sync): no host-to-device copy. The combine's ``arange``
+    is built at the first combine.
     """
+    cache = handle._nvl_index
     key = "combine" if combine else "dispatch"
-    if key not in handle._nvl_index:
+    if key not in cache:
         dev = handle.send_src_idx.device
-        if "counts" in handle._nvl_index:  # [2, R] int64: send counts, receive counts
-            both = handle._nvl_index["counts"]
-        else:  # a handle built elsewhere: a small host-to-device copy
+        if "off" not in cache:  # a handle built elsewhere: a small host-to-device copy
             both = torch.tensor([handle.send_counts, handle.recv_counts], dtype=torch.int64)
-            both = both.to(dev)
-        off = torch.nn.functional.pad(both.cumsum(1), (1, 0))  # [2, R + 1]: send_off, recv_off
-        send_off, recv_off = off[0], off[1]
-        handle._nvl_index["dispatch"] = (handle.send_src_idx.contiguous(), send_off, recv_off)
-        n = handle.num_recv_tokens
-        handle._nvl_index["combine"] = (torch.arange(n, device=dev), recv_off, send_off)
-    return handle._nvl_index[key]
+            cache["off"] = _offsets(both.to(dev))
+        send_off, recv_off = cache["off"][0], cache["off"][1]
+        if combine:
+            n = handle.num_recv_tokens
+            cache["combine"] = (torch.arange(n, device=dev), recv_off, send_off)
+        else:
+            cache["dispatch"] = (handle.send_src_idx.contiguous(), send_off, recv_off)
+    return cache[key]
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    """``[2, R]`` send / receive counts -> ``[2, R + 1]`` offsets (``send_off``, ``recv_off``)."""
+    return torch.nn.functional.pad(counts.cumsum(1), (1, 0))
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -315,11 +322,23 @@ def _check_capacity(handle: DispatchHandle, padded: int) -> None:
         )
 
 
-def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> list[torch.Tensor]:
+def _nvl_row_bytes(parts: list[torch.Tensor]) -> int:
+    """Bytes of one nvlink message row of ``parts`` (their row bytes, padded to 16)."""
+    return max(16, ceil_div(sum(_row_bytes(p) for p in parts), 16) * 16)
+
+
+def _move(
+    parts: list[torch.Tensor],
+    handle: DispatchHandle,
+    combine: bool,
+    packed: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
     """Token rows ``[T, ...]`` -> received rows ``[N, ...]`` of every part (``combine``: the
     reverse, received rows -> sent rows ``[S, ...]``), in ONE message: the parts' rows are
     packed side by side into one byte matrix, moved by one ``all_to_all_single`` or one nvlink
-    kernel launch, and unpacked (bit-exact, any dtypes)."""
+    kernel launch, and unpacked (bit-exact, any dtypes). ``packed``: the nvlink message of
+    ``parts`` already packed (``pack_rows(parts, _nvl_row_bytes(parts), None)``; dispatch packs
+    it before its host sync)."""
     width = sum(_row_bytes(p) for p in parts)
     transport = handle.transport
     if transport is None:
@@ -329,9 +348,9 @@ def _move(parts: list[torch.Tensor], handle: DispatchHandle, combine: bool) -> l
         splits = splits[::-1] if combine else splits
         moved = _exchange(send, *splits, handle.group, what, handle.timeout_s)
         return _unpack(moved, parts)
-    padded = max(16, ceil_div(width, 16) * 16)
+    padded = _nvl_row_bytes(parts)
     _check_capacity(handle, padded)
-    send = _pack(parts, padded, None)
+    send = _pack(parts, padded, None) if packed is None else packed
     num_out = sum(handle.send_counts) if combine else handle.num_recv_tokens
     moved = transport.exchange(send, *_nvl_index(handle, combine), num_out)  # [K, padded]
     return _unpack(moved, parts)
@@ -454,10 +473,10 @@ class _DispatchFn(torch.autograd.Function):
     combine of all the floating-point gradients (one message too)."""
 
     @staticmethod
-    def forward(ctx, handle: DispatchHandle, *parts: torch.Tensor):
+    def forward(ctx, handle: DispatchHandle, packed: torch.Tensor | None, *parts: torch.Tensor):
         ctx.handle = handle
         ctx.set_materialize_grads(False)
-        outs = _move(list(parts), handle, combine=False)
+        outs = _move(list(parts), handle, combine=False, packed=packed)
         ctx.outs = [(o.shape, o.dtype) for o in outs]
         ctx.device = parts[0].device
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
@@ -471,7 +490,7 @@ class _DispatchFn(torch.autograd.Function):
         want = [
             i
             for i, (shape, dtype) in enumerate(ctx.outs)
-            if ctx.needs_input_grad[i + 1] and dtype.is_floating_point
+            if ctx.needs_input_grad[i + 2] and dtype.is_floating_point
         ]
         result = [None] * len(grads)
         if want:
@@ -484,7 +503,27 @@ class _DispatchFn(torch.autograd.Function):
             back = _move(gs, ctx.handle, combine=True)
             for i, b in zip(want, back, strict=True):
                 result[i] = _combine_sum(b, ctx.handle)
-        return None, *result
+        return None, None, *result
+
+
+class _RecvTailFn(torch.autograd.Function):
+    """:func:`ptxtrain.moe.layout.recv_tail` with the gate weights' gradient: it flows back to
+    the received weights where the expert is local (``recv_topk_idx >= 0``), as through the
+    ``torch.where`` of the twin."""
+
+    @staticmethod
+    def forward(ctx, recv_w, recv_global, recv_src, recv_off, rank: int, experts_per_rank: int):
+        idx, w, src, src_rank = recv_tail(
+            recv_w, recv_global, recv_src, recv_off, rank, experts_per_rank
+        )
+        ctx.save_for_backward(idx)
+        ctx.mark_non_differentiable(idx, src, src_rank)
+        return idx, w, src, src_rank
+
+    @staticmethod
+    def backward(ctx, _g_idx, g_w, _g_src, _g_rank):
+        (idx,) = ctx.saved_tensors
+        return torch.where(idx >= 0, g_w, 0.0), None, None, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
@@ -740,22 +779,25 @@ class Buffer:
         x_code = len(_X_DTYPES) if fp8 else _X_DTYPES.index(x.dtype)
         hidden = (x[0] if fp8 else x).shape[1]
         signature = (hidden, num_experts, topk_idx.shape[1], x_code, topk_weights.dtype)
-        handle, num_recv_tokens_per_expert = self._make_handle(topk_idx, num_experts, signature)
         tokens = torch.arange(topk_idx.shape[0], dtype=torch.int64, device=topk_idx.device)
         meta = [topk_weights, topk_idx, tokens.unsqueeze(1)]  # travel with the payload rows
         # ONE message per dispatch: payload + weights + topk_idx + source index, packed per row.
         # FP8 rows are bytes (as before, no gradient flows to the pair; weights still get one).
         head = [x[0].view(torch.uint8), x[1].detach()] if fp8 else [x]
-        outs = _DispatchFn.apply(handle, *head, *meta)
+        parts = [*head, *meta]
+        handle, num_recv_tokens_per_expert, packed = self._make_handle(
+            topk_idx, num_experts, signature, parts
+        )
+        outs = _DispatchFn.apply(handle, packed, *parts)
         recv_w, recv_global, recv_src = outs[-3:]
-        handle = replace(handle, recv_src_idx=recv_src[:, 0].contiguous())
         recv_x = (outs[0].view(FP8_DTYPE), outs[1]) if fp8 else outs[0]
-
-        experts_per_rank = num_experts // self.num_ranks
-        # Local iff the floor quotient is this rank (-1 // E/R = -1 never is).
-        local = torch.div(recv_global, experts_per_rank, rounding_mode="floor") == self.rank
-        recv_topk_idx = torch.where(local, recv_global - self.rank * experts_per_rank, -1)
-        recv_topk_weights = torch.where(local, recv_w, 0.0)  # [N, k]
+        # One launch on CUDA (ptxtrain.moe.layout.recv_tail): local ids and weights, the source
+        # token index and source rank of every received row.
+        recv_topk_idx, recv_topk_weights, recv_src_idx, recv_src_rank = _RecvTailFn.apply(
+            recv_w, recv_global, recv_src, handle._nvl_index["off"][1], self.rank,
+            num_experts // self.num_ranks,
+        )  # fmt: skip
+        handle = replace(handle, recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx)
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle
 
     def combine(
@@ -841,8 +883,8 @@ class Buffer:
 
     # ------------------------------------------------------------------ internals
     def _make_handle(
-        self, topk_idx: torch.Tensor, num_experts: int, signature: tuple
-    ) -> tuple[DispatchHandle, list[int]]:
+        self, topk_idx: torch.Tensor, num_experts: int, signature: tuple, parts: list
+    ) -> tuple[DispatchHandle, list[int], torch.Tensor | None]:
         """Layout + the one count exchange + the one host sync of a dispatch.
 
         Row ``r`` of the count message goes to rank ``r``: (rows for ``r``, this rank's largest
@@ -855,8 +897,15 @@ class Buffer:
         ``k``, the dtypes of ``x`` and the weights): payload rows of another size or dtype
         would be cut short or misread by the peers, so a rank whose signature differs from a
         peer's raises ValueError (every rank does, as some peer differs from each). Returns
-        the handle (its ``recv_src_idx`` still empty: it travels with the payload) and
-        ``num_recv_tokens_per_expert``.
+        the handle (its ``recv_src_rank`` / ``recv_src_idx`` still empty: the second travels
+        with the payload), ``num_recv_tokens_per_expert`` and, for the nvlink backend, the
+        payload message of ``parts`` (None otherwise).
+
+        Everything that needs no host-side count is queued before the host sync, so that it
+        runs while the host waits instead of after it, when the GPU waits for each launch of
+        the host: the send / receive offsets (kept in the handle's cache as ``"off"``) and, for
+        nvlink, the packing of the payload rows (all ``T`` rows in token order; the kernel picks
+        the sent ones).
         """
         n_ranks, group = self.num_ranks, self.group
         n_tokens = topk_idx.shape[0]
@@ -872,6 +921,10 @@ class Buffer:
         width = counts.shape[-1]
         counts = torch.nn.functional.pad(counts, (0, 5 + _MAX_EXPERTS_PER_RANK - width))
         _all_to_all(counts[1], counts[0], group, "Buffer.dispatch", self.timeout_s)
+        off = _offsets(counts[:, :, 0])  # [2, R + 1]: send_off, recv_off
+        packed = None
+        if self._transport is not None:
+            packed = _pack(parts, _nvl_row_bytes(parts), None)
         sent, rows = counts[:, :, :width].tolist()  # the one host sync
         _check_signatures(sig, [tuple(row[-2:]) for row in rows], self.rank)
 
@@ -888,15 +941,10 @@ class Buffer:
         send_counts = tuple(row[0] for row in sent)
         recv_counts = tuple(row[0] for row in rows)
         max_rows_per_pair = max(row[1] for row in rows)
-        num_recv_tokens_per_expert = [
-            sum(row[3 + e] for row in rows) for e in range(experts_per_rank)
-        ]
-        recv_counts_t = counts[1, :, 0]
-        # repeat_interleave(counts) = arange(R) repeated: the source rank of every row.
-        recv_src_rank = torch.repeat_interleave(recv_counts_t, output_size=sum(recv_counts))
-        cache = {}
-        if self._transport is not None:
-            cache["counts"] = counts[:, :, 0]  # [2, R]: send and receive counts
+        # column sums over the sources (zip: one pass, no per-element indexing)
+        per_source = [row[3 : 3 + experts_per_rank] for row in rows]
+        num_recv_tokens_per_expert = [sum(col) for col in zip(*per_source, strict=True)]
+        cache = {"off": off}
         if slot is not None:
             cache["slot"] = (slot,)
         handle = DispatchHandle(
@@ -907,8 +955,8 @@ class Buffer:
             send_counts=send_counts,
             recv_counts=recv_counts,
             send_src_idx=order[: sum(send_counts)],
-            recv_src_rank=recv_src_rank,
-            recv_src_idx=recv_src_rank.new_empty(0),
+            recv_src_rank=off.new_empty(0),
+            recv_src_idx=off.new_empty(0),
             is_token_in_rank=in_rank,
             group=group,
             hidden=signature[0],
@@ -917,4 +965,4 @@ class Buffer:
             transport=self._transport,
             _nvl_index=cache,
         )
-        return handle, num_recv_tokens_per_expert
+        return handle, num_recv_tokens_per_expert, packed

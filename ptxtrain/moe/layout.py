@@ -31,6 +31,10 @@ Design note (DESIGN §4; why: a dispatch is host-bound, ~10-20 µs of host time 
   once — the order of ``index_add`` on the CPU (:func:`torch_combine_sum`). CUDA's
   ``index_add`` adds with atomics in a varying order; for at most two rows per token (two ranks)
   the orders agree bitwise, beyond that the kernel is the deterministic one.
+- :func:`recv_tail` — after the payload arrived, the received rows' local expert ids and
+  weights, their source token index as a vector and their source rank (from the receive
+  offsets, a compare per peer): one launch instead of a division, compares, two ``where``, a
+  copy and a ``repeat_interleave`` (each of them host time while the GPU waits on the host).
 
 The Triton path is the default on CUDA tensors; CPU tensors take the torch twins (tests run the
 kernels on the CPU under ``TRITON_INTERPRET=1`` with ``use_triton=True`` or
@@ -54,9 +58,11 @@ except ImportError:  # pragma: no cover - CPU installs without Triton use the to
 __all__ = [
     "combine_sum",
     "pack_rows",
+    "recv_tail",
     "send_layout",
     "torch_combine_sum",
     "torch_pack_rows",
+    "torch_recv_tail",
     "torch_send_layout",
     "torch_unpack_rows",
     "triton_usable",
@@ -212,6 +218,27 @@ if triton is not None:
             acc = tl.where(m, acc + v.to(ACC), acc)
         tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=ok)  # fmt: skip
+
+    @triton.jit
+    def _recv_tail_kernel(w_ptr, g_ptr, src_ptr, off_ptr, idx_out, w_out, src_out, rank_out, N,
+                          lo, hi, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr,
+                          BLOCK_N: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = rows < N
+        r64 = rows.to(tl.int64)
+        cols = tl.arange(0, KP)
+        m = ok[:, None] & (cols < K)[None, :]
+        o = r64[:, None] * K + cols[None, :]
+        g = tl.load(g_ptr + o, mask=m, other=-1)
+        w = tl.load(w_ptr + o, mask=m, other=0.0)
+        local = (g >= lo) & (g < hi)  # the floor test of the twin, without a division
+        tl.store(idx_out + o, tl.where(local, g - lo, -1), mask=m)
+        tl.store(w_out + o, tl.where(local, w, 0.0).to(w.dtype), mask=m)
+        tl.store(src_out + r64, tl.load(src_ptr + r64, mask=ok), mask=ok)
+        src_rank = tl.zeros([BLOCK_N], dtype=tl.int64)
+        for r in tl.static_range(1, R):  # rows before recv_off[r] came from ranks < r
+            src_rank += (r64 >= tl.load(off_ptr + r)).to(tl.int64)
+        tl.store(rank_out + r64, src_rank, mask=ok)
 
 
 _TRITON_ON_CPU = False  # tests: run the kernels on CPU tensors too (TRITON_INTERPRET=1 only)
@@ -475,3 +502,78 @@ def combine_sum(back: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         BLOCK_T=block_t, BLOCK_H=block_h,
     )  # fmt: skip
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Receive tail
+# --------------------------------------------------------------------------------------------
+
+
+def torch_recv_tail(
+    recv_w: torch.Tensor,
+    recv_global: torch.Tensor,
+    recv_src: torch.Tensor,
+    recv_off: torch.Tensor,
+    rank: int,
+    experts_per_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`recv_tail`."""
+    # Local iff the floor quotient is this rank (-1 // E/R = -1 never is).
+    local = torch.div(recv_global, experts_per_rank, rounding_mode="floor") == rank
+    recv_topk_idx = torch.where(local, recv_global - rank * experts_per_rank, -1)
+    recv_topk_weights = torch.where(local, recv_w, 0.0)
+    n = recv_global.shape[0]
+    src_rank = torch.repeat_interleave(recv_off.diff(), output_size=n)
+    return recv_topk_idx, recv_topk_weights, recv_src[:, 0].contiguous(), src_rank
+
+
+def recv_tail(
+    recv_w: torch.Tensor,
+    recv_global: torch.Tensor,
+    recv_src: torch.Tensor,
+    recv_off: torch.Tensor,
+    rank: int,
+    experts_per_rank: int,
+    *,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a dispatch derives from its received rows' metadata, in one launch.
+
+    Args:
+        recv_w: ``[N, k]`` float32 / float64 gate weights as received.
+        recv_global: ``[N, k]`` int64 global expert ids as received (``-1`` or ``[0, E)``).
+        recv_src: ``[N, 1]`` int64 source token index of every row.
+        recv_off: ``[R + 1]`` int64 receive offsets (prefix sums of the receive counts,
+            ``recv_off[R] = N``).
+        rank / experts_per_rank: this rank and ``E / R``.
+
+    Returns:
+        ``recv_topk_idx [N, k]`` int64 (local expert id, ``-1`` where the expert is elsewhere
+        or was ``-1``), ``recv_topk_weights [N, k]`` (``recv_w``'s dtype, 0 where not local),
+        ``recv_src_idx [N]`` int64 and ``recv_src_rank [N]`` int64 (row ``n`` came from the rank
+        ``s`` with ``recv_off[s] <= n < recv_off[s + 1]``); bit-identical to
+        :func:`torch_recv_tail` (integer selects and copies only).
+
+    Source: DeepEP ``Buffer.dispatch``'s received ``topk_idx`` / ``topk_weights``; DESIGN §4.
+    """
+    if use_triton is None:
+        use_triton = triton_usable(recv_global)
+    if not use_triton:
+        return torch_recv_tail(recv_w, recv_global, recv_src, recv_off, rank, experts_per_rank)
+    n, k = recv_global.shape
+    dev = recv_global.device
+    idx = torch.empty(n, k, dtype=torch.int64, device=dev)
+    w = torch.empty(n, k, dtype=recv_w.dtype, device=dev)
+    src = torch.empty(n, dtype=torch.int64, device=dev)
+    src_rank = torch.empty(n, dtype=torch.int64, device=dev)
+    if n == 0:
+        return idx, w, src, src_rank
+    kp = _pow2(k)
+    block_n = max(1, min(128, 1024 // kp))
+    lo = rank * experts_per_rank
+    _recv_tail_kernel[(triton.cdiv(n, block_n),)](
+        recv_w.contiguous(), recv_global.contiguous(), recv_src.contiguous(),
+        recv_off.contiguous(), idx, w, src, src_rank, n, lo, lo + experts_per_rank,
+        K=k, KP=kp, R=recv_off.shape[0] - 1, BLOCK_N=block_n,
+    )  # fmt: skip
+    return idx, w, src, src_rank
