@@ -9,7 +9,9 @@ launch calls, split at the device-to-host copy of the counts) and times ``--call
 host, each started with the GPU idle (barrier + synchronize):
 
 - ``host_us``: until ``dispatch`` returns (the host's work plus its wait at the sync);
-- ``total_us``: until the GPU has finished the call too.
+- ``total_us``: until the GPU has finished the call too;
+- ``pipelined_us``: the GPU time the call adds behind queued work (:func:`_pipelined`), what a
+  training step sees when the host runs ahead of the GPU.
 
 Medians per rank, and the max over ranks. Only the public API (``Buffer``, ``bench.dispatch``'s
 inputs), so two trees can be compared by running this script from each (DeepEP's setting by
@@ -29,21 +31,45 @@ import torch.distributed as dist
 _LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
-def _launches(buf, inputs: dict) -> dict:
+def _launches(buf, inputs: dict, calls: int = 3) -> dict:
     """Kernel launches of one dispatch, before and after its host sync (the first
-    device-to-host ``cudaMemcpyAsync``)."""
-    from torch.profiler import ProfilerActivity, profile
+    device-to-host ``cudaMemcpyAsync``), and the call's timeline: host ops and runtime calls of
+    at least 5 us and every GPU activity (kernels, copies), start and duration in us from the
+    call's start. Profiles ``calls`` calls (the first pays the profiler's buffer setup) and
+    reports the last."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     args = (inputs["x_fp8"], inputs["topk_idx"], inputs["topk_w"], inputs["experts"])
-    dist.barrier()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        buf.dispatch(*args)
+        for i in range(calls):
+            dist.barrier()
+            torch.cuda.synchronize()
+            with record_function(f"call{i}"):
+                buf.dispatch(*args)
+            torch.cuda.synchronize()
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    sync = next((e.time_range.start for e in events if e.name == "cudaMemcpyAsync"), float("inf"))
-    before = sum(1 for e in events if e.name in _LAUNCH and e.time_range.start < sync)
-    after = sum(1 for e in events if e.name in _LAUNCH and e.time_range.start > sync)
-    return {"launches_before_sync": before, "launches_after_sync": after}
+    mark = next(e for e in events if e.name == f"call{calls - 1}")
+    t0, t1 = mark.time_range.start, mark.time_range.end
+    cpu = [e for e in events if e.device_type.name == "CPU" and t0 <= e.time_range.start <= t1]
+    gpu = [e for e in events if e.device_type.name != "CPU" and e.time_range.start >= t0]
+    sync = next((e.time_range.start for e in cpu if e.name == "cudaMemcpyAsync"), float("inf"))
+    before = sum(1 for e in cpu if e.name in _LAUNCH and e.time_range.start < sync)
+    after = sum(1 for e in cpu if e.name in _LAUNCH and e.time_range.start > sync)
+    timeline = [
+        (
+            ("GPU " if e.device_type.name != "CPU" else "") + e.name[:60],
+            round(e.time_range.start - t0, 1),
+            round(e.time_range.elapsed_us(), 1),
+        )
+        for e in sorted(cpu + gpu, key=lambda e: e.time_range.start)
+        if e.device_type.name != "CPU" or e.time_range.elapsed_us() >= 5.0
+    ]
+    return {
+        "launches_before_sync": before,
+        "launches_after_sync": after,
+        "call_us": round(t1 - t0, 1),
+        "timeline": timeline,
+    }
 
 
 def _time(buf, inputs: dict, calls: int) -> dict:
@@ -60,6 +86,31 @@ def _time(buf, inputs: dict, calls: int) -> dict:
         host.append((t1 - t0) * 1e6)
         total.append((t2 - t0) * 1e6)
     return {"host_us": statistics.median(host), "total_us": statistics.median(total)}
+
+
+def _pipelined(buf, inputs: dict, calls: int, spin_ms: float = 3.0) -> dict:
+    """GPU time a dispatch adds behind queued work: each call goes behind a one-element
+    all_reduce (the ranks' GPUs aligned) and a ``spin_ms`` GPU spin, longer than the host's work
+    before the sync, so that only what the GPU must wait for counts: the layout, the count
+    exchange, the host's wake-up and its work after the sync, the payload. CUDA events around
+    the call; median."""
+    from ptxtrain._backend import sm_clock_khz
+
+    args = (inputs["x_fp8"], inputs["topk_idx"], inputs["topk_w"], inputs["experts"])
+    dev = inputs["topk_idx"].device
+    cycles = int(spin_ms * sm_clock_khz(dev))
+    one = torch.ones(1, device=dev)
+    us = []
+    for _ in range(calls):
+        dist.all_reduce(one)
+        torch.cuda._sleep(cycles)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        buf.dispatch(*args)
+        b.record()
+        b.synchronize()
+        us.append(a.elapsed_time(b) * 1e3)
+    return {"pipelined_us": statistics.median(us)}
 
 
 def main() -> None:
@@ -86,7 +137,12 @@ def main() -> None:
         buf = Buffer(backend=backend, **kw)
         for _ in range(5):  # warm-up: JIT compiles, allocator
             buf.dispatch(inputs["x_fp8"], inputs["topk_idx"], inputs["topk_w"], ns.experts)
-        row = {"backend": backend, **_launches(buf, inputs), **_time(buf, inputs, ns.calls)}
+        row = {
+            "backend": backend,
+            **_launches(buf, inputs),
+            **_time(buf, inputs, ns.calls),
+            **_pipelined(buf, inputs, ns.calls),
+        }
         per_rank = [None] * world
         dist.all_gather_object(per_rank, row)
         rows.append(
@@ -95,17 +151,23 @@ def main() -> None:
                 "per_rank": per_rank,
                 "host_us_max": max(r["host_us"] for r in per_rank),
                 "total_us_max": max(r["total_us"] for r in per_rank),
+                "pipelined_us_max": max(r["pipelined_us"] for r in per_rank),
             }
         )
         del buf
         torch.cuda.synchronize()
     if rank == 0:
         for r in rows:
+            print(f"{r['backend']} timeline of one call on rank 0 (name, start us, us):")
+            for name, start, dur in r["per_rank"][0]["timeline"][:90]:
+                print(f"  {start:9.1f} {dur:9.1f}  {name}")
+        for r in rows:
             lb = [x["launches_before_sync"] for x in r["per_rank"]]
             la = [x["launches_after_sync"] for x in r["per_rank"]]
             print(
                 f"{r['backend']:>10}  launches before / after sync {lb} / {la}  "
-                f"host {r['host_us_max']:.1f} us  total {r['total_us_max']:.1f} us (max rank)"
+                f"host {r['host_us_max']:.1f} us  total {r['total_us_max']:.1f} us  "
+                f"pipelined {r['pipelined_us_max']:.1f} us (max rank)"
             )
         if ns.json:
             record = {"bench": "diag_dispatch_host", "env": environment(), "args": vars(ns)}

@@ -167,7 +167,7 @@ if triton is not None:
         tl.store(slot_ptr + toks64[:, None] * R + r[None, :], tl.where(hit > 0, place, -1),
                  mask=st)  # fmt: skip
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # (row counts vary per step, see _recv_tail_kernel)
     def _pack_kernel(packed_ptr, rows_ptr, M, PW, HAS_ROWS: tl.constexpr, UNPACK: tl.constexpr,
                      p0, p1, p2, p3, p4, p5,
                      W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
@@ -219,7 +219,9 @@ if triton is not None:
         tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=ok)  # fmt: skip
 
-    @triton.jit
+    # N, lo, hi: not specialized (divisible by 16 or not, == 1), so a training run whose row
+    # counts vary from step to step compiles one variant instead of several mid-run.
+    @triton.jit(do_not_specialize=["N", "lo", "hi"])
     def _recv_tail_kernel(w_ptr, g_ptr, src_ptr, off_ptr, idx_out, w_out, src_out, rank_out, N,
                           lo, hi, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr,
                           BLOCK_N: tl.constexpr):  # fmt: skip
