@@ -42,6 +42,34 @@ def _step_ms(model, vocab: int, batch: int, seq: int, steps: int, warmup: int, s
     return statistics.median(times), min(times), max(times)
 
 
+def _profile(model, vocab: int, batch: int, seq: int) -> str:
+    """Two steps under torch.profiler: ops by self CPU time (where the host spends a step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=acts, with_stack=True) as prof:
+        for _ in range(2):
+            ids = torch.randint(0, vocab, (batch, seq + 1), device=dev)
+            model(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70
+    )
+    # Device-to-host copies (each one a host sync) by Python call site.
+    syncs = [
+        e
+        for e in prof.key_averages(group_by_stack_n=6)
+        if e.key in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+    ]
+    lines = [
+        f"{e.count:5d} x {e.key}: " + " <- ".join(s for s in e.stack if "ptxtrain" in s)[:400]
+        for e in sorted(syncs, key=lambda e: -e.count)[:25]
+    ]
+    return table + "\nsync-capable runtime calls in 2 steps, by call site:\n" + "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
@@ -50,6 +78,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--precision", choices=("bf16", "fp8"), default="fp8")
     p.add_argument("--backends", nargs="+", default=["all_to_all", "nvlink"])
+    p.add_argument("--profile", action="store_true", help="rank 0: host-time table of 2 steps")
+    p.add_argument("--no-ep", action="store_true", help="the same model without the Buffer")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
 
@@ -68,7 +98,8 @@ def main() -> None:
         row = {"backend": backend}
         try:
             model = build_model(config, dtype=torch.bfloat16, device=dev, seed=0)
-            model.enable_expert_parallel(backend=backend, max_tokens=ns.batch * ns.seq)
+            if not ns.no_ep:
+                model.enable_expert_parallel(backend=backend, max_tokens=ns.batch * ns.seq)
             if ns.precision == "fp8":
                 convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name("deepseek"))
             model.train()
@@ -76,6 +107,8 @@ def main() -> None:
                 model, config.vocab_size, ns.batch, ns.seq, ns.steps, ns.warmup, seed=rank
             )
             row.update(ms_median=med, ms_min=lo, ms_max=hi)
+            if ns.profile:
+                row["profile"] = _profile(model, config.vocab_size, ns.batch, ns.seq)
         except Exception as e:  # reported per backend; the other backend still runs
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         per_rank = [None] * world
@@ -91,6 +124,8 @@ def main() -> None:
                     f"{backend:>10}  {world} rank(s), {ns.batch} x {ns.seq} tokens per rank, "
                     f"{ns.precision}: {med:.2f} ms / step (median, max rank)"
                 )
+                if "profile" in per_rank[0]:
+                    print(per_rank[0]["profile"])
         model = None
         torch.cuda.synchronize()
     if rank == 0 and ns.json:
