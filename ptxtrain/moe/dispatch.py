@@ -34,8 +34,13 @@ one ``all_to_all_single`` (or one nvlink kernel launch). Layout, send order and 
 vector are built with device ops (no ``nonzero`` / ``bincount`` / ``.tolist()`` beyond the one
 copy). The call is host-bound (every torch op costs host time and, after the sync, the GPU
 waits for each), so on CUDA the whole send layout is ONE Triton launch, the payload is packed
-and unpacked with one launch each and combine sums with one launch over a slot table
-(:mod:`ptxtrain.moe.layout`; CPU tensors take its torch twins, bit-identical).
+and unpacked with one launch each, the received rows' local ids / weights / source index and
+rank come from one launch (``recv_tail``) and combine sums with one launch over a slot table
+(:mod:`ptxtrain.moe.layout`; CPU tensors take its torch twins, bit-identical). What needs no
+host-side count (the send / receive offsets; with nvlink, the packing) is queued before the
+sync, so that the host's launches after it are few: on two H200s a dispatch added 0.56x
+(nvlink) / 0.74x (all_to_all) of the GPU time it added before this split, behind queued work
+(``benchmarks/diag_dispatch_host.py``; benchmarks/results/2026-11-23-s20-h200, call 4).
 ``combine`` is one message with the splits swapped and no layout exchange (the handle
 knows everything), then an ``index_add`` per source token accumulated in fp32 (fp64 for fp64
 inputs); the backward of dispatch combines the gradients of activations and weights in one
