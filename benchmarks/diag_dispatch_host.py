@@ -89,27 +89,15 @@ def _time(buf, inputs: dict, calls: int) -> dict:
 
 
 def _pipelined(buf, inputs: dict, calls: int, spin_ms: float = 3.0) -> dict:
-    """GPU time a dispatch adds behind queued work: each call goes behind a one-element
-    all_reduce (the ranks' GPUs aligned) and a ``spin_ms`` GPU spin, longer than the host's work
-    before the sync, so that only what the GPU must wait for counts: the layout, the count
-    exchange, the host's wake-up and its work after the sync, the payload. CUDA events around
-    the call; median."""
-    from ptxtrain._backend import sm_clock_khz
+    """GPU time a dispatch adds behind queued work: ``bench dispatch``'s aligned timing (each
+    call behind a one-element all_reduce and a GPU spin, CUDA events around it) with a
+    ``spin_ms`` spin, longer than the host's work before the sync, so that only what the GPU
+    must wait for counts: the layout, the count exchange, the host's wake-up and its work after
+    the sync, the payload. Median."""
+    from ptxtrain.bench.dispatch import _time
 
     args = (inputs["x_fp8"], inputs["topk_idx"], inputs["topk_w"], inputs["experts"])
-    dev = inputs["topk_idx"].device
-    cycles = int(spin_ms * sm_clock_khz(dev))
-    one = torch.ones(1, device=dev)
-    us = []
-    for _ in range(calls):
-        dist.all_reduce(one)
-        torch.cuda._sleep(cycles)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        buf.dispatch(*args)
-        b.record()
-        b.synchronize()
-        us.append(a.elapsed_time(b) * 1e3)
+    us = _time(lambda: buf.dispatch(*args), calls, 0, spin_us=spin_ms * 1e3)
     return {"pipelined_us": statistics.median(us)}
 
 

@@ -94,20 +94,22 @@ def nvl_bytes(tokens: int, hidden: int, topk: int) -> int:
     return Buffer.nvl_bytes_hint(tokens, 2 * hidden + 12 * topk + 8, world)
 
 
-def _time(fn, repeats: int, warmup: int) -> list[float]:
+def _time(fn, repeats: int, warmup: int, spin_us: float = 200.0) -> list[float]:
     """µs per call, the ranks aligned on the GPU: before each call a one-element NCCL
     ``all_reduce``, which the current stream waits for, so every GPU starts the call when the
-    slowest rank reaches it, then a 200 µs GPU spin while the host queues the call (no host sync
-    in the loop); CUDA events around the call. DeepEP times its kernels after a collective the same
-    way (``bench_kineto``), so neither launch latency nor the ranks' host skew enter the time."""
+    slowest rank reaches it, then a ``spin_us`` (200 µs) GPU spin while the host queues the call
+    (no host sync in the loop); CUDA events around the call. DeepEP times its kernels after a
+    collective the same way (``bench_kineto``), so neither launch latency nor the ranks' host
+    skew enter the time."""
     for _ in range(warmup):
         fn()
     dist.barrier()
     torch.cuda.synchronize()
     token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
-    # ~200 µs of GPU spin after the all_reduce: the host queues the call meanwhile, so its
-    # launch latency is not in the time (the ranks leave the all_reduce together and spin alike)
-    spin = int(200e-6 * sm_clock_khz() * 1e3)
+    # ~200 µs (spin_us) of GPU spin after the all_reduce: the host queues the call meanwhile, so
+    # its launch latency is not in the time (the ranks leave the all_reduce together and spin
+    # alike)
+    spin = int(spin_us * 1e-6 * sm_clock_khz() * 1e3)
     pairs = []
     for _ in range(repeats):
         dist.all_reduce(token)
