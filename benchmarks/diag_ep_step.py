@@ -1,7 +1,8 @@
 """Training-step time of the ``small`` model with expert parallelism, per Buffer backend.
 
     torchrun --nproc-per-node R -m benchmarks.diag_ep_step [--steps 40] [--warmup 10]
-        [--batch 8] [--seq 128] [--precision fp8] [--backends all_to_all nvlink] [--json OUT]
+        [--batch 8] [--seq 128] [--precision fp8] [--backends all_to_all nvlink] [--no-ep]
+        [--profile] [--json OUT]
 
 Each rank builds the same model (seed 0), splits its experts over the ``R`` ranks
 (``enable_expert_parallel``, one shared Buffer), converts it to FP8 training, then runs
@@ -10,8 +11,10 @@ Each rank builds the same model (seed 0), splits its experts over the ``R`` rank
 as in training), synchronizing the GPU after each; the median ms per timed step is reported
 (max over ranks). With ``R = 1`` the MoE layers still go through the Buffer (a one-rank
 dispatch: layout, count exchange, host sync, payload), which is what a single GPU can say about
-the dispatch's host path inside a training step. Only public APIs, so two trees compare by
-running this script from each.
+the dispatch's host path inside a training step. ``--no-ep``: the same model without the
+Buffer. ``--profile``: rank 0 also prints two steps' ops by self CPU time and the sync-capable
+runtime calls (device-to-host copies, synchronizes) by Python call site. Only public APIs, so
+two trees compare by running this script from each.
 """
 
 from __future__ import annotations
