@@ -13,9 +13,11 @@ host, each started with the GPU idle (barrier + synchronize):
 - ``pipelined_us``: the GPU time the call adds behind queued work (:func:`_pipelined`), what a
   training step sees when the host runs ahead of the GPU.
 
-Medians per rank, and the max over ranks. Only the public API (``Buffer``, ``bench.dispatch``'s
-inputs), so two trees can be compared by running this script from each (DeepEP's setting by
-default: 4096 tokens per rank, hidden 7168, 256 experts, top-8, FP8 rows).
+Medians per rank, and the max over ranks. It uses ``Buffer`` and ``bench.dispatch``'s inputs and
+aligned timing (``_time`` with ``spin_us``, 1436c17 and later), so two such trees can be compared
+by running this script from each; session 20's call 4 ran an earlier copy with the same
+loop written out (CUDA events around each call behind an all_reduce and the spin). DeepEP's
+setting by default: 4096 tokens per rank, hidden 7168, 256 experts, top-8, FP8 rows.
 """
 
 from __future__ import annotations

@@ -861,10 +861,19 @@ class Buffer:
             return _CombineFn.apply(x, handle)
         # The handle's index tensors are read on the side stream too: kept from reuse until it
         # is done, even if the caller drops the handle (no autograd context holds it then).
-        return self._run_async(lambda: (_CombineFn.apply(x, handle),), [x, *_tensors(handle)])
+        return self._run_async(
+            lambda: (_CombineFn.apply(x, handle),), [x, *_tensors(handle)], keep=handle
+        )
 
-    def _run_async(self, fn: Callable[[], tuple], inputs: list[torch.Tensor]) -> tuple:
-        """``fn()`` on the side stream; its results plus an :class:`EventOverlap`."""
+    def _run_async(
+        self,
+        fn: Callable[[], tuple],
+        inputs: list[torch.Tensor],
+        keep: DispatchHandle | None = None,
+    ) -> tuple:
+        """``fn()`` on the side stream; its results plus an :class:`EventOverlap`. ``keep``: a
+        handle whose cached index tensors ``fn`` may create (combine's ``arange``, built at the
+        first combine); they are recorded on the current stream like the results."""
         device = inputs[0].device
         if device.type != "cuda":
             out = fn()
@@ -881,7 +890,8 @@ class Buffer:
         for t in inputs:  # freed by the caller: not reused before the side stream is done
             if t.device.type == "cuda":
                 t.record_stream(comm)
-        for t in _tensors(out):  # allocated on the side stream, used on the current one
+        made = _tensors(out) + ([] if keep is None else _tensors(keep))
+        for t in made:  # allocated on the side stream, used on the current one
             if t.device.type == "cuda":
                 t.record_stream(compute)
         return (*out, EventOverlap(event)) if len(out) > 1 else (out[0], EventOverlap(event))
@@ -906,11 +916,12 @@ class Buffer:
         with the payload), ``num_recv_tokens_per_expert`` and, for the nvlink backend, the
         payload message of ``parts`` (None otherwise).
 
-        Everything that needs no host-side count is queued before the host sync, so that it
-        runs while the host waits instead of after it, when the GPU waits for each launch of
-        the host: the send / receive offsets (kept in the handle's cache as ``"off"``) and, for
-        nvlink, the packing of the payload rows (all ``T`` rows in token order; the kernel picks
-        the sent ones).
+        Everything that needs no host-side count is queued before the host sync: the send /
+        receive offsets (kept in the handle's cache as ``"off"``) and, for nvlink, the packing
+        of the payload rows (all ``T`` rows in token order; the kernel picks the sent ones). The
+        sync then also waits for them, but after it the host has fewer launches to make while
+        the GPU waits for each; behind queued work (a training step) their launches cost the
+        host nothing the GPU waits for.
         """
         n_ranks, group = self.num_ranks, self.group
         n_tokens = topk_idx.shape[0]
