@@ -327,9 +327,9 @@ def _check_capacity(handle: DispatchHandle, padded: int) -> None:
         )
 
 
-def _nvl_row_bytes(parts: list[torch.Tensor]) -> int:
-    """Bytes of one nvlink message row of ``parts`` (their row bytes, padded to 16)."""
-    return max(16, ceil_div(sum(_row_bytes(p) for p in parts), 16) * 16)
+def _nvl_row_bytes(width: int) -> int:
+    """Bytes of one nvlink message row holding ``width`` bytes of parts (padded to 16)."""
+    return max(16, ceil_div(width, 16) * 16)
 
 
 def _move(
@@ -342,7 +342,7 @@ def _move(
     reverse, received rows -> sent rows ``[S, ...]``), in ONE message: the parts' rows are
     packed side by side into one byte matrix, moved by one ``all_to_all_single`` or one nvlink
     kernel launch, and unpacked (bit-exact, any dtypes). ``packed``: the nvlink message of
-    ``parts`` already packed (``pack_rows(parts, _nvl_row_bytes(parts), None)``; dispatch packs
+    ``parts`` already packed (``pack_rows(parts, _nvl_row_bytes(width), None)``; dispatch packs
     it before its host sync)."""
     width = sum(_row_bytes(p) for p in parts)
     transport = handle.transport
@@ -353,7 +353,7 @@ def _move(
         splits = splits[::-1] if combine else splits
         moved = _exchange(send, *splits, handle.group, what, handle.timeout_s)
         return _unpack(moved, parts)
-    padded = _nvl_row_bytes(parts)
+    padded = _nvl_row_bytes(width)
     _check_capacity(handle, padded)
     send = _pack(parts, padded, None) if packed is None else packed
     num_out = sum(handle.send_counts) if combine else handle.num_recv_tokens
@@ -861,19 +861,12 @@ class Buffer:
             return _CombineFn.apply(x, handle)
         # The handle's index tensors are read on the side stream too: kept from reuse until it
         # is done, even if the caller drops the handle (no autograd context holds it then).
-        return self._run_async(
-            lambda: (_CombineFn.apply(x, handle),), [x, *_tensors(handle)], keep=handle
-        )
+        if handle.transport is not None:
+            _nvl_index(handle, combine=True)  # cached on this stream, recorded on the side one
+        return self._run_async(lambda: (_CombineFn.apply(x, handle),), [x, *_tensors(handle)])
 
-    def _run_async(
-        self,
-        fn: Callable[[], tuple],
-        inputs: list[torch.Tensor],
-        keep: DispatchHandle | None = None,
-    ) -> tuple:
-        """``fn()`` on the side stream; its results plus an :class:`EventOverlap`. ``keep``: a
-        handle whose cached index tensors ``fn`` may create (combine's ``arange``, built at the
-        first combine); they are recorded on the current stream like the results."""
+    def _run_async(self, fn: Callable[[], tuple], inputs: list[torch.Tensor]) -> tuple:
+        """``fn()`` on the side stream; its results plus an :class:`EventOverlap`."""
         device = inputs[0].device
         if device.type != "cuda":
             out = fn()
@@ -890,8 +883,7 @@ class Buffer:
         for t in inputs:  # freed by the caller: not reused before the side stream is done
             if t.device.type == "cuda":
                 t.record_stream(comm)
-        made = _tensors(out) + ([] if keep is None else _tensors(keep))
-        for t in made:  # allocated on the side stream, used on the current one
+        for t in _tensors(out):  # allocated on the side stream, used on the current one
             if t.device.type == "cuda":
                 t.record_stream(compute)
         return (*out, EventOverlap(event)) if len(out) > 1 else (out[0], EventOverlap(event))
@@ -940,7 +932,8 @@ class Buffer:
         off = _offsets(counts[:, :, 0])  # [2, R + 1]: send_off, recv_off
         packed = None
         if self._transport is not None:
-            packed = _pack(parts, _nvl_row_bytes(parts), None)
+            row_bytes = _nvl_row_bytes(sum(_row_bytes(p) for p in parts))
+            packed = _pack(parts, row_bytes, None)
         sent, rows = counts[:, :, :width].tolist()  # the one host sync
         _check_signatures(sig, [tuple(row[-2:]) for row in rows], self.rank)
 
