@@ -8,17 +8,12 @@ and weight gradients) for M tokens. The FP8 side is timed twice:
   the activations and gradients are quantized in every call;
 - ``fp8_requant_w``: the weight quantized in every call too, as with one micro-batch per step.
 
-A third FP8 timing, ``fp8_wgrad_inline``, runs the Wgrad after the Dgrad on one stream instead of
-beside it on a side stream (``Fp8LinearConfig.overlap_wgrad``), for the overlap's ratio.
-
 With ``n`` micro-batches per step a step's mean lies between the two, 1/n of the way from
 ``fp8`` to ``fp8_requant_w``. The SQNR of the output and of both gradients against an fp32
 ``nn.Linear`` is reported beside the time, as torchao does (bars: output ≥ 25 dB).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from torch import nn
@@ -59,8 +54,6 @@ def bench_linear(
         with torch.no_grad():
             bf16.weight.copy_(ref.weight)
         fp8 = Fp8Linear.from_linear(bf16, config)  # shares bf16's weight
-        # The same with the Wgrad in line after the Dgrad (no side stream), for the ratio.
-        inline = Fp8Linear.from_linear(bf16, dataclasses.replace(config, overlap_wgrad=False))
         x32 = torch.randn(m, k, device="cuda", requires_grad=True)
         dy32 = torch.randn(m, n, device="cuda")
         x = x32.detach().bfloat16().requires_grad_()
@@ -85,22 +78,14 @@ def bench_linear(
             },
         }
         row["us"], row["host_us"] = {}, {}
-        timed = (
-            ("bf16", bf16, False),
-            ("fp8", fp8, False),
-            ("fp8_requant_w", fp8, True),
-            ("fp8_wgrad_inline", inline, False),
-        )
+        timed = (("bf16", bf16, False), ("fp8", fp8, False), ("fp8_requant_w", fp8, True))
         for name, layer, requant_w in timed:
             row["us"][name] = timer(_fwd_bwd(layer, x, dy, requant_w=requant_w))
             row["host_us"][name] = timer.last_host_us
         row["speedup_fp8_over_bf16"] = row["us"]["bf16"] / row["us"]["fp8"]
         row["speedup_fp8_requant_w_over_bf16"] = row["us"]["bf16"] / row["us"]["fp8_requant_w"]
-        row["speedup_fp8_wgrad_inline_over_bf16"] = (
-            row["us"]["bf16"] / row["us"]["fp8_wgrad_inline"]
-        )
         rows.append(row)
-        del ref, bf16, fp8, inline, x32, dy32, x, dy, y
+        del ref, bf16, fp8, x32, dy32, x, dy, y
 
     def geo(key: str) -> float:
         vals = [r[key] for r in rows]
@@ -113,13 +98,11 @@ def bench_linear(
         "summary": {
             "geomean_speedup_fp8_over_bf16": geo("speedup_fp8_over_bf16"),
             "geomean_speedup_fp8_requant_w_over_bf16": geo("speedup_fp8_requant_w_over_bf16"),
-            "geomean_speedup_fp8_wgrad_inline_over_bf16": geo("speedup_fp8_wgrad_inline_over_bf16"),
         },
         "method": "CUDA events around forward+backward, L2 flushed, launch hidden (device sleep "
         "of at least twice the host time), median; host_us = CPU time to enqueue one fwd+bwd; "
         "fp8: the weight's quantization cached (every micro-batch of a step after the first), "
-        "fp8_requant_w: the weight quantized in every call (one micro-batch per step); "
-        "fp8_wgrad_inline: as fp8 with the Wgrad after the Dgrad on one stream",
+        "fp8_requant_w: the weight quantized in every call (one micro-batch per step)",
     }
 
 
@@ -127,7 +110,7 @@ def format_table(result: dict) -> str:
     """Render a linear results record."""
     lines = [
         f"{'M':>6} {'N':>6} {'K':>6} {'bf16 µs':>9} {'fp8 µs':>9} {'speedup':>8} "
-        f"{'fp8 +W µs':>9} {'speedup':>8} {'inline µs':>9} "
+        f"{'fp8 +W µs':>9} {'speedup':>8} "
         f"{'host bf16':>9} {'host fp8':>9} {'SQNR y':>7} {'dx':>5} {'dw':>5}  backends"
     ]
     for r in result["rows"]:
@@ -135,8 +118,7 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{r['m']:>6} {r['n']:>6} {r['k']:>6} {r['us']['bf16']:9.1f} {r['us']['fp8']:9.1f} "
             f"{r['speedup_fp8_over_bf16']:8.2f} {r['us']['fp8_requant_w']:9.1f} "
-            f"{r['speedup_fp8_requant_w_over_bf16']:8.2f} {r['us']['fp8_wgrad_inline']:9.1f} "
-            f"{r['host_us']['bf16']:9.1f} "
+            f"{r['speedup_fp8_requant_w_over_bf16']:8.2f} {r['host_us']['bf16']:9.1f} "
             f"{r['host_us']['fp8']:9.1f} {s['y']:7.1f} {s['dx']:5.1f} {s['dw']:5.1f}  "
             f"{r['backends']}"
         )

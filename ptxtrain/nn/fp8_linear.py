@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Callable
 
 import torch
@@ -66,13 +65,9 @@ class Fp8LinearConfig:
     # Costs one FP8 byte per weight element (+ scales) held between steps, two with dgrad on
     # (Wᵀ's quantization is cached beside W's, so backward does no transpose).
     cache_weight_fp8: bool = True
-    # On CUDA, run the FP8 Wgrad on a side stream beside the FP8 Dgrad (both read only dy's
-    # quantization and saved tensors), so each fills the SMs the other's last wave leaves idle.
-    # Same results bit for bit; only for GEMMs of at least 2^33 multiply-adds.
-    overlap_wgrad: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("fprop", "dgrad", "wgrad", "pow2_scale", "cache_weight_fp8", "overlap_wgrad"):
+        for name in ("fprop", "dgrad", "wgrad", "pow2_scale", "cache_weight_fp8"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -245,55 +240,6 @@ def _saved_operands(ctx) -> dict[str, torch.Tensor]:
     return dict(zip(ctx.saved_names, ctx.saved_tensors))
 
 
-def _wgrad(ctx, dy_t_fp8, dy_t_sf, saved) -> torch.Tensor:
-    """The FP8 Wgrad dW [N, K] = dyᵀ [N, M] · x [M, K] (1D1D over tokens), in the weight's dtype
-    (written so by the GEMM when it can, bf16 / fp32: no extra pass)."""
-    input_t = (saved["input_t_fp8"], saved["input_t_sf"])
-    dw = _gemm_1d1d((dy_t_fp8, dy_t_sf), input_t, _gemm_out_dtype(ctx.weight_dtype))
-    return dw.to(ctx.weight_dtype)
-
-
-# Side stream per CUDA device for the Wgrad that runs beside the Dgrad.
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-# Experiment switch: launch the side-stream Wgrad before (1) or after (0) the Dgrad.
-_WGRAD_FIRST = os.environ.get("PTXTRAIN_WGRAD_FIRST", "0") == "1"
-# Below this many multiply-adds (M·N·K) the Wgrad stays on the current stream: the stream
-# handshake costs host time (about 10 µs) that a small, launch-bound GEMM cannot hide.
-_OVERLAP_MIN_MACS = 1 << 33
-
-
-def _overlap_stream(config, dy: torch.Tensor, both_fp8: bool, saved) -> torch.cuda.Stream | None:
-    """The side stream the Wgrad runs on beside the Dgrad, made to wait for the current stream's
-    work so far (dy's quantization); None where it runs in line instead (off in the config, not
-    both GEMMs FP8, not CUDA, under CUDA-graph capture or smaller than _OVERLAP_MIN_MACS)."""
-    if not (config.overlap_wgrad and both_fp8 and dy.is_cuda):
-        return None
-    m, n = dy.shape
-    k = saved["input_t_fp8"].shape[0]
-    if m * n * k < _OVERLAP_MIN_MACS or torch.cuda.is_current_stream_capturing():
-        return None
-    index = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
-    side = _SIDE_STREAMS.get(index)
-    if side is None:
-        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    side.wait_stream(torch.cuda.current_stream(dy.device))
-    return side
-
-
-def _wgrad_on(side: torch.cuda.Stream, ctx, dy_t_fp8, dy_t_sf, saved) -> torch.Tensor:
-    """:func:`_wgrad` launched on ``side``. Its operands (made on the current stream) are marked
-    used on ``side`` and dW (made on ``side``) used on the current stream, so the caching
-    allocator reuses none of them before both streams are done with it; the caller makes the
-    current stream wait for ``side`` before dW is read."""
-    main = torch.cuda.current_stream(dy_t_fp8.device)
-    with torch.cuda.stream(side):
-        dw = _wgrad(ctx, dy_t_fp8, dy_t_sf, saved)
-    for t in (dy_t_fp8, dy_t_sf, saved["input_t_fp8"], saved["input_t_sf"]):
-        t.record_stream(side)
-    dw.record_stream(main)
-    return dw
-
-
 class _Fp8LinearFunction(torch.autograd.Function):
     """``y = x·Wᵀ + b`` with the GEMMs chosen by an :class:`Fp8LinearConfig`.
 
@@ -386,11 +332,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_t(
                     dy, pow2_scale=pow2, sf_layout=layout
                 )
-            # -- Wgrad (1D1D) on a side stream beside the Dgrad when both are FP8 on CUDA and
-            # large enough (see _overlap_wgrad): launched first, joined after the Dgrad.
-            side = _overlap_stream(config, dy, fp8_dgrad and fp8_wgrad, saved)
-            if fp8_wgrad and side is not None and _WGRAD_FIRST:
-                dw = _wgrad_on(side, ctx, dy_t_fp8, dy_t_sf, saved)
             # -- Dgrad: dx [M, K] = dy [M, N] · W [N, K]; B = Wᵀ [K, N] from W's blocks transposed.
             if fp8_dgrad:
                 weight_t = (saved["weight_t_fp8"], saved["weight_t_sf"])
@@ -399,12 +340,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
             elif need_dx:
                 dx = dy @ saved["weight_hp"].to(dy.dtype)
             # -- Wgrad: dW [N, K] = dyᵀ [N, M] · x [M, K]; both operands 1x128 along M (1D1D).
-            if fp8_wgrad and side is not None:
-                if not _WGRAD_FIRST:
-                    dw = _wgrad_on(side, ctx, dy_t_fp8, dy_t_sf, saved)
-                torch.cuda.current_stream(dy.device).wait_stream(side)
-            elif fp8_wgrad:
-                dw = _wgrad(ctx, dy_t_fp8, dy_t_sf, saved)
+            if fp8_wgrad:
+                input_t = (saved["input_t_fp8"], saved["input_t_sf"])
+                # Written in the weight's dtype when the GEMM can (bf16 / fp32): no extra pass.
+                dw_dtype = _gemm_out_dtype(ctx.weight_dtype)
+                dw = _gemm_1d1d((dy_t_fp8, dy_t_sf), input_t, dw_dtype)
+                dw = dw.to(ctx.weight_dtype)
             elif need_dw:
                 dw = (dy.t() @ saved["input_hp"].to(dy.dtype)).to(ctx.weight_dtype)
             # -- dbias [N]: summed over tokens in fp32.
