@@ -1,6 +1,7 @@
 """Where the host (CPU) time of a training step goes, without a profiler's distortion.
 
     python3 -m benchmarks.host_sections [--preset small] [--batch 32] [--seq 512] [--json OUT]
+        [--env-ab NAME [--ab-rounds 2]]
 
 Wraps a fixed list of functions (model blocks, autograd Functions, quantizer and GEMM dispatch,
 kernel launches, the optimizer) with inclusive wall-clock timers (``time.perf_counter_ns``; a
@@ -21,6 +22,7 @@ import argparse
 import functools
 import importlib
 import json
+import os
 import statistics
 import threading
 import time
@@ -270,6 +272,13 @@ def main() -> None:
     ap.add_argument("--linear", type=int, nargs=3, default=[4096, 2112, 7168])
     ap.add_argument("--json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    ap.add_argument(
+        "--env-ab",
+        metavar="NAME",
+        help="A/B an environment switch in this process: every case runs with NAME=1 and NAME=0, "
+        "alternating, --ab-rounds times (each record says which)",
+    )
+    ap.add_argument("--ab-rounds", type=int, default=2)
     args = ap.parse_args()
     from ptxtrain.bench.timing import environment
 
@@ -279,10 +288,17 @@ def main() -> None:
     device = torch.device(args.device)
     record = {**environment(), "bench": "host_sections", "preset": args.preset}
     record.update(batch=args.batch, seq=args.seq, steps=args.steps, cases=[])
+    settings = [None]
+    if args.env_ab:
+        settings = ["1", "0"] * args.ab_rounds
+        record.update(env_ab=args.env_ab, linear_ab=[])
     try:
-        for precision in args.precisions:
-            record["cases"].append(
-                step_sections(
+        for value in settings:
+            if value is not None:
+                os.environ[args.env_ab] = value
+                print(f"=== {args.env_ab}={value}", flush=True)
+            for precision in args.precisions:
+                case = step_sections(
                     sections,
                     args.preset,
                     precision,
@@ -292,10 +308,13 @@ def main() -> None:
                     args.steps,
                     device,
                 )
-            )
-        m, n, k = args.linear
-        linear = linear_sections(sections, m, n, k, args.reps, device)
-        record["linear"] = {"m": m, "n": n, "k": k, **linear}
+                record["cases"].append({**case, "env": value})
+            m, n, k = args.linear
+            linear = linear_sections(sections, m, n, k, args.reps, device)
+            if value is None:
+                record["linear"] = {"m": m, "n": n, "k": k, **linear}
+            else:
+                record["linear_ab"].append({"m": m, "n": n, "k": k, "env": value, **linear})
     finally:
         sections.uninstall()  # the wrapped functions are module globals: always restore them
     if args.json:
