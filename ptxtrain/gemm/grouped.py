@@ -47,7 +47,6 @@ import triton.language as tl
 
 from ptxtrain import _backend
 from ptxtrain._checks import ceil_div
-from ptxtrain._triton_direct import direct
 from ptxtrain.gemm import ref
 from ptxtrain.gemm.heuristics import BLOCK_K, H100_SMS, GemmConfig, select_config
 from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT, Operand
@@ -304,8 +303,7 @@ def _contiguous_triton(a, b, m_indices, out, out_dtype, check_indices, config) -
     m_indices = m_indices.contiguous()  # the kernel reads it with unit stride
     grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n),)
     with _on_device(a_fp8.device):
-        direct(_m_grouped_contiguous_kernel)(
-            grid,
+        _m_grouped_contiguous_kernel[grid](
             a_fp8, b_fp8, sf_a, sf_b, out, m_indices, m, n, k, g,
             a_fp8.stride(0), a_fp8.stride(1), *b_fp8.stride(),
             sf_a.stride(0), sf_a.stride(1), *sf_b.stride(),
@@ -338,8 +336,7 @@ def _masked_triton(a, b, masked_m, expected_m, out, out_dtype, config) -> torch.
     masked_m = masked_m.contiguous()  # the kernel reads it with unit stride
     grid = (ceil_div(m_max, cfg.block_m) * ceil_div(n, cfg.block_n), g)
     with _on_device(a_fp8.device):
-        direct(_m_grouped_masked_kernel)(
-            grid,
+        _m_grouped_masked_kernel[grid](
             a_fp8, b_fp8, sf_a, sf_b, out, masked_m, m_max, n, k,
             *a_fp8.stride(), *b_fp8.stride(), *sf_a.stride(), *sf_b.stride(), *out.stride(),
             EVEN_K=k % BLOCK_K == 0,
@@ -369,8 +366,7 @@ def _k_grouped_triton(a, b, ks, out, accumulate, config) -> torch.Tensor:
     cfg = _config(config, m, n, max(ks) if ks else 0, "1d1d")
     grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n), g)
     with _on_device(a_fp8.device):
-        direct(_k_grouped_kernel)(
-            grid,
+        _k_grouped_kernel[grid](
             a_fp8, b_fp8, sf_a, sf_b, out, kb_start, k_len, m, n,
             *a_fp8.stride(), *b_fp8.stride(), *sf_a.stride(), *sf_b.stride(), *out.stride(),
             ACCUMULATE=accumulate,

@@ -52,8 +52,6 @@ from ptxtrain.moe.ref import count_per_expert
 try:
     import triton
     import triton.language as tl
-
-    from ptxtrain._triton_direct import direct
 except ImportError:  # pragma: no cover - CPU installs without Triton use the torch twins
     triton = None
 
@@ -352,13 +350,12 @@ def send_layout(
     hist = torch.empty(n_blocks, bins, dtype=torch.int32, device=dev)
     idx = topk_idx.contiguous()
     meta = dict(R=num_ranks, RP=rp, K=k, KP=kp, EPR=epr, BINS=bins, BT=block_t)
-    direct(_layout_count_kernel)(
-        (n_blocks,), idx, in_rank.view(torch.int8), blk, hist, n_tokens, num_experts, **meta
+    _layout_count_kernel[(n_blocks,)](
+        idx, in_rank.view(torch.int8), blk, hist, n_tokens, num_experts, **meta
     )
     pre = torch.cumsum(blk, 0)  # [NB, RP + 1] inclusive prefix over blocks (one cheap op)
     x0, x1 = (*extra, 0, 0)[:2]
-    direct(_layout_order_kernel)(
-        (n_blocks,),
+    _layout_order_kernel[(n_blocks,)](
         idx, blk, pre, pre[n_blocks - 1], hist, counts, order, slot, n_tokens, num_experts,
         n_blocks, x0, x1, W=width, CH=min(16, _pow2(n_blocks)), NX=len(extra), **meta,
     )  # fmt: skip
@@ -432,8 +429,7 @@ def _launch_pack(packed, views, rows, unpack):
         return
     block_w = min(256, _pow2(max(widths)))
     block_m = max(1, min(16, 2048 // block_w))
-    direct(_pack_kernel)(
-        (triton.cdiv(n, block_m),),
+    _pack_kernel[(triton.cdiv(n, block_m),)](
         packed.view(wdt), rows if rows is not None else packed, n, width // size,
         rows is not None, unpack, *ptrs,
         *widths, *offs, BLOCK_M=block_m, BLOCK_W=block_w,
@@ -503,8 +499,7 @@ def combine_sum(back: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     block_h = min(1024, _pow2(hidden))
     block_t = max(1, min(16, 2048 // block_h))
     grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(hidden, block_h))
-    direct(_combine_kernel)(
-        grid,
+    _combine_kernel[grid](
         back.contiguous(), slot, out, n_tokens, hidden, R=n_ranks, ACC=acc,
         BLOCK_T=block_t, BLOCK_H=block_h,
     )  # fmt: skip
@@ -578,8 +573,7 @@ def recv_tail(
     kp = _pow2(k)
     block_n = max(1, min(128, 1024 // kp))
     lo = rank * experts_per_rank
-    direct(_recv_tail_kernel)(
-        (triton.cdiv(n, block_n),),
+    _recv_tail_kernel[(triton.cdiv(n, block_n),)](
         recv_w.contiguous(), recv_global.contiguous(), recv_src.contiguous(),
         recv_off.contiguous(), idx, w, src, src_rank, n, lo, lo + experts_per_rank,
         K=k, KP=kp, R=recv_off.shape[0] - 1, BLOCK_N=block_n,

@@ -47,7 +47,6 @@ from ptxtrain._checks import (
     check_same_device,
     check_tensor,
 )
-from ptxtrain._triton_direct import direct
 from ptxtrain.moe.ref import PermuteQuantResult, check_routing, count_per_expert
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE, check_sf_layout, empty_sf
 from ptxtrain.quant.triton import (
@@ -348,8 +347,7 @@ def fused_route(
         lanes = _pow2(n_groups) * _pow2(per_group)
         # <= 2048 lanes per program: 127 registers, no spills at E = 256 (ptxas, sm_90a).
         block_t = max(1, min(16, 2048 // lanes, _pow2(n_tokens)))
-        direct(_route_kernel)(
-            (triton.cdiv(n_tokens, block_t),),
+        _route_kernel[(triton.cdiv(n_tokens, block_t),)](
             scores.contiguous(),
             bias32,
             topk_idx,
@@ -453,8 +451,7 @@ def permute_quant(
     sf = empty_sf(n_rows, ceil_div(d, BLOCK), sf_layout, dev)
     if n_slots > 0 and d > 0:
         block_m = min(64, max(16, _pow2(n_tokens)))
-        direct(_scatter_quant_kernel)(
-            (triton.cdiv(n_tokens, block_m), ceil_div(d, BLOCK)),
+        _scatter_quant_kernel[(triton.cdiv(n_tokens, block_m), ceil_div(d, BLOCK))](
             x,
             slot_row,
             x_fp8,
@@ -472,8 +469,7 @@ def permute_quant(
         )
     if n_rows > n_slots and d > 0:
         block_m = 64
-        direct(_padding_rows_kernel)(
-            (triton.cdiv(n_rows, block_m), ceil_div(d, BLOCK)),
+        _padding_rows_kernel[(triton.cdiv(n_rows, block_m), ceil_div(d, BLOCK))](
             m_indices,
             x_fp8,
             sf,
@@ -570,8 +566,7 @@ def unpermute_weighted(
     weights = topk_weights.float().contiguous()
     block_d = min(256, _pow2(d))
     block_t = 16
-    direct(_unpermute_kernel)(
-        (triton.cdiv(num_tokens, block_t), triton.cdiv(d, block_d)),
+    _unpermute_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(d, block_d))](
         y,
         slot_row,
         weights,

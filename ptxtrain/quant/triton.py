@@ -56,7 +56,6 @@ import triton
 import triton.language as tl
 
 from ptxtrain._checks import HP_DTYPES, ceil_div, check_tensor
-from ptxtrain._triton_direct import direct
 from ptxtrain.quant.ref import (
     AMAX_EPS,
     BLOCK,
@@ -348,8 +347,7 @@ def _quant_1x(x, block, pow2_scale, sf_layout, *, row: bool, col: bool, config=N
     if m > 0 and k > 0:
         cfg = config or _config_1x(m, block, row=row, col=col, interpreted=interpreted)
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(k, cfg.block_k))
-        direct(_quant_1x_kernel)(
-            grid,
+        _quant_1x_kernel[grid](
             x,
             q if row else x,  # unused pointers get x: never dereferenced
             sf if row else x,
@@ -488,8 +486,7 @@ def _quant_block(w, block, pow2_scale, *, transposed: bool, num_warps: int = 8):
     sf = torch.empty((ceil_div(n, block), ceil_div(k, block)), dtype=torch.float32, device=w.device)
     if n > 0 and k > 0:
         grid = (ceil_div(n, block), ceil_div(k, block))
-        direct(_quant_block_kernel)(
-            grid,
+        _quant_block_kernel[grid](
             w,
             q,
             sf,
