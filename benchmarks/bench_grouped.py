@@ -104,6 +104,13 @@ def main() -> None:
         "[k][eN] as benchmarks.profile_gemm, with an optional ':rROWS' rasterization group), each "
         "timed in the same process against the same dense PTX",
     )
+    ap.add_argument(
+        "--same-expert",
+        action="store_true",
+        help="diagnostic: also time the m-grouped contiguous GEMM with every row on expert 0 "
+        "(m_indices all 0: the grouped kernel over one B, as the dense GEMM reads it), to tell "
+        "the cost of reading a different B per group from the grouped kernel's own",
+    )
     args = ap.parse_args()
     timer = GpuTimer(repeats=30)
     rows: list = []
@@ -124,6 +131,14 @@ def main() -> None:
         dptx = timed(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
                     shape, groups=g_, rows_per_group=rows_)  # fmt: skip
         summary[f"grouped_over_dense_ptx_{tag}"] = grp / dptx
+        if args.same_expert:
+            zeros = torch.zeros_like(m_indices)
+            one = timed(timer, "m_grouped_contiguous same-expert",
+                        lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
+                            qa, qb, zeros, check_indices=False),
+                        flops, dense_want, rows, shape, groups=g_,
+                        rows_per_group=rows_)  # fmt: skip
+            summary[f"grouped_same_expert_over_dense_ptx_{tag}"] = one / dptx
         for spec in args.ab:
             defines = parse_variant(f"ab:{spec}")[2]
             ptx.set_source_defines(defines)
