@@ -158,6 +158,14 @@ def main() -> None:
                         flops, want, rows, shape, groups=g_, rows_per_group=rows_,
                         cfg=cfg.__dict__)  # fmt: skip
             summary[f"grouped[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
+            if args.same_expert:
+                zeros = torch.zeros_like(m_indices)
+                one = timed(timer, f"m_grouped_contiguous same-expert {spec}",
+                            lambda: ptx._m_grouped_contiguous(
+                                qa, qb, zeros, None, torch.bfloat16, (m, n, k, g_), cfg),
+                            flops, dense_want, rows, shape, groups=g_, rows_per_group=rows_,
+                            cfg=cfg.__dict__)  # fmt: skip
+                summary[f"grouped_same_expert[{spec}]_over_dense_ptx_{tag}"] = one / dptx
         if (g_, rows_) != (G, ROWS):
             del ops, x, w, qa, qws, qb, want, dense_want
             continue  # the other backends at the default setting only

@@ -96,18 +96,6 @@
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
 
-// Producer L2 prefetch distance in K blocks (0: off): with each K block's loads the producer
-// also asks L2 (cp.async.bulk.prefetch.tensor) for B's box of the block this many blocks ahead,
-// past the tile's end into the next unit's first blocks, so its misses to HBM start before the
-// shared-memory ring reaches them (the M-grouped GEMM reads a new expert's B every few tiles).
-#ifndef PTXTRAIN_GEMM_L2_PREFETCH
-#define PTXTRAIN_GEMM_L2_PREFETCH 0
-#endif
-// With PTXTRAIN_GEMM_L2_PREFETCH: prefetch A's box too (1) or B's only (0).
-#ifndef PTXTRAIN_GEMM_L2_PREFETCH_A
-#define PTXTRAIN_GEMM_L2_PREFETCH_A 0
-#endif
-
 namespace ptxtrain {
 
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
@@ -1043,52 +1031,9 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         if constexpr (sfb_in_stage<k1D1D, kBlockM, kK, kGroupMode>()) {
           sfb_rows<kN, kK, kBlockN, kGroupMode>(sf_b, group, n0, sfb_lo_hi);
         }
-        // Where this CTA's TMA boxes of A and B sit (outer coordinates).
-        const int a_box = kMcastA ? a_row + static_cast<int>(rank) * (kBlockM / kCluster) : a_row;
-        const int b_box = (kCluster > 1 && !kMcastA)
-                              ? n0 + static_cast<int>(rank) * (kBlockN / kCluster)
-                              : group * kN + n0;
-#if PTXTRAIN_GEMM_L2_PREFETCH > 0
-        // The next unit of this CTA in the same phase (none: nx_num_kb = 0), for the prefetches
-        // that run past this tile's last K block.
-        int nx_a_box = 0, nx_b_box = 0, nx_kb_begin = 0, nx_num_kb = 0;
-        {
-          const int nunit = unit + unit_stride;
-          if (nunit < (kSplitK && !kSlice ? num_dp_units : num_units)) {
-            int nmg, nnb, nkg, nslice;
-            phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK,
-                       PTXTRAIN_GEMM_CHUNK>(
-                kSlice, nunit, num_m_groups * Units::kNumNUnits, num_m_groups, group_info, nmg,
-                nnb, nkg, nx_kb_begin, nx_num_kb, nslice, num_dp_units, splits);
-            const int nm0 = Units::m0(nmg, rank);
-            const int nn0 = Units::n0(nnb, rank);
-            const int ngroup =
-                tile_group<kGroupMode, kBlockM>(block_group, group_info, nm0, nkg, num_groups);
-            if (ngroup < 0) nx_num_kb = 0;
-            const int na_row = (kGroupMode == 3 ? nkg * m : 0) + nm0;
-            nx_a_box = kMcastA ? na_row + static_cast<int>(rank) * (kBlockM / kCluster) : na_row;
-            nx_b_box = (kCluster > 1 && !kMcastA)
-                           ? nn0 + static_cast<int>(rank) * (kBlockN / kCluster)
-                           : ngroup * kN + nn0;
-          }
-        }
-#endif
 #pragma unroll 1
         for (int kbi = 0; kbi < num_kb; ++kbi, ++it) {
           const int kb = kb_begin + kbi;  // (K-grouped: this group's K blocks)
-#if PTXTRAIN_GEMM_L2_PREFETCH > 0
-          {
-            const int ahead = kbi + PTXTRAIN_GEMM_L2_PREFETCH;
-            const bool here = ahead < num_kb;
-            if (here || ahead - num_kb < nx_num_kb) {
-              const int pkb = here ? kb_begin + ahead : nx_kb_begin + (ahead - num_kb);
-              tma_prefetch_l2_2d(&tma_b, pkb * 128, here ? b_box : nx_b_box);
-              if constexpr (PTXTRAIN_GEMM_L2_PREFETCH_A != 0) {
-                tma_prefetch_l2_2d(&tma_a, pkb * 128, here ? a_box : nx_a_box);
-              }
-            }
-          }
-#endif
           const u32 s = it % kNumStages;
           const u32 phase = (it / kNumStages) & 1u;
           mbarrier_wait(&empty[s], phase ^ 1u);  // a fresh barrier passes parity 1 at once
@@ -1104,15 +1049,17 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
           if constexpr (kMcastA) {
             tma_load_2d_multicast(smem_a + s * Smem::kBytesA + rank * kHalfA, &tma_a, &full[s],
-                                  kb * 128, a_box, static_cast<u16>((1u << kCluster) - 1u));
+                                  kb * 128, a_row + static_cast<int>(rank) * (kBlockM / kCluster),
+                                  static_cast<u16>((1u << kCluster) - 1u));
           } else {
-            tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, a_box);
+            tma_load_2d(smem_a + s * Smem::kBytesA, &tma_a, &full[s], kb * 128, a_row);
           }
           if constexpr (kCluster > 1 && !kMcastA) {
             tma_load_2d_multicast(smem_b + s * Smem::kBytesB + rank * kHalfB, &tma_b, &full[s],
-                                  kb * 128, b_box, static_cast<u16>((1u << kCluster) - 1u));
+                                  kb * 128, n0 + static_cast<int>(rank) * (kBlockN / kCluster),
+                                  static_cast<u16>((1u << kCluster) - 1u));
           } else {
-            tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, b_box);
+            tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, group * kN + n0);
           }
           tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
           if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);

@@ -21,14 +21,6 @@ __device__ __forceinline__ void tma_prefetch_desc(const TmaDescriptor* desc) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(desc) : "memory");
 }
 
-// "cp.async.bulk.prefetch.tensor.2d.L2": brings the box at (c0, c1) into L2 without waiting and
-// without writing shared memory (a hint; PTX ISA "cp.async.bulk.prefetch.tensor", sm_90).
-__device__ __forceinline__ void tma_prefetch_l2_2d(const TmaDescriptor* desc, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(desc),
-               "r"(c0), "r"(c1)
-               : "memory");
-}
-
 // 2D tiled load global -> shared completing on an mbarrier (complete_tx::bytes): the box at
 // (c0 = inner coordinate, c1 = outer coordinate) lands at `smem_dst`; the barrier's phase must
 // expect the box's bytes (mbarrier_arrive_expect_tx).
