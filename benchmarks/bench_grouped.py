@@ -105,6 +105,13 @@ def main() -> None:
         "timed in the same process against the same dense PTX",
     )
     ap.add_argument(
+        "--dense-cfg",
+        nargs="*",
+        default=[],
+        help="explicit PTX configs of the dense GEMM (as --cfg; ':rROWS' sets its rasterization "
+        "group, default 512 as the grouped kernel's), timed against the heuristic's dense PTX",
+    )
+    ap.add_argument(
         "--same-expert",
         action="store_true",
         help="diagnostic: also time the m-grouped contiguous GEMM with every row on expert 0 "
@@ -131,6 +138,12 @@ def main() -> None:
         dptx = timed(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qd), flops, dense_want, rows,
                     shape, groups=g_, rows_per_group=rows_)  # fmt: skip
         summary[f"grouped_over_dense_ptx_{tag}"] = grp / dptx
+        for spec in args.dense_cfg:
+            dcfg = _grouped_cfg(spec)
+            alt = timed(timer, f"dense ptx {spec}",
+                        lambda: ptx.run_with_config("1d2d", qa, qd, dcfg, torch.bfloat16),
+                        flops, dense_want, rows, shape, cfg=dcfg.__dict__)  # fmt: skip
+            summary[f"dense[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
         if args.same_expert:
             zeros = torch.zeros_like(m_indices)
             one = timed(timer, "m_grouped_contiguous same-expert",
