@@ -809,6 +809,14 @@ def test_gpu_m_grouped_contiguous(sizes, n, k, out_dtype):
     keep = torch.ones(res.shape[0], dtype=torch.bool, device="cuda")
     keep[chunk : chunk + 128] = False
     torch.testing.assert_close(res[keep], got[keep], rtol=0, atol=0)  # other tiles unchanged
+    # Padding rows anywhere in their 128-row chunk (the contract's layout; the kernel takes a
+    # tile's group as the largest index of its rows): every chunk reversed, padding rows first,
+    # gives the same rows bit for bit.
+    perm = torch.arange(m_indices.numel(), device="cuda").view(-1, 128).flip(1).flatten()
+    rev = ptx.m_grouped_fp8_gemm_nt_contiguous(
+        (qa[0][perm], qa[1][perm]), qb, m_indices[perm], out_dtype=out_dtype
+    )
+    torch.testing.assert_close(rev, got[perm], rtol=0, atol=0)
 
 
 @pytest.mark.gpu
