@@ -897,6 +897,8 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
     _check_runnable(a_fp8, n, k)
     # The kernel reads it by pointer, unit stride; each tile takes its group from its rows.
     m_indices = m_indices.contiguous()
+    if m_indices.data_ptr() % 16:  # (16-byte loads of a tile's indices)
+        m_indices = m_indices.clone()
     return _write_into(
         out, (m, n), dtype, a_fp8.device, False,
         lambda d: _launch("m_grouped", a, b, d, False, dtype, cfg, m_indices),

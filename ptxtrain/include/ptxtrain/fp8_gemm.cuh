@@ -96,6 +96,16 @@
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
 
+// M-grouped: the producer finds a tile's group with its whole first warp (1) or with its one
+// TMA thread and 16-byte loads (0); the math warps read the next tile's m_indices one tile ahead
+// (GROUP_AHEAD 1) or at the tile's start (0).
+#ifndef PTXTRAIN_GEMM_GROUP_PRODUCER_WARP
+#define PTXTRAIN_GEMM_GROUP_PRODUCER_WARP 1
+#endif
+#ifndef PTXTRAIN_GEMM_GROUP_AHEAD
+#define PTXTRAIN_GEMM_GROUP_AHEAD 1
+#endif
+
 namespace ptxtrain {
 
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
@@ -371,6 +381,24 @@ __device__ __forceinline__ void load_group_rows(const int* m_indices, int m0, in
   }
 }
 
+// M-grouped: tile_group's value of the tile at m0 read by one thread (16-byte loads; m_indices
+// 16-byte aligned, M a multiple of 64): the largest index of its rows, -1 past num_groups.
+template <int kBlockM>
+__device__ __forceinline__ int group_of_tile_thread(const int* m_indices, int m0, int m,
+                                                    int num_groups) {
+  const int4* p = reinterpret_cast<const int4*>(m_indices + m0);
+  const int n4 = min(kBlockM, m - m0) / 4;
+  int g = -1;
+#pragma unroll
+  for (int i = 0; i < kBlockM / 4; ++i) {
+    if (i < n4) {
+      const int4 v = __ldg(p + i);
+      g = max(g, max(max(v.x, v.y), max(v.z, v.w)));
+    }
+  }
+  return g < num_groups ? g : -1;
+}
+
 // M-grouped: the group of a tile from its rows (load_group_rows; warp-collective, all 32 lanes
 // of a converged warp): the largest m_indices value of its rows, since every non-padding row of
 // an aligned 128-row chunk names the same group and padding rows are -1; -1 for all padding or
@@ -603,7 +631,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   for (int phase = 0; phase < (kSplitK ? 2 : 1); ++phase) {
   const bool kSlice = phase == 1;
   const int phase_end = kSplitK && !kSlice ? num_dp_units : num_units;
-  if constexpr (kGroupMode == 1) {
+  if constexpr (kGroupMode == 1 && PTXTRAIN_GEMM_GROUP_AHEAD) {
     if (unit < phase_end) {
       int mg, nb, kg, kb_begin, num_kb, slice;
       phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK,
@@ -620,7 +648,10 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const int m0 = Units::m0(mg, rank);
     const int n0 = Units::n0(nb, rank);
     int group;
-    if constexpr (kGroupMode == 1) {
+    if constexpr (kGroupMode == 1 && !PTXTRAIN_GEMM_GROUP_AHEAD) {
+      load_group_rows<kBlockM>(m_indices, m0, m, lane, group_rows);
+      group = group_of_rows<kBlockM>(group_rows, num_groups);
+    } else if constexpr (kGroupMode == 1) {
       group = group_of_rows<kBlockM>(group_rows, num_groups);
       if (unit + unit_stride < phase_end) {
         int nmg, nnb, nkg, nkb_begin, nnum_kb, nslice;
@@ -1048,7 +1079,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
     // (M-grouped: the whole first warp walks the units, to find each tile's group together.)
     if constexpr (kNumMathWG == 2) setmaxnreg_dec<40>();
     const int plane = threadIdx.x % 128;
-    if (kGroupMode == 1 ? plane < 32 : plane == 0) {
+    if (kGroupMode == 1 && PTXTRAIN_GEMM_GROUP_PRODUCER_WARP ? plane < 32 : plane == 0) {
       const bool leader = plane == 0;
       if (leader) {
       tma_prefetch_desc(&tma_a);
@@ -1075,10 +1106,12 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         // masked-off tiles load nothing (the math warpgroups skip them too, so the stage ring
         // stays in step). Masked: A is [G * M_max, K], group g's rows start at g * M_max.
         int group;
-        if constexpr (kGroupMode == 1) {
+        if constexpr (kGroupMode == 1 && PTXTRAIN_GEMM_GROUP_PRODUCER_WARP) {
           int rows[kBlockM / 32];
           load_group_rows<kBlockM>(m_indices, m0, m, plane, rows);
           group = group_of_rows<kBlockM>(rows, num_groups);
+        } else if constexpr (kGroupMode == 1) {
+          group = group_of_tile_thread<kBlockM>(m_indices, m0, m, num_groups);
         } else {
           group = tile_group<kGroupMode>(group_info, m0, kg);
         }
