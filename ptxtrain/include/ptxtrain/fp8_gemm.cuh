@@ -96,16 +96,6 @@
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
 
-// M-grouped: the producer finds a tile's group with its whole first warp (1) or with its one
-// TMA thread and 16-byte loads (0); the math warps read the next tile's m_indices one tile ahead
-// (GROUP_AHEAD 1) or at the tile's start (0).
-#ifndef PTXTRAIN_GEMM_GROUP_PRODUCER_WARP
-#define PTXTRAIN_GEMM_GROUP_PRODUCER_WARP 1
-#endif
-#ifndef PTXTRAIN_GEMM_GROUP_AHEAD
-#define PTXTRAIN_GEMM_GROUP_AHEAD 1
-#endif
-
 namespace ptxtrain {
 
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
@@ -358,61 +348,23 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
 }
 
 // The group of B (and of sf_b) the tile at row m0 of unit group kg multiplies; -1: nothing to
-// compute. Masked (kGroupMode 3): kg, or -1 at or past masked_m[kg] (`group_info`; nothing
-// stored). Dense and K-grouped: 0. (M-grouped tiles: load_group_rows / group_of_rows.)
-template <int kGroupMode>
-__device__ __forceinline__ int tile_group(const int* group_info, int m0, int kg) {
-  if constexpr (kGroupMode == 3) {
+// compute. M-grouped (kGroupMode 1): from `block_group` (per 64-row block, the largest m_indices
+// value of its rows: every non-padding row of an aligned 128-row chunk names the same group,
+// padding rows are -1); -1 for all padding or an index outside [0, num_groups) (the tile then
+// stores zeros). Masked (3): kg, or -1 at or past masked_m[kg] (`group_info`; nothing stored).
+// Dense and K-grouped: 0.
+template <int kGroupMode, int kBlockM>
+__device__ __forceinline__ int tile_group(const int* block_group, const int* group_info, int m0,
+                                          int kg, int num_groups) {
+  if constexpr (kGroupMode == 1) {
+    int g = __ldg(block_group + m0 / 64);
+    if constexpr (kBlockM == 128) g = max(g, __ldg(block_group + m0 / 64 + 1));
+    return g < num_groups ? g : -1;
+  } else if constexpr (kGroupMode == 3) {
     return m0 < __ldg(group_info + kg) ? kg : -1;
   } else {
     return 0;
   }
-}
-
-// M-grouped (kGroupMode 1): lane `lane`'s share of the m_indices of the tile at row m0, rows
-// m0 + 32 i + lane (coalesced over the warp); rows at or past m count as padding (-1).
-template <int kBlockM>
-__device__ __forceinline__ void load_group_rows(const int* m_indices, int m0, int m, int lane,
-                                                int (&rows)[kBlockM / 32]) {
-#pragma unroll
-  for (int i = 0; i < kBlockM / 32; ++i) {
-    const int row = m0 + 32 * i + lane;
-    rows[i] = row < m ? __ldg(m_indices + row) : -1;
-  }
-}
-
-// M-grouped: tile_group's value of the tile at m0 read by one thread (16-byte loads; m_indices
-// 16-byte aligned, M a multiple of 64): the largest index of its rows, -1 past num_groups.
-template <int kBlockM>
-__device__ __forceinline__ int group_of_tile_thread(const int* m_indices, int m0, int m,
-                                                    int num_groups) {
-  const int4* p = reinterpret_cast<const int4*>(m_indices + m0);
-  const int n4 = min(kBlockM, m - m0) / 4;
-  int g = -1;
-#pragma unroll
-  for (int i = 0; i < kBlockM / 4; ++i) {
-    if (i < n4) {
-      const int4 v = __ldg(p + i);
-      g = max(g, max(max(v.x, v.y), max(v.z, v.w)));
-    }
-  }
-  return g < num_groups ? g : -1;
-}
-
-// M-grouped: the group of a tile from its rows (load_group_rows; warp-collective, all 32 lanes
-// of a converged warp): the largest m_indices value of its rows, since every non-padding row of
-// an aligned 128-row chunk names the same group and padding rows are -1; -1 for all padding or
-// an index outside [0, num_groups) (the tile then stores zeros). Every warp that needs the group
-// finds it itself from the 512 bytes of its tile's indices, so no kernel runs before this one
-// to reduce them (PTX ISA "redux.sync", sm_80+).
-template <int kBlockM>
-__device__ __forceinline__ int group_of_rows(const int (&rows)[kBlockM / 32], int num_groups) {
-  int g = rows[0];
-#pragma unroll
-  for (int i = 1; i < kBlockM / 32; ++i) g = max(g, rows[i]);
-  int all;
-  asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;\n" : "=r"(all) : "r"(g));
-  return all < num_groups ? all : -1;
 }
 
 // Work units of a cluster: kCluster adjacent M-blocks of one N-block (B multicast), or with
@@ -595,8 +547,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                               const float* sf_b, const TmaDescriptor* tma_d,
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank,
-                                              const int* m_indices, int num_groups,
-                                              const int* group_info,
+                                              const int* m_indices, const int* block_group,
+                                              int num_groups, const int* group_info,
                                               int num_dp_units, int splits, float* split_ws,
                                               int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
@@ -624,46 +576,17 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   // two unit loops, so that the whole tiles' loop keeps the registers of a kernel without
   // slices. A slice (kSlice) stores only if it completes its tile's sum (split_fixup).
   int unit = first_unit;
-  // M-grouped: this lane's m_indices of the next tile's rows (group_of_rows), read one tile
-  // ahead so that their latency hides behind the current tile's main loop.
-  int group_rows[kGroupMode == 1 ? kBlockM / 32 : 1];
 #pragma unroll
   for (int phase = 0; phase < (kSplitK ? 2 : 1); ++phase) {
   const bool kSlice = phase == 1;
-  const int phase_end = kSplitK && !kSlice ? num_dp_units : num_units;
-  if constexpr (kGroupMode == 1 && PTXTRAIN_GEMM_GROUP_AHEAD) {
-    if (unit < phase_end) {
-      int mg, nb, kg, kb_begin, num_kb, slice;
-      phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK,
-                 PTXTRAIN_GEMM_CHUNK>(kSlice, unit, units_per_group, num_m_groups, group_info,
-                                      mg, nb, kg, kb_begin, num_kb, slice, num_dp_units, splits);
-      load_group_rows<kBlockM>(m_indices, Units::m0(mg, rank), m, lane, group_rows);
-    }
-  }
-  for (; unit < phase_end; unit += unit_stride) {
+  for (; unit < (kSplitK && !kSlice ? num_dp_units : num_units); unit += unit_stride) {
     int mg, nb, kg, kb_begin, num_kb, slice;
     phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK, PTXTRAIN_GEMM_CHUNK>(
         kSlice, unit, units_per_group, num_m_groups, group_info, mg, nb, kg, kb_begin, num_kb,
         slice, num_dp_units, splits);
     const int m0 = Units::m0(mg, rank);
     const int n0 = Units::n0(nb, rank);
-    int group;
-    if constexpr (kGroupMode == 1 && !PTXTRAIN_GEMM_GROUP_AHEAD) {
-      load_group_rows<kBlockM>(m_indices, m0, m, lane, group_rows);
-      group = group_of_rows<kBlockM>(group_rows, num_groups);
-    } else if constexpr (kGroupMode == 1) {
-      group = group_of_rows<kBlockM>(group_rows, num_groups);
-      if (unit + unit_stride < phase_end) {
-        int nmg, nnb, nkg, nkb_begin, nnum_kb, nslice;
-        phase_unit<kGroupMode, kGroup, Units::kNumNUnits, kNumKBlocks, kSplitK,
-                   PTXTRAIN_GEMM_CHUNK>(kSlice, unit + unit_stride, units_per_group,
-                                        num_m_groups, group_info, nmg, nnb, nkg, nkb_begin,
-                                        nnum_kb, nslice, num_dp_units, splits);
-        load_group_rows<kBlockM>(m_indices, Units::m0(nmg, rank), m, lane, group_rows);
-      }
-    } else {
-      group = tile_group<kGroupMode>(group_info, m0, kg);
-    }
+    const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
     if (kGroupMode == 3 && group < 0) continue;  // masked off: neither computed nor stored
     // M-grouped: this thread's rows' m_indices, loaded now so that their latency hides behind
     // the main loop instead of stalling the epilogue (a padding row, -1, stores zeros; measured
@@ -975,7 +898,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // descriptor of D with 64-row x 128-byte boxes and 128-byte swizzle (see EpiShape); 0: `out` is
 // written directly from registers. kGroupMode 1 (DeepGEMM's m-grouped contiguous layout): B is the
 // [G, N, K] stack seen as [G * N, K], sf_b [G, ⌈N/128⌉, ⌈K/128⌉]; each tile takes its group from
-// its rows' m_indices (load_group_rows, group_of_rows) and rows with m_indices -1 store zeros; otherwise the last three
+// `block_group` (see tile_group) and rows with m_indices -1 store zeros; otherwise the last three
 // arguments are unused. kGroupMode: 0 dense, 1 M-grouped (above), 2 K-grouped (the experts'
 // wgrad, 1D1D): D is [G, M, N] seen as [G·M, N], group g's K blocks are group_info[g] ..
 // group_info[g + 1] - 1 of A [M, ΣK] and B [N, ΣK] (group_unit); `m` is the per-group M. 3
@@ -998,7 +921,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const __grid_constant__ TmaDescriptor tma_sfa,
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
-                       int m, const int* m_indices, int num_groups,
+                       int m, const int* m_indices, const int* block_group, int num_groups,
                        const int* group_info, int num_dp_units, int splits, float* split_ws,
                        int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
@@ -1076,18 +999,13 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
 
   if (wg == kNumMathWG) {
     // ---- producer warpgroup: one thread issues every TMA load ----------------------------
-    // (M-grouped: the whole first warp walks the units, to find each tile's group together.)
     if constexpr (kNumMathWG == 2) setmaxnreg_dec<40>();
-    const int plane = threadIdx.x % 128;
-    if (kGroupMode == 1 && PTXTRAIN_GEMM_GROUP_PRODUCER_WARP ? plane < 32 : plane == 0) {
-      const bool leader = plane == 0;
-      if (leader) {
+    if (threadIdx.x % 128 == 0) {
       tma_prefetch_desc(&tma_a);
       tma_prefetch_desc(&tma_b);
       tma_prefetch_desc(&tma_sfa);
       if constexpr (k1D1D) tma_prefetch_desc(&tma_sfb);
       if constexpr (kEpiBoxes > 0) tma_prefetch_desc(&tma_d);
-      }
       u32 it = 0;
       // The math warpgroups' two unit loops (fp8_gemm_math), unit for unit.
       int unit = first_unit;
@@ -1105,17 +1023,9 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         // M-grouped / masked: B is [G * N, K], group g's rows start at g * N; all-padding and
         // masked-off tiles load nothing (the math warpgroups skip them too, so the stage ring
         // stays in step). Masked: A is [G * M_max, K], group g's rows start at g * M_max.
-        int group;
-        if constexpr (kGroupMode == 1 && PTXTRAIN_GEMM_GROUP_PRODUCER_WARP) {
-          int rows[kBlockM / 32];
-          load_group_rows<kBlockM>(m_indices, m0, m, plane, rows);
-          group = group_of_rows<kBlockM>(rows, num_groups);
-        } else if constexpr (kGroupMode == 1) {
-          group = group_of_tile_thread<kBlockM>(m_indices, m0, m, num_groups);
-        } else {
-          group = tile_group<kGroupMode>(group_info, m0, kg);
-        }
-        if (group < 0 || !leader) continue;  // (the other lanes only help find the group)
+        const int group =
+            tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
+        if (group < 0) continue;
         const int a_row = (kGroupMode == 3 ? kg * m : 0) + m0;
         const float* sfb_lo_hi[2];
         if constexpr (sfb_in_stage<k1D1D, kBlockM, kK, kGroupMode>()) {
@@ -1156,13 +1066,13 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         }
       }
       }
-      if (leader) grid_dependency_launch();
+      grid_dependency_launch();
     }
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
                   kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kMcastA, kSplitK>(
         smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
-        num_m_groups, num_units, first_unit, unit_stride, rank, m_indices,
+        num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
         num_groups, group_info, num_dp_units, splits, split_ws, split_counters);
   }
   // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
