@@ -96,6 +96,13 @@
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
 
+// Diagnostic only (benchmarks.bench_grouped --ab "#PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX=1"; padding
+// rows then store their products instead of zeros): the M-grouped math warps skip the global
+// loads of their rows' m_indices, to time what those loads cost the tile.
+#ifndef PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX
+#define PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX 0
+#endif
+
 namespace ptxtrain {
 
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
@@ -596,7 +603,9 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 #pragma unroll
       for (int wh = 0; wh < 2 * kWaves; ++wh) {
         const int row = m0 + (wh / 2) * 64 * kNumMathWG + row0 + 8 * (wh % 2);
-        row_midx[wh] = (group >= 0 && row < m) ? __ldg(m_indices + row) : 0;
+        row_midx[wh] = (group >= 0 && row < m && !PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX)
+                           ? __ldg(m_indices + row)
+                           : 0;
       }
     }
 #pragma unroll
