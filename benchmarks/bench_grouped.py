@@ -175,22 +175,19 @@ def main() -> None:
             finally:
                 ptx.set_source_defines("")
             summary[f"grouped[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
-        for spec in args.cfg:
+        # (--same-expert: each config also with every row on expert 0, against dense_want)
+        cases = [("", m_indices, want)]
+        if args.same_expert:
+            cases.append(("same-expert ", torch.zeros_like(m_indices), dense_want))
+        for spec, (label, idx, ref_d) in itertools.product(args.cfg, cases):
             cfg = _grouped_cfg(spec)
-            alt = timed(timer, f"m_grouped_contiguous {spec}",
+            alt = timed(timer, f"m_grouped_contiguous {label}{spec}",
                         lambda: ptx._m_grouped_contiguous(
-                            qa, qb, m_indices, None, torch.bfloat16, (m, n, k, g_), cfg),
-                        flops, want, rows, shape, groups=g_, rows_per_group=rows_,
+                            qa, qb, idx, None, torch.bfloat16, (m, n, k, g_), cfg),
+                        flops, ref_d, rows, shape, groups=g_, rows_per_group=rows_,
                         cfg=cfg.__dict__)  # fmt: skip
-            summary[f"grouped[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
-            if args.same_expert:
-                zeros = torch.zeros_like(m_indices)
-                one = timed(timer, f"m_grouped_contiguous same-expert {spec}",
-                            lambda: ptx._m_grouped_contiguous(
-                                qa, qb, zeros, None, torch.bfloat16, (m, n, k, g_), cfg),
-                            flops, dense_want, rows, shape, groups=g_, rows_per_group=rows_,
-                            cfg=cfg.__dict__)  # fmt: skip
-                summary[f"grouped_same_expert[{spec}]_over_dense_ptx_{tag}"] = one / dptx
+            key = "grouped_same_expert" if label else "grouped"
+            summary[f"{key}[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
         if (g_, rows_) != (G, ROWS):
             del ops, x, w, qa, qws, qb, want, dense_want
             continue  # the other backends at the default setting only
