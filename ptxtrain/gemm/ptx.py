@@ -160,6 +160,8 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str, epilogue:
     # (1D1D: B's per-column scales by TMA; 1D2D: its two block scales, see Fp8GemmSmem)
     slot_sfb = ceil_div(block_n * 4, 128) * 128 if kind in _1D1D_KINDS else 16
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + slot_sfa + slot_sfb
+    if kind == "m_grouped":  # (the m_indices of a tile's rows, in its first stage)
+        per_stage += block_m * 4
     return epilogue + num_stages * per_stage + 2 * num_stages * 8 + 1024
 
 
@@ -489,9 +491,9 @@ def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
 
 
 # The kernel's parameters (fp8_gemm.cuh): the TMA descriptors of A, B, sf_a, sf_b and D, then
-# sf_b, out, m, m_indices, block_group, num_groups, the K-grouped / masked info pointer, and the
-# split tail's num_dp_units, splits, workspace and counters.
-_SIGNATURE = "TTTTTppippipiipp"
+# sf_b, out, m, m_indices, num_groups, the K-grouped / masked info pointer, and the split tail's
+# num_dp_units, splits, workspace and counters.
+_SIGNATURE = "TTTTTppipipiipp"
 
 
 def _split_quantum() -> int:
@@ -588,7 +590,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
 
 
 def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
-    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``;
+    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``m_indices`` (contiguous int32);
     ``k_offsets`` (kind ``"k_grouped"``, ``out`` [G, M, N]): [G + 1] int32 prefix sums of the
     groups' K / 128; (kind ``"masked"``, A [G, M_max, K], ``out`` [G, M_max, N]): masked_m."""
     from ptxtrain.jit import tma_2d_bytes
@@ -599,12 +601,12 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         sf_a = sf_a.reshape(-1, sf_a.shape[-1])
     m, k = a_fp8.shape
     num_groups = 0
-    m_indices = block_group = out  # unused pointers unless M-grouped
+    m_indices = out  # unused pointer unless M-grouped
     if grouped is not None or kind == "masked":
         num_groups, n = b_fp8.shape[0], b_fp8.shape[1]
         b_fp8 = b_fp8.reshape(num_groups * n, k)  # [G, N, K] -> [G·N, K], group g at row g·N
         if grouped is not None:
-            m_indices, block_group = grouped
+            m_indices = grouped
     else:
         n = b_fp8.shape[0]
     k_tpl = k
@@ -669,7 +671,6 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         out.data_ptr(),
         m,
         m_indices.data_ptr(),
-        block_group.data_ptr(),
         num_groups,
         k_offsets.data_ptr(),
         num_dp,
@@ -709,7 +710,7 @@ def grouped_config(
     bn = min(cfg.block_n, 128)
     epi = epilogue_bytes(128, bn, torch.bfloat16) if cfg.tma_store else 0
     stages = _MAX_STAGES
-    while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > _SMEM_BYTES:
+    while stages > 2 and smem_bytes(128, bn, stages, "m_grouped", epi) > _SMEM_BYTES:
         stages -= 1
     cfg = PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0, raster)
     return _with_split_tail(cfg, "1d2d", m, n, k, num_sms) if split else cfg
@@ -896,12 +897,13 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
     if g == 0:
         return out.zero_()
     _check_runnable(a_fp8, n, k)
-    m_indices = m_indices.contiguous()  # the kernel reads it by pointer, unit stride
-    # Per 64-row block, the largest index of its rows: the block's group (-1: all padding).
-    block_group = m_indices.reshape(-1, 64).amax(dim=1)
+    # The kernel reads it by pointer, unit stride; each tile takes its group from its rows.
+    m_indices = m_indices.contiguous()
+    if m_indices.data_ptr() % 16:  # (16-byte loads of a tile's indices)
+        m_indices = m_indices.clone()
     return _write_into(
         out, (m, n), dtype, a_fp8.device, False,
-        lambda d: _launch("m_grouped", a, b, d, False, dtype, cfg, (m_indices, block_group)),
+        lambda d: _launch("m_grouped", a, b, d, False, dtype, cfg, m_indices),
     )  # fmt: skip
 
 
