@@ -47,6 +47,7 @@ def main() -> None:
         ops = m_grouped_operands(n, k)
         m, x, w, qa, qws, qb = (ops[key] for key in ("m", "x", "w", "qa", "qws", "qb"))
         m_indices = ops["m_indices"]
+        block_group = m_indices.reshape(-1, 64).amax(dim=1)  # as ptx._m_grouped_contiguous
         flops, shape = 2.0 * m * n * k, [m, n, k]
         dense = timed(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qws[0]), flops,
                      x @ w[0].t(), rows, shape)  # fmt: skip
@@ -56,7 +57,8 @@ def main() -> None:
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
             def run():
-                ptx._launch("m_grouped", qa, qb, out, False, torch.bfloat16, cfg, m_indices)
+                ptx._launch("m_grouped", qa, qb, out, False, torch.bfloat16, cfg,
+                            (m_indices, block_group))  # fmt: skip
                 return out
 
             got = timed(timer, f"m_grouped raster {r}", run, flops, ops["want"], rows, shape,

@@ -491,9 +491,9 @@ def _mn_major_padded(sf: torch.Tensor) -> torch.Tensor:
 
 
 # The kernel's parameters (fp8_gemm.cuh): the TMA descriptors of A, B, sf_a, sf_b and D, then
-# sf_b, out, m, m_indices, num_groups, the K-grouped / masked info pointer, and the split tail's
-# num_dp_units, splits, workspace and counters.
-_SIGNATURE = "TTTTTppipipiipp"
+# sf_b, out, m, m_indices, block_group, num_groups, the K-grouped / masked info pointer, and the
+# split tail's num_dp_units, splits, workspace and counters.
+_SIGNATURE = "TTTTTppippipiipp"
 
 
 def _split_quantum() -> int:
@@ -590,7 +590,8 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
 
 
 def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
-    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``m_indices`` (contiguous int32);
+    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``
+    (``m_indices`` contiguous and 16-byte aligned);
     ``k_offsets`` (kind ``"k_grouped"``, ``out`` [G, M, N]): [G + 1] int32 prefix sums of the
     groups' K / 128; (kind ``"masked"``, A [G, M_max, K], ``out`` [G, M_max, N]): masked_m."""
     from ptxtrain.jit import tma_2d_bytes
@@ -601,12 +602,12 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         sf_a = sf_a.reshape(-1, sf_a.shape[-1])
     m, k = a_fp8.shape
     num_groups = 0
-    m_indices = out  # unused pointer unless M-grouped
+    m_indices = block_group = out  # unused pointers unless M-grouped
     if grouped is not None or kind == "masked":
         num_groups, n = b_fp8.shape[0], b_fp8.shape[1]
         b_fp8 = b_fp8.reshape(num_groups * n, k)  # [G, N, K] -> [G·N, K], group g at row g·N
         if grouped is not None:
-            m_indices = grouped
+            m_indices, block_group = grouped
     else:
         n = b_fp8.shape[0]
     k_tpl = k
@@ -671,6 +672,7 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
         out.data_ptr(),
         m,
         m_indices.data_ptr(),
+        block_group.data_ptr(),
         num_groups,
         k_offsets.data_ptr(),
         num_dp,
@@ -901,9 +903,11 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
     m_indices = m_indices.contiguous()
     if m_indices.data_ptr() % 16:  # (16-byte loads of a tile's indices)
         m_indices = m_indices.clone()
+    # Per 64-row block, the largest index of its rows: the block's group (-1: all padding).
+    block_group = m_indices.reshape(-1, 64).amax(dim=1)
     return _write_into(
         out, (m, n), dtype, a_fp8.device, False,
-        lambda d: _launch("m_grouped", a, b, d, False, dtype, cfg, m_indices),
+        lambda d: _launch("m_grouped", a, b, d, False, dtype, cfg, (m_indices, block_group)),
     )  # fmt: skip
 
 

@@ -25,11 +25,11 @@ def test_config_and_rasterization_rows():
 
 def test_explicit_config_reaches_the_launch(monkeypatch):
     # The config given to ptx._m_grouped_contiguous is the one launched (None: the heuristic's),
-    # with the m_indices the kernel reads its tiles' groups from. Host code only: no kernel runs.
+    # with the per-64-row-block groups the kernel reads. Host code only: no kernel runs.
     seen = {}
 
     def fake_launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
-        seen.update(kind=kind, cfg=cfg, m_indices=grouped.tolist())
+        seen.update(kind=kind, cfg=cfg, block_group=grouped[1].tolist())
 
     monkeypatch.setattr(ptx, "_check_runnable", lambda *args: None)
     monkeypatch.setattr(ptx, "_launch", fake_launch)
@@ -40,6 +40,6 @@ def test_explicit_config_reaches_the_launch(monkeypatch):
     m_indices = torch.tensor([0] * 128 + [1] * 100 + [-1] * 28, dtype=torch.int32)
     cfg = _grouped_cfg("128x128s5c1d:r256")
     ptx._m_grouped_contiguous(qa, qb, m_indices, None, torch.bfloat16, (256, 128, 256, 2), cfg)
-    assert seen == dict(kind="m_grouped", cfg=cfg, m_indices=m_indices.tolist())
+    assert seen == dict(kind="m_grouped", cfg=cfg, block_group=[0, 0, 1, 1])
     ptx._m_grouped_contiguous(qa, qb, m_indices, None, torch.bfloat16, (256, 128, 256, 2))
     assert seen["cfg"] is None

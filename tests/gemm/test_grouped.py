@@ -387,7 +387,7 @@ def test_ptx_m_grouped_passes_contiguous_m_indices(monkeypatch):
     a, b, m_indices = _small_contiguous()
     seen = []
     monkeypatch.setattr(ptx, "_check_runnable", lambda *args: None)
-    monkeypatch.setattr(ptx, "_launch", lambda *args: seen.append(args[7]))
+    monkeypatch.setattr(ptx, "_launch", lambda *args: seen.append(args[7][0]))
     wide = torch.stack([m_indices, torch.full_like(m_indices, -1)], dim=1).flatten()
     ptx.m_grouped_fp8_gemm_nt_contiguous(a, b, wide[0::2])
     assert len(seen) == 1 and seen[0].is_contiguous() and torch.equal(seen[0], m_indices)

@@ -353,7 +353,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
 
 // The group of B (and of sf_b) the tile at row m0 of unit group kg multiplies; -1: nothing to
 // compute. Masked (kGroupMode 3): kg, or -1 at or past masked_m[kg] (`group_info`; nothing
-// stored). Dense and K-grouped: 0. (M-grouped: group_of_tile_rows / group_of_rows.)
+// stored). Dense and K-grouped: 0. (M-grouped: group_of_tile_blocks / group_of_rows.)
 template <int kGroupMode>
 __device__ __forceinline__ int tile_group(const int* group_info, int m0, int kg) {
   if constexpr (kGroupMode == 3) {
@@ -363,24 +363,20 @@ __device__ __forceinline__ int tile_group(const int* group_info, int m0, int kg)
   }
 }
 
-// M-grouped (kGroupMode 1): the group of the tile whose kBlockM row indices start at `rows`
-// (m_indices + m0, 16-byte aligned; M is a multiple of 128, so all are rows of A), read by one
-// thread with 16-byte loads: the largest value, since every non-padding row of an aligned
-// 128-row chunk names the same group and padding rows are -1; -1 for all padding or an index
-// outside [0, num_groups) (the tile then stores zeros).
+// M-grouped (kGroupMode 1), for the producer: the group of the tile at row m0 from `block_group`
+// (per 64-row block, the largest m_indices value of its rows, computed before the launch):
+// every non-padding row of an aligned 128-row chunk names the same group and padding rows are
+// -1; -1 for all padding or an index outside [0, num_groups) (the tile then stores zeros).
 template <int kBlockM>
-__device__ __forceinline__ int group_of_tile_rows(const int* rows, int num_groups) {
-  const int4* p = reinterpret_cast<const int4*>(rows);
-  int g = -1;
-#pragma unroll
-  for (int i = 0; i < kBlockM / 4; ++i) {
-    const int4 v = __ldg(p + i);
-    g = max(g, max(max(v.x, v.y), max(v.z, v.w)));
-  }
+__device__ __forceinline__ int group_of_tile_blocks(const int* block_group, int m0,
+                                                    int num_groups) {
+  int g = __ldg(block_group + m0 / 64);
+  if constexpr (kBlockM == 128) g = max(g, __ldg(block_group + m0 / 64 + 1));
   return g < num_groups ? g : -1;
 }
 
-// M-grouped: the same from the tile's row indices in shared memory, by a whole converged warp
+// M-grouped, for the math warps: the same from the tile's row indices (m_indices + m0, all rows
+// of A since M is a multiple of 128) in shared memory, by a whole converged warp
 // (each lane reads kBlockM / 32 of them; PTX ISA "redux.sync", sm_80+).
 template <int kBlockM>
 __device__ __forceinline__ int group_of_rows(const int* rows, int lane, int num_groups) {
@@ -935,7 +931,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // descriptor of D with 64-row x 128-byte boxes and 128-byte swizzle (see EpiShape); 0: `out` is
 // written directly from registers. kGroupMode 1 (DeepGEMM's m-grouped contiguous layout): B is the
 // [G, N, K] stack seen as [G * N, K], sf_b [G, ⌈N/128⌉, ⌈K/128⌉]; each tile takes its group from
-// its rows' m_indices (copied into its first stage: group_of_tile_rows, group_of_rows) and rows
+// `block_group` (group_of_tile_blocks; the math warps from its rows' m_indices, copied into its
+// first stage: group_of_rows) and rows
 // with m_indices -1 store zeros; otherwise the last three
 // arguments are unused. kGroupMode: 0 dense, 1 M-grouped (above), 2 K-grouped (the experts'
 // wgrad, 1D1D): D is [G, M, N] seen as [G·M, N], group g's K blocks are group_info[g] ..
@@ -959,7 +956,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const __grid_constant__ TmaDescriptor tma_sfa,
                        const __grid_constant__ TmaDescriptor tma_sfb,
                        const __grid_constant__ TmaDescriptor tma_d, const float* sf_b, void* out,
-                       int m, const int* m_indices, int num_groups,
+                       int m, const int* m_indices, const int* block_group, int num_groups,
                        const int* group_info, int num_dp_units, int splits, float* split_ws,
                        int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
@@ -1064,7 +1061,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         // stays in step). Masked: A is [G * M_max, K], group g's rows start at g * M_max.
         int group;
         if constexpr (kGroupMode == 1) {
-          group = group_of_tile_rows<kBlockM>(m_indices + m0, num_groups);
+          group = group_of_tile_blocks<kBlockM>(block_group, m0, num_groups);
           if (group < 0) {
             // All padding: a stage holding only the rows' indices (fp8_gemm_math reads them).
             const u32 s = it % kNumStages;
