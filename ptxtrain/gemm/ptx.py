@@ -160,8 +160,6 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str, epilogue:
     # (1D1D: B's per-column scales by TMA; 1D2D: its two block scales, see Fp8GemmSmem)
     slot_sfb = ceil_div(block_n * 4, 128) * 128 if kind in _1D1D_KINDS else 16
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + slot_sfa + slot_sfb
-    if kind == "m_grouped":  # (the m_indices of a tile's rows, in its first stage)
-        per_stage += block_m * 4
     return epilogue + num_stages * per_stage + 2 * num_stages * 8 + 1024
 
 
@@ -590,8 +588,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
 
 
 def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
-    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``
-    (``m_indices`` contiguous and 16-byte aligned);
+    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``;
     ``k_offsets`` (kind ``"k_grouped"``, ``out`` [G, M, N]): [G + 1] int32 prefix sums of the
     groups' K / 128; (kind ``"masked"``, A [G, M_max, K], ``out`` [G, M_max, N]): masked_m."""
     from ptxtrain.jit import tma_2d_bytes
@@ -712,7 +709,7 @@ def grouped_config(
     bn = min(cfg.block_n, 128)
     epi = epilogue_bytes(128, bn, torch.bfloat16) if cfg.tma_store else 0
     stages = _MAX_STAGES
-    while stages > 2 and smem_bytes(128, bn, stages, "m_grouped", epi) > _SMEM_BYTES:
+    while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > _SMEM_BYTES:
         stages -= 1
     cfg = PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0, raster)
     return _with_split_tail(cfg, "1d2d", m, n, k, num_sms) if split else cfg
@@ -899,10 +896,7 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
     if g == 0:
         return out.zero_()
     _check_runnable(a_fp8, n, k)
-    # The kernel reads it by pointer, unit stride; each tile takes its group from its rows.
-    m_indices = m_indices.contiguous()
-    if m_indices.data_ptr() % 16:  # (16-byte loads of a tile's indices)
-        m_indices = m_indices.clone()
+    m_indices = m_indices.contiguous()  # the kernel reads it by pointer, unit stride
     # Per 64-row block, the largest index of its rows: the block's group (-1: all padding).
     block_group = m_indices.reshape(-1, 64).amax(dim=1)
     return _write_into(

@@ -96,6 +96,13 @@
 #define PTXTRAIN_GEMM_DIAG_NO_PROMOTE 0
 #endif
 
+// Diagnostic only (benchmarks.bench_grouped --ab "#PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX=1"; padding
+// rows then store their products instead of zeros): the M-grouped math warps skip the global
+// loads of their rows' m_indices, to time what those loads cost the tile.
+#ifndef PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX
+#define PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX 0
+#endif
+
 namespace ptxtrain {
 
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
@@ -121,8 +128,7 @@ __host__ __device__ constexpr bool sfb_in_stage() {
                     (kBlockM == 128 && kGroupMode <= 1 && kBlocks >= 8));
 }
 
-template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0,
-          bool kRowIdx = false>
+template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0>
 struct Fp8GemmSmem {
   static constexpr int kBlockK = 128;
   // The TMA-store epilogue's staging tiles (0 with direct stores) come first: 8 KB boxes,
@@ -139,10 +145,7 @@ struct Fp8GemmSmem {
   static constexpr u32 kOffB = kOffA + kNumStages * kBytesA;
   static constexpr u32 kOffSfa = kOffB + kNumStages * kBytesB;
   static constexpr u32 kOffSfb = kOffSfa + kNumStages * kSlotSfa;
-  // M-grouped (kRowIdx): the m_indices of a tile's rows, copied into the tile's first stage.
-  static constexpr u32 kBytesIdx = kRowIdx ? kBlockM * 4 : 0;
-  static constexpr u32 kOffIdx = kOffSfb + kNumStages * kSlotSfb;
-  static constexpr u32 kOffBar = kOffIdx + kNumStages * kBytesIdx;
+  static constexpr u32 kOffBar = kOffSfb + kNumStages * kSlotSfb;
   // + 1024 so the base can be rounded up to the 1024-B alignment of 128-byte-swizzled tiles.
   static constexpr u32 kTotal = kOffBar + 2 * kNumStages * 8 + 1024;
   static constexpr u32 kTxBytes = kBytesA + kBytesB + kBytesSfa + kBytesSfb;
@@ -352,40 +355,23 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
 }
 
 // The group of B (and of sf_b) the tile at row m0 of unit group kg multiplies; -1: nothing to
-// compute. Masked (kGroupMode 3): kg, or -1 at or past masked_m[kg] (`group_info`; nothing
-// stored). Dense and K-grouped: 0. (M-grouped: group_of_tile_blocks / group_of_rows.)
-template <int kGroupMode>
-__device__ __forceinline__ int tile_group(const int* group_info, int m0, int kg) {
-  if constexpr (kGroupMode == 3) {
+// compute. M-grouped (kGroupMode 1): from `block_group` (per 64-row block, the largest m_indices
+// value of its rows: every non-padding row of an aligned 128-row chunk names the same group,
+// padding rows are -1); -1 for all padding or an index outside [0, num_groups) (the tile then
+// stores zeros). Masked (3): kg, or -1 at or past masked_m[kg] (`group_info`; nothing stored).
+// Dense and K-grouped: 0.
+template <int kGroupMode, int kBlockM>
+__device__ __forceinline__ int tile_group(const int* block_group, const int* group_info, int m0,
+                                          int kg, int num_groups) {
+  if constexpr (kGroupMode == 1) {
+    int g = __ldg(block_group + m0 / 64);
+    if constexpr (kBlockM == 128) g = max(g, __ldg(block_group + m0 / 64 + 1));
+    return g < num_groups ? g : -1;
+  } else if constexpr (kGroupMode == 3) {
     return m0 < __ldg(group_info + kg) ? kg : -1;
   } else {
     return 0;
   }
-}
-
-// M-grouped (kGroupMode 1), for the producer: the group of the tile at row m0 from `block_group`
-// (per 64-row block, the largest m_indices value of its rows, computed before the launch):
-// every non-padding row of an aligned 128-row chunk names the same group and padding rows are
-// -1; -1 for all padding or an index outside [0, num_groups) (the tile then stores zeros).
-template <int kBlockM>
-__device__ __forceinline__ int group_of_tile_blocks(const int* block_group, int m0,
-                                                    int num_groups) {
-  int g = __ldg(block_group + m0 / 64);
-  if constexpr (kBlockM == 128) g = max(g, __ldg(block_group + m0 / 64 + 1));
-  return g < num_groups ? g : -1;
-}
-
-// M-grouped, for the math warps: the same from the tile's row indices (m_indices + m0, all rows
-// of A since M is a multiple of 128) in shared memory, by a whole converged warp
-// (each lane reads kBlockM / 32 of them; PTX ISA "redux.sync", sm_80+).
-template <int kBlockM>
-__device__ __forceinline__ int group_of_rows(const int* rows, int lane, int num_groups) {
-  int g = -1;
-#pragma unroll
-  for (int i = 0; i < kBlockM / 32; ++i) g = max(g, rows[32 * i + lane]);
-  int all;
-  asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;\n" : "=r"(all) : "r"(g));
-  return all < num_groups ? all : -1;
 }
 
 // Work units of a cluster: kCluster adjacent M-blocks of one N-block (B multicast), or with
@@ -564,17 +550,16 @@ template <class Mma, int kBlockM, int kBlockN, int kNumStages, int kN, int kK, b
           bool kSplitK = false>
 __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned char* smem_a,
                                               unsigned char* smem_b, unsigned char* smem_sfa,
-                                              unsigned char* smem_sfb, unsigned char* smem_idx,
-                                              u64* full, u64* empty,
+                                              unsigned char* smem_sfb, u64* full, u64* empty,
                                               const float* sf_b, const TmaDescriptor* tma_d,
                                               void* out, int m, int num_m_groups, int num_units,
                                               int first_unit, int unit_stride, u32 rank,
-                                              const int* m_indices, int num_groups,
-                                              const int* group_info,
+                                              const int* m_indices, const int* block_group,
+                                              int num_groups, const int* group_info,
                                               int num_dp_units, int splits, float* split_ws,
                                               int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
-  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes, kGroupMode == 1>;
+  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kWaves = MathShape<kBlockM>::kWaves;
   constexpr int kNumKBlocks = (kK + 127) / 128;
@@ -608,29 +593,20 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
         slice, num_dp_units, splits);
     const int m0 = Units::m0(mg, rank);
     const int n0 = Units::n0(nb, rank);
-    int group = 0;
-    // M-grouped: this thread's rows' m_indices (a padding row, -1, stores zeros) and the tile's
-    // group, read from the tile's first stage, where the producer copied the indices of its rows
-    // (no global loads here: one in flight holds up the fence of the stage releases that follow,
-    // 0.7-1.7% of the 8 x 512 GEMMs, benchmarks/results/2026-11-23-s22-h200/call6). An
-    // all-padding tile's stage holds only the indices and is released at once.
+    const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
+    if (kGroupMode == 3 && group < 0) continue;  // masked off: neither computed nor stored
+    // M-grouped: this thread's rows' m_indices, loaded now so that their latency hides behind
+    // the main loop instead of stalling the epilogue (a padding row, -1, stores zeros; measured
+    // 1-9% faster than loading them in the epilogue, benchmarks/results/2026-11-22-s9-h200/call7).
     int row_midx[kGroupMode == 1 ? 2 * kWaves : 1];
     if constexpr (kGroupMode == 1) {
-      const u32 s0 = it % kNumStages;
-      mbarrier_wait(&full[s0], (it / kNumStages) & 1u);
-      const int* idx = reinterpret_cast<const int*>(smem_idx + s0 * Smem::kBytesIdx);
-      group = group_of_rows<kBlockM>(idx, lane, num_groups);
 #pragma unroll
       for (int wh = 0; wh < 2 * kWaves; ++wh) {
-        row_midx[wh] = idx[(wh / 2) * 64 * kNumMathWG + row0 + 8 * (wh % 2)];
+        const int row = m0 + (wh / 2) * 64 * kNumMathWG + row0 + 8 * (wh % 2);
+        row_midx[wh] = (group >= 0 && row < m && !PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX)
+                           ? __ldg(m_indices + row)
+                           : 0;
       }
-      if (group < 0) {
-        release_read_stage<kCluster>(&empty[s0], lane);
-        ++it;
-      }
-    } else {
-      group = tile_group<kGroupMode>(group_info, m0, kg);
-      if (kGroupMode == 3 && group < 0) continue;  // masked off: neither computed nor stored
     }
 #pragma unroll
     for (int w = 0; w < kWaves; ++w) {
@@ -931,9 +907,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
 // descriptor of D with 64-row x 128-byte boxes and 128-byte swizzle (see EpiShape); 0: `out` is
 // written directly from registers. kGroupMode 1 (DeepGEMM's m-grouped contiguous layout): B is the
 // [G, N, K] stack seen as [G * N, K], sf_b [G, ⌈N/128⌉, ⌈K/128⌉]; each tile takes its group from
-// `block_group` (group_of_tile_blocks; the math warps from its rows' m_indices, copied into its
-// first stage: group_of_rows) and rows
-// with m_indices -1 store zeros; otherwise the last three
+// `block_group` (see tile_group) and rows with m_indices -1 store zeros; otherwise the last three
 // arguments are unused. kGroupMode: 0 dense, 1 M-grouped (above), 2 K-grouped (the experts'
 // wgrad, 1D1D): D is [G, M, N] seen as [G·M, N], group g's K blocks are group_info[g] ..
 // group_info[g + 1] - 1 of A [M, ΣK] and B [N, ΣK] (group_unit); `m` is the per-group M. 3
@@ -960,7 +934,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const int* group_info, int num_dp_units, int splits, float* split_ws,
                        int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
-  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes, kGroupMode == 1>;
+  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kNumKBlocks = (kK + 127) / 128;
   using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
@@ -995,7 +969,6 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   unsigned char* smem_b = smem + Smem::kOffB;
   unsigned char* smem_sfa = smem + Smem::kOffSfa;
   unsigned char* smem_sfb = smem + Smem::kOffSfb;
-  unsigned char* smem_idx = smem + Smem::kOffIdx;
   u64* full = reinterpret_cast<u64*>(smem + Smem::kOffBar);
   u64* empty = full + kNumStages;
 
@@ -1059,23 +1032,9 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
         // M-grouped / masked: B is [G * N, K], group g's rows start at g * N; all-padding and
         // masked-off tiles load nothing (the math warpgroups skip them too, so the stage ring
         // stays in step). Masked: A is [G * M_max, K], group g's rows start at g * M_max.
-        int group;
-        if constexpr (kGroupMode == 1) {
-          group = group_of_tile_blocks<kBlockM>(block_group, m0, num_groups);
-          if (group < 0) {
-            // All padding: a stage holding only the rows' indices (fp8_gemm_math reads them).
-            const u32 s = it % kNumStages;
-            mbarrier_wait(&empty[s], ((it / kNumStages) & 1u) ^ 1u);
-            mbarrier_arrive_expect_tx(&full[s], Smem::kBytesIdx);
-            bulk_load_1d(smem_idx + s * Smem::kBytesIdx, m_indices + m0, Smem::kBytesIdx,
-                         &full[s]);
-            ++it;
-            continue;
-          }
-        } else {
-          group = tile_group<kGroupMode>(group_info, m0, kg);
-          if (group < 0) continue;
-        }
+        const int group =
+            tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
+        if (group < 0) continue;
         const int a_row = (kGroupMode == 3 ? kg * m : 0) + m0;
         const float* sfb_lo_hi[2];
         if constexpr (sfb_in_stage<k1D1D, kBlockM, kK, kGroupMode>()) {
@@ -1095,15 +1054,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
             cp_async_4(slot + 4, sfb_lo_hi[1] + kb);
             cp_async_mbarrier_arrive(&full[s]);
           }
-          // The full tiles arrive: this CTA's part plus the peer's multicast part (M-grouped: and,
-          // in the tile's first stage, the m_indices of its rows).
-          if (kGroupMode == 1 && kbi == 0) {
-            mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes + Smem::kBytesIdx);
-            bulk_load_1d(smem_idx + s * Smem::kBytesIdx, m_indices + m0, Smem::kBytesIdx,
-                         &full[s]);
-          } else {
-            mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
-          }
+          // The full tiles arrive: this CTA's part plus the peer's multicast part.
+          mbarrier_arrive_expect_tx(&full[s], Smem::kTxBytes);
           if constexpr (kMcastA) {
             tma_load_2d_multicast(smem_a + s * Smem::kBytesA + rank * kHalfA, &tma_a, &full[s],
                                   kb * 128, a_row + static_cast<int>(rank) * (kBlockM / kCluster),
@@ -1128,8 +1080,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   } else {
     fp8_gemm_math<Mma, kBlockM, kBlockN, kNumStages, kN, kK, k1D1D, kOut, kAccumulate, kCluster,
                   kUnrollK, kDoubleAcc, kEpiBoxes, kGroupMode, kRasterM, kMcastA, kSplitK>(
-        smem_d, smem_a, smem_b, smem_sfa, smem_sfb, smem_idx, full, empty, sf_b, &tma_d, out, m,
-        num_m_groups, num_units, first_unit, unit_stride, rank, m_indices,
+        smem_d, smem_a, smem_b, smem_sfa, smem_sfb, full, empty, sf_b, &tma_d, out, m,
+        num_m_groups, num_units, first_unit, unit_stride, rank, m_indices, block_group,
         num_groups, group_info, num_dp_units, splits, split_ws, split_counters);
   }
   // No CTA leaves while a peer may still multicast into it or arrive on its barriers.
