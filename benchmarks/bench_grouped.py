@@ -149,8 +149,9 @@ def main() -> None:
                         lambda: ptx.run_with_config("1d2d", qa, qd, dcfg, torch.bfloat16),
                         flops, dense_want, rows, shape, cfg=dcfg.__dict__)  # fmt: skip
             summary[f"dense[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
+        # --same-expert: every row on expert 0, checked against dense_want
+        zeros = torch.zeros_like(m_indices) if args.same_expert else None
         if args.same_expert:
-            zeros = torch.zeros_like(m_indices)
             one = timed(timer, "m_grouped_contiguous same-expert",
                         lambda: grouped.m_grouped_fp8_gemm_nt_contiguous(
                             qa, qb, zeros, check_indices=False),
@@ -158,7 +159,7 @@ def main() -> None:
                         rows_per_group=rows_)  # fmt: skip
             summary[f"grouped_same_expert_over_dense_ptx_{tag}"] = one / dptx
             # and the kernel alone: the per-64-row groups computed once, outside the timing
-            block_group = m_indices.reshape(-1, 64).amax(dim=1)
+            block_group = ptx.block_groups(m_indices)
             d_buf = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
             def kernel_only():
@@ -180,10 +181,9 @@ def main() -> None:
             finally:
                 ptx.set_source_defines("")
             summary[f"grouped[{spec}]_over_dense_ptx_{tag}"] = alt / dptx
-        # (--same-expert: each config also with every row on expert 0, against dense_want)
         cases = [("", m_indices, want)]
-        if args.same_expert:
-            cases.append(("same-expert ", torch.zeros_like(m_indices), dense_want))
+        if args.same_expert:  # each config also with every row on expert 0
+            cases.append(("same-expert ", zeros, dense_want))
         for spec, (label, idx, ref_d) in itertools.product(args.cfg, cases):
             cfg = _grouped_cfg(spec)
             alt = timed(timer, f"m_grouped_contiguous {label}{spec}",

@@ -47,7 +47,7 @@ def main() -> None:
         ops = m_grouped_operands(n, k)
         m, x, w, qa, qws, qb = (ops[key] for key in ("m", "x", "w", "qa", "qws", "qb"))
         m_indices = ops["m_indices"]
-        block_group = m_indices.reshape(-1, 64).amax(dim=1)  # as ptx._m_grouped_contiguous
+        block_group = ptx.block_groups(m_indices)
         flops, shape = 2.0 * m * n * k, [m, n, k]
         dense = timed(timer, "dense ptx", lambda: ptx.fp8_gemm_nt(qa, qws[0]), flops,
                      x @ w[0].t(), rows, shape)  # fmt: skip

@@ -883,6 +883,12 @@ def m_grouped_fp8_gemm_nt_contiguous(
     return _m_grouped_contiguous(a, b, m_indices, out, out_dtype, (m, n, k, g))
 
 
+def block_groups(m_indices: torch.Tensor) -> torch.Tensor:
+    """The m-grouped kernel's tile-group input: per 64-row block of ``m_indices`` ([M] int32, M a
+    multiple of 64), the largest index of its rows, i.e. the block's group (-1: all padding)."""
+    return m_indices.reshape(-1, 64).amax(dim=1)
+
+
 def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
     """:func:`m_grouped_fp8_gemm_nt_contiguous` after validation (``dims`` = (M, N, K, G));
     ``cfg``: explicit block sizes (benchmarks; None: :func:`grouped_config`'s)."""
@@ -897,8 +903,7 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
         return out.zero_()
     _check_runnable(a_fp8, n, k)
     m_indices = m_indices.contiguous()  # the kernel reads it by pointer, unit stride
-    # Per 64-row block, the largest index of its rows: the block's group (-1: all padding).
-    block_group = m_indices.reshape(-1, 64).amax(dim=1)
+    block_group = block_groups(m_indices)
     return _write_into(
         out, (m, n), dtype, a_fp8.device, False,
         lambda d: _launch("m_grouped", a, b, d, False, dtype, cfg, (m_indices, block_group)),
