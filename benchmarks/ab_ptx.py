@@ -7,7 +7,8 @@ Triton kernel) in one process (bench method).
 
 A variant is ``NAME[:SPEC[:SPEC...]]``; a SPEC is ``BMxBNsSTAGEScCLUSTER[a][d][k]`` (block sizes,
 as ``benchmarks.profile_gemm --config``; default the heuristic's pick), ``sN`` (the heuristic's
-block sizes with an N-stage ring), ``split`` / ``nosplit`` (the config with / without the split
+block sizes with an N-stage ring; ``sNeM``: with M staged epilogue boxes per math warpgroup,
+``PtxConfig.epi_boxes``), ``split`` / ``nosplit`` (the config with / without the split
 tail, ``PtxConfig.split_k``), ``#MACRO=VALUE`` (a ``#define`` put before the header:
 ``ptx.set_source_defines``) or ``yield=MODE`` (the SASS post-pass on the promotion FFMAs' yield
 bits, ``ptx.set_ffma_yield``: ``interleave``, ``all`` or ``none``; variants without it run
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 
 import torch
 
@@ -39,7 +41,8 @@ from ptxtrain.testing import calc_diff
 def parse_variant(text: str) -> tuple[str, str | None, str, bool | None, str]:
     """``"name:128x128s5c1d:#PTXTRAIN_GEMM_CHUNK=16"`` -> (name, config text or None, defines,
     split, FFMA yield mode). A SPEC ``sN`` (e.g. ``s16``) keeps the heuristic's block sizes with
-    an N-stage ring (fewer where shared memory ends); it is returned as the config text.
+    an N-stage ring (fewer where shared memory ends), ``sNeM`` with M staged epilogue boxes too;
+    it is returned as the config text.
     ``split`` / ``nosplit`` set the config's ``split_k`` (split: True / False; None keeps the
     config's). ``yield=MODE`` sets the mode (default ``"off"``).
 
@@ -57,7 +60,7 @@ def parse_variant(text: str) -> tuple[str, str | None, str, bool | None, str]:
                     f"variant {text!r}: expected yield=MODE, MODE one of {FFMA_YIELD_MODES}, "
                     f"got {spec!r}"
                 )
-        elif spec[:1] == "s" and spec[1:].isdigit():
+        elif re.fullmatch(r"s\d+(e\d+)?", spec):
             cfg = spec
         elif spec in ("split", "nosplit"):
             split = spec == "split"
@@ -116,7 +119,10 @@ def main() -> None:
         for name, cfg_text, defines, split, ffma_yield in variants:
             cfg = ptx.select_config(args.kind, m, n, k, sms)
             if cfg_text and cfg_text[0] == "s":
-                cfg = _with_stages(cfg, int(cfg_text[1:]), args.kind, out_dtype)
+                stages, _, boxes = cfg_text[1:].partition("e")
+                if boxes:
+                    cfg = dataclasses.replace(cfg, epi_boxes=int(boxes))
+                cfg = _with_stages(cfg, int(stages), args.kind, out_dtype)
             elif cfg_text:
                 cfg = parse_config(cfg_text)
             if split is not None:
