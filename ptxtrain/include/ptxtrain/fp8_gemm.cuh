@@ -103,6 +103,15 @@
 #define PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX 0
 #endif
 
+// Diagnostic only (wrong results unless 0): what the 1D1D promotion's parts cost. Bit 1: no
+// per-element scale products (fin += acc · sf_b[col], 64 fewer FMUL per block and thread);
+// bit 2: every lane reads its column scales from the same address (group j's first pair: one
+// address per warp-wide 8-byte load instead of four); bit 4: 16-byte loads of the column scales
+// (each group's pair selected from its 16-byte chunk: twice the shared-memory wavefronts).
+#ifndef PTXTRAIN_GEMM_DIAG_1D1D
+#define PTXTRAIN_GEMM_DIAG_1D1D 0
+#endif
+
 namespace ptxtrain {
 
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
@@ -207,7 +216,15 @@ template <int kBlockN, bool k1D1D>
 __device__ __forceinline__ void promote(float (&fin)[kBlockN / 2], const float (&acc)[kBlockN / 2],
                                         float sa0, float sa1, float sfb_lo, float sfb_hi,
                                         int split, const float (&sb)[k1D1D ? kBlockN / 4 : 1]) {
-  if constexpr (k1D1D) {
+  if constexpr (k1D1D && (PTXTRAIN_GEMM_DIAG_1D1D & 1)) {
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      fin[4 * j + 0] += acc[4 * j + 0] * sb[2 * j];
+      fin[4 * j + 1] += acc[4 * j + 1] * sb[2 * j + 1];
+      fin[4 * j + 2] += acc[4 * j + 2] * sb[2 * j];
+      fin[4 * j + 3] += acc[4 * j + 3] * sb[2 * j + 1];
+    }
+  } else if constexpr (k1D1D) {
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
       fin[4 * j + 0] += acc[4 * j + 0] * (sa0 * sb[2 * j]);
@@ -640,9 +657,20 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       if constexpr (k1D1D) {
         // col0 is even and the slot 128-B aligned: one 8-byte load per 8-column group.
         const float2* sfb = reinterpret_cast<const float2*>(smem_sfb + s * Smem::kSlotSfb);
+        if constexpr ((PTXTRAIN_GEMM_DIAG_1D1D & 4) != 0) {
+          const float4* sfb4 = reinterpret_cast<const float4*>(sfb);
+#pragma unroll
+          for (int j = j0; j < j1; ++j) {
+            const float4 v = sfb4[2 * j + col0 / 4];
+            const bool odd = (col0 / 2) & 1;
+            sb[2 * j] = odd ? v.z : v.x;
+            sb[2 * j + 1] = odd ? v.w : v.y;
+          }
+          return;
+        }
 #pragma unroll
         for (int j = j0; j < j1; ++j) {
-          const float2 v = sfb[4 * j + col0 / 2];
+          const float2 v = sfb[4 * j + ((PTXTRAIN_GEMM_DIAG_1D1D & 2) ? 0 : col0 / 2)];
           sb[2 * j] = v.x;
           sb[2 * j + 1] = v.y;
         }
