@@ -189,7 +189,7 @@ def _default_out(kind: str) -> torch.dtype:
 
 def _config_smem(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
     epi = epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype, cfg.epi_boxes) if cfg.tma_store else 0
-    tc = _tc_scale(kind, cfg.block_m, cfg.block_n)
+    tc = _tc_scale(kind, cfg.block_n, cfg.double_acc)
     return smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind, epi, tc)
 
 
@@ -200,10 +200,10 @@ def _tc_scale_on() -> bool:
     return bool(int(found.group(1))) if found else _TC_SCALE
 
 
-def _tc_scale(kind: str, block_m: int, block_n: int) -> bool:
-    """Whether a kernel of this kind and tile takes the scales as their TF32 split (``tc_scale``
-    in fp8_gemm.cuh: dense 1D1D, tiles of at most 128 x 128 columns)."""
-    return kind == "1d1d" and block_m <= 128 and block_n == 128 and _tc_scale_on()
+def _tc_scale(kind: str, block_n: int, double_acc: bool) -> bool:
+    """Whether a kernel of this kind and tile takes B's scales as their TF32 split (``tc_scale``
+    in fp8_gemm.cuh: dense 1D1D, 128-column double-accumulator tiles)."""
+    return kind == "1d1d" and block_n == 128 and double_acc and _tc_scale_on()
 
 
 def _tc_scale_operand(sf_t: torch.Tensor, rows: int, operand: str) -> torch.Tensor:
@@ -308,7 +308,7 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     epi_boxes = 1 if bm == 256 else 0
     epi = epilogue_bytes(bm, bn, _default_out(kind), epi_boxes) if tma_store else 0
     stages = _MAX_STAGES if large else _MAX_STAGES_DECODE
-    tc = _tc_scale(kind, bm, bn)
+    tc = _tc_scale(kind, bn, bm <= 128 and bn <= 128)
     while stages > 2 and smem_bytes(bm, bn, stages, kind, epi, tc) > _SMEM_BYTES:
         stages -= 1
     # Multicast B over two CTAs when there are enough tiles to fill the SMs and the extra
@@ -694,7 +694,7 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
     split_a, split_b = (cfg.cluster, 1) if cfg.multicast_a else (1, cfg.cluster)
     tma_a = tma_2d_bytes(a8, cfg.block_m // split_a, BLOCK_K, swizzle="128B")
     tma_b = tma_2d_bytes(b8, cfg.block_n // split_b, BLOCK_K, swizzle="128B")
-    tc = _tc_scale(kind, cfg.block_m, cfg.block_n)
+    tc = _tc_scale(kind, cfg.block_n, cfg.double_acc)
     if tc:
         sfa = _tc_scale_operand(sfa, m, "a")
         tma_sfa = tma_2d_bytes(sfa, cfg.block_m, 4)

@@ -154,10 +154,9 @@ __host__ __device__ constexpr bool sfb_in_stage() {
 // Why: the 1D1D kernel is bound by shared-memory bandwidth (the wgmma operand reads, the TMA
 // writes and the column scales' 8-byte loads, 32 wavefronts per warp and block) and by the
 // FMULs: without both, 12-13% faster (benchmarks/results/2026-11-23-s23-h200/call2).
-template <bool k1D1D, int kBlockM, int kBlockN, int kGroupMode>
+template <bool k1D1D, int kBlockN, int kGroupMode, bool kDoubleAcc>
 __host__ __device__ constexpr bool tc_scale() {
-  return PTXTRAIN_GEMM_1D1D_TC != 0 && k1D1D && kBlockM <= 128 && kBlockN == 128 &&
-         kGroupMode == 0;
+  return PTXTRAIN_GEMM_1D1D_TC != 0 && k1D1D && kBlockN == 128 && kGroupMode == 0 && kDoubleAcc;
 }
 
 template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0,
@@ -613,7 +612,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                               int num_dp_units, int splits, float* split_ws,
                                               int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
-  constexpr bool kTcScale = tc_scale<k1D1D, kBlockM, kBlockN, kGroupMode>();
+  constexpr bool kTcScale = tc_scale<k1D1D, kBlockN, kGroupMode, kDoubleAcc>();
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes, kTcScale>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kWaves = MathShape<kBlockM>::kWaves;
@@ -892,27 +891,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     for (int kb = 0; kb < num_kb; ++kb, ++it) {
       const u32 s = it % kNumStages;
       const u32 phase = (it / kNumStages) & 1u;
-      if constexpr (kTcScale) {
-        // tc_scale, one accumulator: the block's scale products in the same wait as its MMAs.
-        mbarrier_wait(&full[s], phase);
-        issue_kblock<Mma, kBlockN>(acc, a_lo0 + s * (Smem::kBytesA >> 4),
-                                   b_lo0 + s * (Smem::kBytesB >> 4));
-        float sc[64];
-        const u32 sa_lo = ((smem_addr(smem_sfa + s * Smem::kSlotSfa) + wg * 64 * 16) >> 4) |
-                          ((Smem::kBytesSfa >> 4) << 16);
-        const u32 sb_lo = (smem_addr(smem_sfb + s * Smem::kSlotSfb) >> 4) |
-                          ((Smem::kBytesSfb >> 4) << 16);
-        wgmma_m64n128k8_f32_tf32(sc, smem_desc(sa_lo, kTcDescHi), smem_desc(sb_lo, kTcDescHi));
-        wgmma_commit_group();
-        wgmma_wait_group<0>();
-        wgmma_fence_operand(acc);
-        wgmma_fence_operand(sc);
-        __syncwarp();
-        release_stage<kCluster>(&empty[s], lane);
-#pragma unroll
-        for (int i = 0; i < 64; ++i) fin[0][i] += acc[i] * sc[i];
-        continue;
-      }
       float sfb_lo = 1.0f, sfb_hi = 1.0f;
       if constexpr (!kSfbInStage) load_sfb(s, kb, sfb_lo, sfb_hi);
       mbarrier_wait(&full[s], phase);
@@ -1067,7 +1045,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const int* group_info, int num_dp_units, int splits, float* split_ws,
                        int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
-  constexpr bool kTcScale = tc_scale<k1D1D, kBlockM, kBlockN, kGroupMode>();
+  constexpr bool kTcScale = tc_scale<k1D1D, kBlockN, kGroupMode, kDoubleAcc>();
   using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes, kTcScale>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kNumKBlocks = (kK + 127) / 128;
