@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
 from dataclasses import dataclass
 
@@ -69,10 +68,6 @@ _SOURCE_DEFINES = ""
 # The SASS post-pass on the promotion FFMAs' yield bits (set_ffma_yield; None: the environment's).
 _FFMA_YIELD: str | None = None
 _GROUP_MODE = {"m_grouped": 1, "k_grouped": 2, "masked": 3}  # the kernel's kGroupMode (0: dense)
-# Dense 1D1D, 128-column double-accumulator tiles: the scale products from the tensor core
-# (PTXTRAIN_GEMM_1D1D_TC in fp8_gemm.cuh, :func:`_tc_scale_operand`); a #define of it in
-# set_source_defines overrides this default.
-_TC_SCALE = os.environ.get("PTXTRAIN_GEMM_1D1D_TC", "0").strip() == "1"
 
 
 @dataclass(frozen=True)
@@ -158,27 +153,12 @@ def tma_store_fits(block_n: int, n: int, out_dtype: torch.dtype) -> bool:
     return block_n % (128 // elem) == 0 and (n * elem) % 16 == 0
 
 
-def smem_bytes(
-    block_m: int,
-    block_n: int,
-    num_stages: int,
-    kind: str,
-    epilogue: int = 0,
-    tc_scale: bool = False,
-) -> int:
+def smem_bytes(block_m: int, block_n: int, num_stages: int, kind: str, epilogue: int = 0) -> int:
     """Dynamic shared memory of one CTA (mirrors ``Fp8GemmSmem`` in fp8_gemm.cuh); ``epilogue``:
-    bytes of the TMA-store staging tiles (:func:`epilogue_bytes`, 0 for direct stores);
-    ``tc_scale``: the 1D1D kernel takes B's scales as their TF32 split (:func:`_tc_scale`)."""
+    bytes of the TMA-store staging tiles (:func:`epilogue_bytes`, 0 for direct stores)."""
     slot_sfa = ceil_div(block_m * 4, 128) * 128
-    # (1D1D: B's per-column scales by TMA, or the TF32 split of both operands' scales (16 B per
-    # row or column) and as many zero bytes; 1D2D: its two block scales, see Fp8GemmSmem)
-    if tc_scale:
-        slot_sfa = block_m * 32
-        slot_sfb = block_n * 32
-    elif kind in _1D1D_KINDS:
-        slot_sfb = ceil_div(block_n * 4, 128) * 128
-    else:
-        slot_sfb = 16
+    # (1D1D: B's per-column scales by TMA; 1D2D: its two block scales, see Fp8GemmSmem)
+    slot_sfb = ceil_div(block_n * 4, 128) * 128 if kind in _1D1D_KINDS else 16
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + slot_sfa + slot_sfb
     return epilogue + num_stages * per_stage + 2 * num_stages * 8 + 1024
 
@@ -189,38 +169,7 @@ def _default_out(kind: str) -> torch.dtype:
 
 def _config_smem(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
     epi = epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype, cfg.epi_boxes) if cfg.tma_store else 0
-    tc = _tc_scale(kind, cfg.block_n, cfg.double_acc)
-    return smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind, epi, tc)
-
-
-def _tc_scale_on() -> bool:
-    """Whether kernels compiled now take the tensor-core scale products: PTXTRAIN_GEMM_1D1D_TC as
-    :func:`set_source_defines` sets it, else ``_TC_SCALE``."""
-    found = re.search(r"#define\s+PTXTRAIN_GEMM_1D1D_TC\s+(\d+)", _SOURCE_DEFINES)
-    return bool(int(found.group(1))) if found else _TC_SCALE
-
-
-def _tc_scale(kind: str, block_n: int, double_acc: bool) -> bool:
-    """Whether a kernel of this kind and tile takes B's scales as their TF32 split (``tc_scale``
-    in fp8_gemm.cuh: dense 1D1D, 128-column double-accumulator tiles)."""
-    return kind == "1d1d" and block_n == 128 and double_acc and _tc_scale_on()
-
-
-def _tc_scale_operand(sf_t: torch.Tensor, rows: int, operand: str) -> torch.Tensor:
-    """1D1D scales ``sf_t`` ([KB, ≥ rows] fp32, K block-major) as an operand of the tf32 wgmma of
-    ``tc_scale`` (fp8_gemm.cuh): [KB · R_pad, 4] fp32, R_pad = ``rows`` rounded up to 128 (zero
-    rows past ``rows``), row kb · R_pad + r = [hi, hi, lo, 0] (``operand`` "a") or [hi, lo, hi,
-    0] ("b") of sf[kb, r], so that a row of A times a column of B is hi·hi + hi·lo + lo·hi; hi
-    keeps the upper 19 bits (TF32, what the tensor core reads), lo = sf - hi (exact)."""
-    num_kb = sf_t.shape[0]
-    r_pad = ceil_div(rows, 128) * 128
-    sf = sf_t[:, :rows]
-    hi = (sf.view(torch.int32) & -8192).view(torch.float32)  # & 0xFFFFE000
-    out = torch.zeros(num_kb, r_pad, 4, dtype=torch.float32, device=sf_t.device)
-    out[:, :rows, 0] = hi
-    out[:, :rows, 1 if operand == "a" else 2] = hi
-    out[:, :rows, 2 if operand == "a" else 1] = sf - hi
-    return out.view(num_kb * r_pad, 4)
+    return smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind, epi)
 
 
 def _efficiency(bm: int, bn: int, k: int) -> float:
@@ -308,8 +257,7 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     epi_boxes = 1 if bm == 256 else 0
     epi = epilogue_bytes(bm, bn, _default_out(kind), epi_boxes) if tma_store else 0
     stages = _MAX_STAGES if large else _MAX_STAGES_DECODE
-    tc = _tc_scale(kind, bn, bm <= 128 and bn <= 128)
-    while stages > 2 and smem_bytes(bm, bn, stages, kind, epi, tc) > _SMEM_BYTES:
+    while stages > 2 and smem_bytes(bm, bn, stages, kind, epi) > _SMEM_BYTES:
         stages -= 1
     # Multicast B over two CTAs when there are enough tiles to fill the SMs and the extra
     # (zero) M-block of an odd count wastes little: it halves B's L2 -> SM traffic (measured
@@ -387,10 +335,7 @@ def kernel_source(
     ``"1d2d"``, ``"1d1d"``, ``"m_grouped"`` (the 1D2D kernel over an m-grouped contiguous A) or
     ``"k_grouped"`` (the 1D1D kernel over groups of K; ``k`` is then unused))."""
     # The name expression instantiates the template (NVRTC's nvrtcAddNameExpression).
-    defines = _SOURCE_DEFINES
-    if _TC_SCALE and "PTXTRAIN_GEMM_1D1D_TC" not in defines:
-        defines += "#define PTXTRAIN_GEMM_1D1D_TC 1\n"
-    src = f"{defines}#include <ptxtrain/fp8_gemm.cuh>\n{_wgmma_struct(cfg.block_n)}"
+    src = f"{_SOURCE_DEFINES}#include <ptxtrain/fp8_gemm.cuh>\n{_wgmma_struct(cfg.block_n)}"
     expr = (
         f"ptxtrain::fp8_gemm_nt_kernel<Wgmma, {cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, "
         f"{n}, {k}, {'true' if kind in _1D1D_KINDS else 'false'}, {_OUT_CODE[out_dtype]}, "
@@ -694,19 +639,10 @@ def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_of
     split_a, split_b = (cfg.cluster, 1) if cfg.multicast_a else (1, cfg.cluster)
     tma_a = tma_2d_bytes(a8, cfg.block_m // split_a, BLOCK_K, swizzle="128B")
     tma_b = tma_2d_bytes(b8, cfg.block_n // split_b, BLOCK_K, swizzle="128B")
-    tc = _tc_scale(kind, cfg.block_n, cfg.double_acc)
-    if tc:
-        sfa = _tc_scale_operand(sfa, m, "a")
-        tma_sfa = tma_2d_bytes(sfa, cfg.block_m, 4)
-    else:
-        tma_sfa = tma_2d_bytes(sfa, 1, cfg.block_m)
+    tma_sfa = tma_2d_bytes(sfa, 1, cfg.block_m)
     if kind in _1D1D_KINDS:
         sfb_t = _mn_major_padded(sf_b if sf_b.dtype == torch.float32 else sf_b.float())
-        if tc:
-            sfb_t = _tc_scale_operand(sfb_t, n, "b")
-            tma_sfb = tma_2d_bytes(sfb_t, cfg.block_n, 4)
-        else:
-            tma_sfb = tma_2d_bytes(sfb_t, 1, cfg.block_n)
+        tma_sfb = tma_2d_bytes(sfb_t, 1, cfg.block_n)
         sfb_ptr = sfb_t  # unused by the kernel; any valid pointer
     else:
         tma_sfb = tma_sfa  # unused by the 1D2D kernel

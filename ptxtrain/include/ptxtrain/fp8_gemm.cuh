@@ -112,13 +112,6 @@
 #define PTXTRAIN_GEMM_DIAG_1D1D 0
 #endif
 
-// 1D1D: the per-element scale products sf_a[row] · sf_b[col] of a block from the tensor core (see
-// tc_scale) instead of 16 shared loads and 64 FMULs per thread. The launch then passes, in place
-// of B's scales, their TF32 split (ptx._tc_scale_operand).
-#ifndef PTXTRAIN_GEMM_1D1D_TC
-#define PTXTRAIN_GEMM_1D1D_TC 0
-#endif
-
 namespace ptxtrain {
 
 // Rows of A per rasterization group (see unit_coords): the kernels' kRasterM by default.
@@ -144,23 +137,7 @@ __host__ __device__ constexpr bool sfb_in_stage() {
                     (kBlockM == 128 && kGroupMode <= 1 && kBlocks >= 8));
 }
 
-// 1D1D, dense, double accumulators, BLOCK_N 128, PTXTRAIN_GEMM_1D1D_TC: a block's scale products
-// S[r][c] = sf_a[r] · sf_b[c] come from two tf32 wgmma m64n64k8 per warpgroup with both operands
-// in the stage: A's row r is [hi(sa), hi(sa), lo(sa), 0], B's column c [hi(sb), lo(sb), hi(sb),
-// 0] (16 bytes each, by TMA from ptx._tc_scale_operand), their K columns 4..7 a zero half of the
-// slot, so S = hi·hi + hi·lo + lo·hi (relative error about 2^-20; hi = the upper 19 bits, what
-// the tensor core reads, lo = the rest, both exact in fp32). The promotion is then one FFMA per
-// element, with no shared-memory loads.
-// Why: the 1D1D kernel is bound by shared-memory bandwidth (the wgmma operand reads, the TMA
-// writes and the column scales' 8-byte loads, 32 wavefronts per warp and block) and by the
-// FMULs: without both, 12-13% faster (benchmarks/results/2026-11-23-s23-h200/call2).
-template <bool k1D1D, int kBlockN, int kGroupMode, bool kDoubleAcc>
-__host__ __device__ constexpr bool tc_scale() {
-  return PTXTRAIN_GEMM_1D1D_TC != 0 && k1D1D && kBlockN == 128 && kGroupMode == 0 && kDoubleAcc;
-}
-
-template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0,
-          bool kTcScale = false>
+template <int kBlockM, int kBlockN, int kNumStages, bool k1D1D, int kEpiBytes = 0>
 struct Fp8GemmSmem {
   static constexpr int kBlockK = 128;
   // The TMA-store epilogue's staging tiles (0 with direct stores) come first: 8 KB boxes,
@@ -168,17 +145,12 @@ struct Fp8GemmSmem {
   static constexpr u32 kOffA = kEpiBytes;
   static constexpr u32 kBytesA = kBlockM * kBlockK;             // one stage of A, 1024-B multiple
   static constexpr u32 kBytesB = kBlockN * kBlockK;             // one stage of B
-  // fp32 scales of A's rows; kTcScale: their TF32 split, 16 bytes per row (see tc_scale)
-  static constexpr u32 kBytesSfa = kTcScale ? kBlockM * 16 : kBlockM * 4;
-  // fp32 scales of B's rows; kTcScale: their TF32 split, 16 bytes per row (see tc_scale)
-  static constexpr u32 kBytesSfb = kTcScale ? kBlockN * 16 : k1D1D ? kBlockN * 4 : 0;
-  // TMA destinations: 128-B aligned (kTcScale: then as many zero bytes, as for B)
-  static constexpr u32 kSlotSfa = kTcScale ? 2 * kBytesSfa : (kBytesSfa + 127) / 128 * 128;
+  static constexpr u32 kBytesSfa = kBlockM * 4;                 // fp32 scales of A's rows
+  static constexpr u32 kBytesSfb = k1D1D ? kBlockN * 4 : 0;     // fp32 scales of B's rows
+  static constexpr u32 kSlotSfa = (kBytesSfa + 127) / 128 * 128;  // TMA destinations: 128-B aligned
   // (1D2D: room for the two 128x128-block scales of B of a stage's block, lo and hi, when the
   // producer copies them in, see sfb_in_stage; not part of the TMA transaction bytes)
-  // (kTcScale: the split's 2 KB, then 2 KB of zeros, the K columns 4..7 of the tf32 wgmma's B)
-  static constexpr u32 kSlotSfb =
-      kTcScale ? 2 * kBytesSfb : k1D1D ? (kBytesSfb + 127) / 128 * 128 : 16;
+  static constexpr u32 kSlotSfb = k1D1D ? (kBytesSfb + 127) / 128 * 128 : 16;
   static constexpr u32 kOffB = kOffA + kNumStages * kBytesA;
   static constexpr u32 kOffSfa = kOffB + kNumStages * kBytesB;
   static constexpr u32 kOffSfb = kOffSfa + kNumStages * kSlotSfa;
@@ -273,14 +245,6 @@ __device__ __forceinline__ void promote(float (&fin)[kBlockN / 2], const float (
       fin[4 * j + 3] += acc[4 * j + 3] * s1;
     }
   }
-}
-
-// tc_scale's promotion of one 64-column half (kHalf) of a 128-column tile: fin += acc · S.
-template <int kHalf>
-__device__ __forceinline__ void promote_tc(float (&fin)[64], const float (&acc)[64],
-                                           const float (&scale)[32]) {
-#pragma unroll
-  for (int i = 0; i < 32; ++i) fin[32 * kHalf + i] += acc[32 * kHalf + i] * scale[i];
 }
 
 // Math warpgroups of a BLOCK_M tile: one for 64 rows, two for 128 and 256 (each then covers
@@ -612,8 +576,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
                                               int num_dp_units, int splits, float* split_ws,
                                               int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
-  constexpr bool kTcScale = tc_scale<k1D1D, kBlockN, kGroupMode, kDoubleAcc>();
-  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes, kTcScale>;
+  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kWaves = MathShape<kBlockM>::kWaves;
   constexpr int kNumKBlocks = (kK + 127) / 128;
@@ -629,10 +592,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
   // Descriptor low words (issue_kblock) of stage 0: this warpgroup's first 64 rows of A, and B.
   const u32 a_lo0 = (smem_addr(smem_a) + wg * 64 * 128) >> 4;
   const u32 b_lo0 = smem_addr(smem_b) >> 4;
-  // tc_scale: the scale split's descriptor, K-major without swizzle: 8-row core matrices of
-  // 16-byte rows, 128 B apart along N (stride byte offset); the K columns 4..7 (leading byte
-  // offset in the low word) are the slot's zero half.
-  constexpr u32 kTcDescHi = smem_desc_hi(128, SmemSwizzle::kNone);
   u32 it = 0;
   const int units_per_group = num_m_groups * Units::kNumNUnits;
   float acc[kBlockN / 2];
@@ -745,7 +704,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the
       // rest of its scales, release the stage, promote.
-#define PTXTRAIN_FP8_GEMM_RETIRE_SB(kb, cur, nxt, next)                                         \
+#define PTXTRAIN_FP8_GEMM_RETIRE(kb, cur, nxt, next)                                            \
   {                                                                                           \
     const u32 s = it % kNumStages;                                                            \
     float sfb_lo = 1.0f, sfb_hi = 1.0f;                                                       \
@@ -777,46 +736,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     promote<kBlockN, k1D1D>(fin[0], cur, sa0, sa1, sfb_lo, sfb_hi, split, sb);                \
     ++it;                                                                                     \
   }
-      // tc_scale: the block's scale products by two tf32 wgmmas (one per 64-column half) from the
-      // stage; block kb + 1 is issued once the first half is promoted, so the second half's
-      // promotion runs beside it (in-order wgmma groups: the second product is issued before it).
-#define PTXTRAIN_FP8_GEMM_RETIRE_TC(kb, cur, nxt, next)                                         \
-  {                                                                                           \
-    const u32 s = it % kNumStages;                                                            \
-    const u32 sa_lo = ((smem_addr(smem_sfa + s * Smem::kSlotSfa) + wg * 64 * 16) >> 4) |      \
-                      ((Smem::kBytesSfa >> 4) << 16);                                         \
-    const u32 sb_lo = (smem_addr(smem_sfb + s * Smem::kSlotSfb) >> 4) |                       \
-                      ((Smem::kBytesSfb >> 4) << 16);                                         \
-    float sc[32];                                                                             \
-    wgmma_fence();                                                                            \
-    wgmma_m64n64k8_f32_tf32(sc, smem_desc(sa_lo, kTcDescHi), smem_desc(sb_lo, kTcDescHi));    \
-    wgmma_commit_group();                                                                     \
-    wgmma_wait_group<0>();                                                                    \
-    wgmma_fence_operand(cur);                                                                 \
-    wgmma_fence_operand(sc);                                                                  \
-    promote_tc<0>(fin[0], cur, sc);                                                           \
-    wgmma_fence();                                                                            \
-    wgmma_m64n64k8_f32_tf32(sc, smem_desc(sa_lo, kTcDescHi),                                  \
-                            smem_desc(sb_lo + 64, kTcDescHi));                                \
-    wgmma_commit_group();                                                                     \
-    if (next) {                                                                               \
-      const u32 s1 = (it + 1) % kNumStages;                                                   \
-      mbarrier_wait(&full[s1], ((it + 1) / kNumStages) & 1u);                                 \
-      issue_kblock<Mma, kBlockN>(nxt, a_lo0 + s1 * (Smem::kBytesA >> 4),                     \
-                                 b_lo0 + s1 * (Smem::kBytesB >> 4));                          \
-      wgmma_wait_group<1>();                                                                  \
-    } else {                                                                                  \
-      wgmma_wait_group<0>();                                                                  \
-    }                                                                                         \
-    wgmma_fence_operand(sc);                                                                  \
-    __syncwarp();                                                                             \
-    release_stage<kCluster>(&empty[s], lane);                                                 \
-    promote_tc<1>(fin[0], cur, sc);                                                           \
-    ++it;                                                                                     \
-  }
-#define PTXTRAIN_FP8_GEMM_RETIRE(kb, cur, nxt, next)                                            \
-  if constexpr (kTcScale) PTXTRAIN_FP8_GEMM_RETIRE_TC(kb, cur, nxt, next)                     \
-  else PTXTRAIN_FP8_GEMM_RETIRE_SB(kb, cur, nxt, next)
       // Chunks of kChunk blocks, each fully unrolled and drained at its end (wait_group 0): ptxas
       // serializes wgmmas that are still in flight across a loop's back edge, so none is. After
       // unrolling, `i` is a constant and the parity / last-block branches fold away.
@@ -852,8 +771,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       }
 #undef PTXTRAIN_FP8_GEMM_CHUNK
 #undef PTXTRAIN_FP8_GEMM_RETIRE
-#undef PTXTRAIN_FP8_GEMM_RETIRE_TC
-#undef PTXTRAIN_FP8_GEMM_RETIRE_SB
     } else if constexpr (PTXTRAIN_GEMM_DIAG_NO_PROMOTE != 0 && kWaves == 1) {
       // (diagnostic, see PTXTRAIN_GEMM_DIAG_NO_PROMOTE: block kb's wgmmas accumulate onto block
       // kb - 1's in flight; the stage of kb - 1 is released once only kb's group is pending)
@@ -1045,8 +962,7 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
                        const int* group_info, int num_dp_units, int splits, float* split_ws,
                        int* split_counters) {
   using Epi = EpiShape<kBlockM, kBlockN, kOut, kEpiBoxes>;
-  constexpr bool kTcScale = tc_scale<k1D1D, kBlockN, kGroupMode, kDoubleAcc>();
-  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes, kTcScale>;
+  using Smem = Fp8GemmSmem<kBlockM, kBlockN, kNumStages, k1D1D, Epi::kBytes>;
   constexpr int kNumMathWG = MathShape<kBlockM>::kWarpgroups;
   constexpr int kNumKBlocks = (kK + 127) / 128;
   using Units = UnitShape<kBlockM, kBlockN, kN, kCluster, kMcastA, kRasterM>;
@@ -1098,19 +1014,6 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
   const int first_unit = blockIdx.x / kCluster;
   const int unit_stride = gridDim.x / kCluster;
 
-  if constexpr (kTcScale) {
-    // The zero halves of the scale slots (the tf32 wgmma's K columns 4..7), written once; the
-    // TMA fills only the first half. Fenced for the tensor core's (async proxy) reads.
-    for (u32 i = threadIdx.x; i < kNumStages * Smem::kBytesSfb / 4; i += blockDim.x) {
-      const u32 s = i / (Smem::kBytesSfb / 4), j = i % (Smem::kBytesSfb / 4);
-      reinterpret_cast<float*>(smem_sfb + s * Smem::kSlotSfb + Smem::kBytesSfb)[j] = 0.0f;
-    }
-    for (u32 i = threadIdx.x; i < kNumStages * Smem::kBytesSfa / 4; i += blockDim.x) {
-      const u32 s = i / (Smem::kBytesSfa / 4), j = i % (Smem::kBytesSfa / 4);
-      reinterpret_cast<float*>(smem_sfa + s * Smem::kSlotSfa + Smem::kBytesSfa)[j] = 0.0f;
-    }
-    fence_proxy_async_shared_cta();
-  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
       mbarrier_init(&full[s], 1);
@@ -1195,20 +1098,8 @@ __global__ void __launch_bounds__((MathShape<kBlockM>::kWarpgroups + 1) * 128, 1
           } else {
             tma_load_2d(smem_b + s * Smem::kBytesB, &tma_b, &full[s], kb * 128, group * kN + n0);
           }
-          if constexpr (kTcScale) {
-            // [K blocks · M rounded up to 128, 4] floats: block kb's rows m0.. (see tc_scale)
-            const int m_pad = (m + 127) / 128 * 128;
-            tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], 0, kb * m_pad + a_row);
-          } else {
-            tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
-          }
-          if constexpr (kTcScale) {
-            // [K blocks · N rounded up to 128, 4] floats: block kb's rows n0.. (see tc_scale)
-            constexpr int kNPad = (kN + 127) / 128 * 128;
-            tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], 0, kb * kNPad + n0);
-          } else if constexpr (k1D1D) {
-            tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
-          }
+          tma_load_2d(smem_sfa + s * Smem::kSlotSfa, &tma_sfa, &full[s], a_row, kb);
+          if constexpr (k1D1D) tma_load_2d(smem_sfb + s * Smem::kSlotSfb, &tma_sfb, &full[s], n0, kb);
         }
       }
       }

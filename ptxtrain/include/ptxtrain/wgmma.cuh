@@ -94,27 +94,4 @@ __device__ __forceinline__ void wgmma_m64n128k32_f32_e4m3(float (&d)[64], u64 de
       : "l"(desc_a), "l"(desc_b), "r"(static_cast<u32>(accumulate)));
 }
 
-// "wgmma.mma_async" m64n64k8, FP32 accumulate, TF32 x TF32, both operands K-major from shared
-// memory: d = A(64x8) . B(64x8)^T (scale-d = 0: d is written, not read). The tensor core reads
-// the upper 19 bits of each 32-bit input (TF32).
-__device__ __forceinline__ void wgmma_m64n64k8_f32_tf32(float (&d)[32], u64 desc_a, u64 desc_b) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
-        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b));
-}
-
 }  // namespace ptxtrain
