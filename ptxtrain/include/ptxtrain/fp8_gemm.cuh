@@ -107,7 +107,9 @@
 // per-element scale products (fin += acc · sf_b[col], 64 fewer FMUL per block and thread);
 // bit 2: every lane reads its column scales from the same address (group j's first pair: one
 // address per warp-wide 8-byte load instead of four); bit 4: 16-byte loads of the column scales
-// (each group's pair selected from its 16-byte chunk: twice the shared-memory wavefronts).
+// (each group's pair selected from its 16-byte chunk: twice the shared-memory wavefronts); bit 8:
+// each group's pair of scales from one 32-bit word as two bf16 halves (half the wavefronts and
+// two integer ops per pair: what 16-bit scales, exact for power-of-two ones, would cost).
 #ifndef PTXTRAIN_GEMM_DIAG_1D1D
 #define PTXTRAIN_GEMM_DIAG_1D1D 0
 #endif
@@ -657,6 +659,16 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       if constexpr (k1D1D) {
         // col0 is even and the slot 128-B aligned: one 8-byte load per 8-column group.
         const float2* sfb = reinterpret_cast<const float2*>(smem_sfb + s * Smem::kSlotSfb);
+        if constexpr ((PTXTRAIN_GEMM_DIAG_1D1D & 8) != 0) {
+          const u32* words = reinterpret_cast<const u32*>(sfb);
+#pragma unroll
+          for (int j = j0; j < j1; ++j) {
+            const u32 v = words[4 * j + col0 / 2];
+            sb[2 * j] = __uint_as_float(v << 16);
+            sb[2 * j + 1] = __uint_as_float(v & 0xFFFF0000u);
+          }
+          return;
+        }
         if constexpr ((PTXTRAIN_GEMM_DIAG_1D1D & 4) != 0) {
           const float4* sfb4 = reinterpret_cast<const float4*>(sfb);
 #pragma unroll
