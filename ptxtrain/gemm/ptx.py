@@ -509,9 +509,9 @@ _SPLIT_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 def _split_counters(device_index: int, count: int) -> torch.Tensor:
     from ptxtrain.jit.launch import _raw_stream
 
-    # (the raw getters: torch.cuda.current_stream() and is_current_stream_capturing() cost about
-    # 10 µs of host time per launch together, benchmarks/results/2026-11-23-s23-h200/call7)
-    if torch._C._cuda_isCurrentStreamCapturing():
+    # (the raw stream getter: torch.cuda.current_stream() cost 8.5 µs of host time per launch,
+    # benchmarks/results/2026-11-23-s23-h200/call7)
+    if torch.cuda.is_current_stream_capturing():
         # A CUDA graph gets counters of its own (zeroed inside the graph, from its private pool):
         # graphs captured on one stream may replay at once on different streams.
         return torch.zeros(count, dtype=torch.int32, device=f"cuda:{device_index}")
