@@ -106,12 +106,14 @@
 // Diagnostic only (wrong results unless 0): what the 1D1D promotion's parts cost. Bit 1: no
 // per-element scale products (fin += acc · sf_b[col], 64 fewer FMUL per block and thread);
 // bit 2: every lane reads its column scales from the same address (group j's first pair: one
-// address per warp-wide 8-byte load instead of four); bit 4: 16-byte loads of the column scales
-// (each group's pair selected from its 16-byte chunk: twice the shared-memory wavefronts); bit 8:
-// each group's pair of scales from one 32-bit word as two bf16 halves (half the wavefronts and
-// two integer ops per pair: what 16-bit scales, exact for power-of-two ones, would cost).
+// address per warp-wide 8-byte load instead of four). (Bits 4 and 8, twice and half the column
+// scales' shared-memory wavefronts, were measured and removed:
+// benchmarks/results/2026-11-23-s23-h200/, calls 2 and 10.)
 #ifndef PTXTRAIN_GEMM_DIAG_1D1D
 #define PTXTRAIN_GEMM_DIAG_1D1D 0
+#endif
+#if (PTXTRAIN_GEMM_DIAG_1D1D) & ~3
+#error "PTXTRAIN_GEMM_DIAG_1D1D: bits 1 and 2 only"
 #endif
 
 namespace ptxtrain {
@@ -659,27 +661,6 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
       if constexpr (k1D1D) {
         // col0 is even and the slot 128-B aligned: one 8-byte load per 8-column group.
         const float2* sfb = reinterpret_cast<const float2*>(smem_sfb + s * Smem::kSlotSfb);
-        if constexpr ((PTXTRAIN_GEMM_DIAG_1D1D & 8) != 0) {
-          const u32* words = reinterpret_cast<const u32*>(sfb);
-#pragma unroll
-          for (int j = j0; j < j1; ++j) {
-            const u32 v = words[4 * j + col0 / 2];
-            sb[2 * j] = __uint_as_float(v << 16);
-            sb[2 * j + 1] = __uint_as_float(v & 0xFFFF0000u);
-          }
-          return;
-        }
-        if constexpr ((PTXTRAIN_GEMM_DIAG_1D1D & 4) != 0) {
-          const float4* sfb4 = reinterpret_cast<const float4*>(sfb);
-#pragma unroll
-          for (int j = j0; j < j1; ++j) {
-            const float4 v = sfb4[2 * j + col0 / 4];
-            const bool odd = (col0 / 2) & 1;
-            sb[2 * j] = odd ? v.z : v.x;
-            sb[2 * j + 1] = odd ? v.w : v.y;
-          }
-          return;
-        }
 #pragma unroll
         for (int j = j0; j < j1; ++j) {
           const float2 v = sfb[4 * j + ((PTXTRAIN_GEMM_DIAG_1D1D & 2) ? 0 : col0 / 2)];
