@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json")
+    p.add_argument("--recipe", default="deepseek", help="Fp8Linear recipe (ptxtrain.nn.RECIPES)")
     p.add_argument(
         "--timeline",
         action="store_true",
@@ -87,10 +88,10 @@ def main() -> None:
     rows = []
     for n, k in DSV3_DENSE_NK:
         bf16 = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        fp8 = Fp8Linear.from_linear(bf16, Fp8LinearConfig.from_recipe_name("deepseek"))
+        fp8 = Fp8Linear.from_linear(bf16, Fp8LinearConfig.from_recipe_name(args.recipe))
         x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(args.m, n, device="cuda", dtype=torch.bfloat16)
-        row = {"m": args.m, "n": n, "k": k}
+        row = {"m": args.m, "n": n, "k": k, "recipe": args.recipe}
         for name, layer in (("bf16", bf16), ("fp8", fp8)):
             times = kernel_times(_fwd_bwd(layer, x, dy), args.iters)
             row[name] = times

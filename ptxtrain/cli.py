@@ -367,6 +367,14 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="timed calls per measurement; the median is reported (default: 50, linear 30, "
         "dispatch 20)",
     )
+    p.add_argument(
+        "--recipe",
+        choices=("deepseek", "deepseek_pow2", "deepseek_wgrad_bf16"),
+        default="deepseek",
+        help="linear: Fp8Linear's recipe (default: deepseek, scales amax / 448; deepseek_pow2 "
+        "rounds every scale up to a power of two, as Transformer Engine's Float8BlockScaling "
+        "does by default)",
+    )
     d = p.add_argument_group("dispatch (DeepEP's setting by default)")
     d.add_argument("--tokens", type=_int_at_least(1), default=4096, help="tokens per rank")
     d.add_argument("--hidden", type=_int_at_least(1), default=7168, help="hidden size")
@@ -455,7 +463,7 @@ def _run_bench(ns: argparse.Namespace) -> int:
             (gemm.bench_1d1d(**kw), gemm.format_table),
         ]
     else:
-        records = [(linear.bench_linear(**kw), linear.format_table)]
+        records = [(linear.bench_linear(recipe=ns.recipe, **kw), linear.format_table)]
     for record, fmt in records:
         print(fmt(record))
     if ns.json:

@@ -76,6 +76,7 @@ def _error(argv, capsys):
         (["frobnicate"], "invalid choice"),
         (["bench", "matmul"], "invalid choice: 'matmul'"),
         (["bench", "gemm", "--repeats", "0"], "--repeats: must be >= 1"),
+        (["bench", "linear", "--recipe", "bf16"], "invalid choice: 'bf16'"),
         ([], "required"),
     ],
 )
