@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import itertools
 import os
 import re
 import shutil
@@ -289,6 +291,31 @@ def test_fast_scale_division_is_exact_over_the_whole_amax_range(emu_lib):
     emu_lib.emu_check_fast_sf.restype = ctypes.c_longlong
     bad = emu_lib.emu_check_fast_sf(ctypes.c_uint(eps_bits), ctypes.c_uint(0x7F800000))
     assert bad == 0, f"{bad} amax values where the fast scale differs from div.rn (see stderr)"
+
+
+@pytest.mark.parametrize("in_kind, finite_end", [(1, 0x7F80), (2, 0x7C00)], ids=["bf16", "fp16"])
+def test_one_correction_quotient_is_exact_for_16_bit_inputs(emu_lib, in_kind, finite_end):
+    # 16-bit inputs quantize with one residual correction of x * rcp(sf) instead of two
+    # (quotient<true> in cast_transpose.cuh). Proof by exhaustion: every positive finite 16-bit
+    # amax and every positive 16-bit x <= amax gives the same E4M3 byte as the correctly
+    # rounded quotient (~5e8 pairs per dtype; the amax range split over threads, ctypes
+    # releases the GIL). The pair count is checked so that a shortened loop cannot pass.
+    emu_lib.emu_check_one_step.restype = ctypes.c_longlong
+    # Equal work per chunk: amax bits ha carries ha values of x, so cut at sqrt spacing.
+    chunks = 8
+    cuts = [1] + [int(finite_end * ((i / chunks) ** 0.5)) for i in range(1, chunks)] + [finite_end]
+
+    def run(lo_hi):
+        pairs = ctypes.c_longlong(0)
+        bad = emu_lib.emu_check_one_step(in_kind, lo_hi[0], lo_hi[1], ctypes.byref(pairs))
+        return bad, pairs.value
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(run, itertools.pairwise(cuts)))
+    bad = sum(b for b, _ in results)
+    pairs = sum(n for _, n in results)
+    assert pairs == (finite_end - 1) * finite_end // 2  # sum over ha of its ha values of x
+    assert bad == 0, f"{bad} (x, amax) pairs where one correction changes the E4M3 byte"
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))

@@ -139,3 +139,34 @@ extern "C" long long emu_check_fast_sf(unsigned lo_bits, unsigned hi_bits) {
   }
   return bad;
 }
+
+// The one-correction quotient of 16-bit inputs (ptxtrain_quant::quotient<true>) against the
+// correctly rounded one (quotient<false>), compared as E4M3 bytes, for every positive finite
+// 16-bit amax whose bits lie in [lo, hi) (in_kind 1: bf16, 2: fp16; the 1e-4 clamp applied as
+// the kernel does) and every positive 16-bit x <= amax: all the (x, scale) pairs a 16-bit tile
+// can produce (both computations are odd in x, and x = ±0 gives ±0 in both). Stores the pairs
+// checked in *pairs; returns the mismatches (the first few printed on stderr).
+extern "C" long long emu_check_one_step(int in_kind, unsigned lo, unsigned hi, long long* pairs) {
+  const auto widen = [in_kind](unsigned h) {
+    return in_kind == 1 ? __uint_as_float(h << 16) : ptxtrain_quant::f16_to_f32(
+                                                         static_cast<ptxtrain::u16>(h));
+  };
+  long long bad = 0, n = 0;
+  for (unsigned ha = lo; ha < hi; ++ha) {
+    const ptxtrain_quant::Scale s =
+        ptxtrain_quant::make_scale<false>(__float_as_uint(widen(ha)));
+    for (unsigned hx = 1; hx <= ha; ++hx) {
+      const float x = widen(hx);
+      const unsigned char want = ptxtrain::e4m3_rn_satfinite(ptxtrain_quant::quotient<false>(x, s));
+      const unsigned char got = ptxtrain::e4m3_rn_satfinite(ptxtrain_quant::quotient<true>(x, s));
+      if (want != got) {
+        if (bad < 5) std::fprintf(stderr, "one step: amax %04x x %04x: %02x != %02x\n", ha, hx,
+                                  got, want);
+        ++bad;
+      }
+      ++n;
+    }
+  }
+  *pairs = n;
+  return bad;
+}
