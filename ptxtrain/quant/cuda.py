@@ -15,8 +15,9 @@ One module per input dtype (float32 / bfloat16 / float16) holds the ten instanti
 modes x ``pow2_scale``); it is compiled once by NVRTC for ``sm_90a`` and cached on disk by
 ``ptxtrain.jit``. The arithmetic is the reference's, bit for bit: amax from the bits of |x| (NaN
 wins), the 1e-4 clamp, ``sf = amax / 448`` as ``div.rn``, the power-of-two rounding on the bits,
-``x / sf`` correctly rounded (a reciprocal and two exact-residual FMA corrections; ``div.rn``
-for non-finite scales), and ``cvt.rn.satfinite.e4m3x2.f32``.
+``x / sf`` correctly rounded (a reciprocal and two exact-residual FMA corrections; one for
+bf16 / fp16 input, whose E4M3 bytes are then the same for every (x, amax) pair, proven by
+exhaustion in the tests; ``div.rn`` for non-finite scales), and ``cvt.rn.satfinite.e4m3x2.f32``.
 
 Tests: besides the GPU tests, ``tests/quant/test_cuda.py`` compiles the same kernel source as
 host C++ (``kernels/host_emulation.hpp``: fibers for the threads, bounds and alignment checks on
