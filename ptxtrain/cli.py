@@ -68,7 +68,7 @@ def _float_at_least(low: float, *, strict: bool = False) -> Callable[[str], floa
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     from .model import PRESETS
     from .parallel.stages import SCHEDULES
-    from .train.loop import DEVICES, EP_BACKENDS, PRECISIONS, TrainArgs
+    from .train.loop import DEVICES, EP_BACKENDS, FP8_RECIPES, PRECISIONS, TrainArgs
 
     d = TrainArgs()  # the defaults, shown in the help; flags default to None ("not given")
 
@@ -85,6 +85,14 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bf16, or fp8 = DeepSeek-V3 fine-grained FP8 Linear layers (1x128 activation tiles, "
         f"128x128 weight blocks, E4M3) (default: {d.precision})",
+    )
+    g.add_argument(
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        default=None,
+        help="with --precision fp8: deepseek (scales amax / 448), deepseek_pow2 (each scale "
+        "rounded up to a power of two, Transformer Engine's Float8BlockScaling default) or "
+        f"deepseek_wgrad_bf16 (the weight gradient in BF16) (default: {d.fp8_recipe})",
     )
 
     g.add_argument(

@@ -73,6 +73,8 @@ def _error(argv, capsys):
         (["train", "--precision", "fp16"], "invalid choice"),
         (["train", "--bogus"], "unrecognized arguments"),
         (["train", "--ep", "0"], "--ep: must be >= 1"),
+        (["train", "--fp8-recipe", "bf16"], "invalid choice: 'bf16'"),
+        (["train", "--fp8-recipe", "deepseek_pow2"], "--fp8-recipe applies to --precision fp8"),
         (["frobnicate"], "invalid choice"),
         (["bench", "matmul"], "invalid choice: 'matmul'"),
         (["bench", "gemm", "--repeats", "0"], "--repeats: must be >= 1"),

@@ -88,6 +88,8 @@ from .metrics import MetricsWriter, format_summary, plot_loss_curve, read_metric
 from .pipeline import all_reduce_grads
 
 PRECISIONS = ("bf16", "fp8")
+# Fp8Linear recipes --fp8-recipe takes (ptxtrain.nn.RECIPES without "bf16", which runs no FP8).
+FP8_RECIPES = ("deepseek", "deepseek_pow2", "deepseek_wgrad_bf16")
 DEVICES = ("auto", "cpu", "cuda")
 EP_BACKENDS = ("all_to_all", "nvlink")  # ptxtrain.moe.Buffer backends (--ep-backend)
 PP_OVERLAP_ENV = "PTXTRAIN_PP_OVERLAP"  # read by ptxtrain.train.pipeline.PipelineRunner
@@ -95,6 +97,7 @@ PP_OVERLAP_ENV = "PTXTRAIN_PP_OVERLAP"  # read by ptxtrain.train.pipeline.Pipeli
 TRAJECTORY_FIELDS = (
     "preset",
     "precision",
+    "fp8_recipe",  # (left out of the checkpoint while it is the default: see trajectory())
     "steps",
     "batch_size",
     "seq_len",
@@ -158,6 +161,9 @@ class TrainArgs:
     # --- model and numerics ---
     preset: str = "tiny"  # model preset name (ptxtrain.model.PRESETS)
     precision: str = "bf16"  # "bf16", or "fp8" = DeepSeek-V3 fine-grained FP8 Linear layers
+    # with precision "fp8": the Fp8Linear recipe (FP8_RECIPES); "deepseek_pow2" rounds every
+    # scale up to a power of two, as Transformer Engine's Float8BlockScaling does by default
+    fp8_recipe: str = "deepseek"
     # --- schedule ---
     steps: int = 500  # optimizer steps in total (the cosine schedule spans them)
     batch_size: int = 16  # sequences per step
@@ -230,6 +236,10 @@ class TrainArgs:
             raise TrainConfigError(f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr})")
         if self.precision not in PRECISIONS:
             raise bad("precision", f"must be one of {list(PRECISIONS)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise bad("fp8_recipe", f"must be one of {list(FP8_RECIPES)}")
+        if self.fp8_recipe != "deepseek" and self.precision != "fp8":
+            raise bad("fp8_recipe", "applies to --precision fp8 only")
         if self.device not in DEVICES:
             raise bad("device", f"must be one of {list(DEVICES)}")
         if self.stop_after is not None and (not is_int(self.stop_after) or self.stop_after <= 0):
@@ -295,8 +305,14 @@ class TrainArgs:
         return Path(self.out) if self.out else Path("runs") / f"{self.preset}-{self.precision}"
 
     def trajectory(self) -> dict[str, Any]:
-        """The fields a resumed run must share with the checkpoint (``TRAJECTORY_FIELDS``)."""
-        return {k: getattr(self, k) for k in TRAJECTORY_FIELDS}
+        """The fields a resumed run must share with the checkpoint (``TRAJECTORY_FIELDS``).
+
+        ``fp8_recipe`` is left out while it is the default ``"deepseek"``, so checkpoints from
+        before the field existed (which trained with that recipe) still resume."""
+        out = {k: getattr(self, k) for k in TRAJECTORY_FIELDS}
+        if out["fp8_recipe"] == "deepseek":
+            del out["fp8_recipe"]
+        return out
 
 
 def lr_at(i: int, args: TrainArgs) -> float:
@@ -1197,7 +1213,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     model = build_model(config, dtype=pipe.param_dtype, device=device, seed=args.seed)
     pipe.split_experts(model)  # ep > 1: keep this rank's experts of the full model
     if args.precision == "fp8":
-        convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name("deepseek"))
+        convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name(args.fp8_recipe))
     model.train()
     runner = pipe.runner(model)  # None when pp == 1
     trained = model if runner is None else runner.module  # this rank's parameters
@@ -1265,8 +1281,9 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
         )
     log(
         f"model: {args.preset} ({params['total']:,} params, {params['activated']:,} activated "
-        f"per token), precision {args.precision}, device {device}; run folder {run_dir}"
-        + (f"; experts split over {args.ep} ranks" if args.ep > 1 else "")
+        f"per token), precision {args.precision}"
+        f"{f' ({args.fp8_recipe})' if args.precision == 'fp8' else ''}, device {device}; "
+        f"run folder {run_dir}" + (f"; experts split over {args.ep} ranks" if args.ep > 1 else "")
     )
 
     if device.type == "cuda":
@@ -1474,6 +1491,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
 
 
 __all__ = [
+    "FP8_RECIPES",
     "PRECISIONS",
     "RESUMED_RUN_FIELDS",
     "TRAJECTORY_FIELDS",

@@ -152,6 +152,34 @@ def test_resume_with_other_hyperparameters_is_refused(tmp_path):
         train(_args(run, resume=True), model_overrides={**SMALL, "dim": 32, "n_heads": 2})
 
 
+def test_fp8_recipe_reaches_the_layers_and_the_checkpoint(tmp_path, monkeypatch):
+    from ptxtrain.gemm import grouped
+    from ptxtrain.moe import Experts
+    from ptxtrain.nn import Fp8Linear
+
+    monkeypatch.setattr(grouped, "is_interpreted", lambda: False)  # as in the resume test
+    converted = _record_fp8_conversions(monkeypatch)
+    run = tmp_path / "run"
+    kw = dict(precision="fp8", fp8_recipe="deepseek_pow2", eval_every=0)
+    train(_args(run, stop_after=2, **kw), model_overrides=SMALL)
+    (model,) = converted
+    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert linears and experts
+    assert all(m.config.recipe_name == "deepseek_pow2" and m.config.pow2_scale for m in linears)
+    assert all(m.fp8 and m.fp8_config.pow2_scale for m in experts)
+    # The recipe is part of the trajectory: resuming with another one is refused...
+    with pytest.raises(CheckpointError, match=r"train\.fp8_recipe: checkpoint 'deepseek_pow2'"):
+        train(_args(run, resume=True, precision="fp8", eval_every=0), model_overrides=SMALL)
+    # ...and with the same one the run goes on.
+    assert train(_args(run, resume=True, **kw), model_overrides=SMALL)["step"] == 6
+    # The default recipe stays out of the trajectory, so older checkpoints keep resuming.
+    assert "fp8_recipe" not in TrainArgs(precision="fp8").trajectory()
+    assert TrainArgs(precision="fp8", fp8_recipe="deepseek_pow2").trajectory()["fp8_recipe"] == (
+        "deepseek_pow2"
+    )
+
+
 def test_run_folder_contents(tmp_path):
     run = tmp_path / "run"
     s = train(_args(run, sample_tokens=24), model_overrides=SMALL)
@@ -204,6 +232,8 @@ def test_existing_run_folder_needs_resume_or_overwrite(tmp_path):
         ({"seq_len": 64}, "max_seq_len"),
         ({"preset": "huge"}, "unknown model preset"),
         ({"resume": True, "overwrite": True}, "exclude"),
+        ({"precision": "fp8", "fp8_recipe": "bf16"}, "--fp8-recipe must be one of"),
+        ({"fp8_recipe": "deepseek_pow2"}, "--fp8-recipe applies to --precision fp8 only"),
     ],
 )
 def test_bad_arguments(tmp_path, kw, match):
