@@ -15,6 +15,7 @@ import torch
 STEPS = int(os.environ.get("PTXTRAIN_CMP_STEPS", "250"))
 RUN_ROOT = Path(os.environ.get("PTXTRAIN_CMP_RUNS", "/tmp/ptxtrain-runs"))
 DEVICE = os.environ.get("PTXTRAIN_CMP_DEVICE", "cuda")  # cpu: a smoke run of this script
+RECIPE = os.environ.get("PTXTRAIN_CMP_RECIPE", "deepseek")  # the FP8 run's --fp8-recipe
 
 
 def _torch_adamw_bytes(device: torch.device) -> dict:
@@ -58,7 +59,8 @@ def compare(out_dir: Path) -> dict:
     runs = {}
     for precision in ("bf16", "fp8"):
         run_dir = RUN_ROOT / f"small-{precision}"  # checkpoints stay out of the results folder
-        args = TrainArgs(precision=precision, out=str(run_dir), **common)
+        recipe = {"fp8_recipe": RECIPE} if precision == "fp8" else {}
+        args = TrainArgs(precision=precision, out=str(run_dir), **recipe, **common)
         runs[precision] = train(args)
         for name in ("loss.png", "samples.txt"):
             shutil.copyfile(run_dir / name, out_dir / f"small-{precision}-{name}")
@@ -92,6 +94,7 @@ def compare(out_dir: Path) -> dict:
         "bench": "train_small_bf16_vs_fp8",
         "env": environment(),
         "args": common,
+        "fp8_recipe": RECIPE,
         "runs": {p: {k: r.get(k) for k in keep} | {"losses": r["losses"]} for p, r in runs.items()},
         "train_loss_gap_10step_mean": gap,
         "val_loss_rel_gap": (fp8["last_val_loss"] - bf16["last_val_loss"]) / bf16["last_val_loss"],
