@@ -1,0 +1,127 @@
+"""Is a training step's gradient a pure function of its inputs? (GPU diagnostic.)
+
+Builds the ``small`` preset with FP8 layers of ``--recipe``, takes one fixed batch, and runs
+forward + backward ``--repeats`` times from the same weights (no optimizer step). Every
+parameter's gradient of every repeat is compared bit for bit with the first; the parameters whose
+gradients differ are listed (name, how many repeats differ, largest difference). A second part
+repeats the quantizers alone on fixed inputs (pow2 and not, FULL and ragged shapes) and checks
+every output against the first call and the reference.
+
+    python -m benchmarks.diag_determinism --recipe deepseek_pow2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def model_part(recipe: str, repeats: int, batch: int, seq: int) -> dict:
+    from ptxtrain.model import build_model, get_preset
+    from ptxtrain.model.deepseek import convert_model_to_fp8_training
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("small"), device="cuda", seed=0)
+    convert_model_to_fp8_training(model, recipe)
+    model.train()
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randint(0, 256, (batch, seq + 1), generator=g).cuda()
+    runs = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        out = model(x[:, :-1], x[:, 1:])
+        out.loss.backward()
+        torch.cuda.synchronize()
+        runs.append((float(out.loss.detach()), _grads(model)))
+    g0 = runs[0][1]
+    diff: dict[str, dict] = {}
+    for _, gi in runs[1:]:
+        for name, t in gi.items():
+            if not torch.equal(t, g0[name]):
+                d = diff.setdefault(name, {"repeats": 0, "max_abs": 0.0})
+                d["repeats"] += 1
+                d["max_abs"] = max(d["max_abs"], float((t.float() - g0[name].float()).abs().max()))
+    return {
+        "recipe": recipe,
+        "losses": [r[0] for r in runs],
+        "params": len(g0),
+        "differing": diff,
+    }
+
+
+def quant_part(repeats: int) -> list[dict]:
+    from ptxtrain import quant
+    from ptxtrain.quant import ref
+    from ptxtrain.testing import assert_bitwise_equal
+
+    rows = []
+    shapes = [(8192, 768), (8192, 384), (1000, 768), (8192, 1536), (4096, 7168), (129, 300)]
+    ops = [
+        ("per_token_cast_to_fp8_both", {"sf_layout": "mn_major"}),
+        ("per_token_cast_to_fp8", {"sf_layout": "mn_major"}),
+        ("per_token_cast_to_fp8_t", {"sf_layout": "mn_major"}),
+        ("per_block_cast_to_fp8_both", {}),
+        ("per_block_cast_to_fp8", {}),
+    ]
+    for m, k in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+        for op, kw in ops:
+            for pow2 in (False, True):
+                fn = getattr(quant, op)
+                first = [t.clone() for t in fn(x, pow2_scale=pow2, **kw)]
+                bad = 0
+                for _ in range(repeats):
+                    got = fn(x, pow2_scale=pow2, **kw)
+                    bad += any(not torch.equal(a, b) for a, b in zip(first, got, strict=True))
+                want = getattr(ref, op)(x.cpu(), pow2_scale=pow2)
+                ref_ok = True
+                try:  # reference layout is row-major: compare the FP8 payloads only
+                    for a, b in zip(first, want, strict=True):
+                        if a.dtype == torch.float8_e4m3fn:
+                            assert_bitwise_equal(a.cpu(), b, op)
+                except AssertionError:
+                    ref_ok = False
+                rows.append(
+                    {"m": m, "k": k, "op": op, "pow2": pow2, "repeats_differing": bad,
+                     "fp8_equals_reference": ref_ok}
+                )  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--recipe", action="append", help="Fp8Linear recipe(s) (default: both)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--quant-repeats", type=int, default=50)
+    p.add_argument("--json")
+    args = p.parse_args()
+    from ptxtrain.bench.timing import environment
+
+    record = {"bench": "diag_determinism", "env": environment(), "model": [], "quant": []}
+    for recipe in args.recipe or ["deepseek", "deepseek_pow2"]:
+        r = model_part(recipe, args.repeats, args.batch, args.seq)
+        record["model"].append(r)
+        print(f"{recipe}: losses {r['losses']}; {len(r['differing'])} of {r['params']} "
+              "parameters with differing gradients")  # fmt: skip
+        for name, d in sorted(r["differing"].items())[:40]:
+            print(f"   {name}: {d['repeats']} repeats, max |diff| {d['max_abs']:.3g}")
+    record["quant"] = quant_part(args.quant_repeats)
+    for q in record["quant"]:
+        if q["repeats_differing"] or not q["fp8_equals_reference"]:
+            print("quant:", q)
+    print(f"quant: {len(record['quant'])} cases checked")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
