@@ -101,8 +101,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--quant-repeats", type=int, default=50)
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True, warn_only=True): PyTorch then warns at "
+        "every op of the step that has no deterministic implementation (names the suspects)",
+    )
     p.add_argument("--json")
     args = p.parse_args()
+    if args.strict:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     from ptxtrain.bench.timing import environment
 
     record = {"bench": "diag_determinism", "env": environment(), "model": [], "quant": []}
