@@ -142,21 +142,19 @@ extern "C" long long emu_check_fast_sf(unsigned lo_bits, unsigned hi_bits) {
 
 // The one-correction quotient of 16-bit inputs (ptxtrain_quant::quotient<true>) against the
 // correctly rounded one (quotient<false>), compared as E4M3 bytes, for every positive finite
-// 16-bit amax whose bits lie in [lo, hi) (in_kind 1: bf16, 2: fp16; the 1e-4 clamp applied as
-// the kernel does) and every positive 16-bit x <= amax: all the (x, scale) pairs a 16-bit tile
-// can produce (both computations are odd in x, and x = ±0 gives ±0 in both). Stores the pairs
-// checked in *pairs; returns the mismatches (the first few printed on stderr).
-extern "C" long long emu_check_one_step(int in_kind, unsigned lo, unsigned hi, long long* pairs) {
-  const auto widen = [in_kind](unsigned h) {
-    return in_kind == 1 ? __uint_as_float(h << 16) : ptxtrain_quant::f16_to_f32(
-                                                         static_cast<ptxtrain::u16>(h));
-  };
+// 16-bit amax whose bits lie in [lo, hi) (in_kind 1: bf16, 2: fp16; widened and clamped as the
+// kernel does, widen_abs16 and make_scale) and every positive 16-bit x <= amax (widened by the
+// kernel's unpack_word): all the (x, scale) pairs a 16-bit tile can produce (both computations
+// are odd in x, and x = ±0 gives ±0 in both). Stores the pairs checked in *pairs; returns the
+// mismatches (the first few printed on stderr).
+template <int IN>
+long long check_one_step(unsigned lo, unsigned hi, long long* pairs) {
   long long bad = 0, n = 0;
   for (unsigned ha = lo; ha < hi; ++ha) {
     const ptxtrain_quant::Scale s =
-        ptxtrain_quant::make_scale<false>(__float_as_uint(widen(ha)));
+        ptxtrain_quant::make_scale<false>(ptxtrain_quant::widen_abs16<IN>(ha));
     for (unsigned hx = 1; hx <= ha; ++hx) {
-      const float x = widen(hx);
+      const float x = ptxtrain_quant::unpack_word<IN>(hx, 0);
       const unsigned char want = ptxtrain::e4m3_rn_satfinite(ptxtrain_quant::quotient<false>(x, s));
       const unsigned char got = ptxtrain::e4m3_rn_satfinite(ptxtrain_quant::quotient<true>(x, s));
       if (want != got) {
@@ -169,4 +167,11 @@ extern "C" long long emu_check_one_step(int in_kind, unsigned lo, unsigned hi, l
   }
   *pairs = n;
   return bad;
+}
+
+extern "C" long long emu_check_one_step(int in_kind, unsigned lo, unsigned hi, long long* pairs) {
+  if (in_kind == ptxtrain_quant::kBF16) return check_one_step<ptxtrain_quant::kBF16>(lo, hi, pairs);
+  if (in_kind == ptxtrain_quant::kF16) return check_one_step<ptxtrain_quant::kF16>(lo, hi, pairs);
+  *pairs = 0;
+  return -1;  // not a 16-bit input kind
 }
