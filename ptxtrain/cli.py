@@ -354,6 +354,8 @@ _BENCHES = ("quant", "gemm", "linear", "dispatch")
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from .train.loop import FP8_RECIPES
+
     p.add_argument(
         "what",
         choices=_BENCHES,
@@ -377,7 +379,7 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--recipe",
-        choices=("deepseek", "deepseek_pow2", "deepseek_wgrad_bf16"),
+        choices=FP8_RECIPES,
         default="deepseek",
         help="linear: Fp8Linear's recipe (default: deepseek, scales amax / 448; deepseek_pow2 "
         "rounds every scale up to a power of two, as Transformer Engine's Float8BlockScaling "

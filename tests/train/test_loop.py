@@ -173,6 +173,11 @@ def test_fp8_recipe_reaches_the_layers_and_the_checkpoint(tmp_path, monkeypatch)
         train(_args(run, resume=True, precision="fp8", eval_every=0), model_overrides=SMALL)
     # ...and with the same one the run goes on.
     assert train(_args(run, resume=True, **kw), model_overrides=SMALL)["step"] == 6
+    # --fp8-recipe offers every Fp8Linear recipe that runs FP8 GEMMs.
+    from ptxtrain.nn import RECIPES
+    from ptxtrain.train.loop import FP8_RECIPES
+
+    assert set(FP8_RECIPES) == set(RECIPES) - {"bf16"}
     # The default recipe stays out of the trajectory, so older checkpoints keep resuming.
     assert "fp8_recipe" not in TrainArgs(precision="fp8").trajectory()
     assert TrainArgs(precision="fp8", fp8_recipe="deepseek_pow2").trajectory()["fp8_recipe"] == (
