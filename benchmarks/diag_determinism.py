@@ -7,6 +7,14 @@ gradients differ are listed (name, how many repeats differ, largest difference).
 repeats the quantizers alone on fixed inputs (pow2 and not, FULL and ragged shapes) and checks
 every output against the first call and the reference.
 
+Two more parts hunt rarer, timing-dependent differences (session 25): ``--async-repeats N``
+repeats forward + backward N times with no host synchronization between repeats (the host runs
+ahead, kernels overlap as in training: PDL tails, the caching allocator's reuse) and compares
+every gradient with the first repeat's on the device, reading the verdict once at the end;
+``--train-runs R`` runs ``ptxtrain.train.loop.train`` R times in this process
+(``--train-steps`` steps each, fresh model and optimizer, the CLI's defaults otherwise) and
+compares the per-step losses bit for bit.
+
     python -m benchmarks.diag_determinism --recipe deepseek_pow2 --json out.json
 """
 
@@ -53,6 +61,68 @@ def model_part(recipe: str, repeats: int, batch: int, seq: int) -> dict:
         "params": len(g0),
         "differing": diff,
     }
+
+
+def async_part(recipe: str, repeats: int, batch: int, seq: int) -> dict:
+    """Forward + backward ``repeats`` times with no host sync in between; per parameter, the
+    repeats whose gradient differs from the first's and the largest difference (device-side)."""
+    from ptxtrain.model import build_model, get_preset
+    from ptxtrain.model.deepseek import convert_model_to_fp8_training
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("small"), device="cuda", seed=0)
+    convert_model_to_fp8_training(model, recipe)
+    model.train()
+    g = torch.Generator(device="cpu").manual_seed(2)
+    x = torch.randint(0, 256, (batch, seq + 1), generator=g).cuda()
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    first = None
+    bad = torch.zeros(len(names), dtype=torch.int64, device="cuda")
+    worst = torch.zeros(len(names), dtype=torch.float32, device="cuda")
+    losses = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        out = model(x[:, :-1], x[:, 1:])
+        out.loss.backward()
+        losses.append(out.loss.detach().float())
+        grads = [dict(model.named_parameters())[n].grad for n in names]
+        if first is None:
+            first = [t.detach().clone() for t in grads]
+            continue
+        for i, (t, t0) in enumerate(zip(grads, first, strict=True)):
+            ne = t != t0
+            bad[i] += ne.any()
+            worst[i] = torch.maximum(worst[i], (t.float() - t0.float()).abs().max())
+    torch.cuda.synchronize()
+    loss_vals = torch.stack(losses).cpu().tolist()
+    diff = {
+        names[i]: {"repeats": int(bad[i]), "max_abs": float(worst[i])}
+        for i in range(len(names))
+        if int(bad[i])
+    }
+    return {"recipe": recipe, "repeats": repeats, "distinct_losses": sorted(set(loss_vals)),
+            "params": len(names), "differing": diff}  # fmt: skip
+
+
+def train_part(recipe: str, runs: int, steps: int, batch: int, seq: int, out: str) -> dict:
+    """``train()`` ``runs`` times in this process; the per-step losses of every run."""
+    from ptxtrain.train.loop import TrainArgs, train
+
+    all_losses = []
+    for i in range(runs):
+        args = TrainArgs(
+            preset="small", precision="fp8", fp8_recipe=recipe, steps=steps, batch_size=batch,
+            seq_len=seq, eval_every=0, sample_tokens=0, ckpt_every=0, out=f"{out}/{recipe}-{i}",
+            overwrite=True, progress=False,
+        )  # fmt: skip
+        all_losses.append(train(args)["losses"])
+    first = all_losses[0]
+    diverged = [
+        next((s + 1 for s, (a, b) in enumerate(zip(first, run, strict=True)) if a != b), None)
+        for run in all_losses
+    ]
+    return {"recipe": recipe, "runs": runs, "steps": steps, "losses": all_losses,
+            "first_differing_step": diverged}  # fmt: skip
 
 
 def quant_part(repeats: int) -> list[dict]:
@@ -107,14 +177,36 @@ def main() -> None:
         help="torch.use_deterministic_algorithms(True, warn_only=True): PyTorch then warns at "
         "every op of the step that has no deterministic implementation (names the suspects)",
     )
+    p.add_argument("--async-repeats", type=int, default=0, help="see the module note")
+    p.add_argument("--train-runs", type=int, default=0, help="see the module note")
+    p.add_argument("--train-steps", type=int, default=8)
+    p.add_argument("--train-out", default="/tmp/diag_determinism_runs")
+    p.add_argument("--no-model", action="store_true", help="skip the synchronized repeats")
     p.add_argument("--json")
     args = p.parse_args()
     if args.strict:
         torch.use_deterministic_algorithms(True, warn_only=True)
     from ptxtrain.bench.timing import environment
 
-    record = {"bench": "diag_determinism", "env": environment(), "model": [], "quant": []}
-    for recipe in args.recipe or ["deepseek", "deepseek_pow2"]:
+    record = {"bench": "diag_determinism", "env": environment(), "model": [], "quant": [],
+              "async": [], "train": []}  # fmt: skip
+    recipes = args.recipe or ["deepseek", "deepseek_pow2"]
+    for recipe in recipes if args.async_repeats else []:
+        r = async_part(recipe, args.async_repeats, args.batch, args.seq)
+        record["async"].append(r)
+        print(f"{recipe} async x{args.async_repeats}: {len(r['distinct_losses'])} distinct "
+              f"losses {r['distinct_losses'][:4]}; {len(r['differing'])} of {r['params']} "
+              "parameters with differing gradients", flush=True)  # fmt: skip
+        for name, d in sorted(r["differing"].items())[:40]:
+            print(f"   {name}: {d['repeats']} repeats, max |diff| {d['max_abs']:.3g}")
+    for recipe in recipes if args.train_runs else []:
+        r = train_part(recipe, args.train_runs, args.train_steps, args.batch, args.seq,
+                       args.train_out)  # fmt: skip
+        record["train"].append(r)
+        print(f"{recipe} train x{args.train_runs}: first differing step per run "
+              f"{r['first_differing_step']}; last losses {[run[-1] for run in r['losses']]}",
+              flush=True)  # fmt: skip
+    for recipe in [] if args.no_model else recipes:
         r = model_part(recipe, args.repeats, args.batch, args.seq)
         record["model"].append(r)
         print(f"{recipe}: losses {r['losses']}; {len(r['differing'])} of {r['params']} "
