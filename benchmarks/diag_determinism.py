@@ -13,7 +13,14 @@ ahead, kernels overlap as in training: PDL tails, the caching allocator's reuse)
 every gradient with the first repeat's on the device, reading the verdict once at the end;
 ``--train-runs R`` runs ``ptxtrain.train.loop.train`` R times in this process
 (``--train-steps`` steps each, fresh model and optimizer, the CLI's defaults otherwise) and
-compares the per-step losses bit for bit.
+compares the per-step losses bit for bit. ``--attn-repeats N`` isolates the attention core:
+``F.scaled_dot_product_attention`` forward + backward at the ``small`` model's shape (MLA heads:
+q / k 96, v 64, causal), N times from the same inputs, with and without
+:func:`ptxtrain.train.loop.deterministic_mode`: how many repeats give another dQ / dK / dV than
+the first, and the median time of one forward + backward in each mode.
+``--deterministic`` runs the model, async and train parts inside ``deterministic_mode()`` (what
+``ptxtrain train --deterministic`` does), unlike ``--strict``'s warn-only mode, which names the
+nondeterministic ops but still runs them.
 
     python -m benchmarks.diag_determinism --recipe deepseek_pow2 --json out.json
 """
@@ -104,8 +111,11 @@ def async_part(recipe: str, repeats: int, batch: int, seq: int) -> dict:
             "params": len(names), "differing": diff}  # fmt: skip
 
 
-def train_part(recipe: str, runs: int, steps: int, batch: int, seq: int, out: str) -> dict:
-    """``train()`` ``runs`` times in this process; the per-step losses of every run."""
+def train_part(
+    recipe: str, runs: int, steps: int, batch: int, seq: int, out: str, det: bool = False
+) -> dict:
+    """``train()`` ``runs`` times in this process (``det``: ``--deterministic``); the per-step
+    losses of every run."""
     from ptxtrain.train.loop import TrainArgs, train
 
     all_losses = []
@@ -113,7 +123,7 @@ def train_part(recipe: str, runs: int, steps: int, batch: int, seq: int, out: st
         args = TrainArgs(
             preset="small", precision="fp8", fp8_recipe=recipe, steps=steps, batch_size=batch,
             seq_len=seq, eval_every=0, sample_tokens=0, ckpt_every=0, out=f"{out}/{recipe}-{i}",
-            overwrite=True, progress=False,
+            overwrite=True, progress=False, deterministic=det,
         )  # fmt: skip
         all_losses.append(train(args)["losses"])
     first = all_losses[0]
@@ -123,6 +133,51 @@ def train_part(recipe: str, runs: int, steps: int, batch: int, seq: int, out: st
     ]
     return {"recipe": recipe, "runs": runs, "steps": steps, "losses": all_losses,
             "first_differing_step": diverged}  # fmt: skip
+
+
+def attn_part(repeats: int, batch: int, seq: int) -> list[dict]:
+    """SDPA forward + backward repeated from fixed inputs, in both modes (see the module note)."""
+    import torch.nn.functional as F
+
+    from ptxtrain.train.loop import deterministic_mode
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    heads, qk, v_dim = 12, 96, 64
+
+    def leaf(d):
+        return torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16,
+                           generator=g).requires_grad_()  # fmt: skip
+
+    q, k, v = leaf(qk), leaf(qk), leaf(v_dim)
+    dout = torch.randn(batch, heads, seq, v_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+        return q.grad, k.grad, v.grad
+
+    rows = []
+    for det in (False, True):
+        with deterministic_mode(det):
+            first = [t.clone() for t in step()]
+            differ = torch.zeros(3, dtype=torch.int64, device="cuda")
+            for _ in range(repeats):
+                for i, (a, b) in enumerate(zip(step(), first, strict=True)):
+                    differ[i] += (a != b).any()
+            times = []
+            for _ in range(20):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                step()
+                e1.record()
+                e1.synchronize()
+                times.append(e0.elapsed_time(e1) * 1e3)
+        times.sort()
+        dq, dk, dv = (int(c) for c in differ.cpu())
+        rows.append({"deterministic": det, "repeats": repeats, "dq_differing": dq,
+                     "dk_differing": dk, "dv_differing": dv, "fwd_bwd_us": times[len(times) // 2],
+                     "shape": [batch, heads, seq, qk, v_dim]})  # fmt: skip
+    return rows
 
 
 def quant_part(repeats: int) -> list[dict]:
@@ -178,18 +233,44 @@ def main() -> None:
         "every op of the step that has no deterministic implementation (names the suspects)",
     )
     p.add_argument("--async-repeats", type=int, default=0, help="see the module note")
+    p.add_argument("--attn-repeats", type=int, default=0, help="see the module note")
+    p.add_argument(
+        "--deterministic", action="store_true", help="ptxtrain.train.loop.deterministic_mode()"
+    )
     p.add_argument("--train-runs", type=int, default=0, help="see the module note")
     p.add_argument("--train-steps", type=int, default=8)
     p.add_argument("--train-out", default="/tmp/diag_determinism_runs")
     p.add_argument("--no-model", action="store_true", help="skip the synchronized repeats")
     p.add_argument("--json")
     args = p.parse_args()
-    if args.strict:
-        torch.use_deterministic_algorithms(True, warn_only=True)
     from ptxtrain.bench.timing import environment
+    from ptxtrain.train.loop import deterministic_mode
 
     record = {"bench": "diag_determinism", "env": environment(), "model": [], "quant": [],
-              "async": [], "train": []}  # fmt: skip
+              "async": [], "train": [], "attn": [],
+              "deterministic": args.deterministic}  # fmt: skip
+    if args.attn_repeats:
+        record["attn"] = attn_part(args.attn_repeats, args.batch, args.seq)
+        for r in record["attn"]:
+            print(f"attention deterministic={r['deterministic']}: of {r['repeats']} repeats, "
+                  f"dQ / dK / dV differing {r['dq_differing']} / {r['dk_differing']} / "
+                  f"{r['dv_differing']}; fwd + bwd {r['fwd_bwd_us']:.1f} us",
+                  flush=True)  # fmt: skip
+    if args.strict:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    with deterministic_mode(args.deterministic):
+        _model_parts(args, record)
+    record["quant"] = quant_part(args.quant_repeats) if args.quant_repeats else []
+    for q in record["quant"]:
+        if q["repeats_differing"] or not q["fp8_equals_reference"]:
+            print("quant:", q)
+    print(f"quant: {len(record['quant'])} cases checked")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+
+
+def _model_parts(args, record: dict) -> None:
     recipes = args.recipe or ["deepseek", "deepseek_pow2"]
     for recipe in recipes if args.async_repeats else []:
         r = async_part(recipe, args.async_repeats, args.batch, args.seq)
@@ -201,7 +282,7 @@ def main() -> None:
             print(f"   {name}: {d['repeats']} repeats, max |diff| {d['max_abs']:.3g}")
     for recipe in recipes if args.train_runs else []:
         r = train_part(recipe, args.train_runs, args.train_steps, args.batch, args.seq,
-                       args.train_out)  # fmt: skip
+                       args.train_out, args.deterministic)  # fmt: skip
         record["train"].append(r)
         print(f"{recipe} train x{args.train_runs}: first differing step per run "
               f"{r['first_differing_step']}; last losses {[run[-1] for run in r['losses']]}",
@@ -213,14 +294,6 @@ def main() -> None:
               "parameters with differing gradients")  # fmt: skip
         for name, d in sorted(r["differing"].items())[:40]:
             print(f"   {name}: {d['repeats']} repeats, max |diff| {d['max_abs']:.3g}")
-    record["quant"] = quant_part(args.quant_repeats)
-    for q in record["quant"]:
-        if q["repeats_differing"] or not q["fp8_equals_reference"]:
-            print("quant:", q)
-    print(f"quant: {len(record['quant'])} cases checked")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

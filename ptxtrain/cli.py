@@ -191,6 +191,15 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="replace a run already in --out instead of refusing",
     )
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="deterministic algorithms for every op (torch.use_deterministic_algorithms): runs "
+        "repeat bit for bit on a GPU; without it the attention backward sums in a "
+        "timing-dependent order; --resume keeps the checkpoint's choice unless given "
+        f"(default: {'on' if d.deterministic else 'off'})",
+    )
 
     g = p.add_argument_group("evaluation, checkpoints, samples")
     g.add_argument(
@@ -290,6 +299,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 # TrainArgs fields a flag can set besides the trajectory ones (loop.TRAJECTORY_FIELDS).
 _RUN_FIELDS = (
     "device",
+    "deterministic",
     "out",
     "eval_every",
     "eval_batches",
@@ -311,7 +321,8 @@ def _train_args_from(ns: argparse.Namespace):
     """Build ``TrainArgs``: given flags, else (with --resume) the checkpoint's, else defaults.
 
     With --resume the checkpoint supplies the trajectory fields, ``--data``, ``--n-layers``,
-    ``--no-mtp`` and ``RESUMED_RUN_FIELDS`` (evaluation, checkpoint and sample settings); the
+    ``--no-mtp`` and ``RESUMED_RUN_FIELDS`` (evaluation, checkpoint and sample settings,
+    ``--deterministic``); the
     device and parallelism flags come from the command line only.
     """
     from .train.checkpoint import read_checkpoint_meta

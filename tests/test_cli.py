@@ -238,6 +238,27 @@ def test_resume_keeps_the_runs_eval_checkpoint_and_sample_flags(smoke_run):
     assert args.eval_batches == 3 and args.eval_every == 5
 
 
+def test_deterministic_flag_and_resume(smoke_run, tmp_path):
+    from ptxtrain.cli import _train_args_from, build_parser
+
+    parse = build_parser().parse_args
+    assert _train_args_from(parse(["train", "--deterministic"])).deterministic is True
+    assert _train_args_from(parse(["train"])).deterministic is False
+    # The smoke run ran without it: a bare --resume stays off, the flag turns it on.
+    out = str(smoke_run[1])
+    assert _train_args_from(parse(["train", "--resume", "--out", out])).deterministic is False
+    args = _train_args_from(parse(["train", "--resume", "--out", out, "--deterministic"]))
+    assert args.deterministic is True
+    # A run started with it keeps it on --resume unless --no-deterministic says otherwise.
+    run = tmp_path / "det"
+    argv = ["train", "--steps", "1", "--eval-every", "0", "--sample-tokens", "0",
+            "--deterministic", "--out", str(run), *FAST]  # fmt: skip
+    assert main(argv) == 0
+    assert _train_args_from(parse(["train", "--resume", "--out", str(run)])).deterministic
+    off = _train_args_from(parse(["train", "--resume", "--out", str(run), "--no-deterministic"]))
+    assert off.deterministic is False
+
+
 def test_ep_flag_reaches_train_args(smoke_run):
     from ptxtrain.cli import _train_args_from, build_parser
 

@@ -110,8 +110,15 @@ TRAJECTORY_FIELDS = (
 )
 # Run fields (not part of the trajectory, so not compared on resume) that the checkpoint
 # remembers, so that `ptxtrain train --resume` without them evaluates, checkpoints and samples
-# as the interrupted run did (the eval schedule and eval_batches shape the val-loss record).
-RESUMED_RUN_FIELDS = ("eval_every", "eval_batches", "ckpt_every", "sample_tokens")
+# as the interrupted run did (the eval schedule and eval_batches shape the val-loss record) and
+# keeps its deterministic algorithms.
+RESUMED_RUN_FIELDS = (
+    "eval_every",
+    "eval_batches",
+    "ckpt_every",
+    "sample_tokens",
+    "deterministic",
+)
 RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "summary.json")
 SAMPLE_PROMPT = "\n"
 SAMPLE_COUNT = 3
@@ -177,6 +184,9 @@ class TrainArgs:
     seed: int = 0  # model init and batch sampling (batch of step s = f(seed, s))
     # --- run ---
     device: str = "auto"  # "auto" (cuda if available), "cpu" or "cuda"
+    # deterministic_mode(): every op with a deterministic algorithm (on CUDA the attention
+    # backward's dQ is otherwise summed in a timing-dependent order), so runs repeat bit for bit
+    deterministic: bool = False
     out: str | None = None  # run folder; None = runs/<preset>-<precision>
     resume: bool = False  # continue from <out>/checkpoint
     overwrite: bool = False  # start fresh even if <out> already holds a run
@@ -244,6 +254,8 @@ class TrainArgs:
             raise bad("device", f"must be one of {list(DEVICES)}")
         if self.stop_after is not None and (not is_int(self.stop_after) or self.stop_after <= 0):
             raise TrainConfigError(f"stop_after must be an integer > 0, got {self.stop_after!r}")
+        if not isinstance(self.deterministic, bool):
+            raise bad("deterministic", "must be a bool")
         if self.resume and self.overwrite:
             raise TrainConfigError("--resume and --overwrite exclude each other")
         self._validate_pipeline(bad, is_int)
@@ -313,6 +325,51 @@ class TrainArgs:
         if out["fp8_recipe"] == "deepseek":
             del out["fp8_recipe"]
         return out
+
+
+@contextlib.contextmanager
+def deterministic_mode(enabled: bool = True):
+    """Run the block with PyTorch's deterministic algorithms; restores the previous settings.
+
+    On CUDA, ``F.scaled_dot_product_attention``'s backward (cuDNN, Flash or memory-efficient
+    attention) sums dQ in an order that depends on timing unless deterministic algorithms are
+    on: a warn-only mode still runs the fast, nondeterministic kernel (PyTorch warns "cuDNN
+    Attention defaults to a non-deterministic algorithm"). On an H200 one forward + backward of
+    the ``small`` model in 30 gave other dQ-path gradients (``benchmarks.diag_determinism
+    --async-repeats``, benchmarks/results/2026-11-23-s25-h200/call1), and MoE routing turns
+    such a last-bit difference into a different trajectory (one FP8 training run in ten left
+    the others at step 3, session 24). ptxtrain's own kernels (GEMMs, quantizers, MoE layout,
+    dispatch / combine sums) are deterministic already.
+
+    ``enabled=True``: ``torch.use_deterministic_algorithms(True)`` (an op without a
+    deterministic implementation raises RuntimeError instead of running),
+    ``torch.utils.deterministic.fill_uninitialized_memory = False`` (the NaN fill of every
+    ``torch.empty`` costs time and changes no result here) and ``CUBLAS_WORKSPACE_CONFIG`` set
+    to ``:4096:8`` when unset (PyTorch refuses cuBLAS calls in deterministic mode otherwise).
+    ``enabled=False``: a no-op. Source: PyTorch "Reproducibility" notes; Megatron-LM's
+    ``--deterministic-mode``.
+    """
+    if not enabled:
+        yield
+        return
+    import torch.utils.deterministic as det
+
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        det.fill_uninitialized_memory,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        det.fill_uninitialized_memory = saved[2]
+        if saved[3] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 def lr_at(i: int, args: TrainArgs) -> float:
@@ -1178,7 +1235,8 @@ def train(
     except (ValueError, TypeError) as e:
         raise TrainConfigError(str(e)) from None
     pipe = _PipeSetup(args, config, param_dtype)  # pp == 1: a no-op
-    return _train(args, config, pipe, model_overrides)
+    with deterministic_mode(args.deterministic):
+        return _train(args, config, pipe, model_overrides)
 
 
 def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[str, Any]:
@@ -1282,7 +1340,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     log(
         f"model: {args.preset} ({params['total']:,} params, {params['activated']:,} activated "
         f"per token), precision {args.precision}"
-        f"{f' ({args.fp8_recipe})' if args.precision == 'fp8' else ''}, device {device}; "
+        f"{f' ({args.fp8_recipe})' if args.precision == 'fp8' else ''}, device {device}"
+        f"{' (deterministic algorithms)' if args.deterministic else ''}; "
         f"run folder {run_dir}" + (f"; experts split over {args.ep} ranks" if args.ep > 1 else "")
     )
 
@@ -1497,6 +1556,7 @@ __all__ = [
     "TRAJECTORY_FIELDS",
     "TrainArgs",
     "TrainConfigError",
+    "deterministic_mode",
     "evaluate",
     "lr_at",
     "resolve_device",

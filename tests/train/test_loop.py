@@ -111,6 +111,69 @@ def test_resume_is_bitwise_exact(tmp_path, precision, monkeypatch):
             assert all(m.fp8 for m in model.modules() if isinstance(m, Experts))
 
 
+def test_deterministic_mode_sets_and_restores_the_global_switches(monkeypatch):
+    import torch
+    import torch.utils.deterministic as det
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory)
+    assert before == (False, True)  # PyTorch's defaults, which the suite runs under
+    with loop_mod.deterministic_mode(False):
+        assert not torch.are_deterministic_algorithms_enabled()
+    with loop_mod.deterministic_mode():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # warn-only keeps
+        # the nondeterministic attention kernels: it must be the raising mode
+        assert det.fill_uninitialized_memory is False
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert (torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory) == before
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    # A caller's own settings survive, also when the block raises.
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with pytest.raises(KeyError), loop_mod.deterministic_mode():
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+            raise KeyError("inside")
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_run_trains_the_same_and_records_it(tmp_path, monkeypatch):
+    import torch
+
+    from ptxtrain.gemm import grouped
+
+    monkeypatch.setattr(grouped, "is_interpreted", lambda: False)  # as test_resume_is_bitwise
+    seen = []
+    real = loop_mod._train
+
+    def spy(*a, **kw):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop_mod, "_train", spy)
+    # Every op of an FP8 step (MTP and MoE included) has a deterministic implementation: in
+    # deterministic mode PyTorch raises at any that has not. On CPU the losses are the same.
+    kw = dict(precision="fp8", steps=3, eval_every=3, ckpt_every=0)
+    plain = train(_args(tmp_path / "plain", **kw), model_overrides=SMALL)
+    det = train(_args(tmp_path / "det", deterministic=True, **kw), model_overrides=SMALL)
+    assert seen == [False, True]
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after the run
+    assert det["losses"] == plain["losses"]
+    cfg = json.loads((tmp_path / "det" / "config.json").read_text())
+    assert cfg["train"]["deterministic"] is True
+    # --resume keeps it (a run field the checkpoint remembers, not part of the trajectory)
+    from ptxtrain.train.checkpoint import read_checkpoint_meta
+
+    meta = read_checkpoint_meta(tmp_path / "det")
+    assert meta["extra"]["run"]["deterministic"] is True
+    assert "deterministic" not in meta["config"]["train"]
+
+
 def test_sigint_stops_after_the_step_and_resumes_exactly(tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     train(_args(straight, steps=5, ckpt_every=0), model_overrides=SMALL)
@@ -239,6 +302,7 @@ def test_existing_run_folder_needs_resume_or_overwrite(tmp_path):
         ({"resume": True, "overwrite": True}, "exclude"),
         ({"precision": "fp8", "fp8_recipe": "bf16"}, "--fp8-recipe must be one of"),
         ({"fp8_recipe": "deepseek_pow2"}, "--fp8-recipe applies to --precision fp8 only"),
+        ({"deterministic": 1}, "--deterministic must be a bool"),
     ],
 )
 def test_bad_arguments(tmp_path, kw, match):
