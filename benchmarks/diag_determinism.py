@@ -28,7 +28,9 @@ nondeterministic ops but still runs them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+from contextlib import nullcontext
 
 import torch
 
@@ -136,8 +138,11 @@ def train_part(
 
 
 def attn_part(repeats: int, batch: int, seq: int) -> list[dict]:
-    """SDPA forward + backward repeated from fixed inputs, in both modes (see the module note)."""
+    """SDPA forward + backward repeated from fixed inputs, in both modes and under each SDPA
+    backend that takes the shape (see the module note); Flash attention needs one head dim for
+    q, k and v, so it runs with v zero-padded to 96 columns (what a model would have to do)."""
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ptxtrain.train.loop import deterministic_mode
 
@@ -151,32 +156,50 @@ def attn_part(repeats: int, batch: int, seq: int) -> list[dict]:
     q, k, v = leaf(qk), leaf(qk), leaf(v_dim)
     dout = torch.randn(batch, heads, seq, v_dim, device="cuda", dtype=torch.bfloat16, generator=g)
 
-    def step():
+    def step(pad: bool):
         q.grad = k.grad = v.grad = None
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+        vv = F.pad(v, (0, qk - v_dim)) if pad else v
+        o = F.scaled_dot_product_attention(q, k, vv, is_causal=True)
+        (o[..., :v_dim] if pad else o).backward(dout)
         return q.grad, k.grad, v.grad
 
+    backends = [
+        ("default", None),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ("flash_v_padded", SDPBackend.FLASH_ATTENTION),
+        ("math", SDPBackend.MATH),
+    ]
     rows = []
-    for det in (False, True):
-        with deterministic_mode(det):
-            first = [t.clone() for t in step()]
-            differ = torch.zeros(3, dtype=torch.int64, device="cuda")
-            for _ in range(repeats):
-                for i, (a, b) in enumerate(zip(step(), first, strict=True)):
-                    differ[i] += (a != b).any()
-            times = []
-            for _ in range(20):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                step()
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1) * 1e3)
+    for (name, backend), det in itertools.product(backends, (False, True)):
+        pad = name == "flash_v_padded"
+        row = {"backend": name, "deterministic": det, "repeats": repeats,
+               "shape": [batch, heads, seq, qk, v_dim]}  # fmt: skip
+        try:
+            with deterministic_mode(det), sdpa_kernel(backend) if backend else nullcontext():
+                first = [t.clone() for t in step(pad)]
+                differ = torch.zeros(3, dtype=torch.int64, device="cuda")
+                for _ in range(repeats):
+                    for i, (a, b) in enumerate(zip(step(pad), first, strict=True)):
+                        differ[i] += (a != b).any()
+                times = []
+                for _ in range(20):
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    step(pad)
+                    e1.record()
+                    e1.synchronize()
+                    times.append(e0.elapsed_time(e1) * 1e3)
+        except RuntimeError as e:  # the backend refuses the shape or the mode
+            row["error"] = str(e).splitlines()[0][:200]
+            rows.append(row)
+            continue
         times.sort()
         dq, dk, dv = (int(c) for c in differ.cpu())
-        rows.append({"deterministic": det, "repeats": repeats, "dq_differing": dq,
-                     "dk_differing": dk, "dv_differing": dv, "fwd_bwd_us": times[len(times) // 2],
-                     "shape": [batch, heads, seq, qk, v_dim]})  # fmt: skip
+        row.update(dq_differing=dq, dk_differing=dk, dv_differing=dv,
+                   fwd_bwd_us=times[len(times) // 2])  # fmt: skip
+        rows.append(row)
     return rows
 
 
@@ -252,10 +275,13 @@ def main() -> None:
     if args.attn_repeats:
         record["attn"] = attn_part(args.attn_repeats, args.batch, args.seq)
         for r in record["attn"]:
-            print(f"attention deterministic={r['deterministic']}: of {r['repeats']} repeats, "
-                  f"dQ / dK / dV differing {r['dq_differing']} / {r['dk_differing']} / "
-                  f"{r['dv_differing']}; fwd + bwd {r['fwd_bwd_us']:.1f} us",
-                  flush=True)  # fmt: skip
+            head = f"attention {r['backend']} deterministic={r['deterministic']}:"
+            if "error" in r:
+                print(head, r["error"], flush=True)
+                continue
+            print(f"{head} of {r['repeats']} repeats, dQ / dK / dV differing "
+                  f"{r['dq_differing']} / {r['dk_differing']} / {r['dv_differing']}; "
+                  f"fwd + bwd {r['fwd_bwd_us']:.1f} us", flush=True)  # fmt: skip
     if args.strict:
         torch.use_deterministic_algorithms(True, warn_only=True)
     with deterministic_mode(args.deterministic):
