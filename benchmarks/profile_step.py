@@ -94,7 +94,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="everything inside ptxtrain.train.loop.deterministic_mode() (ptxtrain train "
+        "--deterministic)",
+    )
     args = ap.parse_args()
+    from ptxtrain.train.loop import deterministic_mode
+
+    with deterministic_mode(args.deterministic):
+        _run(args)
+
+
+def _run(args) -> None:
     from ptxtrain.bench.timing import environment
 
     device = torch.device(args.device)
@@ -132,6 +145,7 @@ def main() -> None:
             "batch": args.batch,
             "seq": args.seq,
             "method": f"{args.warmup} warm-up steps, then median of {args.steps} synced steps",
+            "deterministic": args.deterministic,
             "cases": results,
         }
         with open(args.json, "w") as f:
