@@ -336,10 +336,12 @@ def deterministic_mode(enabled: bool = True):
     on: a warn-only mode still runs the fast, nondeterministic kernel (PyTorch warns "cuDNN
     Attention defaults to a non-deterministic algorithm"). On an H200 one forward + backward of
     the ``small`` model in 30 gave other dQ-path gradients (``benchmarks.diag_determinism
-    --async-repeats``, benchmarks/results/2026-11-23-s25-h200/call1), and MoE routing turns
-    such a last-bit difference into a different trajectory (one FP8 training run in ten left
-    the others at step 3, session 24). ptxtrain's own kernels (GEMMs, quantizers, MoE layout,
-    dispatch / combine sums) are deterministic already.
+    --async-repeats``, benchmarks/results/2026-11-23-s25-h200/call1); a last-bit difference
+    can flip an expert choice (one FP8 training run in ten left the others at step 3, session
+    24). ptxtrain's own kernels (GEMMs, quantizers, MoE layout, dispatch / combine sums) are
+    deterministic already. Cost on an H200 (``small``, 8 x 1024 tokens): 0.84-0.89x the
+    tokens/s (cuDNN attention has no deterministic backward, PyTorch runs its memory-efficient
+    kernel instead; index ops take sort-based paths).
 
     ``enabled=True``: ``torch.use_deterministic_algorithms(True)`` (an op without a
     deterministic implementation raises RuntimeError instead of running),
