@@ -888,9 +888,31 @@ def m_grouped_fp8_gemm_nt_contiguous(
 
 
 def block_groups(m_indices: torch.Tensor) -> torch.Tensor:
-    """The m-grouped kernel's tile-group input: per 64-row block of ``m_indices`` ([M] int32, M a
-    multiple of 64), the largest index of its rows, i.e. the block's group (-1: all padding)."""
-    return m_indices.reshape(-1, 64).amax(dim=1)
+    """The m-grouped kernel's tile-group input (``tile_group`` / ``tile_padded`` in
+    fp8_gemm.cuh): per 64-row block of ``m_indices`` ([M] int32, M a multiple of 64), ``2·g + p``
+    with ``g`` the largest index of its rows (the block's group) and ``p = 1`` when a row of the
+    block is padding (-1); ``-1`` for a block of padding only. [M / 64] int32, three launches."""
+    lo, hi = torch.aminmax(m_indices.reshape(-1, 64), dim=1)
+    return torch.add(lo < 0, hi, alpha=2)  # (lo < 0) + 2·hi, int32; -1 -> -1
+
+
+def _cached_block_groups(m_indices: torch.Tensor) -> torch.Tensor:
+    """:func:`block_groups` of ``m_indices``, kept on the tensor object until it is modified
+    in place (its version counter moves): a MoE layer's m-grouped GEMMs (the two projections'
+    Fprop, then their Dgrad) share one ``m_indices``, so the reduction runs once per layout
+    instead of once per GEMM (1-1.5% of an 8 x 512-row GEMM on an H200,
+    benchmarks/results/2026-11-23-s22-h200/call6). Inference-mode tensors (no version counter)
+    are not cached."""
+    try:
+        version = m_indices._version
+    except RuntimeError:  # inference tensors do not track versions
+        return block_groups(m_indices)
+    hit = getattr(m_indices, "_ptxtrain_block_groups", None)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    block_group = block_groups(m_indices)
+    m_indices._ptxtrain_block_groups = (version, block_group)
+    return block_group
 
 
 def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
@@ -907,7 +929,7 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
         return out.zero_()
     _check_runnable(a_fp8, n, k)
     m_indices = m_indices.contiguous()  # the kernel reads it by pointer, unit stride
-    block_group = block_groups(m_indices)
+    block_group = _cached_block_groups(m_indices)
     return _write_into(
         out, (m, n), dtype, a_fp8.device, False,
         lambda d: _launch("m_grouped", a, b, d, False, dtype, cfg, (m_indices, block_group)),

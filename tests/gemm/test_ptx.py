@@ -351,6 +351,35 @@ def test_every_dsv3_variant_compiles_to_qgmma_without_spills(tmp_path, monkeypat
     ptx.compile_gemm.cache_clear()
 
 
+def test_block_groups_encode_group_and_padding():
+    # Per 64-row block: 2 * (largest index) + (any padding row); -1 for padding only. The
+    # kernel takes the group with an arithmetic shift and the padding bit with & 1.
+    m = torch.tensor([2] * 64 + [2] * 10 + [-1] * 54 + [-1] * 64 + [-1] * 63 + [7],
+                     dtype=torch.int32)  # fmt: skip
+    got = ptx.block_groups(m)
+    assert got.dtype == torch.int32 and got.tolist() == [4, 5, -1, 15]
+    assert [v >> 1 for v in got.tolist()] == [2, 2, -1, 7]
+    assert [v & 1 for v in got.tolist()] == [0, 1, 1, 1]
+    assert ptx.block_groups(torch.empty(0, dtype=torch.int32)).numel() == 0
+
+
+def test_block_groups_cache_follows_in_place_changes():
+    m = torch.tensor([0] * 128 + [1] * 100 + [-1] * 28, dtype=torch.int32)
+    first = ptx._cached_block_groups(m)
+    assert first.tolist() == [0, 0, 2, 3]
+    assert ptx._cached_block_groups(m) is first  # reused while m is unchanged
+    m[100:128] = -1  # in place: the version counter moves
+    again = ptx._cached_block_groups(m)
+    assert again is not first and again.tolist() == [0, 1, 2, 3]
+    view = m[:64]
+    view.fill_(-1)  # through a view: the same counter
+    assert ptx._cached_block_groups(m).tolist() == [-1, 1, 2, 3]
+    with torch.inference_mode():  # no version counter: computed every time
+        inf = torch.zeros(64, dtype=torch.int32)
+        assert ptx._cached_block_groups(inf).tolist() == [0]
+        assert not hasattr(inf, "_ptxtrain_block_groups")
+
+
 def test_unsupported_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only answer")
@@ -817,6 +846,14 @@ def test_gpu_m_grouped_contiguous(sizes, n, k, out_dtype):
         (qa[0][perm], qa[1][perm]), qb, m_indices[perm], out_dtype=out_dtype
     )
     torch.testing.assert_close(rev, got[perm], rtol=0, atol=0)
+    # The per-64-row groups are cached on the m_indices tensor: an in-place change (a chunk of
+    # real rows turned into padding) must reach the next call, which then zeroes those rows.
+    mine = m_indices.clone()
+    assert ptx.m_grouped_fp8_gemm_nt_contiguous(qa, qb, mine, out_dtype=out_dtype).equal(got)
+    mine[chunk : chunk + 128] = -1
+    res = ptx.m_grouped_fp8_gemm_nt_contiguous(qa, qb, mine, out_dtype=out_dtype)
+    assert bool((res[chunk : chunk + 128] == 0).all())
+    torch.testing.assert_close(res[keep], got[keep], rtol=0, atol=0)
 
 
 @pytest.mark.gpu
