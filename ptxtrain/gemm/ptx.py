@@ -888,12 +888,9 @@ def m_grouped_fp8_gemm_nt_contiguous(
 
 
 def block_groups(m_indices: torch.Tensor) -> torch.Tensor:
-    """The m-grouped kernel's tile-group input (``tile_group`` / ``tile_padded`` in
-    fp8_gemm.cuh): per 64-row block of ``m_indices`` ([M] int32, M a multiple of 64), ``2·g + p``
-    with ``g`` the largest index of its rows (the block's group) and ``p = 1`` when a row of the
-    block is padding (-1); ``-1`` for a block of padding only. [M / 64] int32, three launches."""
-    lo, hi = torch.aminmax(m_indices.reshape(-1, 64), dim=1)
-    return torch.add(lo < 0, hi, alpha=2)  # (lo < 0) + 2·hi, int32; -1 -> -1
+    """The m-grouped kernel's tile-group input: per 64-row block of ``m_indices`` ([M] int32, M a
+    multiple of 64), the largest index of its rows, i.e. the block's group (-1: all padding)."""
+    return m_indices.reshape(-1, 64).amax(dim=1)
 
 
 def _cached_block_groups(m_indices: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,6 @@ def test_explicit_config_reaches_the_launch(monkeypatch):
     m_indices = torch.tensor([0] * 128 + [1] * 100 + [-1] * 28, dtype=torch.int32)
     cfg = _grouped_cfg("128x128s5c1d:r256")
     ptx._m_grouped_contiguous(qa, qb, m_indices, None, torch.bfloat16, (256, 128, 256, 2), cfg)
-    assert seen == dict(kind="m_grouped", cfg=cfg, block_group=[0, 0, 2, 3])
+    assert seen == dict(kind="m_grouped", cfg=cfg, block_group=[0, 0, 1, 1])
     ptx._m_grouped_contiguous(qa, qb, m_indices, None, torch.bfloat16, (256, 128, 256, 2))
     assert seen["cfg"] is None

@@ -351,29 +351,19 @@ def test_every_dsv3_variant_compiles_to_qgmma_without_spills(tmp_path, monkeypat
     ptx.compile_gemm.cache_clear()
 
 
-def test_block_groups_encode_group_and_padding():
-    # Per 64-row block: 2 * (largest index) + (any padding row); -1 for padding only. The
-    # kernel takes the group with an arithmetic shift and the padding bit with & 1.
-    m = torch.tensor([2] * 64 + [2] * 10 + [-1] * 54 + [-1] * 64 + [-1] * 63 + [7],
-                     dtype=torch.int32)  # fmt: skip
-    got = ptx.block_groups(m)
-    assert got.dtype == torch.int32 and got.tolist() == [4, 5, -1, 15]
-    assert [v >> 1 for v in got.tolist()] == [2, 2, -1, 7]
-    assert [v & 1 for v in got.tolist()] == [0, 1, 1, 1]
-    assert ptx.block_groups(torch.empty(0, dtype=torch.int32)).numel() == 0
-
-
 def test_block_groups_cache_follows_in_place_changes():
+    # Per 64-row block the largest index (the block's group, -1 for padding only), cached on the
+    # tensor until it changes in place.
     m = torch.tensor([0] * 128 + [1] * 100 + [-1] * 28, dtype=torch.int32)
     first = ptx._cached_block_groups(m)
-    assert first.tolist() == [0, 0, 2, 3]
+    assert first.tolist() == [0, 0, 1, 1]
     assert ptx._cached_block_groups(m) is first  # reused while m is unchanged
-    m[100:128] = -1  # in place: the version counter moves
+    m[128:192] = 2  # in place: the version counter moves
     again = ptx._cached_block_groups(m)
-    assert again is not first and again.tolist() == [0, 1, 2, 3]
+    assert again is not first and again.tolist() == [0, 0, 2, 1]
     view = m[:64]
     view.fill_(-1)  # through a view: the same counter
-    assert ptx._cached_block_groups(m).tolist() == [-1, 1, 2, 3]
+    assert ptx._cached_block_groups(m).tolist() == [-1, 0, 2, 1]
     with torch.inference_mode():  # no version counter: computed every time
         inf = torch.zeros(64, dtype=torch.int32)
         assert ptx._cached_block_groups(inf).tolist() == [0]

@@ -376,35 +376,23 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
 }
 
 // The group of B (and of sf_b) the tile at row m0 of unit group kg multiplies; -1: nothing to
-// compute. M-grouped (kGroupMode 1): from `block_group` (ptxtrain.gemm.ptx.block_groups: per
-// 64-row block, 2 * g + p, g the largest m_indices value of its rows, p = 1 if any row is
-// padding; -1 for a block of padding only; every non-padding row of an aligned 128-row chunk
-// names the same group, padding rows are -1); -1 for all padding or an index outside
-// [0, num_groups) (the tile then stores zeros). Masked (3): kg, or -1 at or past masked_m[kg]
-// (`group_info`; nothing stored). Dense and K-grouped: 0.
+// compute. M-grouped (kGroupMode 1): from `block_group` (per 64-row block, the largest m_indices
+// value of its rows: every non-padding row of an aligned 128-row chunk names the same group,
+// padding rows are -1); -1 for all padding or an index outside [0, num_groups) (the tile then
+// stores zeros). Masked (3): kg, or -1 at or past masked_m[kg] (`group_info`; nothing stored).
+// Dense and K-grouped: 0.
 template <int kGroupMode, int kBlockM>
 __device__ __forceinline__ int tile_group(const int* block_group, const int* group_info, int m0,
                                           int kg, int num_groups) {
   if constexpr (kGroupMode == 1) {
-    int g = __ldg(block_group + m0 / 64) >> 1;  // arithmetic shift: -1 stays -1
-    if constexpr (kBlockM == 128) g = max(g, __ldg(block_group + m0 / 64 + 1) >> 1);
+    int g = __ldg(block_group + m0 / 64);
+    if constexpr (kBlockM == 128) g = max(g, __ldg(block_group + m0 / 64 + 1));
     return g < num_groups ? g : -1;
   } else if constexpr (kGroupMode == 3) {
     return m0 < __ldg(group_info + kg) ? kg : -1;
   } else {
     return 0;
   }
-}
-
-// M-grouped: whether the tile at row m0 holds a padding row (bit 0 of its blocks' `block_group`,
-// see tile_group). Tiles without one skip the per-row m_indices loads and the zeroing: at 8
-// experts x 512 rows (no padding) those loads cost the kernel 0.7-1.7%
-// (benchmarks/results/2026-11-23-s22-h200/call6).
-template <int kBlockM>
-__device__ __forceinline__ bool tile_padded(const int* block_group, int m0) {
-  int p = __ldg(block_group + m0 / 64);
-  if constexpr (kBlockM == 128) p |= __ldg(block_group + m0 / 64 + 1);
-  return (p & 1) != 0;
 }
 
 // Work units of a cluster: kCluster adjacent M-blocks of one N-block (B multicast), or with
@@ -633,11 +621,10 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     // 1-9% faster than loading them in the epilogue, benchmarks/results/2026-11-22-s9-h200/call7).
     int row_midx[kGroupMode == 1 ? 2 * kWaves : 1];
     if constexpr (kGroupMode == 1) {
-      const bool padded = group >= 0 && tile_padded<kBlockM>(block_group, m0);
 #pragma unroll
       for (int wh = 0; wh < 2 * kWaves; ++wh) {
         const int row = m0 + (wh / 2) * 64 * kNumMathWG + row0 + 8 * (wh % 2);
-        row_midx[wh] = (padded && row < m && !PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX)
+        row_midx[wh] = (group >= 0 && row < m && !PTXTRAIN_GEMM_DIAG_NO_ROW_MIDX)
                            ? __ldg(m_indices + row)
                            : 0;
       }
