@@ -6,8 +6,10 @@ against everything else (GPU diagnostic).
 Points ptxtrain's JIT cache and Triton's cache at empty temporary folders (as on a fresh
 machine), times every NVRTC compile (``ptxtrain.jit.compiler._nvrtc_compile``) and every Triton
 compile (``JITFunction._do_compile``), and runs ``ptxtrain train`` for ``--steps`` FP8 steps in
-this process; then prints the first step's time, the compile counts and seconds of each kind, and
-the slowest compiles. The DeepGEMM users' complaint this measures: the first run's JIT cost
+this process; then prints the first step's time, the compile counts and seconds of each kind
+(NVRTC's split into the training thread's and ``ptxtrain.nn.prewarm``'s background threads'),
+and the slowest compiles. ``PTXTRAIN_JIT_PREWARM=0`` in the environment measures without the
+background compiles. The DeepGEMM users' complaint this measures: the first run's JIT cost
 (ANCHORS §1).
 """
 
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import tempfile
+import threading
 import time
 
 
@@ -45,7 +48,8 @@ def main() -> None:
                 return fn(*a, **kw)
             finally:
                 events.append({"kind": kind, "name": name_of(a, kw),
-                               "s": time.perf_counter() - t0})  # fmt: skip
+                               "s": time.perf_counter() - t0,
+                               "thread": threading.current_thread().name})  # fmt: skip
 
         return wrapper
 
@@ -70,7 +74,10 @@ def main() -> None:
     per_kind = {}
     for kind in ("nvrtc", "triton"):
         ev = [e for e in events if e["kind"] == kind]
-        per_kind[kind] = {"count": len(ev), "seconds": round(sum(e["s"] for e in ev), 2)}
+        main = [e for e in ev if not e["thread"].startswith("ptxtrain-jit")]
+        per_kind[kind] = {"count": len(ev), "seconds": round(sum(e["s"] for e in ev), 2),
+                          "on_main_thread": len(main),
+                          "main_thread_seconds": round(sum(e["s"] for e in main), 2)}  # fmt: skip
     slow = sorted(events, key=lambda e: -e["s"])[:15]
     record = {
         "bench": "diag_first_step",
@@ -86,10 +93,11 @@ def main() -> None:
     }
     nv, tr = per_kind["nvrtc"], per_kind["triton"]
     print(f"first step {summary['first_step_s']:.1f} s (train() call {total:.1f} s); "
-          f"NVRTC {nv['count']} compiles {nv['seconds']} s; "
+          f"NVRTC {nv['count']} compiles {nv['seconds']} s "
+          f"({nv['on_main_thread']} on the main thread, {nv['main_thread_seconds']} s); "
           f"Triton {tr['count']} compiles {tr['seconds']} s")  # fmt: skip
     for e in slow:
-        print(f"  {e['kind']:6} {e['s']:6.2f} s  {e['name']}")
+        print(f"  {e['kind']:6} {e['s']:6.2f} s  {e['thread'][:16]:16} {e['name']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)

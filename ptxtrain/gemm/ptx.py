@@ -524,6 +524,49 @@ def _split_counters(device_index: int, count: int) -> torch.Tensor:
     return buf
 
 
+def _launch_config(kind, m, n, k, out_dtype, cfg, aligned, num_sms, num_groups=1) -> PtxConfig:
+    """The config one launch geometry compiles and runs (pure): ``cfg`` (None: the kind's
+    heuristic) resolved against the output's layout. ``k`` is the kernel's K template value
+    (:data:`BLOCK_K` for the k-grouped kernel)."""
+    if cfg is None and kind == "m_grouped":
+        cfg = grouped_config(m, n, k, num_sms, num_groups)
+    elif cfg is None and kind == "k_grouped":
+        cfg = k_grouped_config(m, n, num_sms)
+    elif cfg is None and kind == "masked":
+        cfg = grouped_config(max(m * num_groups, 1), n, k, num_sms, split=False)
+    elif cfg is None:
+        cfg = select_config(kind, m, n, k, num_sms)
+    # K-grouped / masked: a TMA box must not cross into the next group's rows of the [G·M, N]
+    # view of D.
+    aligned = aligned and (kind not in ("k_grouped", "masked") or m % cfg.block_m == 0)
+    return _resolve(cfg, kind, n, aligned, out_dtype)
+
+
+def compile_args(
+    kind: str,
+    m: int,
+    n: int,
+    k: int,
+    out_dtype: torch.dtype,
+    accumulate: bool,
+    num_sms: int,
+    num_groups: int = 1,
+) -> tuple:
+    """The arguments of :func:`compile_gemm` that a launch of this geometry compiles (a pure
+    function of the shape: ``ptxtrain.nn.prewarm`` compiles them ahead of the first step).
+
+    ``kind``: ``"1d2d"`` / ``"1d1d"`` (M, N, K of the GEMM), ``"m_grouped"`` (M the total padded
+    rows, ``num_groups`` experts), ``"k_grouped"`` (M x N of each group's D; K is read at run
+    time) or ``"masked"`` (M the rows per group); ``out_dtype`` and ``accumulate`` as the call
+    passes them, a 16-byte-aligned output assumed (fresh allocations are). Raises ValueError for
+    an unknown ``kind`` or a non-positive ``num_sms`` (via the config heuristics)."""
+    if kind not in ("1d2d", "1d1d", "m_grouped", "k_grouped", "masked"):
+        raise ValueError(f"kind must be a PTX GEMM kind, got {kind!r}")
+    k_tpl = BLOCK_K if kind == "k_grouped" else k
+    cfg = _launch_config(kind, m, n, k_tpl, out_dtype, None, True, num_sms, max(num_groups, 1))
+    return kind, cfg, n, k_tpl, out_dtype, accumulate
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_groups=1):
     """(config, bound launch, grid) of one launch geometry, cached so a repeated shape costs one
@@ -536,18 +579,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     )
     from ptxtrain.jit.sass import with_ffma_yield
 
-    if cfg is None and kind == "m_grouped":
-        cfg = grouped_config(m, n, k, _num_sms(device_index), num_groups)
-    elif cfg is None and kind == "k_grouped":
-        cfg = k_grouped_config(m, n, _num_sms(device_index))
-    elif cfg is None and kind == "masked":
-        cfg = grouped_config(max(m * num_groups, 1), n, k, _num_sms(device_index), split=False)
-    elif cfg is None:
-        cfg = select_config(kind, m, n, k, _num_sms(device_index))
-    # K-grouped / masked: a TMA box must not cross into the next group's rows of the [G·M, N]
-    # view of D.
-    aligned = aligned and (kind not in ("k_grouped", "masked") or m % cfg.block_m == 0)
-    cfg = _resolve(cfg, kind, n, aligned, out_dtype)
+    cfg = _launch_config(kind, m, n, k, out_dtype, cfg, aligned, _num_sms(device_index), num_groups)
     compiled, expr = compile_gemm(kind, cfg, n, k, out_dtype, accumulate)
     # (a patched cubin carries a key of its own: load_kernel caches modules by key)
     compiled = with_ffma_yield(compiled, _ffma_yield_mode(), expr)
@@ -1048,6 +1080,7 @@ def fp8_gemm_nt_1d1d(
 
 __all__ = [
     "PtxConfig",
+    "compile_args",
     "compile_gemm",
     "epilogue_bytes",
     "fp8_gemm_nt",

@@ -78,6 +78,7 @@ __all__ = [
     "SF_LAYOUTS",
     "VARIANTS",
     "Variant",
+    "auto_modules",
     "compile_module",
     "per_block_cast_to_fp8",
     "per_block_cast_to_fp8_both",
@@ -282,6 +283,15 @@ def compile_module(
         include_dirs=[KERNEL_DIR],
         name_expressions=exprs,
     )
+
+
+def auto_modules(dtype: torch.dtype) -> list[tuple[torch.dtype, Variant, bool]]:
+    """``(dtype, variant, full)`` of every module that the ``auto`` backend's CUDA quantizers
+    (the ops of :data:`AUTO_OPS`, each with its :data:`SELECT` variant, FULL or not) may compile
+    for input ``dtype``: the arguments of :func:`compile_module` that ``ptxtrain.nn.prewarm``
+    compiles ahead of a first step."""
+    variants = sorted({VARIANTS[SELECT[op]] for op in AUTO_OPS})
+    return [(dtype, v, full) for v in variants for full in (False, True)]
 
 
 def usable(device: torch.device) -> bool:

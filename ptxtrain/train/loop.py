@@ -1275,6 +1275,13 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     if args.precision == "fp8":
         convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name(args.fp8_recipe))
     model.train()
+    # One process on a GPU: compile the FP8 step's NVRTC kernels on background threads while the
+    # host sets up and runs the first forward (ptxtrain.nn.prewarm; PTXTRAIN_JIT_PREWARM=0: off).
+    warm = None
+    if args.precision == "fp8" and args.pp == 1 and args.ep == 1 and device.type == "cuda":
+        from ..nn.prewarm import prewarm
+
+        warm = prewarm(model, args.batch_size * args.seq_len, device)
     runner = pipe.runner(model)  # None when pp == 1
     trained = model if runner is None else runner.module  # this rank's parameters
     optimizer = AdamW(_param_groups(trained, args.weight_decay), lr=args.lr)
@@ -1477,6 +1484,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
         log.bar = None
         if writer is not None:
             writer.close()
+        if warm is not None:
+            warm.cancel()  # compiles not started yet (a short run): not needed any more
     if timeline is not None:
         timeline.write(run_dir)
     if stop.requested:

@@ -1,0 +1,208 @@
+"""Compile a model's FP8 kernels ahead of its first step, on background threads.
+
+Design note (ANCHORS §1: the first run's JIT cost is DeepGEMM users' third complaint). On a
+fresh H200 the first FP8 step of ``ptxtrain train --preset small`` at 8 x 1024 tokens took
+31.5 s. Of that, NVRTC took 15.8 s in 16 compiles: the quantizer modules 3.2-4.2 s each (ten
+instantiations per module) and the GEMMs 0.3-1.0 s each. Triton took 7.4 s in 13 compiles
+(``benchmarks.diag_first_step``, benchmarks/results/2026-11-23-s25-h200/call7). The step
+needs them one after another, so it waits for each in turn.
+
+Yet every NVRTC kernel the step will need is a pure function of the model's shapes:
+- the PTX GEMM configs come from :func:`ptxtrain.gemm.ptx.compile_args`, the same function the
+  launch uses;
+- the quantizer modules come from :func:`ptxtrain.quant.cuda.auto_modules`.
+
+NVRTC releases the GIL, so a thread pool compiles them side by side while the host builds the
+model and runs the first forward. The JIT cache makes a kernel that the step reaches first
+wait for the thread already compiling it (per-key file lock) instead of compiling it twice; a
+kernel that nobody has started yet is compiled by the step itself.
+
+A wrong guess costs a background compile and never a result: the launch path still compiles
+what it actually needs. The guesses are the experts' row count (the routing varies it) and the
+token count of MTP or pipeline stages. Triton kernels are not covered: their specializations
+depend on run-time argument properties.
+
+``PTXTRAIN_JIT_PREWARM=0`` turns it off (``ptxtrain train`` calls :func:`prewarm` for FP8 runs
+on one GPU).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ptxtrain._checks import ceil_div
+
+__all__ = ["Prewarm", "fp8_kernels", "prewarm", "start"]
+
+ENV_VAR = "PTXTRAIN_JIT_PREWARM"
+_ALIGN = 128  # the m-grouped layout's row alignment (gemm.ref.M_GROUPED_ALIGNMENT)
+
+
+def fp8_kernels(
+    model: torch.nn.Module,
+    tokens: int,
+    *,
+    num_sms: int,
+    gemm_backend: Callable[[str, int, int, int], str],
+    grouped_ptx: Callable[[int, int, int], bool],
+    quant_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+) -> list[tuple[str, tuple]]:
+    """The NVRTC kernels an FP8 training step of ``model`` on ``tokens`` rows compiles (pure).
+
+    Args:
+        model: a module holding :class:`ptxtrain.nn.Fp8Linear` layers and FP8
+            :class:`ptxtrain.moe.Experts` (others are ignored).
+        tokens: rows of every Linear's input in one step (batch x sequence).
+        num_sms: the GPU's SM count (the GEMM heuristics size tiles by it).
+        gemm_backend: ``(kind, m, n, k) -> backend name``, as
+            :func:`ptxtrain.gemm.select_backend` on the device; only ``"ptx"`` GEMMs compile.
+        grouped_ptx: ``(m, n, k) -> bool``, whether the grouped GEMMs run on the PTX kernels.
+        quant_dtypes: input dtypes of the CUDA quantizers (the activations', gradients' and
+            weights' dtypes); empty: none.
+
+    Returns:
+        ``[("quant", compile_module args), ("gemm", compile_gemm args), ...]`` without duplicates:
+        ``("quant", (dtype, variant, full))`` for :func:`ptxtrain.quant.cuda.compile_module`, and
+        ``("gemm", (kind, cfg, n, k, out_dtype, accumulate))`` for
+        :func:`ptxtrain.gemm.ptx.compile_gemm`.
+
+    Raises:
+        ValueError: ``tokens`` or ``num_sms`` not positive.
+    """
+    from ptxtrain.gemm import ptx
+    from ptxtrain.moe.experts import Experts
+    from ptxtrain.moe.layer import MoE
+    from ptxtrain.nn.fp8_grouped import _resolve_config as grouped_config
+    from ptxtrain.nn.fp8_linear import Fp8Linear, _gemm_out_dtype
+    from ptxtrain.quant import cuda as qcuda
+
+    if tokens < 1 or num_sms < 1:
+        raise ValueError(f"tokens and num_sms must be positive, got {tokens} and {num_sms}")
+    jobs: dict[tuple, None] = {}
+    for dtype in quant_dtypes:
+        for args in qcuda.auto_modules(dtype):
+            jobs[("quant", args)] = None
+
+    def gemm(kind, m, n, k, out_dtype, accumulate=False, groups=1):
+        jobs[("gemm", ptx.compile_args(kind, m, n, k, out_dtype, accumulate, num_sms, groups))] = (
+            None
+        )
+
+    for mod in model.modules():
+        if isinstance(mod, Fp8Linear) and mod.config.any_fp8:
+            cfg, n, k, m = mod.config, mod.out_features, mod.in_features, tokens
+            act = _gemm_out_dtype(mod.weight.dtype)  # the activations share the weight's dtype
+            fprop_out = act if mod.bias is None else torch.float32
+            for on, kind, mm, nn_, kk, out in (
+                (cfg.fprop, "1d2d", m, n, k, fprop_out),
+                (cfg.dgrad, "1d2d", m, k, n, act),
+                (cfg.wgrad, "1d1d", n, k, m, act),
+            ):
+                if on and gemm_backend(kind, mm, nn_, kk) == "ptx":
+                    gemm(kind, mm, nn_, kk, out)
+        elif isinstance(mod, MoE) and isinstance(mod.experts, Experts) and mod.experts.fp8:
+            ex = mod.experts
+            cfg = grouped_config(ex.fp8_config)
+            experts = ex.w1.shape[0]  # this rank's experts
+            # Expected padded rows: each expert's share of tokens x top-k, rounded up to the
+            # alignment (the routing moves it; a miss compiles on demand).
+            share = ceil_div(tokens * mod.router.top_k, max(mod.n_routed_experts, 1))
+            rows = experts * ceil_div(max(share, 1), _ALIGN) * _ALIGN
+            out = _gemm_out_dtype(ex.w1.dtype)
+            for w in (ex.w1, ex.w3, ex.w2):
+                n, k = w.shape[1], w.shape[2]
+                if cfg.fprop and grouped_ptx(rows, n, k):
+                    gemm("m_grouped", rows, n, k, out, groups=experts)
+                if cfg.dgrad and grouped_ptx(rows, k, n):
+                    gemm("m_grouped", rows, k, n, out, groups=experts)
+                if cfg.wgrad and grouped_ptx(n, k, rows):
+                    gemm("k_grouped", n, k, rows, torch.float32, groups=experts)
+    return list(jobs)
+
+
+@dataclass
+class Prewarm:
+    """Background compiles started by :func:`prewarm`: ``wait()`` blocks until they finish and
+    returns ``{"jobs": n, "failed": [(job, error text), ...]}``; ``cancel()`` drops the ones not
+    started (the running ones finish). A failed compile is recorded, never raised: the launch
+    path compiles that kernel again and raises there."""
+
+    jobs: list[tuple[str, tuple]]
+    futures: list[concurrent.futures.Future] = field(default_factory=list)
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def wait(self, timeout: float | None = None) -> dict:
+        concurrent.futures.wait(self.futures, timeout=timeout)
+        failed = [
+            (job, repr(f.exception()))
+            for job, f in zip(self.jobs, self.futures, strict=True)
+            if f.done() and not f.cancelled() and f.exception() is not None
+        ]
+        return {"jobs": len(self.jobs), "failed": failed}
+
+    def cancel(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _run_job(job: tuple[str, tuple]) -> None:
+    kind, args = job
+    if kind == "quant":
+        from ptxtrain.quant import cuda as qcuda
+
+        dtype, variant, full = args
+        qcuda.compile_module(dtype, variant=variant, full=full)
+    else:
+        from ptxtrain.gemm import ptx
+
+        ptx.compile_gemm(*args)
+
+
+def start(jobs: list[tuple[str, tuple]], max_workers: int | None = None) -> Prewarm:
+    """Compile ``jobs`` (from :func:`fp8_kernels`) on a pool of ``max_workers`` threads
+    (default: the CPUs less one, at most 8); returns at once."""
+    if max_workers is None:
+        max_workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="ptxtrain-jit")
+    # Slowest first (the quantizer modules), so the longest compile starts at once.
+    order = sorted(jobs, key=lambda j: j[0] != "quant")
+    futures = {job: pool.submit(_run_job, job) for job in order}
+    pool.shutdown(wait=False)  # no more submissions; the queued jobs still run
+    return Prewarm(jobs=order, futures=[futures[j] for j in order], executor=pool)
+
+
+def prewarm(
+    model: torch.nn.Module, tokens: int, device: torch.device, max_workers: int | None = None
+) -> Prewarm | None:
+    """Start compiling ``model``'s FP8 kernels for steps of ``tokens`` rows on ``device`` in
+    background threads (see the module note); None when there is nothing to do: not an sm_90
+    CUDA device, NVRTC missing, ``PTXTRAIN_JIT_PREWARM=0``, or no kernel to compile."""
+    from ptxtrain import _backend, gemm, quant
+    from ptxtrain.gemm import ptx
+    from ptxtrain.jit.cache import _env_flag
+
+    if os.environ.get(ENV_VAR, "").strip() and not _env_flag(ENV_VAR):
+        return None
+    if device.type != "cuda" or not ptx.supports(128, 128, 128, device=device):
+        return None
+    from ptxtrain.quant import cuda as qcuda
+
+    probe = torch.empty(0, device=device, dtype=torch.bfloat16)
+    want_quant = any(quant.select_backend(probe, op) == "cuda" for op in qcuda.AUTO_OPS)
+    forced = _backend.requested(gemm.ENV_VAR, gemm.BACKENDS)
+    jobs = fp8_kernels(
+        model,
+        tokens,
+        num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
+        gemm_backend=lambda kind, m, n, k: gemm.select_backend(kind, m, n, k, device),
+        grouped_ptx=lambda m, n, k: (
+            forced in ("auto", "ptx") and ptx.supports(m, n, k, device=device)
+        ),
+        quant_dtypes=(torch.bfloat16,) if want_quant else (),
+    )
+    return start(jobs, max_workers) if jobs else None

@@ -1,0 +1,157 @@
+"""``ptxtrain.nn.prewarm``: the FP8 kernels a step will compile, predicted from the model's
+shapes, compiled on background threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ptxtrain.gemm import ptx
+from ptxtrain.jit import nvrtc_available
+from ptxtrain.model import DeepSeekV3Config, build_model
+from ptxtrain.model.deepseek import convert_model_to_fp8_training
+from ptxtrain.nn import Fp8Linear, prewarm
+from ptxtrain.quant import cuda as qcuda
+
+# A model with every FP8 layer kind (dense MLP, MLA projections, shared and routed experts).
+TINY = dict(
+    vocab_size=256, dim=256, n_layers=2, n_dense_layers=1, dense_inter_dim=512, n_heads=2,
+    q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32,
+    v_head_dim=32, moe_inter_dim=128, n_routed_experts=8, n_activated_experts=2,
+    n_expert_groups=2, n_limited_groups=1, max_seq_len=64, mtp_depth=0,
+)  # fmt: skip
+
+
+def _model(recipe: str = "deepseek"):
+    model = build_model(DeepSeekV3Config(**TINY), device="cpu", seed=0)
+    convert_model_to_fp8_training(model, recipe)
+    return model
+
+
+def _gemms(jobs):
+    return [args for kind, args in jobs if kind == "gemm"]
+
+
+def test_every_fp8_gemm_of_the_step_is_predicted():
+    model = _model()
+    tokens = 4096
+    jobs = prewarm.fp8_kernels(
+        model, tokens, num_sms=132, gemm_backend=lambda *a: "ptx", grouped_ptx=lambda *a: True
+    )
+    # The quantizer modules first: every (variant, FULL or not) the auto ops use, for bf16.
+    quant = [args for kind, args in jobs if kind == "quant"]
+    assert quant == qcuda.auto_modules(torch.bfloat16)
+    variants = {qcuda.VARIANTS[qcuda.SELECT[op]] for op in qcuda.AUTO_OPS}
+    assert {(v, full) for _, v, full in quant} == {(v, f) for v in variants for f in (0, 1)}
+    assert len(quant) == 2 * len(variants)
+    gemms = set(_gemms(jobs))
+    assert len(gemms) == len(_gemms(jobs))  # no duplicates
+    # Each Fp8Linear: Fprop (M, N, K), Dgrad (M, K, N), Wgrad 1D1D (N, K, M), bf16 out, exactly
+    # the arguments its launches compile (compile_args is what ptx._plan compiles).
+    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert linears
+    for lin in linears:
+        n, k = lin.out_features, lin.in_features
+        for kind, m_, n_, k_ in (("1d2d", tokens, n, k), ("1d2d", tokens, k, n),
+                                 ("1d1d", n, k, tokens)):  # fmt: skip
+            want = ptx.compile_args(kind, m_, n_, k_, torch.bfloat16, False, 132)
+            assert want in gemms, (lin, kind)
+    # The routed experts: m-grouped Fprop / Dgrad over the expected padded rows (each expert's
+    # share of tokens x top-k, 4096 x 2 / 8 = 1024 rows, already aligned) and the k-grouped
+    # Wgrad, fp32 out.
+    rows = 8 * 1024
+    for n, k in ((128, 256), (256, 128)):  # w1 / w3: [E, 128, 256]; w2: [E, 256, 128]
+        assert ptx.compile_args("m_grouped", rows, n, k, torch.bfloat16, False, 132, 8) in gemms
+        assert ptx.compile_args("k_grouped", n, k, rows, torch.float32, False, 132, 8) in gemms
+    kinds = {args[0] for args in gemms}
+    assert kinds == {"1d2d", "1d1d", "m_grouped", "k_grouped"}
+
+
+def test_the_backend_choice_and_the_recipe_filter_the_gemms():
+    model = _model()
+    only_1d2d = prewarm.fp8_kernels(
+        model, 512, num_sms=132, quant_dtypes=(),
+        gemm_backend=lambda kind, *a: "ptx" if kind == "1d2d" else "cublas",
+        grouped_ptx=lambda *a: False,
+    )  # fmt: skip
+    assert only_1d2d and {args[0] for args in _gemms(only_1d2d)} == {"1d2d"}
+    assert all(kind == "gemm" for kind, _ in only_1d2d)  # no quant_dtypes: no modules
+    # deepseek_wgrad_bf16 runs no FP8 Wgrad; the bf16 recipe runs no FP8 GEMM at all.
+    no_wgrad = prewarm.fp8_kernels(
+        _model("deepseek_wgrad_bf16"), 512, num_sms=132, quant_dtypes=(),
+        gemm_backend=lambda *a: "ptx", grouped_ptx=lambda *a: True,
+    )  # fmt: skip
+    assert {args[0] for args in _gemms(no_wgrad)} == {"1d2d", "m_grouped"}
+    assert not prewarm.fp8_kernels(
+        _model("bf16"), 512, num_sms=132, quant_dtypes=(),
+        gemm_backend=lambda *a: "ptx", grouped_ptx=lambda *a: True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="tokens"):
+        prewarm.fp8_kernels(model, 0, num_sms=132, gemm_backend=str, grouped_ptx=bool)
+
+
+def test_no_prewarm_off_an_sm90_gpu_or_when_turned_off(monkeypatch):
+    model = _model()
+    assert prewarm.prewarm(model, 512, torch.device("cpu")) is None
+    monkeypatch.setenv(prewarm.ENV_VAR, "0")
+    assert prewarm.prewarm(model, 512, torch.device("cuda")) is None
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+def test_background_compiles_fill_the_cache_and_report_failures(tmp_path, monkeypatch):
+    monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path))
+    ptx.compile_gemm.cache_clear()
+    try:
+        good = [("gemm", ptx.compile_args("1d2d", 4096, n, 512, torch.bfloat16, False, 132))
+                for n in (256, 384)]  # fmt: skip
+        # block_n 176: the kernel refuses tiles spanning three scale blocks (static_assert)
+        bad_cfg = ptx.PtxConfig(64, 176, 4, 1)
+        bad = ("gemm", ("1d2d", bad_cfg, 2112, 1536, torch.bfloat16, False))
+        warm = prewarm.start([*good, bad], max_workers=2)
+        result = warm.wait(timeout=600)
+        assert result["jobs"] == 3
+        assert [job for job, _ in result["failed"]] == [bad]  # recorded, not raised
+        ptx.compile_gemm.cache_clear()
+        for _, args in good:  # the step's own call now finds them compiled
+            compiled, _ = ptx.compile_gemm(*args)
+            assert compiled.how in ("memory", "disk")
+        warm.cancel()  # nothing left: a no-op
+    finally:
+        ptx.compile_gemm.cache_clear()
+
+
+@pytest.mark.gpu
+def test_gpu_the_step_finds_its_dense_gemms_and_quantizers_compiled(tmp_path, monkeypatch):
+    # On the GPU: after prewarm (background threads, an empty JIT cache), a training step of the
+    # model compiles none of its dense GEMMs or quantizer modules itself. (The routed experts'
+    # row count follows the routing, so their m-grouped kernels may still be compiled.)
+    import ptxtrain.jit.compiler as jc
+    from ptxtrain.quant import cuda as qc
+
+    if not torch.cuda.is_available() or not ptx.supports(128, 128, 128):
+        pytest.skip("needs an sm_90 GPU with NVRTC")
+    monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(prewarm.ENV_VAR, raising=False)
+    ptx.compile_gemm.cache_clear()
+    qc.compile_module.cache_clear()
+    ptx._plan.cache_clear()
+    try:
+        model = build_model(DeepSeekV3Config(**TINY), device="cuda", seed=0)
+        convert_model_to_fp8_training(model, "deepseek")
+        batch, seq = 4, 64
+        warm = prewarm.prewarm(model, batch * seq, torch.device("cuda"))
+        assert warm is not None and warm.jobs
+        assert warm.wait(timeout=600)["failed"] == []
+        seen = []
+        real = jc._nvrtc_compile
+        monkeypatch.setattr(
+            jc, "_nvrtc_compile", lambda *a, **kw: seen.append(a[1]) or real(*a, **kw)
+        )
+        x = torch.randint(0, 256, (batch, seq + 1), device="cuda")
+        model(x[:, :-1], x[:, 1:]).loss.backward()
+        torch.cuda.synchronize()
+        assert [name for name in seen if "grouped" not in name] == []
+    finally:
+        ptx.compile_gemm.cache_clear()
+        qc.compile_module.cache_clear()
+        ptx._plan.cache_clear()
