@@ -39,7 +39,8 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def model_part(recipe: str, repeats: int, batch: int, seq: int) -> dict:
+def _model_and_batch(recipe: str, batch: int, seq: int, seed: int):
+    """The ``small`` model with FP8 layers of ``recipe`` (seed 0) and one fixed batch."""
     from ptxtrain.model import build_model, get_preset
     from ptxtrain.model.deepseek import convert_model_to_fp8_training
 
@@ -47,8 +48,12 @@ def model_part(recipe: str, repeats: int, batch: int, seq: int) -> dict:
     model = build_model(get_preset("small"), device="cuda", seed=0)
     convert_model_to_fp8_training(model, recipe)
     model.train()
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randint(0, 256, (batch, seq + 1), generator=g).cuda()
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return model, torch.randint(0, 256, (batch, seq + 1), generator=g).cuda()
+
+
+def model_part(recipe: str, repeats: int, batch: int, seq: int) -> dict:
+    model, x = _model_and_batch(recipe, batch, seq, seed=1)
     runs = []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
@@ -75,15 +80,7 @@ def model_part(recipe: str, repeats: int, batch: int, seq: int) -> dict:
 def async_part(recipe: str, repeats: int, batch: int, seq: int) -> dict:
     """Forward + backward ``repeats`` times with no host sync in between; per parameter, the
     repeats whose gradient differs from the first's and the largest difference (device-side)."""
-    from ptxtrain.model import build_model, get_preset
-    from ptxtrain.model.deepseek import convert_model_to_fp8_training
-
-    torch.manual_seed(0)
-    model = build_model(get_preset("small"), device="cuda", seed=0)
-    convert_model_to_fp8_training(model, recipe)
-    model.train()
-    g = torch.Generator(device="cpu").manual_seed(2)
-    x = torch.randint(0, 256, (batch, seq + 1), generator=g).cuda()
+    model, x = _model_and_batch(recipe, batch, seq, seed=2)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     first = None
     bad = torch.zeros(len(names), dtype=torch.int64, device="cuda")
