@@ -3,14 +3,15 @@
 Design note (ANCHORS §1: the first run's JIT cost is DeepGEMM users' third complaint). On a
 fresh H200 the first FP8 step of ``ptxtrain train --preset small`` at 8 x 1024 tokens took
 31.5 s. Of that, NVRTC took 15.8 s in 16 compiles: the quantizer modules 3.2-4.2 s each (ten
-instantiations per module) and the GEMMs 0.3-1.0 s each. Triton took 7.4 s in 13 compiles
-(``benchmarks.diag_first_step``, benchmarks/results/2026-11-23-s25-h200/call7). The step
-needs them one after another, so it waits for each in turn.
+instantiations per module then; a launch now compiles only its own) and the GEMMs 0.3-1.0 s
+each. Triton took 7.4 s in 13 compiles (``benchmarks.diag_first_step``,
+benchmarks/results/2026-11-23-s25-h200/call7). The step needs them one after another, so it
+waits for each in turn.
 
 Yet every NVRTC kernel the step will need is a pure function of the model's shapes:
 - the PTX GEMM configs come from :func:`ptxtrain.gemm.ptx.compile_args`, the same function the
   launch uses;
-- the quantizer modules come from :func:`ptxtrain.quant.cuda.auto_modules`.
+- the quantizer instantiations come from :func:`ptxtrain.quant.cuda.auto_instantiations`.
 
 NVRTC releases the GIL, so a thread pool compiles them side by side while the host builds the
 model and runs the first forward. The JIT cache makes a kernel that the step reaches first
@@ -63,11 +64,13 @@ def fp8_kernels(
             :func:`ptxtrain.gemm.select_backend` on the device; only ``"ptx"`` GEMMs compile.
         grouped_ptx: ``(m, n, k) -> bool``, whether the grouped GEMMs run on the PTX kernels.
         quant_dtypes: input dtypes of the CUDA quantizers (the activations', gradients' and
-            weights' dtypes); empty: none.
+            weights' dtypes); empty: none. Their scale rounding (power of two or not) follows
+            the FP8 layers' recipes.
 
     Returns:
         ``[("quant", compile_module args), ("gemm", compile_gemm args), ...]`` without duplicates:
-        ``("quant", (dtype, variant, full))`` for :func:`ptxtrain.quant.cuda.compile_module`, and
+        ``("quant", (dtype, variant, full, mode))`` for
+        :func:`ptxtrain.quant.cuda.compile_module`, and
         ``("gemm", (kind, cfg, n, k, out_dtype, accumulate))`` for
         :func:`ptxtrain.gemm.ptx.compile_gemm`.
 
@@ -84,9 +87,7 @@ def fp8_kernels(
     if tokens < 1 or num_sms < 1:
         raise ValueError(f"tokens and num_sms must be positive, got {tokens} and {num_sms}")
     jobs: dict[tuple, None] = {}
-    for dtype in quant_dtypes:
-        for args in qcuda.auto_modules(dtype):
-            jobs[("quant", args)] = None
+    pow2_flags = set()
 
     def gemm(kind, m, n, k, out_dtype, accumulate=False, groups=1):
         jobs[("gemm", ptx.compile_args(kind, m, n, k, out_dtype, accumulate, num_sms, groups))] = (
@@ -96,6 +97,7 @@ def fp8_kernels(
     for mod in model.modules():
         if isinstance(mod, Fp8Linear) and mod.config.any_fp8:
             cfg, n, k, m = mod.config, mod.out_features, mod.in_features, tokens
+            pow2_flags.add(bool(cfg.pow2_scale))
             act = _gemm_out_dtype(mod.weight.dtype)  # the activations share the weight's dtype
             fprop_out = act if mod.bias is None else torch.float32
             for on, kind, mm, nn_, kk, out in (
@@ -108,6 +110,7 @@ def fp8_kernels(
         elif isinstance(mod, MoE) and isinstance(mod.experts, Experts) and mod.experts.fp8:
             ex = mod.experts
             cfg = grouped_config(ex.fp8_config)
+            pow2_flags.add(bool(cfg.pow2_scale))
             experts = ex.w1.shape[0]  # this rank's experts
             # Expected padded rows: each expert's share of tokens x top-k, rounded up to the
             # alignment (the routing moves it; a miss compiles on demand).
@@ -122,7 +125,12 @@ def fp8_kernels(
                     gemm("m_grouped", rows, k, n, out, groups=experts)
                 if cfg.wgrad and grouped_ptx(n, k, rows):
                     gemm("k_grouped", n, k, rows, torch.float32, groups=experts)
-    return list(jobs)
+    quant = {
+        ("quant", args): None
+        for dtype in quant_dtypes
+        for args in qcuda.auto_instantiations(dtype, tuple(sorted(pow2_flags)))
+    }
+    return [*quant, *jobs]
 
 
 @dataclass
@@ -155,8 +163,8 @@ def _run_job(job: tuple[str, tuple]) -> None:
     if kind == "quant":
         from ptxtrain.quant import cuda as qcuda
 
-        dtype, variant, full = args
-        qcuda.compile_module(dtype, variant=variant, full=full)
+        dtype, variant, full, mode = args
+        qcuda.compile_module(dtype, variant=variant, full=full, mode=mode)  # as _bound calls it
     else:
         from ptxtrain.gemm import ptx
 
@@ -169,7 +177,7 @@ def start(jobs: list[tuple[str, tuple]], max_workers: int | None = None) -> Prew
     if max_workers is None:
         max_workers = max(1, min(8, (os.cpu_count() or 2) - 1))
     pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="ptxtrain-jit")
-    # Slowest first (the quantizer modules), so the longest compile starts at once.
+    # The quantizers first: the step's first launches are quantizations.
     order = sorted(jobs, key=lambda j: j[0] != "quant")
     futures = {job: pool.submit(_run_job, job) for job in order}
     pool.shutdown(wait=False)  # no more submissions; the queued jobs still run

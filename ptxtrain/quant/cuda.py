@@ -74,11 +74,12 @@ __all__ = [
     "AUTO_OPS",
     "DEFAULT_VARIANT",
     "KERNEL_DIR",
+    "OP_MODES",
     "SELECT",
     "SF_LAYOUTS",
     "VARIANTS",
     "Variant",
-    "auto_modules",
+    "auto_instantiations",
     "compile_module",
     "per_block_cast_to_fp8",
     "per_block_cast_to_fp8_both",
@@ -249,6 +250,7 @@ def compile_module(
     arch: str = "sm_90a",
     variant: Variant = DEFAULT_VARIANT,
     full: bool = False,
+    mode: tuple[bool, bool, bool, bool] | None = None,
 ):
     """Compile (or fetch from the JIT cache) the quantizer module for input ``dtype``.
 
@@ -259,39 +261,74 @@ def compile_module(
             matter here).
         full: the ``FULL`` instantiations (whole 128x128 tiles and aligned accesses only, no
             bounds checks; :func:`_full`), a separate module compiled on first use.
+        mode: ``(block, row, col, pow2)``: that one instantiation only, what a launch compiles
+            (NVRTC took 0.45 s for one against 2.8 s for all ten on a 2-core CPU; the first FP8
+            training step compiled four ten-instantiation modules, 3.2-4.2 s each on an H200
+            host, benchmarks/results/2026-11-23-s25-h200/call7); None: all ten.
 
     Returns:
-        :class:`ptxtrain.jit.CompiledKernel` with the ten instantiations of
+        :class:`ptxtrain.jit.CompiledKernel` with the instantiations of
         ``ptxtrain_quant::cast_fp8`` as name expressions.
 
     Raises:
         TypeError: ``dtype`` is not one of the three, or ``variant`` not a Variant.
-        ValueError: a knob of ``variant`` is out of range.
+        ValueError: a knob of ``variant`` is out of range, or ``mode`` is not one of the
+            kernel's (block, row, col) combinations with a pow2 flag.
         ptxtrain.jit.JitCompileError: NVRTC failed.
     """
     if dtype not in _IN_KIND:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     variant = _check_variant(variant)
     kind = _IN_KIND[dtype]
-    exprs = [
-        _expression(kind, b, r, c, p, variant, full) for b, r, c in _MODES for p in (False, True)
-    ]
+    if mode is None:
+        modes = [(b, r, c, p) for b, r, c in _MODES for p in (False, True)]
+        name = "ptxtrain_quant_cast_fp8"
+    else:
+        if (
+            not isinstance(mode, tuple)
+            or len(mode) != 4
+            or not all(isinstance(f, bool) for f in mode)
+            or mode[:3] not in _MODES
+        ):
+            raise ValueError(
+                f"mode must be (block, row, col, pow2) bools with (block, row, col) in "
+                f"{_MODES}, got {mode!r}"
+            )
+        modes = [mode]
+        name = "ptxtrain_quant_cast_fp8_" + "".join("1" if f else "0" for f in mode)
     return compile_cuda(
         "#include <cast_transpose.cuh>\n",
-        name="ptxtrain_quant_cast_fp8_full" if full else "ptxtrain_quant_cast_fp8",
+        name=name + ("_full" if full else ""),
         arch=arch,
         include_dirs=[KERNEL_DIR],
-        name_expressions=exprs,
+        name_expressions=[_expression(kind, *m, variant, full) for m in modes],
     )
 
 
-def auto_modules(dtype: torch.dtype) -> list[tuple[torch.dtype, Variant, bool]]:
-    """``(dtype, variant, full)`` of every module that the ``auto`` backend's CUDA quantizers
-    (the ops of :data:`AUTO_OPS`, each with its :data:`SELECT` variant, FULL or not) may compile
-    for input ``dtype``: the arguments of :func:`compile_module` that ``ptxtrain.nn.prewarm``
-    compiles ahead of a first step."""
-    variants = sorted({VARIANTS[SELECT[op]] for op in AUTO_OPS})
-    return [(dtype, v, full) for v in variants for full in (False, True)]
+# (block, row, col) of each quantizer the kernels serve.
+OP_MODES: dict[str, tuple[bool, bool, bool]] = {
+    "per_token_cast_to_fp8": (False, True, False),
+    "per_token_cast_to_fp8_t": (False, False, True),
+    "per_token_cast_to_fp8_both": (False, True, True),
+    "per_block_cast_to_fp8": (True, True, False),
+    "per_block_cast_to_fp8_both": (True, True, True),
+}
+
+
+def auto_instantiations(
+    dtype: torch.dtype, pow2_flags: tuple[bool, ...] = (False,)
+) -> list[tuple[torch.dtype, Variant, bool, tuple[bool, bool, bool, bool]]]:
+    """``(dtype, variant, full, mode)`` of every instantiation that the ``auto`` backend's CUDA
+    quantizers (the ops of :data:`AUTO_OPS`, each with its :data:`SELECT` variant, FULL or not)
+    may compile for input ``dtype`` and scales rounded to powers of two or not
+    (``pow2_flags``): the arguments of :func:`compile_module` that a launch compiles and that
+    ``ptxtrain.nn.prewarm`` compiles ahead of a first step."""
+    out = []
+    for op in sorted(AUTO_OPS):
+        for pow2 in pow2_flags:
+            for full in (False, True):
+                out.append((dtype, VARIANTS[SELECT[op]], full, (*OP_MODES[op], bool(pow2))))
+    return out
 
 
 def usable(device: torch.device) -> bool:
@@ -414,7 +451,7 @@ _SIGNATURE = "ppppp" + "q" * 8 + "i"
 def _bound(dtype: torch.dtype, mode: tuple, variant: Variant, index: int, smem: int) -> BoundLaunch:
     """The instantiation ``mode`` = (block, row, col, pow2, full) of ``variant`` for ``dtype``,
     loaded on device ``index`` and bound for launches (compiled once, then a lookup per call)."""
-    module = compile_module(dtype, variant=variant, full=mode[4])
+    module = compile_module(dtype, variant=variant, full=mode[4], mode=mode[:4])
     with torch.cuda.device(index):
         kernel = load_kernel(module, _expression(_IN_KIND[dtype], *mode[:4], variant, mode[4]))
     # (the kernel waits for the previous one before reading x: grid_dependency_wait)

@@ -38,12 +38,19 @@ def test_every_fp8_gemm_of_the_step_is_predicted():
     jobs = prewarm.fp8_kernels(
         model, tokens, num_sms=132, gemm_backend=lambda *a: "ptx", grouped_ptx=lambda *a: True
     )
-    # The quantizer modules first: every (variant, FULL or not) the auto ops use, for bf16.
+    # The quantizers first: each auto op's instantiation (its variant, FULL or not) for bf16,
+    # with the recipe's scale rounding (deepseek: not pow2).
     quant = [args for kind, args in jobs if kind == "quant"]
-    assert quant == qcuda.auto_modules(torch.bfloat16)
-    variants = {qcuda.VARIANTS[qcuda.SELECT[op]] for op in qcuda.AUTO_OPS}
-    assert {(v, full) for _, v, full in quant} == {(v, f) for v in variants for f in (0, 1)}
-    assert len(quant) == 2 * len(variants)
+    assert jobs[: len(quant)] == [("quant", args) for args in quant]
+    assert quant == qcuda.auto_instantiations(torch.bfloat16, (False,))
+    want = {(qcuda.VARIANTS[qcuda.SELECT[op]], full, (*qcuda.OP_MODES[op], False))
+            for op in qcuda.AUTO_OPS for full in (False, True)}  # fmt: skip
+    assert {(v, full, mode) for _, v, full, mode in quant} == want
+    pow2 = prewarm.fp8_kernels(
+        _model("deepseek_pow2"), tokens, num_sms=132, gemm_backend=lambda *a: "cublas",
+        grouped_ptx=lambda *a: False,
+    )  # fmt: skip
+    assert [args for _, args in pow2] == qcuda.auto_instantiations(torch.bfloat16, (True,))
     gemms = set(_gemms(jobs))
     assert len(gemms) == len(_gemms(jobs))  # no duplicates
     # Each Fp8Linear: Fprop (M, N, K), Dgrad (M, K, N), Wgrad 1D1D (N, K, M), bf16 out, exactly
