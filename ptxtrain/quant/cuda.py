@@ -11,9 +11,10 @@ comment has the details) covers every quantizer: a CTA of 256 threads owns one 1
   16-byte stores of 16 consecutive tokens of one channel),
 - or, in block mode, both with one scale for the whole 128x128 block (``W`` and ``Wᵀ``).
 
-One module per input dtype (float32 / bfloat16 / float16) holds the ten instantiations (five
-modes x ``pow2_scale``); it is compiled once by NVRTC for ``sm_90a`` and cached on disk by
-``ptxtrain.jit``. The arithmetic is the reference's, bit for bit: amax from the bits of |x| (NaN
+The kernel has ten instantiations per input dtype (float32 / bfloat16 / float16) and variant:
+five modes x ``pow2_scale``. A launch compiles only its own, by NVRTC for ``sm_90a``, cached on
+disk by ``ptxtrain.jit`` (:func:`compile_module` with ``mode``; without it all ten, as the
+compile tests do). The arithmetic is the reference's, bit for bit: amax from the bits of |x| (NaN
 wins), the 1e-4 clamp, ``sf = amax / 448`` as ``div.rn``, the power-of-two rounding on the bits,
 ``x / sf`` correctly rounded (a reciprocal and two exact-residual FMA corrections; one for
 bf16 / fp16 input, whose E4M3 bytes are then the same for every (x, amax) pair, proven by
