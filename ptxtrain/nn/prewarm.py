@@ -43,7 +43,6 @@ from ptxtrain._checks import ceil_div
 __all__ = ["Prewarm", "fp8_kernels", "prewarm", "start"]
 
 ENV_VAR = "PTXTRAIN_JIT_PREWARM"
-_ALIGN = 128  # the m-grouped layout's row alignment (gemm.ref.M_GROUPED_ALIGNMENT)
 
 
 def fp8_kernels(
@@ -80,6 +79,7 @@ def fp8_kernels(
         ValueError: ``tokens`` or ``num_sms`` not positive.
     """
     from ptxtrain.gemm import ptx
+    from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT as align
     from ptxtrain.moe.experts import Experts
     from ptxtrain.moe.layer import MoE
     from ptxtrain.nn.fp8_grouped import _resolve_config as grouped_config
@@ -91,10 +91,9 @@ def fp8_kernels(
     jobs: dict[tuple, None] = {}
     pow2_flags = set()
 
-    def gemm(kind, m, n, k, out_dtype, accumulate=False, groups=1):
-        jobs[("gemm", ptx.compile_args(kind, m, n, k, out_dtype, accumulate, num_sms, groups))] = (
-            None
-        )
+    def gemm(kind, m, n, k, out_dtype, groups=1):
+        args = ptx.compile_args(kind, m, n, k, out_dtype, False, num_sms, groups)
+        jobs.setdefault(("gemm", args))
 
     for mod in model.modules():
         if isinstance(mod, Fp8Linear) and mod.config.any_fp8:
@@ -117,7 +116,7 @@ def fp8_kernels(
             # Expected padded rows: each expert's share of tokens x top-k, rounded up to the
             # alignment (the routing moves it; a miss compiles on demand).
             share = ceil_div(tokens * mod.router.top_k, max(mod.n_routed_experts, 1))
-            rows = experts * ceil_div(max(share, 1), _ALIGN) * _ALIGN
+            rows = experts * ceil_div(max(share, 1), align) * align
             out = _gemm_out_dtype(ex.w1.dtype)
             for w in (ex.w1, ex.w3, ex.w2):
                 n, k = w.shape[1], w.shape[2]

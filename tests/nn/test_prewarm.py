@@ -8,22 +8,19 @@ import torch
 
 from ptxtrain.gemm import ptx
 from ptxtrain.jit import nvrtc_available
-from ptxtrain.model import DeepSeekV3Config, build_model
+from ptxtrain.model import DeepSeekV3Config, build_model, get_preset
 from ptxtrain.model.deepseek import convert_model_to_fp8_training
 from ptxtrain.nn import Fp8Linear, prewarm
 from ptxtrain.quant import cuda as qcuda
 
-# A model with every FP8 layer kind (dense MLP, MLA projections, shared and routed experts).
-TINY = dict(
-    vocab_size=256, dim=256, n_layers=2, n_dense_layers=1, dense_inter_dim=512, n_heads=2,
-    q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32,
-    v_head_dim=32, moe_inter_dim=128, n_routed_experts=8, n_activated_experts=2,
-    n_expert_groups=2, n_limited_groups=1, max_seq_len=64, mtp_depth=0,
-)  # fmt: skip
+# The tiny preset (every FP8 layer kind: dense MLP, MLA projections, shared and routed experts)
+# with dim 256, so that an expert's [I, D] and [D, I] GEMMs differ (I = 128), and no MTP, whose
+# rows differ from the main model's (the token count prewarm is given).
+CONFIG = DeepSeekV3Config.from_dict({**get_preset("tiny").to_dict(), "dim": 256, "mtp_depth": 0})
 
 
 def _model(recipe: str = "deepseek"):
-    model = build_model(DeepSeekV3Config(**TINY), device="cpu", seed=0)
+    model = build_model(CONFIG, device="cpu", seed=0)
     convert_model_to_fp8_training(model, recipe)
     return model
 
@@ -66,8 +63,11 @@ def test_every_fp8_gemm_of_the_step_is_predicted():
     # The routed experts: m-grouped Fprop / Dgrad over the expected padded rows (each expert's
     # share of tokens x top-k, 4096 x 2 / 8 = 1024 rows, already aligned) and the k-grouped
     # Wgrad, fp32 out.
+    e, top_k, dim, inter = (CONFIG.n_routed_experts, CONFIG.n_activated_experts, CONFIG.dim,
+                            CONFIG.moe_inter_dim)  # fmt: skip
+    assert (e, top_k, dim, inter) == (8, 2, 256, 128)
     rows = 8 * 1024
-    for n, k in ((128, 256), (256, 128)):  # w1 / w3: [E, 128, 256]; w2: [E, 256, 128]
+    for n, k in ((inter, dim), (dim, inter)):  # w1 / w3: [E, I, D]; w2: [E, D, I]
         assert ptx.compile_args("m_grouped", rows, n, k, torch.bfloat16, False, 132, 8) in gemms
         assert ptx.compile_args("k_grouped", n, k, rows, torch.float32, False, 132, 8) in gemms
     kinds = {args[0] for args in gemms}
@@ -143,7 +143,7 @@ def test_gpu_the_step_finds_its_dense_gemms_and_quantizers_compiled(tmp_path, mo
     qc.compile_module.cache_clear()
     ptx._plan.cache_clear()
     try:
-        model = build_model(DeepSeekV3Config(**TINY), device="cuda", seed=0)
+        model = build_model(CONFIG, device="cuda", seed=0)
         convert_model_to_fp8_training(model, "deepseek")
         batch, seq = 4, 64
         warm = prewarm.prewarm(model, batch * seq, torch.device("cuda"))

@@ -33,9 +33,9 @@
 // the first brings q within one ulp of x / sf, the second makes it the correctly rounded
 // quotient (Markstein's theorem; below 2^-126 it may be off by a subnormal ulp, which E4M3,
 // whose smallest step is 2^-9, rounds to the same ±0). 16-bit inputs stop after the first
-// correction: their E4M3 bytes are the same, by exhaustion over every (x, amax) (see quotient). The signs are placed so that x = -0
-// gives -0. Tiles with a non-finite scale (one branch per tile row/column) take x * 0
-// (sf = inf) or x * NaN, IEEE's x / sf for those (see quantize).
+// correction: their E4M3 bytes are the same, by exhaustion over every (x, amax) (see quotient).
+// The signs are placed so that x = -0 gives -0. Tiles with a non-finite scale (one branch per
+// tile row/column) take x * 0 (sf = inf) or x * NaN, IEEE's x / sf for those (see quantize).
 // cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even.
 //
 // FULL (a template flag the host sets when M and K are multiples of 128 and every access is
