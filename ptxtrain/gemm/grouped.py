@@ -348,22 +348,31 @@ def _masked_triton(a, b, masked_m, expected_m, out, out_dtype, config) -> torch.
     return out
 
 
-def _k_grouped_triton(a, b, ks, out, accumulate, config) -> torch.Tensor:
-    m, n, ks = ref.validate_k_grouped(a, b, ks, out, accumulate)
+def _k_grouped_triton(a, b, ks, ks_tensor, out, accumulate, config) -> torch.Tensor:
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
+    if ks_tensor is None:
+        m, n, ks = ref.validate_k_grouped(a, b, ks, out, accumulate)
+        g = len(ks)
+        typical_k = max(ks) if ks else 0
+    else:
+        m, n, g = ref.validate_k_grouped_device(a, b, ks_tensor, out, accumulate)
+        typical_k = ceil_div(a_fp8.shape[1], max(g, 1))  # sizes unknown on the host
     _check_triton_device(a_fp8.device)
-    g = len(ks)
     if out is None:
         out = torch.empty((g, m, n), dtype=torch.float32, device=a_fp8.device)
     if g == 0 or m == 0 or n == 0:
         return out
-    starts = [0]
-    for kg in ks[:-1]:
-        starts.append(starts[-1] + kg)
-    kb_start = [s // BLOCK_K for s in starts]
-    kb_start = torch.tensor(kb_start, dtype=torch.int64).to(a_fp8.device, non_blocking=True)
-    k_len = torch.tensor(ks, dtype=torch.int64).to(a_fp8.device, non_blocking=True)
-    cfg = _config(config, m, n, max(ks) if ks else 0, "1d1d")
+    if ks_tensor is None:
+        starts = [0]
+        for kg in ks[:-1]:
+            starts.append(starts[-1] + kg)
+        kb_start = [s // BLOCK_K for s in starts]
+        kb_start = torch.tensor(kb_start, dtype=torch.int64).to(a_fp8.device, non_blocking=True)
+        k_len = torch.tensor(ks, dtype=torch.int64).to(a_fp8.device, non_blocking=True)
+    else:  # device ops only: no host sync
+        k_len = ks_tensor.to(torch.int64)
+        kb_start = (torch.cumsum(k_len, 0) - k_len) // BLOCK_K
+    cfg = _config(config, m, n, typical_k, "1d1d")
     grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n), g)
     with _on_device(a_fp8.device):
         _k_grouped_kernel[grid](
@@ -469,31 +478,42 @@ def m_grouped_fp8_gemm_nt_masked(
 def k_grouped_fp8_gemm_nt_contiguous(
     a: Operand,
     b: Operand,
-    ks: list[int] | torch.Tensor,
+    ks: list[int] | torch.Tensor | None,
     *,
+    ks_tensor: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """K-grouped ``D[g] (+)= A_g · B_gᵀ`` over contiguous K (token) slices, fp32 (Triton or ref).
+    """K-grouped ``D[g] (+)= A_g · B_gᵀ`` over contiguous K (token) slices, fp32 (PTX, Triton
+    or ref).
 
-    Contract, shapes, dtypes, the padding rule (each ``ks[g]`` a multiple of 128) and errors:
+    Contract, shapes, dtypes, the padding rule (each group's K a multiple of 128) and errors:
     :func:`ptxtrain.gemm.ref.k_grouped_fp8_gemm_nt_contiguous_ref` (A [M, K_total],
     B [N, K_total], both 1x128-scaled along K; D [G, M, N] float32). ``ks`` as a tensor is read
-    back to the host (one sync); pass a list to avoid it.
+    back to the host (one sync); pass a list, or ``ks=None`` and the sizes as ``ks_tensor`` (a
+    device tensor read by the kernel only, summing to at most K_total: no host sync, CUDA-graph
+    safe; how the MoE experts' wgrad runs).
 
     Args:
         config: as in :func:`m_grouped_fp8_gemm_nt_contiguous` (chosen for one group's M, N).
 
-    Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
+    Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous`` (``ks`` / ``ks_tensor``); DeepSeek-V3
+    report §3.3; DESIGN §2.
     """
+    if (ks is None) == (ks_tensor is None):
+        raise ValueError("give exactly one of ks (host sizes) and ks_tensor (device sizes)")
     if _use_ptx_k_grouped(a, b, config):
         from ptxtrain.gemm import ptx
 
-        return ptx.k_grouped_fp8_gemm_nt_contiguous(a, b, ks, out=out, accumulate=accumulate)
+        return ptx.k_grouped_fp8_gemm_nt_contiguous(
+            a, b, ks, ks_tensor=ks_tensor, out=out, accumulate=accumulate
+        )
     if _use_triton(_device_of(a)):
-        return _k_grouped_triton(a, b, ks, out, accumulate, config)
-    return ref.k_grouped_fp8_gemm_nt_contiguous_ref(a, b, ks, out=out, accumulate=accumulate)
+        return _k_grouped_triton(a, b, ks, ks_tensor, out, accumulate, config)
+    return ref.k_grouped_fp8_gemm_nt_contiguous_ref(
+        a, b, ks, ks_tensor=ks_tensor, out=out, accumulate=accumulate
+    )
 
 
 def _compile_for_sm90(op: str, config: GemmConfig | None = None, out_dtype=torch.bfloat16):

@@ -968,8 +968,9 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
 def k_grouped_fp8_gemm_nt_contiguous(
     a: ref.Operand,
     b: ref.Operand,
-    ks: list[int],
+    ks: list[int] | None,
     *,
+    ks_tensor: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
 ) -> torch.Tensor:
@@ -980,7 +981,8 @@ def k_grouped_fp8_gemm_nt_contiguous(
 
     The 1D1D kernel with each work unit's K range read at run time (one compiled kernel for any
     ``ks``); a group with ``ks[g] = 0`` stores zeros (or adds nothing). One small host-to-device
-    copy of the K offsets per call.
+    copy of the K offsets per call, or none with ``ks=None`` and ``ks_tensor`` (the sizes on the
+    device, summing to at most K_total; the offsets are then a device prefix sum, no host sync).
 
     Raises:
         TypeError / ValueError: as the reference, plus non-CUDA / non-sm_90 tensors.
@@ -988,14 +990,20 @@ def k_grouped_fp8_gemm_nt_contiguous(
 
     Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
     """
-    m, n, ks = ref.validate_k_grouped(a, b, ks, out, accumulate)
-    return _k_grouped_contiguous(a, b, ks, out, accumulate, m, n)
+    if (ks is None) == (ks_tensor is None):
+        raise ValueError("give exactly one of ks (host sizes) and ks_tensor (device sizes)")
+    if ks_tensor is None:
+        m, n, ks = ref.validate_k_grouped(a, b, ks, out, accumulate)
+        g = len(ks)
+    else:
+        m, n, g = ref.validate_k_grouped_device(a, b, ks_tensor, out, accumulate)
+    return _k_grouped_contiguous(a, b, ks, out, accumulate, (m, n, g), ks_tensor)
 
 
-def _k_grouped_contiguous(a, b, ks, out, accumulate, m, n):
-    """:func:`k_grouped_fp8_gemm_nt_contiguous` after validation."""
+def _k_grouped_contiguous(a, b, ks, out, accumulate, dims, ks_tensor=None):
+    """:func:`k_grouped_fp8_gemm_nt_contiguous` after validation (``dims`` = (M, N, G))."""
     a_fp8 = a[0]
-    g = len(ks)
+    m, n, g = dims
     if out is None:
         out = torch.empty((g, m, n), dtype=torch.float32, device=a_fp8.device)
     if g == 0 or m == 0 or n == 0:
@@ -1004,10 +1012,14 @@ def _k_grouped_contiguous(a, b, ks, out, accumulate, m, n):
     if k_total == 0:  # every group empty: D = 0, or unchanged when accumulating
         return out if accumulate else out.zero_()
     _check_runnable(a_fp8, n, k_total)
-    offsets = [0]
-    for kg in ks:
-        offsets.append(offsets[-1] + kg // BLOCK_K)
-    k_offsets = torch.tensor(offsets, dtype=torch.int32).to(a_fp8.device, non_blocking=True)
+    if ks_tensor is None:
+        offsets = [0]
+        for kg in ks:
+            offsets.append(offsets[-1] + kg // BLOCK_K)
+        k_offsets = torch.tensor(offsets, dtype=torch.int32).to(a_fp8.device, non_blocking=True)
+    else:  # [G + 1] prefix sums in 128-column blocks, on the device
+        k_offsets = torch.zeros(g + 1, dtype=torch.int32, device=a_fp8.device)
+        k_offsets[1:] = torch.cumsum(ks_tensor // BLOCK_K, 0)
     return _write_into(
         out, (g, m, n), torch.float32, a_fp8.device, accumulate,
         lambda d: _launch("k_grouped", a, b, d, accumulate, torch.float32, None, None, k_offsets),

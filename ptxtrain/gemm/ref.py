@@ -443,6 +443,71 @@ def validate_k_grouped(
     return m, n, ks
 
 
+def resolve_k_sizes(
+    a: object,
+    b: object,
+    ks: object,
+    ks_tensor: object,
+    out: torch.Tensor | None,
+    accumulate: bool,
+) -> object:
+    """For the reference: ``ks``, or the sizes of ``ks_tensor`` read back as a list (checked;
+    they may sum to less than K_total).
+
+    Raises:
+        ValueError: both or neither of ``ks`` and ``ks_tensor``; ``ks_tensor`` summing to more
+            than K_total or holding sizes that are negative or not multiples of 128.
+    """
+    if (ks is None) == (ks_tensor is None):
+        raise ValueError("give exactly one of ks (host sizes) and ks_tensor (device sizes)")
+    if ks_tensor is None:
+        return ks
+    validate_k_grouped_device(a, b, ks_tensor, out, accumulate)
+    sizes = [int(v) for v in ks_tensor.tolist()]
+    k_total = a[0].shape[1]
+    bad = [v for v in sizes if v < 0 or v % K_GROUPED_ALIGNMENT]
+    if bad or sum(sizes) > k_total:
+        raise ValueError(
+            f"ks_tensor must hold multiples of {K_GROUPED_ALIGNMENT}, >= 0, summing to at most "
+            f"K_total = {k_total}, got {sizes}"
+        )
+    return sizes
+
+
+def validate_k_grouped_device(
+    a: object, b: object, ks_tensor: object, out: torch.Tensor | None, accumulate: bool
+) -> tuple[int, int, int]:
+    """Check the arguments of a ``k_grouped_fp8_gemm_nt_contiguous`` call whose group sizes are
+    a device tensor (``ks=None, ks_tensor=...``) without reading its values (no host sync).
+
+    Returns:
+        (M, N, G).
+
+    Raises:
+        TypeError / ValueError: as :func:`validate_k_grouped` for the operands and ``out``;
+            ``ks_tensor`` not a 1-D int32 / int64 tensor on the operands' device.
+    """
+    a_fp8, sf_a = _unpack("a", a)
+    b_fp8, sf_b = _unpack("b", b)
+    m, n, k = _check_pair_shapes(a_fp8, b_fp8)
+    _check_sf("a", sf_a, (m, ceil_div(k, BLOCK)), "[M, ⌈K_total/128⌉], one per 1x128 tile")
+    _check_sf("b", sf_b, (n, ceil_div(k, BLOCK)), "[N, ⌈K_total/128⌉], one per 1x128 tile")
+    if not isinstance(ks_tensor, torch.Tensor):
+        raise TypeError(f"ks_tensor must be a torch.Tensor, got {type(ks_tensor).__name__}")
+    if ks_tensor.dim() != 1 or ks_tensor.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"ks_tensor must be a 1-D int32 / int64 tensor (K of each group), got dtype "
+            f"{ks_tensor.dtype} and shape {tuple(ks_tensor.shape)}"
+        )
+    check_same_device(a=a_fp8, sf_a=sf_a, b=b_fp8, sf_b=sf_b, ks_tensor=ks_tensor)
+    g = ks_tensor.shape[0]
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out (the fp32 [G, M, N] tensor to add into)")
+    if out is not None:
+        _check_grouped_out(out, (g, m, n), (torch.float32,), a_fp8.device, "[G, M, N], fp32")
+    return m, n, g
+
+
 def m_grouped_fp8_gemm_nt_contiguous_ref(
     a: Operand,
     b: Operand,
@@ -542,8 +607,9 @@ def m_grouped_fp8_gemm_nt_masked_ref(
 def k_grouped_fp8_gemm_nt_contiguous_ref(
     a: Operand,
     b: Operand,
-    ks: list[int] | torch.Tensor,
+    ks: list[int] | torch.Tensor | None,
     *,
+    ks_tensor: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
 ) -> torch.Tensor:
@@ -559,8 +625,13 @@ def k_grouped_fp8_gemm_nt_contiguous_ref(
     Args:
         a: ``(a_fp8, sf_a)``: a_fp8 [M, K_total] float8_e4m3fn; sf_a [M, K_total/128] float32.
         b: ``(b_fp8, sf_b)``: b_fp8 [N, K_total] float8_e4m3fn; sf_b [N, K_total/128] float32.
-        ks: G ints (list, tuple or 1-D integer tensor), multiples of 128 summing to K_total.
-        out: optional [G, M, N] float32 output.
+        ks: G ints (list, tuple or 1-D integer tensor), multiples of 128 summing to K_total; or
+            None with ``ks_tensor``.
+        ks_tensor: with ``ks=None``, the G sizes as a 1-D int32 / int64 tensor on the operands'
+            device (DeepGEMM's name). The GPU backends read it on the device only (no host sync,
+            CUDA-graph safe) and do not check its values; the sizes may then sum to less than
+            K_total (columns past their sum are not read), which lets a caller size A and B from
+            an upper bound known on the host. This reference reads and checks them.
         accumulate: add into ``out`` (which must be given) instead of overwriting it.
 
     Returns:
@@ -571,10 +642,16 @@ def k_grouped_fp8_gemm_nt_contiguous_ref(
         TypeError: operands not ``(float8_e4m3fn, float32)`` pairs, ``ks`` not ints, ``out`` not
             float32.
         ValueError: ranks, shapes, devices, ``ks`` not multiples of 128 or not summing to
-            K_total, ``accumulate=True`` without ``out``.
+            K_total (``ks_tensor``: summing to more), ``accumulate=True`` without ``out``, both
+            or neither of ``ks`` and ``ks_tensor``.
 
     Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
     """
+    ks = resolve_k_sizes(a, b, ks, ks_tensor, out, accumulate)
+    if ks_tensor is not None:  # only the columns the groups own
+        used = sum(ks)
+        a = (a[0][:, :used], a[1][:, : used // BLOCK])
+        b = (b[0][:, :used], b[1][:, : used // BLOCK])
     m, n, ks = validate_k_grouped(a, b, ks, out, accumulate)
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     d = torch.zeros((len(ks), m, n), dtype=torch.float32, device=a_fp8.device)

@@ -249,14 +249,22 @@ class ModelOutput:
 
 
 def _check_ids(name: str, ids: object, vocab_size: int, *, allow_ignore: bool) -> torch.Tensor:
-    """Validate ``[B, T]`` int64 token ids in ``[0, vocab_size)`` (or ``IGNORE_INDEX``)."""
+    """Validate ``[B, T]`` int64 token ids in ``[0, vocab_size)`` (or ``IGNORE_INDEX``).
+
+    CPU ids: a ValueError naming the first bad id. CUDA ids: an asynchronous device-side assert
+    (reading the check back would stall the host in every step, and keep the step out of a CUDA
+    graph; an out-of-range id would fault in the embedding anyway), so validate ids on the host
+    before moving them, as ``ptxtrain train`` does with its byte batches."""
     ids = check_tensor(name, ids, dtypes=(torch.int64,), ndim=2)
     if ids.numel() == 0:
         return ids
     ok = (ids >= 0) & (ids < vocab_size)
     if allow_ignore:
         ok |= ids == IGNORE_INDEX
-    if not bool(ok.all()):  # one host sync; an out-of-range id would crash the GPU embedding
+    if ids.is_cuda:
+        torch._assert_async(ok.all(), f"{name} must hold token ids in [0, {vocab_size})")
+        return ids
+    if not bool(ok.all()):
         bad = ids[~ok][0].item()
         extra = f" or {IGNORE_INDEX} (ignored)" if allow_ignore else ""
         raise ValueError(f"{name} must hold token ids in [0, {vocab_size}){extra}, found {bad}")
@@ -415,7 +423,7 @@ class DeepSeekV3(nn.Module):
         dist.all_reduce(flat, group=self.ep_group)
         return list(flat.split([c.numel() for c in counts]))
 
-    def update_router_biases(self) -> dict[str, float]:
+    def update_router_biases(self, *, stats: bool = True) -> dict[str, float] | None:
         """Apply one auxiliary-loss-free bias update to every router and reset their counters.
 
         Call once per optimizer step, after the backward passes of all micro-batches. With
@@ -430,13 +438,27 @@ class DeepSeekV3(nn.Module):
             ``min_load_ratio``: the worst (smallest) min/mean over layers;
             ``cv``: coefficient of variation (std/mean) **averaged** over layers; ``cv_max``: its
             worst layer; ``bias_abs_max``: the largest ``|b_i|`` after the update. Ratios are
-            NaN when nothing was counted (eval-mode forwards do not count).
+            NaN when nothing was counted (eval-mode forwards do not count). With
+            ``stats=False``: None, and nothing is read back to the host (the update is device
+            work only, CUDA-graph safe); :meth:`last_router_stats` reads them later.
         """
         routers = self.routers()
         if self.ep_group is not None:
             for r, c in zip(routers, self._global_expert_counts(routers), strict=True):
                 r.expert_counts.copy_(c)
-        return aggregate_router_stats([r.update_bias() for r in routers], _bias_abs_max(routers))
+        for r in routers:
+            r.update_bias(stats=False)
+        return self.last_router_stats() if stats else None
+
+    def last_router_stats(self) -> dict[str, float]:
+        """The statistics :meth:`update_router_biases` returns, for its last call (one host
+        read of every router's counts and bias)."""
+        routers = self.routers()
+        if not routers:
+            return aggregate_router_stats([], 0.0)
+        counts = torch.stack([r.last_counts for r in routers]).cpu()  # [L, E], one read
+        bias_abs_max = float(torch.stack([r.bias.abs().max() for r in routers]).max())
+        return aggregate_router_stats([load_stats(c) for c in counts], bias_abs_max)
 
     # ------------------------------------------------------------------ expert parallelism
     def enable_expert_parallel(

@@ -138,6 +138,12 @@ class Experts(nn.Module):
             # its public calls (and their errors).
             return self._forward_fp8_calls(x, counts, cfg)
         layout = fg._Layout(counts, fg.gemm_ref.M_GROUPED_ALIGNMENT, x.device)
+        return self._swiglu_fp8(x, layout, counts, cfg)
+
+    def _swiglu_fp8(self, x: torch.Tensor, layout, counts, cfg) -> torch.Tensor:
+        """``w2(silu(w1 x) ⊙ w3 x)`` through the grouped FP8 linear on one layout."""
+        from ptxtrain.nn import fp8_grouped as fg
+
         # x's quantization for w1 and w3 (same values, same tiles): made once. Which parts are
         # needed follows the Function's rule (fprop: 1x128; wgrad of a weight that wants grad:
         # 128x1); anything missing is made inside the call.
@@ -148,9 +154,10 @@ class Experts(nn.Module):
                 fg._autocast_input(x).detach(), layout, cfg.pow2_scale, cfg.fprop, want_t
             )
         run = fg._grouped_apply
-        h = F.silu(run(x, self.w1, layout, counts, cfg, self._quantized_weight("w1", cfg), x_q))
-        h = h * run(x, self.w3, layout, counts, cfg, self._quantized_weight("w3", cfg), x_q)
-        return run(h, self.w2, layout, counts, cfg, self._quantized_weight("w2", cfg))  # [N, D]
+        q = self._quantized_weight
+        h = F.silu(run(x, self.w1, layout, counts, cfg, q("w1", cfg), x_q))
+        h = h * run(x, self.w3, layout, counts, cfg, q("w3", cfg), x_q)
+        return run(h, self.w2, layout, counts, cfg, q("w2", cfg))  # [N, D]
 
     def _forward_fp8_calls(self, x, counts, cfg) -> torch.Tensor:
         from ptxtrain.nn.fp8_grouped import fp8_grouped_linear
@@ -185,6 +192,99 @@ class Experts(nn.Module):
             q = _quantize_weight(w.detach(), True, cfg.dgrad, cfg.pow2_scale)
         cache[name] = (key, q, w.detach())  # the alias keeps the storage (and address) alive
         return q
+
+    def forward_layout(self, x_pad: torch.Tensor, layout) -> torch.Tensor:
+        """Apply every local expert to its rows of a padded layout, with no host sync.
+
+        Args:
+            x_pad: ``[R, D]`` float rows in ``layout`` (expert ``e``'s tokens in its rows, zero
+                padding rows), e.g. from :func:`ptxtrain.moe.grouped_layout.scatter_to_layout`.
+            layout: a :class:`~ptxtrain.moe.grouped_layout.GroupedLayout` over this module's
+                ``num_local_experts`` experts; ``align`` a multiple of 128 on the FP8 path.
+
+        Returns:
+            ``[R, D]``: each expert's output on its rows. Padding rows hold zeros on the FP8 path
+            and on the host loop; past the last expert's rows the BF16 grouped GEMM leaves them
+            unspecified (the combine never reads them, and their gradient is zero).
+
+        How: FP8 — the grouped FP8 GEMMs on the layout (m-grouped Fprop / Dgrad by
+        ``m_indices``, k-grouped Wgrad by ``sizes``, read on the device). BF16 on CUDA —
+        ``torch._grouped_mm`` with ``offs = layout.ends``. Otherwise (the CPU; FP32 or FP16 on
+        CUDA) a host loop over the experts' slices (one read of ``sizes``).
+
+        Raises:
+            TypeError / ValueError: ``x_pad`` not ``[layout.rows, D]`` float on the weights'
+                device; a layout over another expert count; FP8 with ``align % 128 != 0``.
+        """
+        check_tensor("x_pad", x_pad, ndim=2)
+        if not x_pad.is_floating_point() or tuple(x_pad.shape) != (layout.rows, self.dim):
+            raise ValueError(
+                f"x_pad must be a float [R = {layout.rows}, {self.dim}] tensor, got "
+                f"{x_pad.dtype} {tuple(x_pad.shape)}"
+            )
+        if layout.num_experts != self.num_local_experts:
+            raise ValueError(
+                f"layout must be over the {self.num_local_experts} local experts, got "
+                f"{layout.num_experts}"
+            )
+        if x_pad.device != self.w1.device:
+            raise ValueError(f"x_pad must be on {self.w1.device}, got {x_pad.device}")
+        if self.fp8:
+            from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT
+
+            if layout.align % M_GROUPED_ALIGNMENT:
+                raise ValueError(
+                    f"the FP8 experts need layout.align a multiple of {M_GROUPED_ALIGNMENT}, "
+                    f"got {layout.align}"
+                )
+            return self._forward_fp8_layout(x_pad, layout)
+        autocast = torch.is_autocast_enabled(x_pad.device.type)
+        dtype = torch.get_autocast_dtype(x_pad.device.type) if autocast else x_pad.dtype
+        if dtype == torch.bfloat16 and x_pad.is_cuda and self.w1.dtype == torch.bfloat16:
+            return self._forward_grouped_mm(x_pad.to(dtype), layout)
+        if x_pad.dtype != self.w1.dtype and not autocast:
+            raise TypeError(
+                f"x_pad must have the experts' dtype {self.w1.dtype}, got {x_pad.dtype}"
+            )
+        return self._forward_loop(x_pad, layout.host_sizes())
+
+    def _forward_grouped_mm(self, x: torch.Tensor, layout) -> torch.Tensor:
+        """BF16 experts through ``torch._grouped_mm`` (offsets on the device; CUDA only)."""
+        offs = layout.ends
+        mm = torch._grouped_mm
+        h = F.silu(mm(x, self.w1.transpose(1, 2), offs=offs))  # [R, I]
+        h = h * mm(x, self.w3.transpose(1, 2), offs=offs)
+        return mm(h, self.w2.transpose(1, 2), offs=offs)  # [R, D]
+
+    def _forward_loop(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Expert ``e`` on its slice of ``sizes[e]`` rows (the rest of ``x`` after the slices
+        comes back as zeros): the reference path, the same ops as a ``ModuleList`` of
+        ``nn.Linear`` experts."""
+        # unbind once: its backward stacks the E gradients into one tensor (indexing w[e] per
+        # expert would make every expert's backward materialize a full [E, ...] gradient).
+        w1s, w3s, w2s = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
+        used = sum(sizes)
+        outs = []
+        for e, rows in enumerate(x[:used].split(sizes)):  # [n_e, D] each
+            h = F.silu(F.linear(rows, w1s[e])) * F.linear(rows, w3s[e])  # [n_e, I]
+            outs.append(F.linear(h, w2s[e]))  # [n_e, D]
+        if used < x.shape[0]:
+            outs.append(x.new_zeros(x.shape[0] - used, self.dim, dtype=outs[0].dtype))
+        return torch.cat(outs)
+
+    def _forward_fp8_layout(self, x_pad: torch.Tensor, layout) -> torch.Tensor:
+        """:meth:`_forward_fp8` on a padded layout (no host sync)."""
+        from ptxtrain.nn import fp8_grouped as fg
+
+        cfg = fg._resolve_config(self.fp8_config)
+        grouped = fg.DeviceLayout(layout)
+        weights = (self.w1, self.w3, self.w2)
+        if not cfg.any_fp8 or not (
+            x_pad.dtype in HP_DTYPES
+            and all(w.dtype in HP_DTYPES and w.device == x_pad.device for w in weights)
+        ):
+            return self._forward_loop(x_pad, layout.host_sizes())
+        return self._swiglu_fp8(x_pad, grouped, None, cfg)  # [R, D]
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Apply expert ``e`` to its contiguous slice of rows, for every local expert.
@@ -226,12 +326,4 @@ class Experts(nn.Module):
                 f"x must have the experts' dtype {self.w1.dtype} on {self.w1.device}, got "
                 f"{x.dtype} on {x.device} (cast the module or the input)"
             )
-        # unbind once: its backward stacks the E gradients into one tensor, where indexing
-        # w[e] per expert made every expert's backward materialize a full [E, ...] gradient
-        # (measured: the small preset trained 2.6x slower on an H200).
-        w1s, w3s, w2s = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
-        outs = []
-        for e, rows in enumerate(x.split(counts)):  # [n_e, D] each
-            h = F.silu(F.linear(rows, w1s[e])) * F.linear(rows, w3s[e])  # [n_e, I]
-            outs.append(F.linear(h, w2s[e]))  # [n_e, D]
-        return torch.cat(outs)
+        return self._forward_loop(x, counts)

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptxtrain._checks import check_tensor
+from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT
 from ptxtrain.moe.dispatch import Buffer
 from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.fused import (
@@ -76,6 +77,11 @@ from ptxtrain.moe.fused import (
     route_fused,
     unpermute_fused,
     use_triton_kernels,
+)
+from ptxtrain.moe.grouped_layout import (
+    build_grouped_layout,
+    combine_from_layout,
+    scatter_to_layout,
 )
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.moe.router import Router
@@ -294,12 +300,13 @@ class MoE(nn.Module):
         :mod:`ptxtrain.moe.fused`."""
         if self.ep_buffer is not None:
             return self._routed_ep(x, topk_idx, topk_weights, triton)
-        permute, unpermute = _permute_kernels(triton)
-        x_perm, sorted_slots, tokens_per_expert = permute(
-            x, topk_idx, self.n_routed_experts, check_ids=False
-        )  # [N·k, D], [N·k], [E]; the router's ids are valid
-        y_perm = self.experts(x_perm, tokens_per_expert)  # [N·k, D]
-        return unpermute(y_perm, sorted_slots, topk_weights)
+        # The FP8 grouped GEMMs need each expert's rows padded to 128; the BF16 grouped GEMM
+        # takes any offsets. Sized on the host from N·k: no host sync (grouped_layout's note).
+        align = M_GROUPED_ALIGNMENT if self.experts.fp8 else 1
+        layout = build_grouped_layout(topk_idx, self.n_routed_experts, align)
+        x_pad = scatter_to_layout(x, layout, triton=triton)  # [R, D]
+        y_pad = self.experts.forward_layout(x_pad, layout)  # [R, D]
+        return combine_from_layout(y_pad, topk_weights, layout, triton=triton)  # [N, D]
 
     def _routed_ep(
         self,

@@ -105,6 +105,11 @@ class Router(nn.Module):
         self.register_buffer(
             "expert_counts", torch.zeros(n_experts, dtype=torch.int64), persistent=False
         )
+        # The counts that drove the last update_bias: read for statistics at a logging step,
+        # so that the update itself never reads a device value on the host.
+        self.register_buffer(
+            "last_counts", torch.zeros(n_experts, dtype=torch.int64), persistent=False
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -202,20 +207,27 @@ class Router(nn.Module):
         return load_stats(self.expert_counts)
 
     @torch.no_grad()
-    def update_bias(self) -> dict[str, float]:
+    def update_bias(self, *, stats: bool = True) -> dict[str, float] | None:
         """One auxiliary-loss-free balancing step, then reset the counters.
 
         ``b_i += γ · sign(mean_load - load_i)``: +γ for an under-loaded expert, -γ for an
         over-loaded one, 0 when exactly at the mean (report §2.1.2, "bias update speed").
-        Nothing changes when no token was counted.
+        Nothing changes when no token was counted (every load equals the mean, 0). Device ops
+        only: no host sync, CUDA-graph safe. The counts are kept in ``last_counts``.
+
+        Args:
+            stats: also return :func:`load_stats` of the counts (a host read); False returns
+                None (read them later with :meth:`last_load_stats`).
 
         Returns:
-            :func:`load_stats` of the counts that drove the update.
+            :func:`load_stats` of the counts that drove the update, or None.
         """
-        stats = load_stats(self.expert_counts)
+        self.last_counts.copy_(self.expert_counts)
         load = self.expert_counts.double()
-        if stats["tokens"] > 0:
-            step = torch.sign(load.mean() - load).float() * self.bias_update_speed
-            self.bias += step
+        self.bias += torch.sign(load.mean() - load).float() * self.bias_update_speed
         self.expert_counts.zero_()
-        return stats
+        return self.last_load_stats() if stats else None
+
+    def last_load_stats(self) -> dict[str, float]:
+        """:func:`load_stats` of the counts of the last :meth:`update_bias` (a host read)."""
+        return load_stats(self.last_counts)

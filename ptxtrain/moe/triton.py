@@ -57,7 +57,7 @@ from ptxtrain.quant.triton import (
     _scale_from_amax_bits,
 )
 
-__all__ = ["fused_route", "permute_quant", "unpermute_weighted"]
+__all__ = ["fused_route", "layout_combine", "layout_gather", "permute_quant", "unpermute_weighted"]
 
 _NEG_INF = tl.constexpr(float("-inf"))
 
@@ -247,6 +247,58 @@ def _unpermute_kernel(
         acc.to(out_ptr.dtype.element_ty),
         mask=mask,
     )
+
+
+@triton.jit
+def _layout_gather_kernel(
+    src_ptr,
+    row_slots_ptr,
+    w_ptr,
+    dot_ptr,
+    out_ptr,
+    dots_ptr,
+    R,
+    D,
+    K: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_DOT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # A program owns BLOCK_R rows of the layout and walks D: row r copies (w[s] times) the token
+    # s // K of its slot s, or writes zeros; with HAS_DOT it also sums src[t] * dot[r] over D.
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
+    row_ok = rows < R
+    slot = tl.load(row_slots_ptr + rows, mask=row_ok, other=-1)  # [BR] int64
+    valid = slot >= 0
+    token = tl.where(valid, slot // K, 0)
+    if HAS_W:
+        w = tl.load(w_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
+        col_ok = cols < D
+        v = tl.load(
+            src_ptr + token[:, None] * D + cols[None, :],
+            mask=valid[:, None] & col_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BR, BD]
+        if HAS_DOT:
+            y = tl.load(
+                dot_ptr + rows[:, None] * D + cols[None, :],
+                mask=valid[:, None] & col_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += tl.sum(v * y, axis=1)
+        if HAS_W:
+            v = v * w[:, None]
+        tl.store(
+            out_ptr + rows[:, None] * D + cols[None, :],
+            v.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+    if HAS_DOT:
+        tl.store(dots_ptr + slot, acc, mask=valid)
 
 
 # --------------------------------------------------------------------------------------------
@@ -563,23 +615,103 @@ def unpermute_weighted(
     rows = positions if padded_rows is None else padded_rows
     slot_row = torch.zeros(n_slots, dtype=torch.int64, device=y.device)  # never a wild row
     slot_row.index_copy_(0, sorted_slots, rows)  # [T·k] slot -> row of y
-    weights = topk_weights.float().contiguous()
+    return _combine(y, slot_row.view(num_tokens, k), topk_weights, out)
+
+
+def _combine(y, slot_rows, weights, out):
+    """Launch ``_unpermute_kernel``: ``out[t] = Σ_j w[t, j] · y[slot_rows[t, j]]``."""
+    n_tokens, k = slot_rows.shape
+    d = y.shape[1]
     block_d = min(256, _pow2(d))
-    block_t = 16
-    _unpermute_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(d, block_d))](
+    _unpermute_kernel[(triton.cdiv(n_tokens, 16), triton.cdiv(d, block_d))](
         y,
-        slot_row,
-        weights,
+        slot_rows,
+        weights.float().contiguous(),
         out,
-        num_tokens,
+        n_tokens,
         d,
         y.stride(0),
         out.stride(0),
         K=k,
         KP=_pow2(k),
-        BLOCK_T=block_t,
+        BLOCK_T=16,
         BLOCK_D=block_d,
         num_warps=4,
         enable_fp_fusion=False,
     )
     return out
+
+
+def layout_gather(
+    src: torch.Tensor,
+    row_slots: torch.Tensor,
+    top_k: int,
+    weights: torch.Tensor | None = None,
+    dot_with: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of a :class:`~ptxtrain.moe.grouped_layout.GroupedLayout` gathered from their tokens,
+    one launch: ``out[r] = w[s] · src[s // k]`` for ``s = row_slots[r] ≥ 0`` (fp32 product, one
+    cast; ``w = 1`` without ``weights``), zeros for padding rows; with ``dot_with`` also the
+    per-slot fp32 dot products ``dots[s] = ⟨src[s // k], dot_with[r]⟩``. The values of ``out``
+    equal :func:`ptxtrain.moe.grouped_layout.torch_layout_gather`'s bit for bit; ``dots`` sum
+    over D in another order (fp32 rounding).
+
+    Inputs are trusted (the layout's own tensors; no range check, no host sync): ``src [T, D]``
+    contiguous float, ``row_slots [R]`` int64, ``weights [T, k]`` fp32, ``dot_with [R, D]``
+    contiguous, same device.
+
+    Returns:
+        ``(out [R, D] in src's dtype, dots [T·k] fp32 or None)``.
+    """
+    _check_device("src", src)
+    n_rows, d = row_slots.shape[0], src.shape[1]
+    out = torch.empty((n_rows, d), dtype=src.dtype, device=src.device)
+    dots = None
+    if dot_with is not None:
+        dots = torch.zeros(src.shape[0] * top_k, dtype=torch.float32, device=src.device)
+    if n_rows == 0 or d == 0:
+        return out, dots
+    w = weights.float().contiguous() if weights is not None else src  # (unused pointer)
+    block_d = min(512, _pow2(d))
+    block_r = max(1, min(32, 4096 // block_d))
+    _layout_gather_kernel[(triton.cdiv(n_rows, block_r),)](
+        src,
+        row_slots,
+        w,
+        dot_with if dot_with is not None else src,
+        out,
+        dots if dots is not None else out,
+        n_rows,
+        d,
+        K=top_k,
+        HAS_W=weights is not None,
+        HAS_DOT=dot_with is not None,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return out, dots
+
+
+def layout_combine(
+    y: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[t] = Σ_j w[t, j] · y[slot_rows[t, j]]`` in one launch (the weighted un-permutation
+    kernel on precomputed rows): fp32 products (``w = 1`` without ``weights``) summed in
+    ascending row order, one cast; bitwise
+    :func:`ptxtrain.moe.grouped_layout.torch_layout_combine`. Inputs are trusted (no range
+    check, no host sync): ``y [R, D]`` contiguous float, ``slot_rows [T, k]`` int64.
+
+    Returns:
+        ``[T, D]`` in ``y``'s dtype.
+    """
+    _check_device("y", y)
+    n_tokens, k = slot_rows.shape
+    d = y.shape[1]
+    out = torch.empty((n_tokens, d), dtype=y.dtype, device=y.device)
+    if n_tokens == 0 or d == 0:
+        return out
+    if weights is None:
+        weights = torch.ones((n_tokens, k), dtype=torch.float32, device=y.device)
+    return _combine(y, slot_rows.contiguous(), weights, out)

@@ -162,6 +162,12 @@ class _Layout:
             m_indices[self.padded_rows] = experts.to(torch.int32)
             self.m_indices = m_indices  # [R] int32, -1 = padding
 
+    ks_tensor = None  # the k-grouped GEMM's group sizes are the host list ``ks``
+
+    def host_counts(self, counts: list[int]) -> list[int]:
+        """The per-expert row counts of the (unpadded) rows the high-precision loops walk."""
+        return counts
+
     def scatter(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` [N, C] → [R, C] with zero padding rows."""
         if self.identity:
@@ -173,6 +179,34 @@ class _Layout:
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` [R, C] → its N real rows [N, C]."""
         return t if self.identity else t.index_select(0, self.padded_rows)
+
+
+class DeviceLayout:
+    """:class:`_Layout`'s interface over a :class:`ptxtrain.moe.grouped_layout.GroupedLayout`:
+    the rows arrive already padded (``identity``), the GEMMs read ``m_indices`` and the group
+    sizes on the device, so no call made with it reads the routing back to the host (except
+    the high-precision fallback loops, which read the sizes once).
+    """
+
+    identity = True
+    padded_rows = None
+    ks = None
+
+    def __init__(self, layout) -> None:
+        self.layout = layout
+        self.n = self.rows = layout.rows
+        self.m_indices = layout.m_indices
+        self.ks_tensor = layout.sizes
+
+    def host_counts(self, counts: list[int] | None) -> list[int]:
+        """Rows of each expert's padded slice (one device-to-host read on CUDA)."""
+        return self.layout.host_sizes()
+
+    def scatter(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_contiguous() else t.contiguous()
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 def _quantize_weight(
@@ -226,7 +260,7 @@ def _quantize_input(
 def _hp_grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], b_t: bool) -> torch.Tensor:
     """High-precision per-expert ``a[rows of g] · (b[g]ᵀ if b_t else b[g])`` in a's dtype."""
     n_cols = b.shape[1] if b_t else b.shape[2]
-    out = a.new_empty(a.shape[0], n_cols)
+    out = a.new_zeros(a.shape[0], n_cols)  # rows past the groups (a DeviceLayout's tail): 0
     start = 0
     for e, c in enumerate(counts):
         w = b[e].to(a.dtype)
@@ -240,8 +274,10 @@ def _hp_grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], b_t: boo
 class _Fp8GroupedLinearFunction(torch.autograd.Function):
     """``y[rows of g] = x[rows of g] · W[g]ᵀ`` with the GEMMs chosen by an Fp8LinearConfig.
 
-    Inputs: x [N, K], weight [G, N_out, K], the layout, the host counts, config, and whether grad
-    mode was on at the call. Output: y [N, N_out] in x's dtype.
+    Inputs: x [N, K], weight [G, N_out, K], the layout (:class:`_Layout`, or a
+    :class:`DeviceLayout` whose x is already padded: N = R), the host counts (None with a
+    DeviceLayout), config, and whether grad mode was on at the call. Output: y [N, N_out] in x's
+    dtype.
     """
 
     @staticmethod
@@ -286,7 +322,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
                 )
                 y = layout.gather(y_pad).to(act_dtype)
             else:
-                y = _hp_grouped_mm(input_hp, weight_hp, counts, b_t=True)
+                y = _hp_grouped_mm(input_hp, weight_hp, layout.host_counts(counts), b_t=True)
 
         _save_operands(
             ctx,
@@ -306,6 +342,8 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         config, layout, counts = ctx.config, ctx.layout, ctx.counts
+        if not (config.dgrad and config.wgrad):  # a high-precision loop walks the experts
+            counts = layout.host_counts(counts)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         saved = _saved_operands(ctx)
         pow2 = config.pow2_scale
@@ -339,7 +377,10 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
             # -- Wgrad: dW[g] [N_out, K] = dy_gᵀ · x_g over expert g's (padded) token slice.
             if fp8_wgrad:
                 dw = _grouped_gemms()[1](
-                    (dy_t_fp8, dy_t_sf), (saved["input_t_fp8"], saved["input_t_sf"]), layout.ks
+                    (dy_t_fp8, dy_t_sf),
+                    (saved["input_t_fp8"], saved["input_t_sf"]),
+                    layout.ks,
+                    ks_tensor=layout.ks_tensor,
                 )  # [G, N_out, K] fp32
                 dw = dw.to(ctx.weight_dtype)
             elif need_dw:

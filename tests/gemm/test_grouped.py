@@ -217,6 +217,50 @@ def test_k_grouped_oracle_and_reference(m, n, ks, accumulate):
     assert want_all.shape == (len(ks), m, n)
 
 
+@runnable
+@pytest.mark.parametrize("m,n,ks", K_GROUPED_CASES)
+def test_k_grouped_device_sizes(m, n, ks):
+    # ks_tensor (sizes on the device, read by the kernel only): A and B sized from an upper bound
+    # with 256 trailing columns past the groups; those hold huge values, so reading them would
+    # show. The result equals the host-ks call on the trimmed operands bit for bit (same kernel
+    # arithmetic over the same columns).
+    used = sum(ks)
+    seed = 7 * m + n + used
+    dy_t = _tokens(m, used + 256, seed)
+    x_t = _tokens(n, used + 256, seed + 1)
+    dy_t[:, used:] = 3e4
+    x_t[:, used:] = -3e4
+    qa, qb = per_token_cast_to_fp8(dy_t.to(DEVICE)), per_token_cast_to_fp8(x_t.to(DEVICE))
+    sizes = torch.tensor(ks, dtype=torch.int32, device=DEVICE)
+    got = gg.k_grouped_fp8_gemm_nt_contiguous(qa, qb, None, ks_tensor=sizes)
+
+    def trim(q):
+        return q[0][:, :used], q[1][:, : used // 128]
+
+    want = gg.k_grouped_fp8_gemm_nt_contiguous(trim(qa), trim(qb), list(ks))
+    assert torch.equal(got, want), f"{m=}, {n=}, {ks=}"
+    ref_got = ref.k_grouped_fp8_gemm_nt_contiguous_ref(qa, qb, None, ks_tensor=sizes)
+    assert torch.equal(ref_got, ref.k_grouped_fp8_gemm_nt_contiguous_ref(trim(qa), trim(qb), ks))
+
+
+@runnable
+def test_k_grouped_device_sizes_bad_input():
+    q = per_token_cast_to_fp8(torch.randn(16, 256, generator=_gen(4)).to(DEVICE))
+    sizes = torch.tensor([128, 128], device=DEVICE)
+    with pytest.raises(ValueError, match="exactly one of ks"):
+        gg.k_grouped_fp8_gemm_nt_contiguous(q, q, [128, 128], ks_tensor=sizes)
+    with pytest.raises(ValueError, match="exactly one of ks"):
+        gg.k_grouped_fp8_gemm_nt_contiguous(q, q, None)
+    with pytest.raises(TypeError, match="ks_tensor must be a 1-D int32 / int64"):
+        gg.k_grouped_fp8_gemm_nt_contiguous(q, q, None, ks_tensor=sizes.float())
+    with pytest.raises(TypeError, match=r"ks_tensor must be a torch\.Tensor"):
+        gg.k_grouped_fp8_gemm_nt_contiguous(q, q, None, ks_tensor=[128, 128])
+    with pytest.raises(ValueError, match="summing to at most K_total = 256"):
+        ref.k_grouped_fp8_gemm_nt_contiguous_ref(
+            q, q, None, ks_tensor=torch.tensor([256, 128], device=DEVICE)
+        )
+
+
 def test_alignment_constants():
     assert gg.get_m_alignment_for_contiguous_layout() == gg.M_ALIGNMENT == ref.M_GROUPED_ALIGNMENT
     assert gg.M_ALIGNMENT % 128 == 0  # tiles of 64 and 128 rows never span two groups

@@ -915,6 +915,20 @@ def test_gpu_k_grouped(m, n, ks, accumulate):
     )
     torch.testing.assert_close(again, got, rtol=0, atol=0)  # same kernel through the dispatcher
 
+    # The sizes as a device tensor (no host sync), with 128 unused trailing columns of A and B:
+    # the same K ranges, so the same bits.
+    def pad(q):
+        return (
+            torch.cat([q[0], torch.full_like(q[0][:, :128], 100.0)], 1),
+            torch.cat([q[1], torch.full_like(q[1][:, :1], 1e3)], 1),
+        )
+
+    dev = ptx.k_grouped_fp8_gemm_nt_contiguous(
+        pad(qa), pad(qb), None, ks_tensor=torch.tensor(ks, device="cuda"),
+        out=base.clone() if accumulate else None, accumulate=accumulate,
+    )  # fmt: skip
+    torch.testing.assert_close(dev, got, rtol=0, atol=0)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
