@@ -551,7 +551,7 @@ def _accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, n: int, shard):
     Returns:
         A :class:`~ptxtrain.model.ModelOutput` without logits whose ``lm_loss``, ``mtp_loss``
         and ``aux_loss`` are the detached means over the micro-batches (0-d, on the device; None
-        where the model gives none). No host synchronization.
+        where the model gives none). It adds no host synchronization of its own.
     """
     from ..model import ModelOutput
 
@@ -1313,18 +1313,18 @@ def model_config(
         config = get_preset(args.preset)
     except ValueError as e:
         raise TrainConfigError(str(e)) from None
-    steps: list[tuple[str, dict[str, Any]]] = []
+    overlays: list[tuple[str, dict[str, Any]]] = []  # (where the fields come from, fields)
     if isinstance(args.config, dict):
-        steps.append(("config", args.config))
+        overlays.append(("config", args.config))
     elif args.config is not None:
-        steps.append((f"--config {args.config}", _read_config_fields(args.config)))
+        overlays.append((f"--config {args.config}", _read_config_fields(args.config)))
     if model_overrides:
-        steps.append(("model_overrides", model_overrides))
+        overlays.append(("model_overrides", model_overrides))
     if args.n_layers is not None:
-        steps.append((f"--n-layers {args.n_layers}", {"n_layers": args.n_layers}))
+        overlays.append((f"--n-layers {args.n_layers}", {"n_layers": args.n_layers}))
     if not args.mtp:
-        steps.append(("--no-mtp", {"mtp_depth": 0}))
-    for where, fields in steps:
+        overlays.append(("--no-mtp", {"mtp_depth": 0}))
+    for where, fields in overlays:
         try:
             config = DeepSeekV3Config.from_dict({**config.to_dict(), **fields})
         except (ValueError, TypeError) as e:
@@ -1359,7 +1359,8 @@ def train(
         in total), ``steps_run`` / ``tokens_run`` / ``time_s`` / ``tokens_per_s`` (this call),
         ``first_step_s`` (the first step of this call: it includes the JIT compiles) and
         ``steady_tokens_per_s`` (the steps after it; None with fewer than 2 steps),
-        ``tokens_per_step`` (``batch_size * grad_accum_steps * seq_len``), ``flops_per_token``
+        ``tokens_per_step`` (``batch_size * grad_accum_steps * seq_len``),
+        ``grad_accum_steps``, ``flops_per_token``
         (:func:`~ptxtrain.train.mfu.model_flops_per_token`), ``peak_tflops`` (one device's
         dense BF16 peak; None when unknown, e.g. on CPU), ``model_tflops`` and ``mfu`` (per
         device, from ``steady_tokens_per_s``; None when that is, ``mfu`` also without a peak),
