@@ -27,9 +27,9 @@ __all__ = ["achieved_flops", "model_flops_per_token", "peak_bf16_flops"]
 # Dense (no 2:4 sparsity) BF16 tensor-core peaks in FLOP/s, matched against
 # torch.cuda.get_device_name() in order; the first match wins. Sources: NVIDIA's H100 and H200
 # datasheets (their "BF16 Tensor Core" figures are with sparsity: 1,979 TFLOPS for SXM and 1,513
-# for H100 PCIe, halved here), and the DeepSeek-V3 report §3.1 for the H800 (an H100 SXM with
-# less NVLink bandwidth, the same tensor cores). NVL and other variants are left out on purpose:
-# a device that matches no row gets None (MFU "n/a") rather than a guess.
+# for H100 PCIe, halved here); the H800 (SXM), the GPU of the DeepSeek-V3 report (§3.1), cuts
+# the H100 SXM's interconnect, not its tensor-core peak. NVL and other variants are left out on
+# purpose: a device that matches no row gets None (MFU "n/a") rather than a guess.
 _PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     (r"\bH100\b.*\bPCIE\b", 756e12),  # "NVIDIA H100 PCIe"
     (r"\bH(100|200|800)\b(?!.*\b(PCIE|NVL)\b)", 989e12),  # "NVIDIA H100 80GB HBM3", "NVIDIA H200"
