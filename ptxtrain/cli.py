@@ -77,7 +77,19 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--preset",
         choices=PRESETS,
         default=None,
-        help=f"model preset (default: {d.preset})",
+        help="model preset: tiny (2.4 M params, CPU), small (94 M), medium (DeepSeek-V2-Lite's "
+        "widths at 8 layers: 4.19 G params, 0.68 G activated per token, one H200), v3-layer "
+        f"(one DeepSeek-V3 layer, benchmarks) (default: {d.preset})",
+    )
+    g.add_argument(
+        "--config",
+        metavar="FILE.json",
+        help="a JSON object of model fields (DeepSeekV3Config's: dim, n_layers, "
+        "n_routed_experts, ...) applied over the preset's; the order is --preset, then "
+        "--config, then --n-layers and --no-mtp on top. An unknown field, a wrong type or an "
+        "inconsistent model is an error before anything is built. The model config is kept in "
+        "the checkpoint: --resume without --config takes it from there, and refuses a --config "
+        "that gives another model (default: the preset as is)",
     )
     g.add_argument(
         "--precision",
@@ -123,13 +135,23 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=_int_at_least(1),
         metavar="SEQS",
-        help=f"sequences per step (default: {d.batch_size})",
+        help="sequences per micro-batch, = per step without --grad-accum-steps "
+        f"(default: {d.batch_size})",
+    )
+    g.add_argument(
+        "--grad-accum-steps",
+        type=_int_at_least(1),
+        metavar="N",
+        help="micro-batches per optimizer step (gradient accumulation): a step trains on "
+        "batch-size x N sequences with the gradient of their mean loss, running batch-size at "
+        "a time; validation batches grow the same way; not with --pp > 1, whose --num-chunks "
+        f"already splits the step (default: {d.grad_accum_steps})",
     )
     g.add_argument(
         "--seq-len",
         type=_int_at_least(1),
         metavar="TOKENS",
-        help=f"tokens (bytes) per sequence, <= the preset's max_seq_len (default: {d.seq_len})",
+        help=f"tokens (bytes) per sequence, <= the model's max_seq_len (default: {d.seq_len})",
     )
 
     g = p.add_argument_group("optimizer (AdamW, BF16 moments, FP32 master weights)")
@@ -181,9 +203,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --out from its checkpoint; the model, schedule, optimizer, "
-        "seed, --data, --eval-every, --eval-batches, --ckpt-every and --sample-tokens flags "
-        "not given are taken from the checkpoint (--device and the parallelism flags are not)",
+        help="continue the run in --out from its checkpoint; the model (--preset, --config, "
+        "--n-layers, --no-mtp), schedule, optimizer, seed, --data, --eval-every, "
+        "--eval-batches, --ckpt-every and --sample-tokens flags not given are taken from the "
+        "checkpoint (--device and the parallelism flags are not)",
     )
     g.add_argument(
         "--overwrite",
@@ -298,6 +321,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 # TrainArgs fields a flag can set besides the trajectory ones (loop.TRAJECTORY_FIELDS).
 _RUN_FIELDS = (
+    "config",
     "device",
     "deterministic",
     "out",
@@ -320,10 +344,11 @@ _RUN_FIELDS = (
 def _train_args_from(ns: argparse.Namespace):
     """Build ``TrainArgs``: given flags, else (with --resume) the checkpoint's, else defaults.
 
-    With --resume the checkpoint supplies the trajectory fields, ``--data``, ``--n-layers``,
-    ``--no-mtp`` and ``RESUMED_RUN_FIELDS`` (evaluation, checkpoint and sample settings,
-    ``--deterministic``); the
-    device and parallelism flags come from the command line only.
+    With --resume the checkpoint supplies the trajectory fields, ``--data``, the model config
+    (as ``config``, a dict of every field: a run started with ``--config`` resumes without it),
+    ``--n-layers``, ``--no-mtp`` and ``RESUMED_RUN_FIELDS`` (evaluation, checkpoint and sample
+    settings, ``--deterministic``); the device and parallelism flags come from the command line
+    only.
     """
     from .train.checkpoint import read_checkpoint_meta
     from .train.loop import RESUMED_RUN_FIELDS, TRAJECTORY_FIELDS, TrainArgs
@@ -341,6 +366,9 @@ def _train_args_from(ns: argparse.Namespace):
         )
         if "data" not in given and meta["extra"].get("data"):
             inherited["data"] = meta["extra"]["data"]
+        saved_model = meta["config"].get("model")
+        if "config" not in given and isinstance(saved_model, dict):
+            inherited["config"] = saved_model  # equal to the checkpoint's model, whatever built it
         if "mtp" not in given and meta["config"].get("model", {}).get("mtp_depth") == 0:
             inherited["mtp"] = False
         saved_layers = meta["config"].get("model", {}).get("n_layers")

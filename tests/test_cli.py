@@ -74,6 +74,11 @@ def _error(argv, capsys):
         (["train", "--bogus"], "unrecognized arguments"),
         (["train", "--ep", "0"], "--ep: must be >= 1"),
         (["train", "--fp8-recipe", "bf16"], "invalid choice: 'bf16'"),
+        (["train", "--grad-accum-steps", "0"], "--grad-accum-steps: must be >= 1, got 0"),
+        (["train", "--grad-accum-steps", "-3"], "--grad-accum-steps: must be >= 1, got -3"),
+        (["train", "--grad-accum-steps", "two"], "expected an integer, got 'two'"),
+        (["train", "--grad-accum-steps", "1.5"], "expected an integer, got '1.5'"),
+        (["train", "--config"], "--config: expected one argument"),
         (["train", "--fp8-recipe", "deepseek_pow2"], "--fp8-recipe applies to --precision fp8"),
         (["frobnicate"], "invalid choice"),
         (["bench", "matmul"], "invalid choice: 'matmul'"),
@@ -105,6 +110,9 @@ def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
         (["--ep", "3"], "--batch-size 16 must be divisible by --ep 3"),
         (["--ep", "2", "--pp", "2", "--no-mtp"], "--pp 2 --ep 2 needs 4 processes"),
         (["--seed", str(2**64)], "--seed must be < 2**64"),  # torch.Generator's limit
+        (["--config", str(tmp_path / "none.json")], "--config " + str(tmp_path / "none.json")),
+        (["--config", str(a_file)], "is not valid JSON"),
+        (["--grad-accum-steps", "2", "--pp", "2", "--no-mtp"], "cannot run with --pp 2"),
         (["--out", str(a_file)], "is a file, not a run folder"),
         (["--out", str(a_file / "run")], "cannot be used as a run folder"),
     ]
@@ -148,8 +156,12 @@ def test_python_m_ptxtrain_help():
     for flag in ("--precision", "--steps", "--batch-size", "--seq-len", "--lr", "--min-lr",
                  "--warmup-steps", "--weight-decay", "--grad-clip", "--seed", "--device",
                  "--out", "--resume", "--eval-every", "--eval-batches", "--ckpt-every",
-                 "--sample-tokens", "--data"):  # fmt: skip
+                 "--sample-tokens", "--data", "--config", "--grad-accum-steps",
+                 "medium"):  # fmt: skip
         assert flag in r.stdout, flag
+    help_text = " ".join(r.stdout.split())  # argparse wraps the help at the terminal width
+    assert "--grad-accum-steps N micro-batches per optimizer step" in help_text
+    assert "then --n-layers and --no-mtp on top" in help_text
     r = subprocess.run(
         [sys.executable, "-m", "ptxtrain", "train", "--steps", "-3"],
         capture_output=True, text=True, timeout=120, cwd=root, env=env,
@@ -289,3 +301,47 @@ def test_n_layers_overrides_the_preset_and_resume_keeps_it(tmp_path, capsys):
     # A depth below 1 is refused by the parser, before any work.
     code, err = _error(["train", "--n-layers", "0", *FAST], capsys)
     assert code == 2 and "--n-layers: must be >= 1" in err
+
+
+def test_config_file_grad_accum_and_resume(tmp_path, capsys):
+    model = {"dim": 64, "n_layers": 2, "n_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32,
+             "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+             "moe_inter_dim": 32, "n_routed_experts": 4, "n_expert_groups": 2,
+             "n_limited_groups": 1}  # fmt: skip
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps(model))
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(cfg), "--grad-accum-steps", "2", "--steps", "2",
+            "--eval-every", "0", "--sample-tokens", "0", "--out", str(out), *FAST]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "MFU" in printed and "n/a (no dense BF16 peak known" in printed  # a CPU
+    saved = json.loads((out / "config.json").read_text())
+    assert {k: saved["model"][k] for k in model} == model
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["grad_accum_steps"] == 2 and summary["tokens_per_step"] == 2 * 4 * 32
+    assert summary["mfu"] is None and summary["flops_per_token"] > 0
+    # --resume without --config takes the model (and the accumulation) from the checkpoint.
+    from ptxtrain.cli import _train_args_from, build_parser
+
+    resume = ["train", "--resume", "--out", str(out), "--no-progress", "--sample-tokens", "0"]
+    args = _train_args_from(build_parser().parse_args(resume))
+    assert args.config == saved["model"] and args.grad_accum_steps == 2
+    code, err = _error(resume, capsys)
+    assert code == 0, err
+    assert main([*resume, "--config", str(cfg)]) == 0  # the same file: the same model
+    # Another model or another accumulation contradicts the checkpoint.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**model, "moe_inter_dim": 48}))
+    code, err = _error([*resume, "--config", str(other)], capsys)
+    assert code == 2 and "model.moe_inter_dim: checkpoint 32, now 48" in err, err
+    code, err = _error([*resume, "--grad-accum-steps", "1"], capsys)
+    assert code == 2 and "train.grad_accum_steps: checkpoint 2" in err, err
+    # A bad file: refused before anything is built, the field named.
+    cfg.write_text(json.dumps({**model, "n_activated_experts": 5}))
+    fresh = tmp_path / "fresh"
+    code, err = _error(["train", "--config", str(cfg), "--out", str(fresh), *FAST], capsys)
+    assert code == 2 and err.startswith(f"ptxtrain: error: --config {cfg}: "), err
+    assert "n_activated_experts" in err and "Traceback" not in err
+    assert not fresh.exists()

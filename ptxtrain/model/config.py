@@ -9,6 +9,10 @@ Presets (``get_preset``):
 - ``tiny``     byte vocabulary, 2.4 M parameters (1.2 M activated per token): trains on a 2-core
   CPU in minutes (tests, CI).
 - ``small``    94 M parameters (52 M activated per token; MTP included) for one GPU.
+- ``medium``   DeepSeek-V2-Lite's widths at 8 layers: 4.19 G parameters, 0.68 G activated per
+  token in the main model (the report's convention; with the MTP block 4.78 G / 0.77 G), for one
+  H200 (BF16 weights, FP32 gradients and the 8-byte optimizer state: ~67 GB before activations).
+  Never build it on a CPU: inspect it on ``torch.device("meta")``.
 - ``v3-layer`` one MoE decoder layer at the real DeepSeek-V3 dimensions, for benchmarks only
   (11.5 G parameters, 0.59 G activated: never build it on a CPU; inspect it on
   ``torch.device("meta")``).
@@ -174,6 +178,22 @@ class DeepSeekV3Config:
         return cls(**d)
 
 
+# DeepSeek-V2-Lite's widths (arXiv 2405.04434 appendix B and its published config: dim 2048,
+# 16 heads, KV rank 512, 2 shared + 64 routed experts of 1408, top-6, a dense first layer of
+# 10944) at 8 layers, with DeepSeek-V3's query compression (V2-Lite does not compress
+# queries) and group-limited routing (8 groups, 4 per token). init_std 0.006 is the std
+# DeepSeek-V2 and -V3 initialize with (V3 report §4.2), since this preset stands in for them
+# in measurements; small's 0.02 (GPT-2's) would start every weight 3.3x larger at 2.7x small's
+# width, where each matmul output already grows with sqrt(dim).
+_MEDIUM = DeepSeekV3Config(
+    vocab_size=256, dim=2048, n_layers=8, n_dense_layers=1, dense_inter_dim=10944, n_heads=16,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, moe_inter_dim=1408, n_routed_experts=64, n_shared_experts=2,
+    n_activated_experts=6, n_expert_groups=8, n_limited_groups=4, route_scale=1.0,
+    bias_update_speed=1e-3, seq_aux_loss_alpha=1e-4, mtp_depth=1, mtp_loss_weight=0.3,
+    max_seq_len=2048, init_std=0.006,
+)  # fmt: skip
+
 _PRESETS: dict[str, DeepSeekV3Config] = {
     # The dataclass defaults: 4 layers (1 dense), dim 128, 8 routed experts top-2 in 4 groups.
     "tiny": DeepSeekV3Config(),
@@ -204,6 +224,7 @@ _PRESETS: dict[str, DeepSeekV3Config] = {
         max_seq_len=1024,
         init_std=0.02,
     ),
+    "medium": _MEDIUM,
     # One MoE layer at DeepSeek-V3's real sizes (report §4.2); benchmarks only.
     "v3-layer": DeepSeekV3Config(
         vocab_size=256,

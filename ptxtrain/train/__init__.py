@@ -7,8 +7,17 @@ from .checkpoint import (
     read_checkpoint_meta,
     save_checkpoint,
 )
-from .loop import PRECISIONS, TRAJECTORY_FIELDS, TrainArgs, TrainConfigError, lr_at, train
+from .loop import (
+    PRECISIONS,
+    TRAJECTORY_FIELDS,
+    TrainArgs,
+    TrainConfigError,
+    lr_at,
+    model_config,
+    train,
+)
 from .metrics import MetricsWriter, format_summary, plot_loss_curve, read_metrics
+from .mfu import achieved_flops, model_flops_per_token, peak_bf16_flops
 
 __all__ = [
     "PRECISIONS",
@@ -17,10 +26,14 @@ __all__ = [
     "MetricsWriter",
     "TrainArgs",
     "TrainConfigError",
+    "achieved_flops",
     "find_checkpoint",
     "format_summary",
     "load_checkpoint",
     "lr_at",
+    "model_config",
+    "model_flops_per_token",
+    "peak_bf16_flops",
     "plot_loss_curve",
     "read_checkpoint_meta",
     "read_metrics",

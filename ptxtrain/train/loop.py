@@ -3,11 +3,20 @@
 Each step ``s`` (1-based, = optimizer steps completed afterwards) runs::
 
     lr      = lr_at(s - 1)                      linear warmup, then cosine decay to min_lr
-    x, y    = corpus.get_batch("train", B, T, batch_generator(seed, s))
-    out     = model(x, y); out.loss.backward()  total loss: LM + MTP + sequence-balance terms
+    x, y    = corpus.get_batch("train", B·N, T, batch_generator(seed, s))
+    for i in range(N):                          N = grad_accum_steps micro-batches of B sequences
+        out = model(x[iB:(i+1)B], y[iB:(i+1)B]) total loss: LM + MTP + sequence-balance terms
+        (out.loss / N).backward()               gradients add up to the B·N batch's mean loss
     norm    = optimizer.clip_grad_norm_(grad_clip)
     optimizer.step(); optimizer.zero_grad()
     stats   = model.update_router_biases()      auxiliary-loss-free balancing (report §2.1.2)
+
+Every loss term is a mean over a micro-batch's tokens (LM, MTP) or sequences (the sequence-wise
+balance loss), and the routers count the tokens of every forward until the bias update, so the
+step equals one forward and backward of the B·N sequences up to rounding; the logged losses are
+the means over the micro-batches. The model config is the preset's, with ``--config``'s fields,
+then ``--n-layers`` and ``--no-mtp`` applied over it (:func:`model_config`). Every metrics record
+and the summary carry the step's model TFLOP/s and MFU (:mod:`ptxtrain.train.mfu`).
 
 The batch of a step depends on ``(seed, step)`` only, and a checkpoint holds the model, the
 optimizer (FP32 master weights, BF16 moments) and the step, so a resumed run continues the
@@ -61,6 +70,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import difflib
+import json
 import math
 import os
 import platform
@@ -76,6 +87,7 @@ import torch
 
 from .. import __version__
 from ..data import ByteTokenizer, Corpus, batch_generator, load_corpus
+from ..model.config import DeepSeekV3Config, get_preset
 from .checkpoint import (
     CHECKPOINT_DIR,
     PREV_DIR,
@@ -85,6 +97,7 @@ from .checkpoint import (
     write_json_atomic,
 )
 from .metrics import MetricsWriter, format_summary, plot_loss_curve, read_metrics
+from .mfu import achieved_flops, model_flops_per_token, peak_bf16_flops
 from .pipeline import all_reduce_grads
 
 PRECISIONS = ("bf16", "fp8")
@@ -100,6 +113,7 @@ TRAJECTORY_FIELDS = (
     "fp8_recipe",  # (left out of the checkpoint while it is the default: see trajectory())
     "steps",
     "batch_size",
+    "grad_accum_steps",  # (left out of the checkpoint while it is 1: see trajectory())
     "seq_len",
     "lr",
     "min_lr",
@@ -161,20 +175,25 @@ class TrainConfigError(ValueError):
 class TrainArgs:
     """Arguments of ``train()``; the CLI flags of ``ptxtrain train`` map one to one.
 
-    Units: steps are optimizer steps; ``batch_size`` is sequences per step; ``seq_len`` is
-    tokens (bytes) per sequence, so one step sees ``batch_size * seq_len`` tokens.
+    Units: steps are optimizer steps; ``batch_size`` is sequences per micro-batch and
+    ``grad_accum_steps`` micro-batches make a step; ``seq_len`` is tokens (bytes) per sequence,
+    so one step sees ``batch_size * grad_accum_steps * seq_len`` tokens.
     """
 
     # --- model and numerics ---
     preset: str = "tiny"  # model preset name (ptxtrain.model.PRESETS)
+    # DeepSeekV3Config fields over the preset's: a JSON file's path (--config), or the fields
+    # as a dict (what `ptxtrain train --resume` passes: the checkpoint's model config)
+    config: str | dict[str, Any] | None = None
     precision: str = "bf16"  # "bf16", or "fp8" = DeepSeek-V3 fine-grained FP8 Linear layers
     # with precision "fp8": the Fp8Linear recipe (FP8_RECIPES); "deepseek_pow2" rounds every
     # scale up to a power of two, as Transformer Engine's Float8BlockScaling does by default
     fp8_recipe: str = "deepseek"
     # --- schedule ---
     steps: int = 500  # optimizer steps in total (the cosine schedule spans them)
-    batch_size: int = 16  # sequences per step
-    seq_len: int = 128  # tokens per sequence (<= the preset's max_seq_len)
+    batch_size: int = 16  # sequences per micro-batch (per step when grad_accum_steps is 1)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    seq_len: int = 128  # tokens per sequence (<= the model's max_seq_len)
     # --- optimizer ---
     lr: float = 3e-3  # peak learning rate, reached after warmup
     min_lr: float = 3e-4  # learning rate at the end of the cosine decay
@@ -224,10 +243,12 @@ class TrainArgs:
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        for name in ("steps", "batch_size", "seq_len", "eval_batches"):
+        for name in ("steps", "batch_size", "grad_accum_steps", "seq_len", "eval_batches"):
             v = getattr(self, name)
             if not is_int(v) or v <= 0:
                 raise bad(name, "must be an integer > 0")
+        if self.config is not None and not isinstance(self.config, (str, dict)):
+            raise bad("config", "must be a JSON file's path or a dict of DeepSeekV3Config fields")
         if self.n_layers is not None and (not is_int(self.n_layers) or self.n_layers <= 0):
             raise bad("n_layers", "must be an integer > 0")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "seed"):
@@ -272,7 +293,13 @@ class TrainArgs:
         if self.ep > 1 and self.batch_size % self.ep:
             raise TrainConfigError(
                 f"--batch-size {self.batch_size} must be divisible by --ep {self.ep} (each "
-                "rank trains on batch_size / ep sequences of every batch)"
+                "rank trains on batch_size / ep sequences of every micro-batch)"
+            )
+        if self.pp > 1 and self.grad_accum_steps > 1:
+            raise TrainConfigError(
+                f"--grad-accum-steps {self.grad_accum_steps} cannot run with --pp {self.pp}: "
+                "the pipeline already splits each step into --num-chunks micro-batches; raise "
+                "--batch-size and --num-chunks instead"
             )
         if self.ep_backend not in EP_BACKENDS:
             raise bad("ep_backend", f"must be one of {list(EP_BACKENDS)}")
@@ -319,11 +346,13 @@ class TrainArgs:
     def trajectory(self) -> dict[str, Any]:
         """The fields a resumed run must share with the checkpoint (``TRAJECTORY_FIELDS``).
 
-        ``fp8_recipe`` is left out while it is the default ``"deepseek"``, so checkpoints from
-        before the field existed (which trained with that recipe) still resume."""
+        ``fp8_recipe`` is left out while it is the default ``"deepseek"`` and
+        ``grad_accum_steps`` while it is 1, so checkpoints from before those fields existed
+        (which trained that way) still resume."""
         out = {k: getattr(self, k) for k in TRAJECTORY_FIELDS}
-        if out["fp8_recipe"] == "deepseek":
-            del out["fp8_recipe"]
+        for name, default in (("fp8_recipe", "deepseek"), ("grad_accum_steps", 1)):
+            if out[name] == default:
+                del out[name]
         return out
 
 
@@ -462,27 +491,30 @@ def evaluate(
 ) -> float:
     """Mean next-token loss (nats/byte) over ``eval_batches`` fixed validation batches.
 
-    Validation batch ``i`` is ``batch_generator(seed, i, "val")``: the same bytes every time,
-    so successive values are comparable. With expert parallelism (``model.ep_size > 1``) every
-    rank of the group must call this: each evaluates its ``1/ep`` share of every batch and the
-    result, averaged over the group, is the same on every rank.
+    Validation batch ``i`` is ``batch_size * grad_accum_steps`` sequences drawn with
+    ``batch_generator(seed, i, "val")`` (the same bytes every time, so successive values are
+    comparable), run in micro-batches of ``batch_size`` as training runs them. With expert
+    parallelism (``model.ep_size > 1``) every rank of the group must call this: each evaluates
+    its ``1/ep`` share of every micro-batch and the result, averaged over the group, is the same
+    on every rank.
     """
     was_training = model.training
     model.eval()
     ep = getattr(model, "ep_size", 1)
     rank = _group_rank(model.ep_group) if ep > 1 else 0
     total = 0.0
+    n = args.grad_accum_steps
     for i in range(args.eval_batches):
         x, y = corpus.get_batch(
-            "val", args.batch_size, args.seq_len, batch_generator(args.seed, i, "val")
+            "val", args.batch_size * n, args.seq_len, batch_generator(args.seed, i, "val")
         )
-        x, y = _shard(x, rank, ep), _shard(y, rank, ep)
-        out = model(x.to(device), y.to(device))
-        total += float(out.lm_loss)
+        for xm, ym in zip(x.split(args.batch_size), y.split(args.batch_size), strict=True):
+            out = model(_shard(xm, rank, ep).to(device), _shard(ym, rank, ep).to(device))
+            total += float(out.lm_loss)
     model.train(was_training)
     if ep > 1:
         total = _all_reduce_mean([total], model.ep_group, device)[0]
-    return total / args.eval_batches
+    return total / (args.eval_batches * n)
 
 
 def _group_rank(group) -> int:
@@ -495,6 +527,46 @@ def _shard(t: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     """Rows ``[rank·B/n, (rank+1)·B/n)`` of ``t [B, ...]`` (``n`` divides ``B``)."""
     per = t.shape[0] // n
     return t[rank * per : (rank + 1) * per]
+
+
+_LOSS_TERMS = ("lm_loss", "mtp_loss", "aux_loss")  # the ModelOutput losses a step logs
+
+
+def _accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, n: int, shard):
+    """Forward and backward of one step's ``n`` micro-batches; returns their mean losses.
+
+    Args:
+        model: the model (train mode).
+        x, y: ``[n·B, T]`` int64 inputs and targets of the step, on the model's device;
+            micro-batch ``i`` is rows ``[i·B, (i+1)·B)``.
+        n: micro-batches (``grad_accum_steps``).
+        shard: maps a micro-batch ``[B, T]`` to this rank's rows (the identity without expert
+            parallelism).
+
+    Each micro-batch's total loss is divided by ``n`` before its backward, so the gradients
+    that accumulate (in ``p.grad``, or AdamW's FP32 buffers for BF16 parameters) are those of
+    the mean loss over all ``n·B`` sequences. With ``n == 1`` nothing is scaled: the step is
+    the plain forward and backward.
+
+    Returns:
+        A :class:`~ptxtrain.model.ModelOutput` without logits whose ``lm_loss``, ``mtp_loss``
+        and ``aux_loss`` are the detached means over the micro-batches (0-d, on the device; None
+        where the model gives none). It adds no host synchronization of its own.
+    """
+    from ..model import ModelOutput
+
+    sums: dict[str, torch.Tensor] = {}
+    for xm, ym in zip(x.split(x.shape[0] // n), y.split(y.shape[0] // n), strict=True):
+        out = model(shard(xm), shard(ym))
+        (out.loss if n == 1 else out.loss / n).backward()
+        for name in _LOSS_TERMS:
+            v = getattr(out, name)
+            if v is not None:
+                sums[name] = v.detach() if name not in sums else sums[name] + v.detach()
+    mean = ModelOutput(logits=None)
+    for name, total in sums.items():
+        setattr(mean, name, total if n == 1 else total / n)
+    return mean
 
 
 def _all_reduce_mean(values: list[float], group, device: torch.device) -> list[float]:
@@ -1078,7 +1150,7 @@ class _PipeSetup:
             return out
         from ..model import ModelOutput
 
-        names = [n for n in ("lm_loss", "mtp_loss", "aux_loss") if getattr(out, n) is not None]
+        names = [n for n in _LOSS_TERMS if getattr(out, n) is not None]
         vals = _all_reduce_mean([float(getattr(out, n).detach()) for n in names], None, self.device)
         mean = ModelOutput(logits=None)
         for n, v in zip(names, vals, strict=True):
@@ -1169,6 +1241,97 @@ def _peak_memory_per_rank(device: torch.device) -> list[int | None]:
     return peaks
 
 
+# What a JSON value of each Python type is called (for --config's "got a JSON array" message).
+_JSON_TYPES = {
+    dict: "object", list: "array", str: "string", int: "number", float: "number",
+    bool: "boolean", type(None): "null",
+}  # fmt: skip
+
+
+def _read_config_fields(path: str) -> dict[str, Any]:
+    """The JSON object in ``path`` (``--config``), checked for unknown or repeated fields.
+
+    Raises:
+        TrainConfigError: the file cannot be read, is not JSON, holds something other than an
+            object, repeats a field or names one ``DeepSeekV3Config`` does not have; the
+            message names the file (and the field).
+    """
+    where = f"--config {path}"
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise TrainConfigError(f"{where}: cannot read the file: {reason}") from None
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:  # json keeps the last silently; which one was meant is unclear
+                raise TrainConfigError(f"{where}: field {key!r} is given more than once")
+            seen.add(key)
+        return dict(pairs)
+
+    try:
+        fields = json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as e:
+        raise TrainConfigError(
+            f"{where} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
+        ) from None
+    if not isinstance(fields, dict):
+        raise TrainConfigError(
+            f"{where} must hold one JSON object of DeepSeekV3Config fields, e.g. "
+            f'{{"dim": 256, "n_layers": 6}}; got a JSON {_JSON_TYPES.get(type(fields), "value")}'
+        )
+    names = [f.name for f in dataclasses.fields(DeepSeekV3Config)]
+    for key in fields:
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TrainConfigError(
+                f"{where}: unknown field {key!r}{hint}; DeepSeekV3Config's fields: {names}"
+            )
+    return fields
+
+
+def model_config(
+    args: TrainArgs, model_overrides: dict[str, Any] | None = None
+) -> DeepSeekV3Config:
+    """The run's ``DeepSeekV3Config``: the preset's, then each of these over it, in order:
+    ``args.config`` (``--config``: a JSON file's fields, or a dict), ``model_overrides``,
+    ``args.n_layers`` (``--n-layers``), ``mtp_depth = 0`` when ``not args.mtp`` (``--no-mtp``).
+
+    Reads the file but builds nothing. Does not call ``args.validate()``.
+
+    Raises:
+        TrainConfigError: an unknown preset; ``--config`` unreadable, not a JSON object, or
+            with an unknown or repeated field; a field of the wrong type or out of range, or a
+            model that is inconsistent (e.g. ``n_activated_experts > n_routed_experts``) after a
+            step; the message names the step (``--config FILE``, ``--n-layers``, ...) and the
+            field.
+    """
+    try:
+        config = get_preset(args.preset)
+    except ValueError as e:
+        raise TrainConfigError(str(e)) from None
+    overlays: list[tuple[str, dict[str, Any]]] = []  # (where the fields come from, fields)
+    if isinstance(args.config, dict):
+        overlays.append(("config", args.config))
+    elif args.config is not None:
+        overlays.append((f"--config {args.config}", _read_config_fields(args.config)))
+    if model_overrides:
+        overlays.append(("model_overrides", model_overrides))
+    if args.n_layers is not None:
+        overlays.append((f"--n-layers {args.n_layers}", {"n_layers": args.n_layers}))
+    if not args.mtp:
+        overlays.append(("--no-mtp", {"mtp_depth": 0}))
+    for where, fields in overlays:
+        try:
+            config = DeepSeekV3Config.from_dict({**config.to_dict(), **fields})
+        except (ValueError, TypeError) as e:
+            raise TrainConfigError(f"{where}: {e}") from None
+    return config
+
+
 def train(
     args: TrainArgs,
     *,
@@ -1180,7 +1343,8 @@ def train(
     Args:
         args: the run's arguments (validated here).
         model_overrides: fields replacing those of the preset's ``DeepSeekV3Config`` (e.g. a
-            smaller model for tests); they are part of the checkpointed config.
+            smaller model for tests), applied after ``args.config`` (:func:`model_config`);
+            they are part of the checkpointed config.
         param_dtype: floating dtype the model is built in (bf16 for training; fp32 to compare a
             pipeline run with the single-process one at fp32 precision).
 
@@ -1195,7 +1359,12 @@ def train(
         in total), ``steps_run`` / ``tokens_run`` / ``time_s`` / ``tokens_per_s`` (this call),
         ``first_step_s`` (the first step of this call: it includes the JIT compiles) and
         ``steady_tokens_per_s`` (the steps after it; None with fewer than 2 steps),
-        ``tokens_per_step``, ``losses`` (train loss of every step of the run, from step 1),
+        ``tokens_per_step`` (``batch_size * grad_accum_steps * seq_len``),
+        ``grad_accum_steps``, ``flops_per_token``
+        (:func:`~ptxtrain.train.mfu.model_flops_per_token`), ``peak_tflops`` (one device's
+        dense BF16 peak; None when unknown, e.g. on CPU), ``model_tflops`` and ``mfu`` (per
+        device, from ``steady_tokens_per_s``; None when that is, ``mfu`` also without a peak),
+        ``losses`` (train loss of every step of the run, from step 1),
         ``first_loss``, ``last_loss``, ``best_val_loss``, ``last_val_loss``,
         ``unigram_entropy`` (nats/byte), ``optimizer_bytes_per_param`` (FP32 master + BF16
         moments), ``training_bytes_per_param`` (plus weights and FP32 grads; both None when no
@@ -1206,8 +1375,10 @@ def train(
         ``summary.json`` and printed as a table.
 
     Raises:
-        TrainConfigError: invalid arguments or overrides, an unknown preset, an unusable device
-            or run folder; with ``pp > 1`` also a world size other than ``pp``, a model that
+        TrainConfigError: invalid arguments or overrides, an unknown preset, a bad ``--config``
+            (see :func:`model_config`; raised before anything is built or written), an
+            unusable device or run folder; ``grad_accum_steps > 1`` with ``pp > 1``; with
+            ``pp > 1`` also a world size other than ``pp``, a model that
             cannot be cut into the schedule's stages (MTP on, tied embeddings, layer count) or a
             bad schedule / ``num_chunks`` combination, raised on every rank; with ``ep > 1`` a
             world size other than ``ep``, ``n_routed_experts`` or ``batch_size`` not divisible
@@ -1223,19 +1394,8 @@ def train(
     A first Ctrl-C stops the run after the step in flight and checkpoints it (the summary then
     has ``interrupted=True``); a second one raises ``KeyboardInterrupt`` at once.
     """
-    from ..model import get_preset
-
     args.validate()
-    try:
-        config = get_preset(args.preset)
-        if model_overrides:
-            config = type(config).from_dict({**config.to_dict(), **model_overrides})
-        if args.n_layers is not None:
-            config = type(config).from_dict({**config.to_dict(), "n_layers": args.n_layers})
-        if not args.mtp:
-            config = type(config).from_dict({**config.to_dict(), "mtp_depth": 0})
-    except (ValueError, TypeError) as e:
-        raise TrainConfigError(str(e)) from None
+    config = model_config(args, model_overrides)
     pipe = _PipeSetup(args, config, param_dtype)  # pp == 1: a no-op
     with deterministic_mode(args.deterministic):
         return _train(args, config, pipe, model_overrides)
@@ -1251,8 +1411,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     log = _Printer(enabled=lead)
     if args.seq_len > config.max_seq_len:
         raise TrainConfigError(
-            f"--seq-len {args.seq_len} exceeds the {args.preset} preset's max_seq_len "
-            f"{config.max_seq_len}"
+            f"--seq-len {args.seq_len} exceeds the model's max_seq_len {config.max_seq_len} "
+            f"(preset {args.preset}{', with --config' if args.config is not None else ''})"
         )
     device = pipe.device if pipe.active else resolve_device(args.device)
     run_dir = args.run_dir()
@@ -1281,7 +1441,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     if args.precision == "fp8" and args.pp == 1 and args.ep == 1 and device.type == "cuda":
         from ..nn.prewarm import prewarm
 
-        warm = prewarm(model, args.batch_size * args.seq_len, device)
+        warm = prewarm(model, args.batch_size * args.seq_len, device)  # one micro-batch's M
     runner = pipe.runner(model)  # None when pp == 1
     trained = model if runner is None else runner.module  # this rank's parameters
     optimizer = AdamW(_param_groups(trained, args.weight_decay), lr=args.lr)
@@ -1346,18 +1506,29 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                 "ep": args.ep,
             },
         )
+    flops_per_token = model_flops_per_token(config, args.seq_len)
+    peak = peak_bf16_flops(device)
     log(
-        f"model: {args.preset} ({params['total']:,} params, {params['activated']:,} activated "
-        f"per token), precision {args.precision}"
+        f"model: {args.preset}{f' + {args.config}' if isinstance(args.config, str) else ''} "
+        f"({params['total']:,} params, {params['activated']:,} activated "
+        f"per token; {flops_per_token / 1e9:.3g} GFLOP/token), precision {args.precision}"
         f"{f' ({args.fp8_recipe})' if args.precision == 'fp8' else ''}, device {device}"
         f"{' (deterministic algorithms)' if args.deterministic else ''}; "
-        f"run folder {run_dir}" + (f"; experts split over {args.ep} ranks" if args.ep > 1 else "")
+        f"run folder {run_dir}"
+        + (f"; experts split over {args.ep} ranks" if args.ep > 1 else "")
+        + (
+            f"; {args.grad_accum_steps} micro-batches of {args.batch_size} sequences per step"
+            if args.grad_accum_steps > 1
+            else ""
+        )
     )
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
-    tokens_per_step = args.batch_size * args.seq_len
+    batch = args.batch_size * args.grad_accum_steps  # sequences per step
+    tokens_per_step = batch * args.seq_len
+    devices = args.pp * args.ep  # processes of the run, one device each (MFU is per device)
     done = last_saved = start
     step_time = 0.0
     first_step_s = None  # this call's first step: JIT compiles, autotuning, allocator warm-up
@@ -1399,24 +1570,24 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 x, y = corpus.get_batch(
-                    "train", args.batch_size, args.seq_len, batch_generator(args.seed, step)
+                    "train", batch, args.seq_len, batch_generator(args.seed, step)
                 )
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                if runner is None and args.ep > 1:
-                    out = model(pipe.shard(x), pipe.shard(y))  # this rank's sequences
-                    out.loss.backward()
-                    pipe.reduce_grads(model, optimizer)
-                    grad_norm = pipe.clip_grad_norm_(model, optimizer, args.grad_clip or _NO_CLIP)
-                    out = pipe.mean_losses(out)
-                elif runner is None:
-                    out = model(x, y)
-                    out.loss.backward()
-                    # With clipping off, a max_norm no norm reaches keeps the gradients unscaled.
-                    grad_norm = float(optimizer.clip_grad_norm_(args.grad_clip or _NO_CLIP))
-                else:  # ep > 1: this pipeline's share of the batch
+                if runner is not None:  # ep > 1: this pipeline's share of the batch
                     out = runner.step(pipe.shard(x), pipe.shard(y), timeline)
                     runner.reduce_grads(optimizer)
                     grad_norm = runner.clip_grad_norm_(optimizer, args.grad_clip or _NO_CLIP)
+                else:  # ep > 1: this rank's sequences of every micro-batch
+                    out = _accumulate_grads(model, x, y, args.grad_accum_steps, pipe.shard)
+                    if args.ep > 1:
+                        pipe.reduce_grads(model, optimizer)
+                        clip = args.grad_clip or _NO_CLIP
+                        grad_norm = pipe.clip_grad_norm_(model, optimizer, clip)
+                        out = pipe.mean_losses(out)
+                    else:
+                        # With clipping off, a max_norm no norm reaches keeps the gradients
+                        # unscaled.
+                        grad_norm = float(optimizer.clip_grad_norm_(args.grad_clip or _NO_CLIP))
                 if ep_buffer is not None:
                     ep_buffer.check_errors()
                 optimizer.step()
@@ -1440,6 +1611,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                     "loss": loss,
                     "lr": lr,
                     "tokens_per_s": tokens_per_step / dt,
+                    **achieved_flops(flops_per_token, tokens_per_step / dt, peak, devices),
                     "grad_norm": grad_norm,
                     "time_s": dt,
                 }
@@ -1521,6 +1693,11 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     losses = [r["loss"] for r in records]
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     steps_run = done - start
+    steady = (
+        (steps_run - 1) * tokens_per_step / (step_time - first_step_s)
+        if steps_run > 1 and step_time > first_step_s
+        else None
+    )
     summary = {
         "out": str(run_dir),
         "preset": args.preset,
@@ -1530,16 +1707,16 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
         "interrupted": stop.requested,
         "steps_run": steps_run,
         "tokens_per_step": tokens_per_step,
+        "grad_accum_steps": args.grad_accum_steps,
         "tokens_run": steps_run * tokens_per_step,
         "time_s": wall,
         "train_time_s": step_time,
         "tokens_per_s": steps_run * tokens_per_step / step_time if step_time else 0.0,
         "first_step_s": first_step_s,
-        "steady_tokens_per_s": (
-            (steps_run - 1) * tokens_per_step / (step_time - first_step_s)
-            if steps_run > 1 and step_time > first_step_s
-            else None
-        ),
+        "steady_tokens_per_s": steady,
+        "flops_per_token": flops_per_token,
+        "peak_tflops": peak / 1e12 if peak else None,
+        **achieved_flops(flops_per_token, steady, peak, devices),  # model_tflops, mfu
         "losses": losses,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
@@ -1570,6 +1747,7 @@ __all__ = [
     "deterministic_mode",
     "evaluate",
     "lr_at",
+    "model_config",
     "resolve_device",
     "train",
 ]

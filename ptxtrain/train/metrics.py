@@ -1,9 +1,12 @@
 """Run metrics: the ``metrics.jsonl`` log, the loss-curve PNG and the closing summary table.
 
 ``metrics.jsonl`` holds one JSON object per optimizer step: ``step`` (1-based, steps completed),
-``loss`` (train next-token cross-entropy, nats/byte), ``lr``, ``tokens_per_s``, ``grad_norm``
-(before clipping), ``time_s`` (wall time of the step), optionally ``val_loss`` (nats/byte) on
-eval steps and ``moe`` (the load-balance statistics of ``model.update_router_biases()``).
+``loss`` (train next-token cross-entropy, nats/byte; the mean over the step's micro-batches),
+``lr``, ``tokens_per_s`` (all ranks together), ``model_tflops`` (model TFLOP/s per device, see
+:mod:`ptxtrain.train.mfu`), ``mfu`` (their fraction of the device's dense BF16 peak, 0-1; null
+where no peak is known, e.g. on CPU), ``grad_norm`` (before clipping), ``time_s`` (wall time of
+the step), optionally ``val_loss`` (nats/byte) on eval steps and ``moe`` (the load-balance
+statistics of ``model.update_router_biases()``).
 """
 
 from __future__ import annotations
@@ -176,6 +179,19 @@ def _throughput(summary: dict) -> str:
     return text
 
 
+def _mfu(summary: dict) -> str:
+    """The MFU row: steady-state MFU with the model TFLOP/s and the peak behind it."""
+    mfu, tflops = summary.get("mfu"), summary.get("model_tflops")
+    peak, per_token = summary.get("peak_tflops"), summary["flops_per_token"]
+    basis = f"{per_token / 1e9:,.3g} GFLOP/token"
+    if tflops is None:
+        return f"n/a (needs 2 steps or more: the first one is left out; {basis})"
+    text = f"{tflops:,.3g} model TFLOP/s per device, {basis}"
+    if mfu is None:
+        return f"n/a (no dense BF16 peak known for this device; {text})"
+    return f"{mfu:.1%} of the {peak:,.0f} TFLOPS dense BF16 peak ({text}, after the first step)"
+
+
 def format_summary(summary: dict) -> str:
     """The closing table of a training run from ``train()``'s summary dict."""
 
@@ -183,13 +199,17 @@ def format_summary(summary: dict) -> str:
         return "-" if v is None else f"{v:.4f}"
 
     ent = summary.get("unigram_entropy")
+    n = summary.get("grad_accum_steps", 1)
+    micro = f" in {n} micro-batches" if n > 1 else ""
     rows = [
         ("steps", f"{summary['steps_run']} run, {summary['step']} total"),
-        ("tokens", f"{summary['tokens_run']:,} run ({summary['tokens_per_step']:,}/step)"),
+        ("tokens", f"{summary['tokens_run']:,} run ({summary['tokens_per_step']:,}/step{micro})"),
         ("time", f"{summary['time_s']:.1f} s (training loop, evaluations and checkpoints)"),
         ("throughput", _throughput(summary)),
         ("train loss", f"{loss(summary['first_loss'])} first -> {loss(summary['last_loss'])} last"),
     ]
+    if "flops_per_token" in summary:
+        rows.insert(4, ("MFU", _mfu(summary)))
     if summary.get("best_val_loss") is not None:
         rows.append(
             (

@@ -77,7 +77,7 @@ def expected_params(c: DeepSeekV3Config) -> dict[str, int]:
 
 def test_defaults_are_the_tiny_preset_and_presets_are_listed():
     assert get_preset("tiny") == DeepSeekV3Config()
-    assert set(PRESETS) == {"tiny", "small", "v3-layer"}
+    assert set(PRESETS) == {"tiny", "small", "medium", "v3-layer"}
     with pytest.raises(ValueError, match="v3-layer"):  # the message lists the valid names
         get_preset("huge")
 
@@ -140,6 +140,23 @@ def test_preset_param_counts_on_meta(name):
     assert model.num_params() == expected_params(cfg)
     if name == "small":
         assert 80e6 <= model.num_params()["total"] <= 120e6  # "~100 M parameters"
+
+
+def test_medium_preset_is_deepseek_v2_lite_at_8_layers():
+    cfg = get_preset("medium")
+    want = dict(
+        vocab_size=256, dim=2048, n_layers=8, n_dense_layers=1, dense_inter_dim=10944,
+        n_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, moe_inter_dim=1408, n_routed_experts=64,
+        n_shared_experts=2, n_activated_experts=6, n_expert_groups=8, n_limited_groups=4,
+        route_scale=1.0, max_seq_len=2048, mtp_depth=1,
+    )  # fmt: skip
+    assert {k: getattr(cfg, k) for k in want} == want
+    with torch.device("meta"):  # 4.8 G parameters: never materialized in the CPU suite
+        n = DeepSeekV3(cfg).num_params()
+    # The sizes are the main model's (the report's convention: MTP left out).
+    assert round((n["total"] - n["mtp_total"]) / 1e9, 2) == 4.19
+    assert round((n["activated"] - n["mtp_activated"]) / 1e9, 2) == 0.68
 
 
 def test_v3_layer_shapes_on_meta():

@@ -38,7 +38,7 @@ BITWISE = {"dualpipe": torch.bfloat16, "1f1b": torch.float32}
 # (Adam restarting from zero moments) moves the step-3 loss by > 1e-2.
 CROSS_TOL = 2e-5
 # Logged metrics that measure the machine rather than the trajectory.
-TIMING = ("time_s", "tokens_per_s")
+TIMING = ("time_s", "tokens_per_s", "model_tflops", "mfu")
 
 
 def _args(out, **kw) -> TrainArgs:

@@ -60,6 +60,11 @@ def _worker(rank: int, world: int, root: str) -> None:
             param_dtype=dtype,
         )
         result[name] = s["losses"]
+    # Gradient accumulation: 2 micro-batches of 2 sequences (1 per rank), the batch of 4 above.
+    train(
+        _args(f"{root}/ep-accum", ep=world, batch_size=2, grad_accum_steps=2),
+        param_dtype=torch.float64,
+    )
     # Interrupted after 2 steps (checkpointed), then resumed: must equal the straight run.
     train(_args(f"{root}/resumed", ep=world, stop_after=2), param_dtype=torch.float64)
     s = train(
@@ -125,16 +130,8 @@ def test_ep_buffer_errors_are_checked_before_the_step(ep_runs):
     assert not metrics.exists() or not read_metrics(metrics)  # no step was logged
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_ep2_losses_match_single_process(ep_runs, single_runs, dtype):
-    root, ranks = ep_runs
-    ref, ref_dir = single_runs[dtype]
-    ref_recs = read_metrics(ref_dir / "metrics.jsonl")
-    recs = read_metrics(root / f"ep-{dtype}" / "metrics.jsonl")
-    losses = [r["loss"] for r in recs]
-    assert len(losses) == RUN_OF[dtype]["steps"]
-    # Every rank reports the same (all-reduced) losses; rank 0 wrote them.
-    assert ranks[0][dtype] == ranks[1][dtype] == losses
+def _assert_records_close(recs: list[dict], ref_recs: list[dict], dtype: str) -> None:
+    """The logged losses and gradient norms of ``recs`` within ``TOL[dtype]`` of ``ref_recs``."""
     for key in ("loss", "mtp_loss", "aux_loss", "val_loss", "grad_norm"):
         got = [r.get(key) for r in recs]
         want = [r.get(key) for r in ref_recs]
@@ -145,10 +142,34 @@ def test_ep2_losses_match_single_process(ep_runs, single_runs, dtype):
         diffs = [abs(a - b) / max(1.0, abs(b)) for a, b in pairs]  # relative above 1
         tol = TOL[dtype][key == "grad_norm"]
         assert max(diffs) < tol, f"{dtype} {key}: {diffs}"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_ep2_losses_match_single_process(ep_runs, single_runs, dtype):
+    root, ranks = ep_runs
+    ref, ref_dir = single_runs[dtype]
+    ref_recs = read_metrics(ref_dir / "metrics.jsonl")
+    recs = read_metrics(root / f"ep-{dtype}" / "metrics.jsonl")
+    losses = [r["loss"] for r in recs]
+    assert len(losses) == RUN_OF[dtype]["steps"]
+    # Every rank reports the same (all-reduced) losses; rank 0 wrote them.
+    assert ranks[0][dtype] == ranks[1][dtype] == losses
+    _assert_records_close(recs, ref_recs, dtype)
     assert ref["losses"][-1] < ref["losses"][0]
     # The router bias update used the global load: same statistics as the single process.
     assert recs[-1]["moe"]["tokens"] == ref_recs[-1]["moe"]["tokens"]
     assert recs[-1]["moe"]["n_moe_layers"] == 4  # 3 main MoE layers + the MTP block's
+
+
+def test_ep2_grad_accum_matches_single_process(ep_runs, single_runs):
+    # Each rank accumulates its sequence of each micro-batch; the gradients are reduced once per
+    # step. Same batch as the single-process batch_size 4 run, so the same trajectory (TOL).
+    root, _ = ep_runs
+    recs = read_metrics(root / "ep-accum" / "metrics.jsonl")
+    ref_recs = read_metrics(single_runs["float64"][1] / "metrics.jsonl")
+    assert len(recs) == STEPS
+    _assert_records_close(recs, ref_recs, "float64")
+    assert [r["moe"]["tokens"] for r in recs] == [r["moe"]["tokens"] for r in ref_recs]
 
 
 def test_ep2_checkpoint_resume_is_exact_and_full_layout(ep_runs, single_runs):
@@ -200,6 +221,8 @@ def test_ep2_run_folder_and_errors(ep_runs, single_runs):
     [
         (dict(ep=0), "--ep must be an integer >= 1"),
         (dict(ep=2, batch_size=3), "--batch-size 3 must be divisible by --ep 2"),
+        # each micro-batch is split over the ranks: 3 x 2 = 6 sequences per step do not help
+        (dict(ep=2, batch_size=3, grad_accum_steps=2), "--batch-size 3 must be divisible by"),
         (dict(ep=2, pp=2, mtp=False, batch_size=8), "--pp 2 --ep 2 needs 4 processes"),
         (dict(ep=2), "--ep 2 needs 2 processes"),  # this test process is a world of 1
     ],

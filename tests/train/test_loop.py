@@ -278,6 +278,81 @@ def test_run_folder_contents(tmp_path):
     assert s["steady_tokens_per_s"] == pytest.approx(5 * s["tokens_per_step"] / later)
 
 
+# --grad-accum-steps 2 --batch-size 2 against --batch-size 4: the same 4 sequences per step
+# (micro-batch i = rows [2i, 2i+2) of the step's batch), every loss term a mean over them.
+# The runs add the same products in another order (GEMMs over 2 rows instead of 4; the gradient
+# as the sum of two halves, each scaled by 1/2, which is exact), so they differ by rounding only:
+# - float64: observed over 4 steps losses 4e-16, grad norm 0 (an FP32 value: AdamW computes the
+#   norm in FP32), weights 2e-14 absolute. Adam amplifies rounding in a gradient element near
+#   zero (its update is ~lr * g / (|g| + eps) whatever g's size), which is why the weights drift
+#   more than the losses. Tolerances 1e-12 (losses), 1e-6 (grad norm: one FP32 rounding of the
+#   norm is 6e-8) and 1e-10 absolute on weights of ~0.1.
+# - float32: the same mechanism at 6e-8 rounding: observed losses 2e-7, grad norm 1.3e-7,
+#   weights 3.1e-5 per tensor (relative L2; single elements up to 5.6e-5 on ~0.1) after 4 steps.
+#   Tolerances 1e-6, 1e-6 and 3e-4.
+# A real error moves them far more: a missing 1/N doubles the grad norm, a bias update per
+# micro-batch routes the second one differently (losses 1e-4 apart at step 2), wrong rows change
+# the loss at step 1 by 1e-2.
+ACCUM_TOL = {"float64": (1e-12, 1e-6, 1e-10), "float32": (1e-6, 1e-6, 3e-4)}
+
+
+@pytest.mark.parametrize("dtype", list(ACCUM_TOL))
+def test_grad_accum_equals_one_big_batch(tmp_path, dtype):
+    import torch
+    from safetensors.torch import load_file
+
+    loss_tol, norm_tol, weight_tol = ACCUM_TOL[dtype]
+    kw = dict(steps=4, eval_every=2, ckpt_every=0)
+    param_dtype = getattr(torch, dtype)
+    dt = dict(model_overrides=SMALL, param_dtype=param_dtype)
+    big = train(_args(tmp_path / "big", batch_size=4, **kw), **dt)
+    acc = train(_args(tmp_path / "acc", batch_size=2, grad_accum_steps=2, **kw), **dt)
+    assert acc["tokens_per_step"] == big["tokens_per_step"] == 4 * 16
+    ref, got = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("big", "acc"))
+    for key in ("loss", "mtp_loss", "aux_loss", "val_loss", "grad_norm"):
+        pairs = [(a[key], b[key]) for a, b in zip(ref, got, strict=True) if key in a]
+        assert pairs and len(pairs) == sum(key in b for b in got), key
+        tol = norm_tol if key == "grad_norm" else loss_tol
+        worst = max(abs(a - b) / abs(a) for a, b in pairs)
+        assert worst < tol, f"{dtype} {key}: {worst:.2e}"
+    # The routers counted both micro-batches' tokens before the one bias update per step.
+    assert [r["moe"] for r in got] == [r["moe"] for r in ref]
+    w_ref, w_got = (
+        load_file(tmp_path / d / "checkpoint" / "model.safetensors") for d in ("big", "acc")
+    )
+    assert w_ref.keys() == w_got.keys()
+    for k, v in w_ref.items():
+        if not v.is_floating_point():
+            continue
+        d = w_got[k].double() - v.double()
+        err = (
+            float(d.abs().max())
+            if dtype == "float64"
+            else float(d.norm() / v.double().norm().clamp_min(1e-30))
+        )
+        assert err < weight_tol, f"{dtype} {k}: {err:.2e}"
+    assert big["losses"][-1] < big["losses"][0]
+
+
+def test_grad_accum_resume_is_bitwise_exact(tmp_path):
+    kw = dict(batch_size=2, grad_accum_steps=2, eval_every=3, ckpt_every=0)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(_args(straight, **kw), model_overrides=SMALL)  # bf16: FP32 gradient buffers
+    assert train(_args(resumed, stop_after=3, **kw), model_overrides=SMALL)["step"] == 3
+    s = train(_args(resumed, resume=True, **kw), model_overrides=SMALL)
+    assert s["step"] == 6 and s["steps_run"] == 3
+    assert _losses(straight) == _losses(resumed)  # exact floats
+    for name in ("model.safetensors", "optimizer.safetensors", "optimizer.json"):
+        a = (straight / "checkpoint" / name).read_bytes()
+        assert a == (resumed / "checkpoint" / name).read_bytes(), name
+    # Part of the trajectory: another accumulation (another batch) is refused on resume.
+    with pytest.raises(CheckpointError, match=r"train\.grad_accum_steps: checkpoint 2"):
+        train(_args(resumed, resume=True, **{**kw, "grad_accum_steps": 4}), model_overrides=SMALL)
+    # Left out of the trajectory while it is 1, so checkpoints written before it existed resume.
+    assert "grad_accum_steps" not in TrainArgs().trajectory()
+    assert TrainArgs(grad_accum_steps=3).trajectory()["grad_accum_steps"] == 3
+
+
 def test_existing_run_folder_needs_resume_or_overwrite(tmp_path):
     run = tmp_path / "run"
     train(_args(run, steps=2, eval_every=0), model_overrides=SMALL)
@@ -303,11 +378,20 @@ def test_existing_run_folder_needs_resume_or_overwrite(tmp_path):
         ({"precision": "fp8", "fp8_recipe": "bf16"}, "--fp8-recipe must be one of"),
         ({"fp8_recipe": "deepseek_pow2"}, "--fp8-recipe applies to --precision fp8 only"),
         ({"deterministic": 1}, "--deterministic must be a bool"),
+        ({"grad_accum_steps": 0}, "--grad-accum-steps must be an integer > 0, got 0"),
+        ({"grad_accum_steps": -2}, "--grad-accum-steps must be an integer > 0, got -2"),
+        ({"grad_accum_steps": 2.0}, "--grad-accum-steps must be an integer > 0, got 2.0"),
+        ({"grad_accum_steps": True}, "--grad-accum-steps must be an integer > 0, got True"),
+        ({"grad_accum_steps": "2"}, "--grad-accum-steps must be an integer > 0, got '2'"),
+        # The pipeline splits a step into --num-chunks micro-batches already.
+        ({"grad_accum_steps": 2, "pp": 2, "mtp": False}, "--grad-accum-steps 2 cannot run with"),
+        ({"config": 3}, "--config must be a JSON file's path or a dict"),
     ],
 )
 def test_bad_arguments(tmp_path, kw, match):
     with pytest.raises(TrainConfigError, match=match):
         train(_args(tmp_path / "run", **kw), model_overrides=SMALL)
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made
 
 
 def test_profile_step_writes_the_tables(tmp_path, monkeypatch):
@@ -320,3 +404,76 @@ def test_profile_step_writes_the_tables(tmp_path, monkeypatch):
     monkeypatch.setenv("PTXTRAIN_PROFILE_STEP", "two")
     with pytest.raises(TrainConfigError, match="PTXTRAIN_PROFILE_STEP"):
         train(_args(tmp_path / "run2", steps=1))
+
+
+def _write_json(path, obj_or_text):
+    text = obj_or_text if isinstance(obj_or_text, str) else json.dumps(obj_or_text)
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_config_file_fields_apply_over_the_preset_then_the_flags(tmp_path):
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    width = 32 * int(torch.randint(1, 4, (1,), generator=g))  # 32, 64 or 96
+    path = _write_json(tmp_path / "model.json", {**SMALL, "dim": width, "n_layers": 3})
+    run = tmp_path / "run"
+    kw = dict(config=path, steps=2, eval_every=0, ckpt_every=0)
+    s = train(_args(run, n_layers=2, mtp=False, **kw))
+    model = json.loads((run / "config.json").read_text())["model"]
+    # the file over tiny (dim, experts, ...), then --n-layers and --no-mtp over the file
+    assert (model["dim"], model["n_routed_experts"], model["n_layers"]) == (width, 4, 2)
+    assert model["mtp_depth"] == 0 and model["vocab_size"] == 256  # tiny's, not in the file
+    assert s["params"]["mtp_total"] == 0
+    # The whole model config is in the checkpoint, so the model is checked on resume.
+    from ptxtrain.train.checkpoint import read_checkpoint_meta
+
+    assert read_checkpoint_meta(run)["config"]["model"] == model
+    other = _write_json(tmp_path / "other.json", {**SMALL, "dim": width + 32, "n_layers": 3})
+    with pytest.raises(CheckpointError, match=rf"model\.dim: checkpoint {width}, now {width + 32}"):
+        train(_args(run, resume=True, n_layers=2, mtp=False, **{**kw, "config": other}))
+    # A dict of fields (what `ptxtrain train --resume` passes) is the same model.
+    s2 = train(_args(run, resume=True, n_layers=2, mtp=False, **{**kw, "config": model}))
+    assert s2["step"] == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "needles"),
+    [
+        ({"dims": 64}, ["unknown field 'dims'", "did you mean 'dim'?"]),
+        ({"dim": "big"}, ["DeepSeekV3Config.dim must be an int, got 'big'"]),
+        ({"n_layers": True}, ["DeepSeekV3Config.n_layers must be an int, got True"]),
+        ({"dim": 64.0}, ["DeepSeekV3Config.dim must be an int"]),
+        ({"route_scale": None}, ["DeepSeekV3Config.route_scale must be a float"]),
+        ({"n_activated_experts": 9}, ["n_activated_experts", "must be <= n_routed_experts=8"]),
+        ({"n_dense_layers": 5}, ["n_dense_layers must be in [0, n_layers=4]"]),
+        ({"qk_rope_head_dim": 7}, ["qk_rope_head_dim must be even"]),
+        ('{"dim": 64, "dim": 128}', ["field 'dim' is given more than once"]),
+        ("[1, 2]", ["must hold one JSON object", "got a JSON array"]),
+        ('"dim"', ["got a JSON string"]),
+        ('{"dim": 64,}', ["is not valid JSON", "line 1"]),
+        ("", ["is not valid JSON"]),
+        (None, ["cannot read the file", "No such file"]),
+    ],
+)
+def test_bad_config_file_is_refused_before_anything_is_built(
+    tmp_path, monkeypatch, content, needles
+):
+    from ptxtrain import model as model_pkg
+
+    def no_build(*a, **kw):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(model_pkg, "build_model", no_build)
+    path = tmp_path / "cfg.json"
+    if content is not None:
+        _write_json(path, content)
+    run = tmp_path / "run"
+    with pytest.raises(TrainConfigError) as e:
+        train(_args(run, config=str(path)))
+    msg = str(e.value)
+    assert msg.startswith(f"--config {path}"), msg  # names the file
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    assert not run.exists()  # no run folder either
