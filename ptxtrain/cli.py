@@ -224,7 +224,24 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         f"(default: {'on' if d.deterministic else 'off'})",
     )
 
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one process on a GPU: capture the training step once as a CUDA graph and replay it "
+        "(same results as eager steps; falls back to eager, saying why, where a step cannot be "
+        f"captured) (default: {'on' if d.cuda_graphs else 'off'})",
+    )
+
     g = p.add_argument_group("evaluation, checkpoints, samples")
+    g.add_argument(
+        "--log-every",
+        type=_int_at_least(1),
+        metavar="STEPS",
+        help="read the losses and gradient norm back from the device every STEPS steps (and at "
+        "evaluation, checkpoint and last steps); every step still gets its record, its time "
+        f"averaged over the steps read together (default: {d.log_every})",
+    )
     g.add_argument(
         "--eval-every",
         type=_int_at_least(0),
@@ -324,7 +341,9 @@ _RUN_FIELDS = (
     "config",
     "device",
     "deterministic",
+    "cuda_graphs",
     "out",
+    "log_every",
     "eval_every",
     "eval_batches",
     "ckpt_every",

@@ -450,15 +450,23 @@ class DeepSeekV3(nn.Module):
             r.update_bias(stats=False)
         return self.last_router_stats() if stats else None
 
+    def last_router_load(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What :meth:`last_router_stats` reads, as device tensors (no host sync): every
+        router's counts of the last update stacked ``[L, E]`` int64, and the largest ``|b_i|``
+        (0-d fp32); None without routers."""
+        routers = self.routers()
+        if not routers:
+            return None
+        counts = torch.stack([r.last_counts for r in routers])  # [L, E]
+        return counts, torch.stack([r.bias.abs().max() for r in routers]).max()
+
     def last_router_stats(self) -> dict[str, float]:
         """The statistics :meth:`update_router_biases` returns, for its last call (one host
         read of every router's counts and bias)."""
-        routers = self.routers()
-        if not routers:
+        load = self.last_router_load()
+        if load is None:
             return aggregate_router_stats([], 0.0)
-        counts = torch.stack([r.last_counts for r in routers]).cpu()  # [L, E], one read
-        bias_abs_max = float(torch.stack([r.bias.abs().max() for r in routers]).max())
-        return aggregate_router_stats([load_stats(c) for c in counts], bias_abs_max)
+        return router_stats_from(load[0].cpu(), float(load[1]))
 
     # ------------------------------------------------------------------ expert parallelism
     def enable_expert_parallel(
@@ -624,6 +632,11 @@ def ep_nvl_bytes(
 
 def _bias_abs_max(routers: list[Router]) -> float:
     return max((float(r.bias.abs().max()) for r in routers), default=0.0)
+
+
+def router_stats_from(counts: torch.Tensor, bias_abs_max: float) -> dict[str, float]:
+    """:func:`aggregate_router_stats` of per-router counts ``[L, E]`` (host tensor)."""
+    return aggregate_router_stats([load_stats(c) for c in counts], bias_abs_max)
 
 
 def aggregate_router_stats(stats: list[dict[str, float]], bias_abs_max: float) -> dict[str, float]:

@@ -20,7 +20,13 @@ what it needs in high precision (x for wgrad, the weight Parameter itself for dg
 """
 
 from ptxtrain.nn.fp8_grouped import fp8_grouped_linear
-from ptxtrain.nn.fp8_linear import RECIPES, Fp8Linear, Fp8LinearConfig, convert_to_fp8_training
+from ptxtrain.nn.fp8_linear import (
+    RECIPES,
+    Fp8Linear,
+    Fp8LinearConfig,
+    convert_to_fp8_training,
+    invalidate_fp8_weight_caches,
+)
 
 __all__ = [
     "RECIPES",
@@ -28,4 +34,5 @@ __all__ = [
     "Fp8LinearConfig",
     "convert_to_fp8_training",
     "fp8_grouped_linear",
+    "invalidate_fp8_weight_caches",
 ]

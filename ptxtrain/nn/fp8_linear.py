@@ -142,6 +142,17 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def invalidate_fp8_weight_caches() -> None:
+    """Mark every cached FP8 weight quantization stale, as an optimizer step does.
+
+    For code that changes weights without calling an optimizer's ``step()``: a replayed CUDA
+    graph that holds the optimizer update (the Python side of ``step()`` does not run on
+    replay), or an in-place write through ``weight.data``. The next forward of each
+    :class:`Fp8Linear` (and FP8 ``Experts``) quantizes its weight again.
+    """
+    _count_optimizer_step(None, (), {})
+
+
 def weight_cache_key(w: torch.Tensor, cfg: Fp8LinearConfig) -> tuple | None:
     """The key under which a weight's cached FP8 quantization stays valid, or None when it must
     not be cached (``cfg.cache_weight_fp8`` off, no FP8 GEMM reads W, or an inference tensor,

@@ -99,6 +99,7 @@ from .checkpoint import (
 from .metrics import MetricsWriter, format_summary, plot_loss_curve, read_metrics
 from .mfu import achieved_flops, model_flops_per_token, peak_bf16_flops
 from .pipeline import all_reduce_grads
+from .step import LOSS_TERMS, SingleDeviceStep, accumulate_grads
 
 PRECISIONS = ("bf16", "fp8")
 # Fp8Linear recipes --fp8-recipe takes (ptxtrain.nn.RECIPES without "bf16", which runs no FP8).
@@ -127,6 +128,7 @@ TRAJECTORY_FIELDS = (
 # as the interrupted run did (the eval schedule and eval_batches shape the val-loss record) and
 # keeps its deterministic algorithms.
 RESUMED_RUN_FIELDS = (
+    "log_every",
     "eval_every",
     "eval_batches",
     "ckpt_every",
@@ -206,10 +208,16 @@ class TrainArgs:
     # deterministic_mode(): every op with a deterministic algorithm (on CUDA the attention
     # backward's dQ is otherwise summed in a timing-dependent order), so runs repeat bit for bit
     deterministic: bool = False
+    # one process on a GPU: capture the step once as a CUDA graph and replay it (ptxtrain.train.
+    # step); falls back to eager steps, with one line saying why, where it cannot be captured
+    cuda_graphs: bool = True
     out: str | None = None  # run folder; None = runs/<preset>-<precision>
     resume: bool = False  # continue from <out>/checkpoint
     overwrite: bool = False  # start fresh even if <out> already holds a run
     # --- evaluation, checkpoints, samples ---
+    # read the step's losses back to the host every this many steps (and at evaluation,
+    # checkpoint and last steps): in between the GPU runs ahead of the host
+    log_every: int = 10
     eval_every: int = 50  # validate every this many steps (and at the last step); 0 = never
     eval_batches: int = 8  # validation batches per evaluation (fixed batches, same every time)
     ckpt_every: int = 200  # checkpoint every this many steps (and at the end); 0 = end only
@@ -243,7 +251,9 @@ class TrainArgs:
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        for name in ("steps", "batch_size", "grad_accum_steps", "seq_len", "eval_batches"):
+        for name in (
+            "steps", "batch_size", "grad_accum_steps", "seq_len", "eval_batches", "log_every"
+        ):  # fmt: skip
             v = getattr(self, name)
             if not is_int(v) or v <= 0:
                 raise bad(name, "must be an integer > 0")
@@ -275,8 +285,9 @@ class TrainArgs:
             raise bad("device", f"must be one of {list(DEVICES)}")
         if self.stop_after is not None and (not is_int(self.stop_after) or self.stop_after <= 0):
             raise TrainConfigError(f"stop_after must be an integer > 0, got {self.stop_after!r}")
-        if not isinstance(self.deterministic, bool):
-            raise bad("deterministic", "must be a bool")
+        for name in ("deterministic", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
         if self.resume and self.overwrite:
             raise TrainConfigError("--resume and --overwrite exclude each other")
         self._validate_pipeline(bad, is_int)
@@ -529,44 +540,36 @@ def _shard(t: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     return t[rank * per : (rank + 1) * per]
 
 
-_LOSS_TERMS = ("lm_loss", "mtp_loss", "aux_loss")  # the ModelOutput losses a step logs
+def _read_pending(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pending steps' metrics records, every device value read back in ONE device-to-host
+    copy (the only host sync of the steps it covers): ``loss`` (the LM loss), ``lr``,
+    ``grad_norm``, ``mtp_loss`` / ``aux_loss`` where present, and ``moe`` from the step's router
+    load (``moe_counts`` / ``bias_abs_max``) where present."""
+    from ..model.deepseek import router_stats_from
 
-
-def _accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, n: int, shard):
-    """Forward and backward of one step's ``n`` micro-batches; returns their mean losses.
-
-    Args:
-        model: the model (train mode).
-        x, y: ``[n·B, T]`` int64 inputs and targets of the step, on the model's device;
-            micro-batch ``i`` is rows ``[i·B, (i+1)·B)``.
-        n: micro-batches (``grad_accum_steps``).
-        shard: maps a micro-batch ``[B, T]`` to this rank's rows (the identity without expert
-            parallelism).
-
-    Each micro-batch's total loss is divided by ``n`` before its backward, so the gradients
-    that accumulate (in ``p.grad``, or AdamW's FP32 buffers for BF16 parameters) are those of
-    the mean loss over all ``n·B`` sequences. With ``n == 1`` nothing is scaled: the step is
-    the plain forward and backward.
-
-    Returns:
-        A :class:`~ptxtrain.model.ModelOutput` without logits whose ``lm_loss``, ``mtp_loss``
-        and ``aux_loss`` are the detached means over the micro-batches (0-d, on the device; None
-        where the model gives none). It adds no host synchronization of its own.
-    """
-    from ..model import ModelOutput
-
-    sums: dict[str, torch.Tensor] = {}
-    for xm, ym in zip(x.split(x.shape[0] // n), y.split(y.shape[0] // n), strict=True):
-        out = model(shard(xm), shard(ym))
-        (out.loss if n == 1 else out.loss / n).backward()
-        for name in _LOSS_TERMS:
-            v = getattr(out, name)
-            if v is not None:
-                sums[name] = v.detach() if name not in sums else sums[name] + v.detach()
-    mean = ModelOutput(logits=None)
-    for name, total in sums.items():
-        setattr(mean, name, total if n == 1 else total / n)
-    return mean
+    tensors = [v for rec in pending for v in rec.values() if isinstance(v, torch.Tensor)]
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors]).cpu() if tensors else None
+    offset = 0
+    out = []
+    for rec in pending:
+        host: dict[str, Any] = {}
+        for k, v in rec.items():
+            if isinstance(v, torch.Tensor):
+                n = v.numel()
+                part = flat[offset : offset + n].view(v.shape)
+                host[k] = part if v.dim() else float(part)
+                offset += n
+            else:
+                host[k] = v
+        record = {"step": host["step"], "loss": float(host["lm_loss"]), "lr": host["lr"]}
+        record["grad_norm"] = float(host["grad_norm"])
+        for name in ("mtp_loss", "aux_loss"):
+            if name in host:
+                record[name] = float(host[name])
+        if "moe_counts" in host:
+            record["moe"] = router_stats_from(host["moe_counts"], float(host["bias_abs_max"]))
+        out.append(record)
+    return out
 
 
 def _all_reduce_mean(values: list[float], group, device: torch.device) -> list[float]:
@@ -1150,7 +1153,7 @@ class _PipeSetup:
             return out
         from ..model import ModelOutput
 
-        names = [n for n in _LOSS_TERMS if getattr(out, n) is not None]
+        names = [n for n in LOSS_TERMS if getattr(out, n) is not None]
         vals = _all_reduce_mean([float(getattr(out, n).detach()) for n in names], None, self.device)
         mean = ModelOutput(logits=None)
         for n, v in zip(names, vals, strict=True):
@@ -1561,93 +1564,139 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     # before every optimizer step so that no step uses them (a no-op for "all_to_all"; the step
     # has synchronized for the gradient norm already).
     ep_buffer = getattr(model, "ep_buffer", None)
-    try:
-        with stop.on_sigint():
-            for step in range(start + 1, end + 1):
-                prof = _start_profile() if step == profile_at else None
-                t_step = time.perf_counter()
-                lr = lr_at(step - 1, args)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                x, y = corpus.get_batch(
-                    "train", batch, args.seq_len, batch_generator(args.seed, step)
+    # One process: the step object (eager, or a replayed CUDA graph). Its losses and gradient
+    # norm stay on the device until a logging step reads the pending ones in one go.
+    single = runner is None and args.ep == 1
+    step_fn = None
+    if single:
+        step_fn = SingleDeviceStep(
+            model,
+            optimizer,
+            grad_accum_steps=args.grad_accum_steps,
+            grad_clip=args.grad_clip,
+            device=device,
+            cuda_graphs=args.cuda_graphs,
+            log=log,
+        )
+        if args.cuda_graphs and step_fn.graphs_off_reason is not None:
+            log(f"CUDA graphs: off ({step_fn.graphs_off_reason}); running the steps eagerly")
+    pending: list[dict[str, Any]] = []  # steps run since the last flush, values maybe on device
+    window_start: float | None = None  # when the first pending step began
+    moe_stats = None
+
+    def flush(eval_now: bool) -> None:
+        """Read the pending steps' values (one host sync), check the loss, write the records."""
+        nonlocal step_time, first_step_s, val_loss, window_start, done
+        if not pending:
+            return
+        host = _read_pending(pending)
+        dt = (time.perf_counter() - window_start) / len(pending)
+        window_start = None
+        for i, record in enumerate(host):
+            step = record["step"]
+            step_time += dt
+            if first_step_s is None:
+                first_step_s = dt
+            record.update(
+                tokens_per_s=tokens_per_step / dt,
+                **achieved_flops(flops_per_token, tokens_per_step / dt, peak, devices),
+                time_s=dt,
+            )
+            loss = record["loss"]
+            run_losses.append(loss)
+            if not math.isfinite(loss):
+                if writer is not None:
+                    writer.write(record)
+                raise FloatingPointError(
+                    f"the train loss became {loss} at step {step}; the checkpoint in "
+                    f"{run_dir} holds step {last_saved} (try a lower --lr)"
                 )
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                if runner is not None:  # ep > 1: this pipeline's share of the batch
-                    out = runner.step(pipe.shard(x), pipe.shard(y), timeline)
-                    runner.reduce_grads(optimizer)
-                    grad_norm = runner.clip_grad_norm_(optimizer, args.grad_clip or _NO_CLIP)
-                else:  # ep > 1: this rank's sequences of every micro-batch
-                    out = _accumulate_grads(model, x, y, args.grad_accum_steps, pipe.shard)
-                    if args.ep > 1:
-                        pipe.reduce_grads(model, optimizer)
-                        clip = args.grad_clip or _NO_CLIP
-                        grad_norm = pipe.clip_grad_norm_(model, optimizer, clip)
-                        out = pipe.mean_losses(out)
-                    else:
-                        # With clipping off, a max_norm no norm reaches keeps the gradients
-                        # unscaled.
-                        grad_norm = float(optimizer.clip_grad_norm_(args.grad_clip or _NO_CLIP))
-                if ep_buffer is not None:
-                    ep_buffer.check_errors()
-                optimizer.step()
-                if state_bytes is None:  # the full footprint: after step, before zero_grad
-                    state_bytes = optimizer.state_bytes()
-                optimizer.zero_grad(set_to_none=True)
-                if runner is None:
-                    moe_stats = model.update_router_biases()
-                else:
-                    moe_stats = runner.update_router_biases()
-                loss = float(out.lm_loss.detach())
-                run_losses.append(loss)
-                dt = time.perf_counter() - t_step
-                if prof is not None:
-                    _write_profile(prof, run_dir, step, pipe.rank)
-                step_time += dt
-                if first_step_s is None:
-                    first_step_s = dt
-                record: dict[str, Any] = {
-                    "step": step,
-                    "loss": loss,
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_step / dt,
-                    **achieved_flops(flops_per_token, tokens_per_step / dt, peak, devices),
-                    "grad_norm": grad_norm,
-                    "time_s": dt,
-                }
-                for name in ("mtp_loss", "aux_loss"):
-                    v = getattr(out, name, None)
-                    if v is not None:
-                        record[name] = float(v.detach())
-                if not math.isfinite(loss):
-                    if writer is not None:
-                        writer.write(record)
-                    raise FloatingPointError(
-                        f"the train loss became {loss} at step {step}; the checkpoint in "
-                        f"{run_dir} holds step {last_saved} (try a lower --lr)"
-                    )
-                if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            if i == len(host) - 1:
+                if eval_now:
                     if runner is not None:
                         runner.gather_model()
                     if pipe.evaluates:  # ep > 1: a collective over the EP group
                         val_loss = evaluate(model, corpus, args, device)
                         record["val_loss"] = val_loss
-                if moe_stats:
+                if runner is not None and moe_stats:
                     record["moe"] = moe_stats
-                if writer is not None:
-                    writer.write(record)
-                done = step
-                bar.update(1)
-                bar.set_postfix_str(
-                    f"loss {loss:.3f}"
-                    + (f" val {val_loss:.3f}" if val_loss is not None else "")
-                    + f" {tokens_per_step / dt:,.0f} tok/s"
+            if writer is not None:
+                writer.write(record)
+            done = step
+        bar.update(len(host))
+        bar.set_postfix_str(
+            f"loss {host[-1]['loss']:.3f}"
+            + (f" val {val_loss:.3f}" if val_loss is not None else "")
+            + f" {tokens_per_step / dt:,.0f} tok/s"
+        )
+        pending.clear()
+
+    try:
+        with stop.on_sigint():
+            for step in range(start + 1, end + 1):
+                prof = _start_profile() if step == profile_at else None
+                if window_start is None:
+                    window_start = time.perf_counter()
+                lr = lr_at(step - 1, args)
+                x, y = corpus.get_batch(
+                    "train", batch, args.seq_len, batch_generator(args.seed, step)
                 )
-                if pipe.agree_to_stop(stop.requested):
+                if step_fn is not None:
+                    values = step_fn(x, y, lr)
+                    values = {k: v.clone() for k, v in values.items()}  # graph outputs are reused
+                    state_bytes = state_bytes or step_fn.state_bytes
+                else:
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    clip = args.grad_clip or _NO_CLIP
+                    if runner is not None:  # ep > 1: this pipeline's share of the batch
+                        out = runner.step(pipe.shard(x), pipe.shard(y), timeline)
+                        runner.reduce_grads(optimizer)
+                        grad_norm = runner.clip_grad_norm_(optimizer, clip)
+                    else:  # ep > 1: this rank's sequences of every micro-batch
+                        out = accumulate_grads(model, x, y, args.grad_accum_steps, pipe.shard)
+                        pipe.reduce_grads(model, optimizer)
+                        grad_norm = pipe.clip_grad_norm_(model, optimizer, clip)
+                        out = pipe.mean_losses(out)
+                    if ep_buffer is not None:
+                        ep_buffer.check_errors()
+                    optimizer.step()
+                    if state_bytes is None:  # the full footprint: after step, before zero_grad
+                        state_bytes = optimizer.state_bytes()
+                    optimizer.zero_grad(set_to_none=True)
+                    values = {n: getattr(out, n) for n in LOSS_TERMS if getattr(out, n) is not None}
+                    values["grad_norm"] = grad_norm
+                    if runner is None:
+                        model.update_router_biases(stats=False)
+                        load = model.last_router_load()
+                        if load is not None:
+                            values["moe_counts"], values["bias_abs_max"] = load
+                    else:
+                        moe_stats = runner.update_router_biases()
+                pending.append({"step": step, "lr": lr, **values})
+                if prof is not None:
+                    _write_profile(prof, run_dir, step, pipe.rank)
+                eval_now = bool(
+                    args.eval_every and (step % args.eval_every == 0 or step == args.steps)
+                )
+                checkpoint_now = bool(args.ckpt_every and step % args.ckpt_every == 0)
+                stopping = pipe.agree_to_stop(stop.requested)
+                if (
+                    first_step_s is None  # this call's first step: timed on its own
+                    or step % args.log_every == 0
+                    or eval_now
+                    or checkpoint_now
+                    or stopping
+                    or step == end
+                ):
+                    flush(eval_now)
+                if stopping:
                     break
-                if args.ckpt_every and step % args.ckpt_every == 0 and step < end:
+                if checkpoint_now and step < end:
                     save(step)
                     last_saved = step
+            flush(False)
             if done > last_saved:
                 save(done)
                 last_saved = done
