@@ -1578,7 +1578,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
             cuda_graphs=args.cuda_graphs,
             log=log,
         )
-        if args.cuda_graphs and step_fn.graphs_off_reason is not None:
+        if args.cuda_graphs and device.type == "cuda" and step_fn.graphs_off_reason is not None:
             log(f"CUDA graphs: off ({step_fn.graphs_off_reason}); running the steps eagerly")
     pending: list[dict[str, Any]] = []  # steps run since the last flush, values maybe on device
     window_start: float | None = None  # when the first pending step began
