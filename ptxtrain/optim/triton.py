@@ -25,13 +25,15 @@ host-to-device copies (CUDA-graph capturable):
 
   with IEEE ``sqrt_rn`` / ``div_rn`` (Triton's plain ``/`` and ``sqrt`` on FP32 are the
   approximate PTX instructions). A full block (``BLOCK`` elements, start aligned) loads and
-  stores unmasked, so every access is a 16-byte vector; the last, partial block of a
-  parameter takes the masked path. A parameter without a gradient this step masks every lane
-  off: nothing is read or written. The first update of a parameter with a master (step 1)
-  takes the FP32 weight from the working copy, as the per-tensor path creates its master.
+  stores unmasked, in vectors; the last, partial block of a parameter takes the masked path.
+  The loads wait only for the block's start and length: the parameter's flag and scalars
+  (loads that depend on its index) are needed only by the arithmetic and the stores. A block
+  of a parameter without a gradient this step is therefore read (wasted bandwidth in that
+  rare case) but not written. The first update of a parameter with a master (step 1) takes
+  the FP32 weight from the working copy, as the per-tensor path creates its master.
 * ``_norm_kernel``: per block table entry, the sum of squares (2-norm) or the largest
   magnitude (inf-norm, on the bits so that a NaN wins, as ``torch.linalg.vector_norm``) of the
-  gradient of parameters that have one; the caller reduces the partials.
+  gradient, 0 for a parameter without one; the caller reduces the partials.
 
 Rounding: the CUDA per-tensor path runs the same FP32 operations as separate kernels; here
 the compiler may contract a multiply and an add into one FMA, which moves some results by an
@@ -119,10 +121,29 @@ def _st(ptr, offs, value, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _master_at(master, p_ptr, offs, mask, t, MASKED: tl.constexpr):
+    """The FP32 weight of update ``t``: the master, except at the first update, where the
+    master starts as the working weight (the per-tensor path creates it then)."""
+    if t == 1.0:
+        master = _ld(p_ptr, offs, mask, MASKED).to(tl.float32)
+    return master
+
+
+@triton.jit
 def _adamw_block(
-    w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, scal, scale,
+    w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, ready, scal, scale,
     MODE: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
+    # The loads depend on the block's start and length only, not on the parameter's flag or
+    # scalars (two more dependent loads): they leave first. Without a gradient this step, the
+    # block is read but not written.
+    g = _ld(g_ptr, offs, mask, MASKED).to(tl.float32) * scale
+    if MODE == 2:  # low-precision parameter without a master: updated in FP32, rounded back
+        w = _ld(p_ptr, offs, mask, MASKED).to(tl.float32)
+    else:  # the FP32 parameter itself (MODE 0), or the FP32 master (MODE 1)
+        w = _ld(w_ptr, offs, mask, MASKED)
+    m = _ld(m_ptr, offs, mask, MASKED).to(tl.float32)
+    v = _ld(v_ptr, offs, mask, MASKED).to(tl.float32)
     decay = tl.load(scal + 0)
     one_minus_beta1 = tl.load(scal + 1)
     beta2 = tl.load(scal + 2)
@@ -130,19 +151,8 @@ def _adamw_block(
     inv_bc2_sqrt = tl.load(scal + 4)
     eps = tl.load(scal + 5)
     step_size = tl.load(scal + 6)
-    t = tl.load(scal + 7)
-    g = _ld(g_ptr, offs, mask, MASKED).to(tl.float32) * scale
-    if MODE == 0:  # FP32 parameter: it is the weight
-        w = _ld(w_ptr, offs, mask, MASKED)
-    elif MODE == 1:  # low-precision parameter with an FP32 master
-        if t == 1.0:  # first update: the master starts as the working weight
-            w = _ld(p_ptr, offs, mask, MASKED).to(tl.float32)
-        else:
-            w = _ld(w_ptr, offs, mask, MASKED)
-    else:  # low-precision parameter without a master: updated in FP32, rounded back
-        w = _ld(p_ptr, offs, mask, MASKED).to(tl.float32)
-    m = _ld(m_ptr, offs, mask, MASKED).to(tl.float32)
-    v = _ld(v_ptr, offs, mask, MASKED).to(tl.float32)
+    if MODE == 1:
+        w = _master_at(w, p_ptr, offs, mask, tl.load(scal + 7), MASKED)
     w = w * decay
     d = g - m
     # torch's lerp, whose two forms are exact at weight 0 and 1 respectively
@@ -150,12 +160,13 @@ def _adamw_block(
     v = v * beta2 + one_minus_beta2 * g * g
     denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
     w = w + step_size * tl.div_rn(m, denom)
-    if MODE != 2:
-        _st(w_ptr, offs, w, mask, MASKED)
-    if MODE != 0:
-        _st(p_ptr, offs, w, mask, MASKED)  # round to nearest even
-    _st(m_ptr, offs, m, mask, MASKED)
-    _st(v_ptr, offs, v, mask, MASKED)
+    if ready:
+        if MODE != 2:
+            _st(w_ptr, offs, w, mask, MASKED)
+        if MODE != 0:
+            _st(p_ptr, offs, w, mask, MASKED)  # round to nearest even
+        _st(m_ptr, offs, m, mask, MASKED)
+        _st(v_ptr, offs, v, mask, MASKED)
 
 
 @triton.jit
@@ -179,11 +190,11 @@ def _update_kernel(
     )
     scal = scal_ptr + param.to(tl.int64) * 8
     scale = tl.load(scale_ptr)
-    if ready & (n == BLOCK):
-        _adamw_block(w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, offs, None, scal, scale, MODE, False)
-    else:
-        mask = (tl.arange(0, BLOCK) < n) & ready
-        _adamw_block(w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, scal, scale, MODE, True)
+    if n == BLOCK:  # unmasked: 16-byte / 8-byte vectors
+        _adamw_block(w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, offs, None, ready, scal, scale, MODE, False)
+    else:  # a parameter's last, partial block
+        mask = tl.arange(0, BLOCK) < n
+        _adamw_block(w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, ready, scal, scale, MODE, True)
 
 
 @triton.jit
@@ -201,12 +212,12 @@ def _norm_kernel(
     INF: tl.constexpr, BLOCK: tl.constexpr, START_MULTIPLE: tl.constexpr,
 ):  # fmt: skip
     _, ready, offs, n = _this_block(start_ptr, len_ptr, param_ptr, flag_ptr, BLOCK, START_MULTIPLE)
-    if ready & (n == BLOCK):
+    if n == BLOCK:
         part = _norm_part(_ld(g_ptr, offs, None, False).to(tl.float32), INF)
     else:
-        mask = (tl.arange(0, BLOCK) < n) & ready
-        part = _norm_part(_ld(g_ptr, offs, mask, True).to(tl.float32), INF)
-    tl.store(out_ptr + tl.program_id(0), part)
+        part = _norm_part(_ld(g_ptr, offs, tl.arange(0, BLOCK) < n, True).to(tl.float32), INF)
+    # Without a gradient this step the buffer holds stale values (even NaN): they count 0.
+    tl.store(out_ptr + tl.program_id(0), tl.where(ready, part, 0.0))
 
 
 def _check_launch(block: object, num_warps: object) -> None:
