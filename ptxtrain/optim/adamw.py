@@ -342,6 +342,14 @@ class AdamW(torch.optim.Optimizer):
     * Memory from ``p``'s old storage is released; tensors that aliased it (not the Parameter
       object itself) no longer see the updates.
 
+    CUDA graphs: capture ``clip_grad_norm_`` and ``step`` after a few eager steps (Triton
+    compiles at the first launch), then per step, eagerly: ``zero_grad()``, backward (the
+    hooks fill the buffers and flags), :meth:`set_lr`; then ``graph.replay()``. Host-side
+    effects of ``step`` happen at capture only: torch's step hooks (``ptxtrain.nn`` counts steps
+    through one to invalidate cached FP8 weight quantizations, so under graphs turn
+    ``cache_weight_fp8`` off) and :meth:`grad_for`'s knowledge of a pending clip coefficient
+    (after a replay it returns the buffer without the coefficient the replayed step used).
+
     Parameter groups: ``lr``, ``betas``, ``eps`` and ``weight_decay`` may differ per group and
     may be changed between steps (``group["lr"] = ...``, as a warmup + cosine schedule does).
     They are checked again at every :meth:`step`. ``moment_dtype``, ``master_weights`` and
@@ -666,10 +674,11 @@ class AdamW(torch.optim.Optimizer):
     def set_lr(self, lr: float, group: int | None = None) -> None:
         """Set the learning rate of param group ``group`` (default: every group).
 
-        Writes ``group["lr"]`` and, for fused parameters, the device copy the kernels read,
-        without a host-to-device copy. Eager :meth:`step` picks up ``group["lr"] = ...`` by
-        itself; a CUDA graph that captured :meth:`step` reads only the device copy, so between
-        its replays change the learning rate with this method, called outside the graph.
+        Writes ``group["lr"]`` and, for fused parameters, the device copy the kernels read
+        (with the group's other hyper-parameters where they changed), without a host-to-device
+        copy. Eager :meth:`step` picks up ``group["lr"] = ...`` by itself; a CUDA graph that
+        captured :meth:`step` reads only the device copy, so between its replays change the
+        learning rate with this method, called outside the graph.
 
         Raises:
             TypeError / ValueError: ``lr`` is not a finite real number ≥ 0, or ``group`` is not
