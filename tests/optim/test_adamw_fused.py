@@ -503,9 +503,10 @@ def test_fused_kernels_on_large_tensors_on_cuda():
             totals.append(opt.clip_grad_norm_(100.0))
             opt.step()
             opt.zero_grad()
-        # The kernel sums squares per 2048-element block, then the blocks in FP64: within
-        # 8 FP32 ulps of the per-tensor norms' order.
-        torch.testing.assert_close(totals[1], totals[0], rtol=2.0**-20, atol=0)
+        # FP32 sums of up to 10^6 squares in two orders (torch's reductions per tensor; here
+        # 2048-element blocks, then FP64 across blocks): each within ~log2(n)·2^-24 ≈ 1.2e-6
+        # of the exact sum, the norms within half of that each: rtol 2e-6.
+        torch.testing.assert_close(totals[1], totals[0], rtol=2e-6, atol=0)
     for i, (pa, pb) in enumerate(zip(params_a, params_b)):
         rtol, atol = KERNEL_TOL[pa.dtype]
         torch.testing.assert_close(pb, pa, rtol=rtol, atol=atol, msg=f"param {i}")
