@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything: environment, GPU tests, quant and GEMM
 # benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
-#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [grouped] [raster] [train] [sweep]
+#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [optim] [grouped] [raster] [train] [sweep]
 #   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [abyield] [abtriton] [probews] [wgrad] [race]
 # Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvldiag] [nvlsweep]
 # [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
@@ -50,6 +50,11 @@ for stage in $stages; do
       ;;
     quant|gemm|linear)
       python3 -m ptxtrain bench "$stage" --json "$OUT/$(date -u +%Y%m%d)-$stage.json" || status=1
+      ;;
+    optim)
+      # One AdamW step over 1e9 parameters (OPTIM_ARGS: e.g. "--numel 4190000000 --mix dsv3").
+      python3 -m ptxtrain bench optim --sweep ${OPTIM_ARGS:-} \
+        --json "$OUT/$(date -u +%Y%m%d)-optim.json" || status=1
       ;;
     grouped)
       python3 -m benchmarks.bench_grouped ${GROUPED_ARGS:-} --json "$OUT/bench_grouped.json" || status=1

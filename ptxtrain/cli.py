@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from . import __version__
 
@@ -408,7 +409,7 @@ def _run_train(ns: argparse.Namespace) -> int:
 # ptxtrain bench
 # --------------------------------------------------------------------------------------------
 
-_BENCHES = ("quant", "gemm", "linear", "dispatch")
+_BENCHES = ("quant", "gemm", "linear", "dispatch", "optim")
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -420,7 +421,9 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="quant: quantizers in GB/s vs a BF16 copy; gemm: FP8 GEMM backends (1D2D at "
         "M = 64/128/4096 and 1D1D wgrad) vs cuBLAS blockwise FP8 and BF16; linear: Fp8Linear "
         "forward+backward vs BF16 nn.Linear at M = 4096; dispatch: MoE dispatch/combine per "
-        "backend in µs and GB/s (run under torchrun, one GPU per rank)",
+        "backend in µs and GB/s (run under torchrun, one GPU per rank); optim: one AdamW step "
+        "(fused, foreach, torch's fused AdamW on FP32) over --numel parameters in GB/s vs a "
+        "device copy",
     )
     p.add_argument(
         "--json",
@@ -433,7 +436,7 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="timed calls per measurement; the median is reported (default: 50, linear 30, "
-        "dispatch 20)",
+        "dispatch and optim 20)",
     )
     p.add_argument(
         "--recipe",
@@ -442,6 +445,26 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="linear: Fp8Linear's recipe (default: deepseek, scales amax / 448; deepseek_pow2 "
         "rounds every scale up to a power of two, as Transformer Engine's Float8BlockScaling "
         "does by default)",
+    )
+    o = p.add_argument_group("optim")
+    o.add_argument(
+        "--numel",
+        type=_int_at_least(1),
+        default=1_000_000_000,
+        metavar="N",
+        help="parameter elements the optimizer updates (default: 1e9)",
+    )
+    o.add_argument(
+        "--mix",
+        choices=("small", "dsv3"),
+        default="small",
+        help="tensor shapes, repeated up to --numel: the small preset's 211 tensors (default) "
+        "or the DeepSeek-V3 projection matrices and norms",
+    )
+    o.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the fused step for several (elements per program, warps) pairs",
     )
     d = p.add_argument_group("dispatch (DeepEP's setting by default)")
     d.add_argument("--tokens", type=_int_at_least(1), default=4096, help="tokens per rank")
@@ -516,7 +539,7 @@ def _run_bench(ns: argparse.Namespace) -> int:
         raise _UsageError("ptxtrain bench times CUDA kernels: no CUDA device is visible")
     if ns.what == "dispatch":
         return _run_bench_dispatch(ns)
-    from .bench import gemm, linear, quant
+    from .bench import gemm, linear, optim, quant
 
     kw = {} if ns.repeats is None else {"repeats": ns.repeats}
     from .gemm import backends as gemm_backends
@@ -530,12 +553,16 @@ def _run_bench(ns: argparse.Namespace) -> int:
             (gemm.bench_1d2d(**kw), gemm.format_table),
             (gemm.bench_1d1d(**kw), gemm.format_table),
         ]
+    elif ns.what == "optim":
+        record = optim.bench_optim(ns.numel, ns.mix, sweep=ns.sweep, **kw)
+        records = [(record, optim.format_table)]
     else:
         records = [(linear.bench_linear(recipe=ns.recipe, **kw), linear.format_table)]
     for record, fmt in records:
         print(fmt(record))
     if ns.json:
         data = [r for r, _ in records]
+        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
         with open(ns.json, "w", encoding="utf-8") as f:
             json.dump(data[0] if len(data) == 1 else data, f, indent=1, default=str)
         print(f"wrote {ns.json}")

@@ -84,6 +84,8 @@ def _error(argv, capsys):
         (["bench", "matmul"], "invalid choice: 'matmul'"),
         (["bench", "gemm", "--repeats", "0"], "--repeats: must be >= 1"),
         (["bench", "linear", "--recipe", "bf16"], "invalid choice: 'bf16'"),
+        (["bench", "optim", "--numel", "0"], "--numel: must be >= 1"),
+        (["bench", "optim", "--mix", "medium"], "invalid choice: 'medium'"),
         ([], "required"),
     ],
 )

@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import shlex
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,13 +42,21 @@ class GpuTimer:
         self._sleep_us = sleep_us
         self.last_host_us = float("nan")
 
-    def host_us(self, fn: Callable[[], object], calls: int = 10) -> float:
+    def host_us(
+        self,
+        fn: Callable[[], object],
+        calls: int = 10,
+        setup: Callable[[], object] | None = None,
+    ) -> float:
         """Median host (CPU) time of one call of ``fn`` in µs: what it costs to enqueue its work.
 
-        Each call starts after the device is idle, so the host never waits on a full queue.
+        Each call starts after the device is idle (and after ``setup``, untimed), so the host
+        never waits on a full queue.
         """
         times = []
         for _ in range(calls):
+            if setup is not None:
+                setup()
             torch.cuda.synchronize()
             start = time.perf_counter()
             fn()
@@ -54,19 +64,31 @@ class GpuTimer:
         torch.cuda.synchronize()
         return statistics.median(times)
 
-    def __call__(self, fn: Callable[[], object]) -> float:
+    def __call__(
+        self, fn: Callable[[], object], setup: Callable[[], object] | None = None
+    ) -> float:
+        """Median device time of ``fn`` in µs. ``setup``, when given, runs before every call
+        and is not timed (e.g. to restore state that ``fn`` consumes)."""
+
+        def prepared() -> Callable[[], object]:
+            if setup is not None:
+                setup()
+                torch.cuda.synchronize()
+            return fn
+
         for _ in range(self.warmup):
-            fn()
-        self.last_host_us = self.host_us(fn, calls=max(3, self.warmup))
+            prepared()()
+        self.last_host_us = self.host_us(fn, calls=max(3, self.warmup), setup=setup)
         sleep_us = max(self._sleep_us, 2.0 * self.last_host_us)
         sleep_cycles = int(sleep_us * self._clock_khz / 1e3)
         torch.cuda.synchronize()
         times = []
         for _ in range(self.repeats):
+            call = prepared()
             if self.flush_l2:
                 self._flush.zero_()
             torch.cuda._sleep(sleep_cycles)
-            times.append(event_us(fn))
+            times.append(event_us(call))
         return statistics.median(times)
 
 
@@ -109,10 +131,11 @@ def git_sha() -> str:
 
 
 def environment() -> dict:
-    """Device, versions, git sha and date for a results record."""
+    """Device, versions, git sha, date and command line for a results record."""
     env = {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
+        "command": shlex.join(sys.argv),  # the process's command line, as it was started
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

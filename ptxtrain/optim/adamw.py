@@ -42,6 +42,62 @@ Design note (DeepSeek-V3 report §3.3 "Low-Precision Storage and Communication";
   round some intermediate differently; not traced further), so the ``gpu`` test compares them
   within a few FP32 ulps, and low-precision copies within one of their own ulps. The CUDA
   2-norm in clipping also differs by a few ulps: ``_foreach_norm`` sums in another order.
+* **Why a fused path** (``fused``, the default on CUDA). The foreach path still runs ~15 kernels
+  per chunk, most of them a full pass over some operand or an FP32 temporary: training a 4.19 B
+  parameter MoE on an H200, its step took 130 ms, ~5x the bandwidth floor and 37% of the GPU
+  time of a step. The update needs each element's operands once. Bytes moved per element:
+
+  ==============================================  ==========  ===========  =====
+  one step                                        read        written      total
+  ==============================================  ==========  ===========  =====
+  fused path (FP32 grad, master; BF16 moments)    4+4+2+2     4+2+2+2 (w)  22
+  same with FP32 moments                          4+4+4+4     4+4+4+2      30
+  ``torch.optim.AdamW(fused=True)``, FP32 model   4+4+4+4     4+4+4        28
+  clipping (the norm pass over the gradient)      4           –            +4
+  ==============================================  ==========  ===========  =====
+
+  One Triton kernel per bucket reads and writes exactly that (:mod:`ptxtrain.optim.triton`);
+  ``ptxtrain bench optim`` measures it against a device copy (the goal: at least 80% of the
+  copy's bytes per second) and against torch's fused AdamW.
+* **Flat buffers rather than pointer tables.** At construction the fused path moves every
+  FP32/BF16/FP16 parameter that requires grad into flat buffers, one set per (param group,
+  device, dtype) (:class:`~ptxtrain.optim.fused.Bucket`): working weights (``p.data`` becomes a
+  view), FP32 masters, both moments, FP32 gradients (``p.main_grad``), each parameter at the
+  same offset in all five, aligned to 256 elements. A multi-tensor kernel over pointer tables
+  would leave the storage alone, but needs its tables built per launch (or cached and kept in
+  step with the parameters), and per-tensor chunking like ``multi_tensor_apply``. With flat
+  buffers a bucket is five base pointers: its block table (one entry per program of at most
+  ``BLOCK`` elements inside one parameter) is built once, a program's accesses are aligned
+  vectors, the gradient norm is one pass per bucket, and every address is fixed, as a CUDA
+  graph needs. The costs: ``p.data`` is replaced once (tensors that aliased the old storage
+  see no updates); state tensors are views, which the checkpoint writer copies out
+  (safetensors refuses tensors that share storage); and the FP32 gradient buffer lives as long
+  as the optimizer (4 bytes per element held through the forward, where the other paths free
+  it at ``zero_grad``), as Megatron's ``main_grad``.
+* **Gradients and skipping.** The post-accumulate-grad hook copies the first micro-batch's
+  gradient after ``zero_grad`` into ``p.main_grad`` and adds the later ones, so
+  ``zero_grad(set_to_none=True)`` needs no memset (the buffer keeps stale values, and a
+  per-parameter flag says they are stale). The flags live on the device too: a parameter
+  without a gradient this step is masked off inside the kernels (its step count stays, as in
+  torch), so the common case and the skipping case are the same launches: one per device for
+  the step counts and update scalars (the prologue), one per bucket for the update. A layer
+  that writes ``p.main_grad`` itself declares the gradient with :meth:`AdamW.mark_grad_ready`.
+* **No host round trip.** Step counts, per-group hyper-parameters (FP64: the Python floats
+  exactly) and the clip coefficient are device tensors; the prologue computes the bias
+  corrections from the step counts on the device, rounding each scalar once to FP32 as the
+  per-tensor path rounds its Python floats. :meth:`AdamW.clip_grad_norm_` returns the norm as
+  a device tensor and leaves the coefficient on the device for the next update to multiply in
+  (a pass over the gradients saved; :meth:`AdamW.grad_for` applies it first, so it still returns
+  the gradient ``step`` will use). ``clip_grad_norm_`` + ``step`` therefore capture into one CUDA
+  graph; hyper-parameter changes reach a graph through :meth:`AdamW.set_lr`, called between
+  replays. The host work per step left is one ``p.grad is None`` check per fused parameter (to
+  fold a gradient set by hand) and a comparison of each group's hyper-parameters.
+* **Reference and tolerances.** On the CPU, ``fused=True`` runs the torch reference of the fused
+  update: the per-tensor update on each parameter's views of the flat buffers, driven by the
+  same device tables. It is bitwise the per-tensor path. The kernels (on the GPU, or in the
+  Triton interpreter) may contract a multiply-add into an FMA and multiply by ``1/√(1-β2^t)``
+  where the CPU divides: a few FP32 ulps per step, and now and then a BF16 moment one BF16 ulp
+  away (tests/optim/test_adamw_fused.py measures and bounds both).
 """
 
 from __future__ import annotations
@@ -55,7 +111,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdamW", "optimizer_state_bytes"]
+from ptxtrain.optim import fused as _fused
+from ptxtrain.optim.fused import Bucket, DeviceTable, Slot
+
+__all__ = ["AdamW", "grad_ready", "mark_grad_ready", "optimizer_state_bytes"]
 
 # Parameter dtypes narrower than FP32: these get an FP32 master copy and FP32 gradient buffers.
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -70,6 +129,14 @@ _NAMED_STATE = ("master", "exp_avg", "exp_avg_sq")
 # (upcast moments, denominator) to ~12 bytes x 2^25 = 384 MiB instead of 12 bytes per parameter
 # of the whole model (the BF16 moments save only 4 bytes per parameter).
 _FOREACH_CHUNK_NUMEL = 1 << 25
+# Parameter dtypes the fused path takes (FP64 parameters stay on the foreach / per-tensor path).
+_FUSABLE = (torch.float32, torch.bfloat16, torch.float16)
+# Attribute set on a parameter held in a fused bucket: a weak reference to that AdamW, so a layer
+# can reach it through the parameter alone (:func:`mark_grad_ready`, :func:`grad_ready`).
+_FUSED_OWNER_ATTR = "_ptxtrain_fused_adamw"
+# Elements per program and warps per program of the fused update and norm kernels.
+_FUSED_BLOCK = 2048
+_FUSED_WARPS = 4
 
 
 def _is_real_number(x: object) -> bool:
@@ -151,6 +218,64 @@ def _chunks(items: list[Any], numel: Callable[[Any], int], limit: int) -> list[l
     return out
 
 
+def _by_device_dtype(
+    items: list[Any], key: Callable[[Any], torch.Tensor] = lambda t: t
+) -> dict[tuple[torch.device, torch.dtype], list[Any]]:
+    """``items`` grouped by the (device, dtype) of ``key(item)``, each group in order."""
+    out: dict[tuple[torch.device, torch.dtype], list[Any]] = defaultdict(list)
+    for item in items:
+        t = key(item)
+        out[(t.device, t.dtype)].append(item)
+    return out
+
+
+def _hyper_of(group: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
+    """``(lr, β1, β2, eps, weight_decay)`` of a param group, as Python floats."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return float(group["lr"]), beta1, beta2, float(group["eps"]), float(group["weight_decay"])
+
+
+def _adamw_update(
+    p: torch.Tensor,
+    master: torch.Tensor | None,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: float,
+    hyper: tuple[float, ...],
+) -> None:
+    """The per-tensor AdamW update of ``p`` (in place), its master and moments, at step ``step``
+    (already counted); ``hyper`` = (lr, β1, β2, eps, weight_decay). Arithmetic in FP32 (FP64
+    for FP64 ``p``), in torch.optim.AdamW's single-tensor operation order."""
+    lr, beta1, beta2, eps, weight_decay = hyper
+    compute = torch.promote_types(p.dtype, torch.float32)
+    weight = master if master is not None else p.detach().to(compute)  # aliases p when FP32
+    g = grad.to(compute)  # read only
+    m = exp_avg.to(compute)  # a FP32 copy of BF16 moments; the state itself when FP32
+    v = exp_avg_sq.to(compute)
+    if weight_decay != 0:
+        weight.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    weight.addcdiv_(m, denom, value=-(lr / bias_correction1))
+    if m is not exp_avg:
+        exp_avg.copy_(m)  # round to nearest even
+    if v is not exp_avg_sq:
+        exp_avg_sq.copy_(v)
+    if weight is not p:
+        p.copy_(weight)  # master (or FP32 working copy) → BF16/FP16 param, round to nearest
+
+
+def _triton_kernels() -> Any:
+    """:mod:`ptxtrain.optim.triton`, imported on first use (Triton is optional)."""
+    from ptxtrain.optim import triton as kernels
+
+    return kernels
+
+
 def _nbytes(t: torch.Tensor) -> int:
     """Logical bytes of ``t``: elements x element size (a view is not charged its whole storage)."""
     return t.numel() * t.element_size()
@@ -173,7 +298,8 @@ class AdamW(torch.optim.Optimizer):
     * ``state[p]["master"]``: FP32 copy of ``p``, only when ``p`` is BF16/FP16 and
       ``master_weights``. ``step`` updates the master and rounds it into ``p``. Without a master,
       a low-precision ``p`` is updated in FP32 and rounded back each step.
-    * ``state[p]["step"]``: 0-d FP32 CPU tensor (torch's convention).
+    * ``state[p]["step"]``: 0-d FP32 CPU tensor (torch's convention); on the fused path a 0-d
+      view of a device tensor (as torch's ``capturable`` optimizers keep it).
 
     FP32 gradients (``fp32_grads=True``): at construction, every BF16/FP16 parameter that
     requires grad gets a ``register_post_accumulate_grad_hook``. After autograd has accumulated
@@ -194,6 +320,35 @@ class AdamW(torch.optim.Optimizer):
     * This does not mix with ``DistributedDataParallel``'s gradient buckets, which all-reduce
       ``p.grad``. Under DDP use ``fp32_grads=False``, or all-reduce the buffers from
       :meth:`grad_for` yourself.
+
+    Fused path (``fused``; the module note has the design): at construction every FP32/BF16/FP16
+    parameter that requires grad moves into flat buffers, one set per (param group, device,
+    dtype); ``p.data`` becomes a view of the flat working-weight buffer and ``p.main_grad`` a
+    view of the flat FP32 gradient buffer. :meth:`step` then updates each bucket in one kernel
+    launch, and differs from the other paths in these ways:
+
+    * FP32 parameters get the FP32-gradient hook too: after backward their ``p.grad`` is None.
+    * ``zero_grad(set_to_none=True)`` only marks gradients absent; the buffers stay allocated
+      and the next gradient overwrites instead of adding. A layer that writes ``p.main_grad``
+      itself declares it with :meth:`mark_grad_ready` (see there).
+    * :meth:`clip_grad_norm_` leaves the gradients as they are and records the coefficient on
+      the device; the next :meth:`step` multiplies by it inside the update, and
+      :meth:`grad_for` applies it first, so it still returns the gradient step will use.
+    * :meth:`step` and :meth:`clip_grad_norm_` read no device value on the host and copy
+      nothing from the host: learning rate and other hyper-parameters live in device tensors,
+      refreshed from the param groups at each eager :meth:`step` (or by :meth:`set_lr`, the way
+      to change the learning rate of a captured CUDA graph), bias corrections are computed on
+      the device from the device step counts.
+    * Memory from ``p``'s old storage is released; tensors that aliased it (not the Parameter
+      object itself) no longer see the updates.
+
+    CUDA graphs: capture ``clip_grad_norm_`` and ``step`` after a few eager steps (Triton
+    compiles at the first launch), then per step, eagerly: ``zero_grad()``, backward (the
+    hooks fill the buffers and flags), :meth:`set_lr`; then ``graph.replay()``. Host-side
+    effects of ``step`` happen at capture only: torch's step hooks (``ptxtrain.nn`` counts steps
+    through one to invalidate cached FP8 weight quantizations, so under graphs turn
+    ``cache_weight_fp8`` off) and :meth:`grad_for`'s knowledge of a pending clip coefficient
+    (after a replay it returns the buffer without the coefficient the replayed step used).
 
     Parameter groups: ``lr``, ``betas``, ``eps`` and ``weight_decay`` may differ per group and
     may be changed between steps (``group["lr"] = ...``, as a warmup + cosine schedule does).
@@ -217,14 +372,21 @@ class AdamW(torch.optim.Optimizer):
             number of kernel launches per group) for CUDA tensors, the per-tensor path elsewhere.
             ``True`` / ``False`` force one path for every device. Both paths give bitwise-equal
             results on CPU; on CUDA they agree to about one FP32 ulp per step (see the module
-            note). The multi-tensor path only saves host launch overhead.
+            note). The multi-tensor path only saves host launch overhead. On the fused path it
+            applies to the parameters left outside the flat buffers (FP64 or frozen ones).
+        fused: ``None`` (default): the fused path for CUDA parameters when Triton imports,
+            else ``foreach``'s choice. ``True``: the fused path for every device (CUDA through
+            the Triton kernels; other devices through their torch reference, the per-tensor
+            update run on each parameter's views of the flat buffers, bitwise the per-tensor
+            path). ``False``: never.
 
     Raises:
         TypeError: a hyper-parameter has the wrong type, ``moment_dtype`` is not BF16/FP32,
-            ``master_weights``/``fp32_grads`` is not a bool, ``foreach`` is not None or a bool,
-            or a parameter is not floating point.
-        ValueError: a hyper-parameter is out of range (the message names it), or a parameter is
-            not a leaf or appears twice.
+            ``master_weights``/``fp32_grads`` is not a bool, ``foreach`` / ``fused`` is not None
+            or a bool, or a parameter is not floating point.
+        ValueError: a hyper-parameter is out of range (the message names it), a parameter is
+            not a leaf or appears twice, or ``fused=True`` with ``fp32_grads=False``.
+        RuntimeError: ``fused=True`` with CUDA parameters and Triton not importable.
     """
 
     def __init__(
@@ -239,6 +401,7 @@ class AdamW(torch.optim.Optimizer):
         master_weights: bool = True,
         fp32_grads: bool = True,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         if not isinstance(moment_dtype, torch.dtype):
             raise TypeError(
@@ -257,8 +420,14 @@ class AdamW(torch.optim.Optimizer):
         for name, flag in (("master_weights", master_weights), ("fp32_grads", fp32_grads)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        if foreach is not None and not isinstance(foreach, bool):
-            raise TypeError(f"foreach must be None or a bool, got {type(foreach).__name__}")
+        for name, flag in (("foreach", foreach), ("fused", fused)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be None or a bool, got {type(flag).__name__}")
+        if fused and not fp32_grads:
+            raise ValueError(
+                "fused=True needs fp32_grads=True (the fused update reads the FP32 gradient "
+                "buffers), got fp32_grads=False"
+            )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         _check_group(defaults)
         self.moment_dtype = moment_dtype
@@ -271,6 +440,16 @@ class AdamW(torch.optim.Optimizer):
         # so never part of state_dict().
         self._main_grads: dict[torch.Tensor, torch.Tensor] = {}
         self._hook_handles: dict[torch.Tensor, Any] = {}
+        # The fused path: flat buffers per (group, device, dtype), per-device tables, where each
+        # fused parameter lives, each group's other parameters, and the order clipping walks.
+        self.fused = fused
+        self._buckets: list[Bucket] = []
+        self._tables: dict[torch.device, DeviceTable] = {}
+        self._slots: dict[torch.Tensor, Slot] = {}
+        self._unfused: list[list[torch.Tensor]] = []
+        self._norm_plan: list[torch.Tensor | Bucket | Slot] = []
+        self._scale_pending = False  # a clip coefficient not yet multiplied into the buffers
+        self._fused_block, self._fused_warps = _FUSED_BLOCK, _FUSED_WARPS
         # Filled by add_param_group, which torch.optim.Optimizer.__init__ calls once per group.
         super().__init__(params, defaults)
 
@@ -305,10 +484,71 @@ class AdamW(torch.optim.Optimizer):
             seen[id(p)] = i
         _check_group({k: param_group.get(k, v) for k, v in self.defaults.items()})
         super().add_param_group(param_group)
+        self._add_buckets(len(self.param_groups) - 1)
         if self.fp32_grads:
             for p in self.param_groups[-1]["params"]:
-                if p.dtype in _LOW_PRECISION and p.requires_grad:
+                if p.requires_grad and (p.dtype in _LOW_PRECISION or p in self._slots):
                     self._register_hook(p)
+
+    def _fusable(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` goes into the flat buffers (see ``fused``)."""
+        if self.fused is False or not (self.fp32_grads and p.requires_grad and p.dtype in _FUSABLE):
+            return False
+        if p.device.type == "cuda" and not _fused.triton_ok():
+            if self.fused:
+                raise RuntimeError(
+                    "fused=True needs Triton for CUDA parameters, and ptxtrain.optim.triton "
+                    "does not import here; pass fused=None or False"
+                )
+            return False
+        return bool(self.fused) or p.device.type == "cuda"
+
+    def _add_buckets(self, index: int) -> None:
+        """Move the fusable parameters of param group ``index`` into flat buckets."""
+        group = self.param_groups[index]
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in group["params"]:
+            if self._fusable(p):
+                by_kind.setdefault((p.device, p.dtype), []).append(p)
+        for (device, dtype), params in by_kind.items():
+            table = self._tables.get(device)
+            if table is None:
+                table = self._tables[device] = DeviceTable(device, _fused.default_impl(device))
+            if dtype == torch.float32:
+                mode = _fused.MODE_FP32
+            else:
+                mode = _fused.MODE_MASTER if self.master_weights else _fused.MODE_NO_MASTER
+            bucket = Bucket(index, params, mode, self.moment_dtype, table)
+            table.write_hyper(index, _hyper_of(group))
+            bucket.block_table(self._fused_block)  # built now: step() must copy nothing
+            self._buckets.append(bucket)
+            for i, p in enumerate(params):
+                self._slots[p] = Slot(bucket, i, bucket.base + i)
+                p.main_grad = bucket.views[i]["grad"]
+                setattr(p, _FUSED_OWNER_ATTR, weakref.ref(self))
+            for i, q in enumerate(table.params):  # table.add reallocated the step counts
+                if table.exposed[i]:
+                    self.state[q]["step"] = table.steps[i]
+        self._unfused.append([p for p in group["params"] if p not in self._slots])
+        self._norm_plan = self._make_norm_plan()
+
+    def _make_norm_plan(self) -> list[torch.Tensor | Bucket | Slot]:
+        """What :meth:`clip_grad_norm_` visits, in parameter order: a parameter outside the flat
+        buffers, a bucket of the Triton kernels (once, where its first parameter stands), or
+        the slot of a parameter of a torch-reference bucket (so its norm is the per-tensor
+        path's, in the same order)."""
+        plan: list[torch.Tensor | Bucket | Slot] = []
+        seen: set[int] = set()
+        for p in self._params():
+            slot = self._slots.get(p)
+            if slot is None:
+                plan.append(p)
+            elif slot.bucket.table.impl != "triton":
+                plan.append(slot)
+            elif id(slot.bucket) not in seen:
+                seen.add(id(slot.bucket))
+                plan.append(slot.bucket)
+        return plan
 
     def _register_hook(self, p: torch.Tensor) -> None:
         opt_ref = weakref.ref(self)  # the hook must not keep the optimizer alive
@@ -333,6 +573,19 @@ class AdamW(torch.optim.Optimizer):
             return
         if g.is_sparse:
             raise TypeError("AdamW needs dense gradients, got a sparse gradient")
+        slot = self._slots.get(p)
+        if slot is not None:
+            if self._scale_pending:  # the coefficient applies to what is there, not to g
+                self._apply_pending_scale()
+            table = slot.bucket.table
+            buf = slot.bucket.views[slot.index]["grad"]
+            if table.ready[slot.table_index]:
+                buf.add_(g)
+            else:  # the first gradient since zero_grad: the buffer holds stale values
+                buf.copy_(g)
+                table.set_ready(slot.table_index)
+            p.grad = None
+            return
         buf = self._main_grads.get(p)
         if buf is None:
             self._main_grads[p] = g.to(torch.float32, copy=True)
@@ -364,17 +617,119 @@ class AdamW(torch.optim.Optimizer):
 
         This is the FP32 buffer for a hooked BF16/FP16 parameter (shape of ``p``, FP32), otherwise
         ``p.grad``. A ``p.grad`` set by hand on a hooked parameter is first folded into the buffer.
-        In-place changes to the returned tensor (e.g. an all-reduce) affect the next step.
+        In-place changes to the returned tensor (e.g. an all-reduce) affect the next step. On the
+        fused path it is ``p.main_grad`` (a view of the flat buffer) once ``p`` has a gradient;
+        a clip coefficient that :meth:`clip_grad_norm_` left pending is multiplied in first.
         """
-        if self._owns(p) and p.grad is not None:
+        slot = self._slots.get(p)
+        if slot is None:
+            if self._owns(p) and p.grad is not None:
+                self._absorb_grad(p)
+            buf = self._main_grads.get(p)
+            return buf if buf is not None else p.grad
+        if p.grad is not None:
             self._absorb_grad(p)
-        buf = self._main_grads.get(p)
-        return buf if buf is not None else p.grad
+        if self._scale_pending:
+            self._apply_pending_scale()
+        ready = slot.bucket.table.ready[slot.table_index]
+        return slot.bucket.views[slot.index]["grad"] if ready else None
+
+    def grad_ready(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` has a gradient since the last :meth:`zero_grad` (for a fused parameter:
+        whether ``p.main_grad`` holds this step's partial sum rather than stale values)."""
+        slot = self._slots.get(p)
+        if slot is None:
+            return self.grad_for(p) is not None
+        return p.grad is not None or slot.bucket.table.ready[slot.table_index]
+
+    def mark_grad_ready(self, p: torch.Tensor) -> None:
+        """Declare that ``p.main_grad`` holds ``p``'s gradient for this step.
+
+        For a layer that writes its weight gradient straight into the FP32 buffer (an FP8 wgrad
+        GEMM with ``D +=``) instead of returning it to autograd. The buffer is not zeroed by
+        ``zero_grad(set_to_none=True)``, so such a layer writes ``D = dW`` when
+        :meth:`grad_ready` is False and ``D += dW`` when it is True, then calls this::
+
+            beta = 1.0 if opt.grad_ready(w) else 0.0
+            gemm(dy_t, x, out=w.main_grad, beta=beta)  # D = beta·D + dyᵀ·x
+            opt.mark_grad_ready(w)
+
+        A parameter marked ready takes part in :meth:`clip_grad_norm_` and :meth:`step`; one
+        never marked (and without a hooked gradient) is skipped, its step count unchanged. Write
+        the buffer before :meth:`clip_grad_norm_`: a coefficient it leaves pending applies to
+        what the buffer holds. :func:`ptxtrain.optim.mark_grad_ready` /
+        :func:`ptxtrain.optim.grad_ready` do the same through the parameter alone.
+
+        Raises:
+            ValueError: ``p`` is not in this optimizer's flat buffers (no ``p.main_grad``).
+        """
+        slot = self._slots.get(p)
+        if slot is None:
+            raise ValueError(
+                f"mark_grad_ready: the parameter of shape {tuple(p.shape)} is not in this "
+                "AdamW's flat buffers (only fused parameters have p.main_grad)"
+            )
+        slot.bucket.table.set_ready(slot.table_index)
+
+    def set_lr(self, lr: float, group: int | None = None) -> None:
+        """Set the learning rate of param group ``group`` (default: every group).
+
+        Writes ``group["lr"]`` and, for fused parameters, the device copy the kernels read
+        (with the group's other hyper-parameters where they changed), without a host-to-device
+        copy. Eager :meth:`step` picks up ``group["lr"] = ...`` by itself; a CUDA graph that
+        captured :meth:`step` reads only the device copy, so between its replays change the
+        learning rate with this method, called outside the graph.
+
+        Raises:
+            TypeError / ValueError: ``lr`` is not a finite real number ≥ 0, or ``group`` is not
+                an index of :attr:`param_groups`.
+        """
+        lr = _check_hyper("lr", lr)
+        if group is None:
+            indices = range(len(self.param_groups))
+        elif isinstance(group, int) and not isinstance(group, bool):
+            if not 0 <= group < len(self.param_groups):
+                raise ValueError(
+                    f"group must index one of the {len(self.param_groups)} param groups, "
+                    f"got {group}"
+                )
+            indices = range(group, group + 1)
+        else:
+            raise TypeError(f"group must be None or an int, got {type(group).__name__}")
+        for i in indices:
+            self.param_groups[i]["lr"] = lr
+            for table in self._tables.values():
+                table.write_hyper(i, _hyper_of(self.param_groups[i]))
+
+    def _grad_buffers(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Every FP32 gradient buffer this optimizer holds, by parameter (fused: all of them,
+        allocated whether or not the parameter has a gradient now)."""
+        out = dict(self._main_grads)
+        for p, slot in self._slots.items():
+            out[p] = slot.bucket.views[slot.index]["grad"]
+        return out
+
+    def _fold_fused_grads(self) -> None:
+        """Fold a ``p.grad`` set by hand on a fused parameter into its buffer (after backward
+        the hooks have already moved every gradient: this is one attribute read each)."""
+        for p in [p for p in self._slots if p.grad is not None]:
+            self._absorb_grad(p)
+
+    @torch.no_grad()
+    def _apply_pending_scale(self) -> None:
+        """Multiply the flat gradient buffers by the clip coefficient and reset it to 1."""
+        for bucket in self._buckets:
+            bucket.grad.mul_(bucket.table.scale)
+        for table in self._tables.values():
+            table.scale.fill_(1.0)
+        self._scale_pending = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients: ``p.grad`` as torch does, and the FP32 buffers.
 
-        ``set_to_none=True`` frees the buffers; ``False`` zeroes them in place.
+        ``set_to_none=True`` frees the buffers; ``False`` zeroes them in place. Fused buffers
+        are never freed: ``set_to_none=True`` marks their gradients absent (one launch per
+        device, no memset), ``False`` zeroes them. Either drops a pending clip coefficient.
         """
         super().zero_grad(set_to_none=set_to_none)
         if set_to_none:
@@ -382,6 +737,14 @@ class AdamW(torch.optim.Optimizer):
         else:
             for buf in self._main_grads.values():
                 buf.zero_()
+        for table in self._tables.values():
+            if set_to_none:
+                table.clear_ready()  # the buffers stay; the next gradient overwrites
+            table.scale.fill_(1.0)
+        if not set_to_none:
+            for bucket in self._buckets:
+                bucket.grad.zero_()
+        self._scale_pending = False
 
     # ------------------------------------------------------------------ clipping
     @torch.no_grad()
@@ -402,6 +765,15 @@ class AdamW(torch.optim.Optimizer):
         ``norm_type=inf`` on CUDA; CUDA's multi-tensor 2-norm sums in another order (within a few
         FP32 ulps).
 
+        Fused parameters: the Triton kernel sums squares (or takes the largest magnitude) over
+        each bucket's flat gradient buffer, one launch per bucket, for 2- and inf-norms (other
+        orders take each parameter's view); the CPU reference takes the per-tensor norms. The
+        gradients are not scaled here: the coefficient stays on the device, the next
+        :meth:`step` multiplies it in, and :meth:`grad_for` (or another gradient arriving)
+        applies it to the buffers first. No host read unless ``error_if_nonfinite``, so it can
+        be captured in a CUDA graph with :meth:`step`. Call it after every gradient of the step
+        is in (as with torch).
+
         Returns:
             The total norm before clipping: a 0-d FP32 tensor on the first gradient's device
             (``tensor(0.)`` on CPU if no parameter has a gradient).
@@ -416,27 +788,15 @@ class AdamW(torch.optim.Optimizer):
             raise TypeError(f"norm_type must be a real number, got {type(norm_type).__name__}")
         if not float(norm_type) > 0:
             raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
-        grads = [g for p in self._params() if (g := self.grad_for(p)) is not None]
-        if not grads:
+        if self._slots:
+            self._fold_fused_grads()
+            if self._scale_pending:
+                self._apply_pending_scale()
+        items, plain = self._norm_items(float(norm_type))
+        if not items:
             return torch.tensor(0.0)
-        device, fp32 = grads[0].device, torch.float32
-        norms: list[torch.Tensor | None] = [None] * len(grads)
-        buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-        for i, g in enumerate(grads):
-            if self._use_foreach(g.device):
-                buckets[(g.device, g.dtype)].append(i)
-            else:
-                norm = torch.linalg.vector_norm(
-                    g, norm_type, dtype=torch.promote_types(g.dtype, fp32)
-                )
-                norms[i] = norm.float().to(device)
-        for (_, dtype), idx in buckets.items():
-            bucket_norms = torch._foreach_norm(
-                [grads[i] for i in idx], norm_type, dtype=torch.promote_types(dtype, fp32)
-            )
-            stacked = torch.stack(bucket_norms).float().to(device)  # [len(idx)]
-            for i, norm in zip(idx, stacked.unbind(0)):
-                norms[i] = norm
+        device = items[0].device
+        norms = self._item_norms(items, plain, norm_type, device)
         # Stacked in parameter order whatever the path, so the total sums in the same order.
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -445,14 +805,68 @@ class AdamW(torch.optim.Optimizer):
                 "pass error_if_nonfinite=False to clip anyway"
             )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        in_buckets = set()
-        for (dev, dtype), idx in buckets.items():
-            torch._foreach_mul_([grads[i] for i in idx], coef.to(device=dev, dtype=dtype))
-            in_buckets.update(idx)
-        for i, g in enumerate(grads):
-            if i not in in_buckets:
+        grads = [items[i] for i in plain]
+        foreach = [g for g in grads if self._use_foreach(g.device)]
+        for (dev, dtype), group in _by_device_dtype(foreach).items():
+            torch._foreach_mul_(group, coef.to(device=dev, dtype=dtype))
+        for g in grads:
+            if not self._use_foreach(g.device):
                 g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        if self._tables:  # fused: multiplied in by the next step (or grad_for)
+            for table in self._tables.values():
+                table.scale.copy_(coef)
+            self._scale_pending = True
         return total
+
+    def _norm_items(self, norm_type: float) -> tuple[list[Any], list[int]]:
+        """What the norm runs over, in parameter order: gradient tensors (those outside the
+        flat buffers are listed in ``plain`` by index: they are scaled in place) and Triton
+        buckets (2- and inf-norms only; other orders take each parameter's view)."""
+        items: list[Any] = []
+        plain: list[int] = []
+        for item in self._norm_plan:
+            if isinstance(item, torch.Tensor):
+                g = self.grad_for(item)
+                if g is not None:
+                    plain.append(len(items))
+                    items.append(g)
+                continue
+            if isinstance(item, Bucket) and norm_type in (2.0, math.inf):
+                items.append(item)
+                continue
+            slots = [self._slots[p] for p in item.params] if isinstance(item, Bucket) else [item]
+            for slot in slots:
+                if slot.bucket.table.ready[slot.table_index]:
+                    items.append(slot.bucket.views[slot.index]["grad"])
+        return items, plain
+
+    def _item_norms(
+        self, items: list[Any], plain: list[int], norm_type: float, device: torch.device
+    ) -> list[torch.Tensor]:
+        """One 0-d FP32 norm on ``device`` per item of :meth:`_norm_items`."""
+        fp32 = torch.float32
+        norms: list[torch.Tensor | None] = [None] * len(items)
+        foreach = [i for i in plain if self._use_foreach(items[i].device)]
+        for (_, dtype), idx in _by_device_dtype(foreach, key=lambda i: items[i]).items():
+            bucket_norms = torch._foreach_norm(
+                [items[i] for i in idx], norm_type, dtype=torch.promote_types(dtype, fp32)
+            )
+            stacked = torch.stack(bucket_norms).float().to(device)  # [len(idx)]
+            for i, norm in zip(idx, stacked.unbind(0)):
+                norms[i] = norm
+        for i, item in enumerate(items):
+            if norms[i] is not None:
+                continue
+            if isinstance(item, Bucket):
+                norm = _triton_kernels().grad_norm(
+                    item, item.table, norm_type, self._fused_block, self._fused_warps
+                )
+            else:
+                norm = torch.linalg.vector_norm(
+                    item, norm_type, dtype=torch.promote_types(item.dtype, fp32)
+                )
+            norms[i] = norm.float().to(device)
+        return norms  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the update
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
@@ -480,6 +894,13 @@ class AdamW(torch.optim.Optimizer):
         dtypes, master or not) and each bucket is updated by ~15 ``torch._foreach_*``
         calls (bitwise the per-tensor update on CPU, within about an FP32 ulp on CUDA).
 
+        On the fused path: one launch per device advances the step counts of the parameters
+        with a gradient and computes their update scalars, then one launch per flat bucket
+        updates them (weights, masters, moments), multiplying gradients by the clip coefficient
+        of :meth:`clip_grad_norm_`. No host read, no host-to-device copy: capturable in a CUDA
+        graph (hyper-parameters are refreshed from the param groups before the launches, which
+        in a graph happens at capture only; see :meth:`set_lr`).
+
         Raises:
             ValueError / TypeError: a group's ``lr``, ``betas``, ``eps`` or ``weight_decay`` was set
                 to an invalid value (the message names it).
@@ -489,14 +910,11 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             _check_group(group)
-            lr = float(group["lr"])
-            beta1, beta2 = (float(b) for b in group["betas"])
-            eps = float(group["eps"])
-            weight_decay = float(group["weight_decay"])
+            lr, beta1, beta2, eps, weight_decay = _hyper_of(group)
             buckets: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict]]] = {}
-            for p in group["params"]:
+            for p in self._unfused[index]:
                 grad = self.grad_for(p)
                 if grad is None:
                     continue
@@ -521,7 +939,55 @@ class AdamW(torch.optim.Optimizer):
                 for chunk in _chunks(bucket, lambda e: e[0].numel(), self._foreach_chunk_numel):
                     hyper = (lr, beta1, beta2, eps, weight_decay)
                     self._update_foreach(chunk, has_master, hyper)
+        if self._buckets:
+            self._step_fused()
         return loss
+
+    def _step_fused(self) -> None:
+        self._fold_fused_grads()
+        for index, group in enumerate(self.param_groups):
+            for table in self._tables.values():
+                table.write_hyper(index, _hyper_of(group))
+        for table in self._tables.values():
+            if table.impl == "triton":
+                _triton_kernels().prologue(table)
+            else:
+                table.steps.add_(table.flags)
+        for bucket in self._buckets:
+            if bucket.table.impl == "triton":
+                kernels = _triton_kernels()
+                kernels.update(bucket, bucket.table, self._fused_block, self._fused_warps)
+            else:
+                self._update_reference(bucket)
+        for table in self._tables.values():
+            if table.n_exposed < len(table.params):
+                self._expose_state(table)
+
+    def _update_reference(self, bucket: Bucket) -> None:
+        """The torch reference of the fused update: the per-tensor update on each flagged
+        parameter's views, with the device tables' step counts, hyper-parameters and clip
+        coefficient (FP64 hyper-parameters: the very Python floats of the param group)."""
+        table = bucket.table
+        hyper = tuple(table.hyper[bucket.group].tolist())
+        for i, p in enumerate(bucket.params):
+            if not table.ready[bucket.base + i]:
+                continue
+            views = bucket.views[i]
+            step = float(table.steps[bucket.base + i])
+            master = views.get("master")
+            if master is not None and step == 1:
+                master.copy_(p.detach())  # as the per-tensor path creates it at the first step
+            grad = views["grad"] * table.scale
+            _adamw_update(p, master, grad, views["exp_avg"], views["exp_avg_sq"], step, hyper)
+
+    def _expose_state(self, table: DeviceTable) -> None:
+        """Give every parameter of ``table`` that has been updated its ``state`` entry (views),
+        as torch creates state at a parameter's first step."""
+        for i, p in enumerate(table.params):
+            if table.ready[i] and not table.exposed[i]:
+                slot = self._slots[p]
+                self.state[p] = slot.bucket.state_entry(slot.index)
+                table.expose(i)
 
     def _update_foreach(
         self,
@@ -596,32 +1062,11 @@ class AdamW(torch.optim.Optimizer):
         eps: float,
         weight_decay: float,
     ) -> None:
-        compute = torch.promote_types(p.dtype, torch.float32)  # FP32, or FP64 for FP64 params
-        master = state.get("master") if self._needs_master(p) else None
-        weight = master if master is not None else p.detach().to(compute)  # aliases p when FP32
-        g = grad.to(compute)  # read only
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        m = exp_avg.to(compute)  # a FP32 copy of BF16 moments; the state itself when FP32
-        v = exp_avg_sq.to(compute)
-
         state["step"] += 1
         step = float(state["step"].item())
-        # Same operation order as torch.optim.AdamW's single-tensor path.
-        if weight_decay != 0:
-            weight.mul_(1 - lr * weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-        weight.addcdiv_(m, denom, value=-(lr / bias_correction1))
-
-        if m is not exp_avg:
-            exp_avg.copy_(m)  # round to nearest even
-        if v is not exp_avg_sq:
-            exp_avg_sq.copy_(v)
-        if weight is not p:
-            p.copy_(weight)  # master (or FP32 working copy) → BF16/FP16 param, round to nearest
+        master = state.get("master") if self._needs_master(p) else None
+        hyper = (lr, beta1, beta2, eps, weight_decay)
+        _adamw_update(p, master, grad, state["exp_avg"], state["exp_avg_sq"], step, hyper)
 
     # ------------------------------------------------------------------ checkpointing
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -696,9 +1141,41 @@ class AdamW(torch.optim.Optimizer):
             if "param_names" in g and "param_names" not in sg:
                 sg["param_names"] = g["param_names"]
             new_groups.append(sg)
+        if self._slots:
+            self._load_fused(state)
         self.__setstate__({"state": state, "param_groups": new_groups})
         for post_hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             post_hook(self)
+
+    @torch.no_grad()
+    def _load_fused(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Copy the restored entries of fused parameters into the flat buffers and replace them
+        in ``state`` by the usual views; reset the others (no state: as never updated)."""
+        for table in self._tables.values():
+            table.clear_exposed()
+        for p, slot in self._slots.items():
+            bucket, table = slot.bucket, slot.bucket.table
+            views = bucket.views[slot.index]
+            entry = state.pop(p, None)
+            step = table.steps[slot.table_index]
+            if entry is None:
+                for t in (step, views["exp_avg"], views["exp_avg_sq"]):
+                    t.zero_()
+                continue
+            if "step" in entry:
+                step.copy_(entry["step"])
+            else:
+                step.zero_()
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in entry:
+                    views[key].copy_(entry[key])
+                else:
+                    views[key].zero_()
+            if "master" in views:  # a missing master restarts from the working weight
+                views["master"].copy_(entry["master"] if "master" in entry else p.detach())
+            others = {k: v for k, v in entry.items() if k not in (*_NAMED_STATE, "step")}
+            state[p] = {**bucket.state_entry(slot.index), **others}
+            table.expose(slot.table_index)
 
     def _restore_entry(
         self, p: torch.Tensor, saved_id: int, entry: Mapping[str, Any]
@@ -737,6 +1214,37 @@ class AdamW(torch.optim.Optimizer):
     def state_bytes(self) -> dict[str, int | float]:
         """Bytes held for this optimizer's parameters by category; see ``optimizer_state_bytes``."""
         return optimizer_state_bytes(self)
+
+
+def _fused_owner(p: torch.Tensor, caller: str) -> AdamW:
+    ref = getattr(p, _FUSED_OWNER_ATTR, None)
+    opt = ref() if ref is not None else None
+    if opt is None or p not in opt._slots:
+        raise ValueError(
+            f"{caller}: the parameter of shape {tuple(p.shape)} is in no live AdamW's flat "
+            "buffers (only fused parameters have p.main_grad)"
+        )
+    return opt
+
+
+def mark_grad_ready(p: torch.Tensor) -> None:
+    """:meth:`AdamW.mark_grad_ready` of the fused AdamW that holds ``p`` (for a layer that has
+    the parameter but not the optimizer).
+
+    Raises:
+        ValueError: ``p`` is not held by a fused AdamW.
+    """
+    _fused_owner(p, "mark_grad_ready").mark_grad_ready(p)
+
+
+def grad_ready(p: torch.Tensor) -> bool:
+    """:meth:`AdamW.grad_ready` of the fused AdamW that holds ``p``: whether ``p.main_grad``
+    holds this step's partial gradient (accumulate into it) or stale values (overwrite it).
+
+    Raises:
+        ValueError: ``p`` is not held by a fused AdamW.
+    """
+    return _fused_owner(p, "grad_ready").grad_ready(p)
 
 
 def optimizer_state_bytes(
@@ -793,7 +1301,7 @@ def optimizer_state_bytes(
                 seen.add(id(p))
                 chosen.append(p)
 
-    main_grads = optimizer._main_grads if isinstance(optimizer, AdamW) else {}
+    main_grads = optimizer._grad_buffers() if isinstance(optimizer, AdamW) else {}
     out: dict[str, int | float] = dict.fromkeys(
         ("param", "grad", "master", "exp_avg", "exp_avg_sq", "other"), 0
     )
