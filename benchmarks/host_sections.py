@@ -29,8 +29,6 @@ import time
 
 import torch
 
-from benchmarks.profile_step import _build, _sync
-
 # module:qualname of every timed function (missing ones are skipped, so the list can name
 # functions of several versions).
 TARGETS = [
@@ -170,6 +168,25 @@ class Sections:
                 }
             )
         return rows
+
+
+def _build(preset: str, precision: str, device: torch.device):
+    """``(config, model, AdamW)`` of a preset as ``ptxtrain train`` builds them (seed 0)."""
+    from ptxtrain.model import build_model, get_preset
+    from ptxtrain.model.deepseek import convert_model_to_fp8_training
+    from ptxtrain.nn import Fp8LinearConfig
+    from ptxtrain.optim import AdamW
+
+    cfg = get_preset(preset)
+    model = build_model(cfg, dtype=torch.bfloat16, device=device, seed=0)
+    if precision == "fp8":
+        convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name("deepseek"))
+    return cfg, model.train(), AdamW(model.parameters(), lr=1e-4)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _print(rows: list[dict], title: str) -> None:

@@ -1,151 +1,138 @@
-"""Where one training step of a preset goes, on a GPU machine: step ms per precision and backend,
-then a torch.profiler table of the slowest step kind.
+"""Where one training step goes on a GPU: ms per step, tokens/s and MFU per precision, then the
+step's GPU time by category (GEMM, attention, quantize, optimizer, MoE layout, elementwise, idle).
 
-    python3 -m benchmarks.profile_step [--preset small] [--batch 32] [--seq 512] [--json OUT]
+    python3 -m benchmarks.profile_step [--preset medium] [--batch-size 8] [--seq-len 2048]
+        [--grad-accum-steps 4] [--precisions bf16 fp8] [--no-cuda-graphs] [--json OUT]
 
-For each case (precision x ``PTXTRAIN_GEMM_BACKEND``) it builds the model as ``ptxtrain train``
-does (same seed, FP8 swap), runs ``--warmup`` steps (JIT compiles, caches), then times ``--steps``
-forward + backward + AdamW steps with CUDA synchronisation around each (median ms). The last case
-is then profiled for 2 steps: the top CUDA kernels by total device time and the top host ops by
-self CPU time, so a slow step shows whether the GPU or the host is the bottleneck.
+Each precision builds the model as ``ptxtrain train`` does (same seed, FP8 swap, fused AdamW) and
+runs the very step object of ``ptxtrain train`` (:class:`ptxtrain.train.step.SingleDeviceStep`:
+eager warm-up, then a captured CUDA graph unless ``--no-cuda-graphs``). ``--warmup`` steps (JIT
+compiles, capture) are followed by ``--steps`` steps enqueued back to back and timed as a whole
+(host clock around a synchronized span: the host may run ahead, as in training). Then two more
+steps run under ``torch.profiler`` and every kernel is put in a category
+(:mod:`benchmarks.step_categories`); ``idle`` is the span in which no kernel ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import time
 
 import torch
 
+from benchmarks.step_categories import breakdown, format_breakdown, kernels_of
 
-def _build(preset: str, precision: str, device: torch.device):
-    from ptxtrain.model import build_model, get_preset
+
+def _build(args, precision: str, device: torch.device):
+    from ptxtrain.model import build_model
     from ptxtrain.model.deepseek import convert_model_to_fp8_training
     from ptxtrain.nn import Fp8LinearConfig
     from ptxtrain.optim import AdamW
+    from ptxtrain.train import TrainArgs, model_config
+    from ptxtrain.train.loop import _param_groups
+    from ptxtrain.train.step import SingleDeviceStep
 
-    cfg = get_preset(preset)
+    targs = TrainArgs(preset=args.preset, mtp=not args.no_mtp, config=args.config)
+    cfg = model_config(targs)
     model = build_model(cfg, dtype=torch.bfloat16, device=device, seed=0)
     if precision == "fp8":
-        convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name("deepseek"))
+        convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name(args.fp8_recipe))
     model.train()
-    opt = AdamW(model.parameters(), lr=1e-4)
-    return cfg, model, opt
+    opt = AdamW(_param_groups(model, 0.1), lr=1e-4)
+    step = SingleDeviceStep(
+        model, opt, grad_accum_steps=args.grad_accum_steps, grad_clip=1.0, device=device,
+        cuda_graphs=not args.no_cuda_graphs,
+    )  # fmt: skip
+    return cfg, model, step
 
 
-def _step(model, opt, x, y) -> None:
-    model(x, y).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+def _one(train_step, batches, i):
+    t = batches[i % len(batches)]
+    return train_step(t[:, :-1], t[:, 1:], 1e-4)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def run_case(args, precision: str, device: torch.device) -> dict:
+    from ptxtrain.train.mfu import model_flops_per_token, peak_bf16_flops
 
-
-def time_case(preset, precision, backend, batch, seq, warmup, steps, device) -> dict:
-    """Median ms of one step (forward + backward + optimizer) after ``warmup`` steps."""
-    if backend:
-        os.environ["PTXTRAIN_GEMM_BACKEND"] = backend
-    else:
-        os.environ.pop("PTXTRAIN_GEMM_BACKEND", None)
-    cfg, model, opt = _build(preset, precision, device)
-    g = torch.Generator(device=device).manual_seed(0)
+    cfg, model, train_step = _build(args, precision, device)
+    rows = args.batch_size * args.grad_accum_steps
+    g = torch.Generator().manual_seed(0)
     batches = [
-        torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g, device=device)
-        for _ in range(4)
+        torch.randint(0, cfg.vocab_size, (rows, args.seq_len + 1), generator=g) for _ in range(4)
     ]
-    times = []
-    for i in range(warmup + steps):
-        t = batches[i % len(batches)]
-        _sync(device)
-        t0 = time.perf_counter()
-        _step(model, opt, t[:, :-1], t[:, 1:])
-        _sync(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(times)
-    return {
+
+    for i in range(args.warmup):
+        _one(train_step, batches, i)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        out = _one(train_step, batches, i)
+    loss = float(out["lm_loss"])  # the span ends when the last step's loss is on the host
+    ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    tokens = rows * args.seq_len
+    flops = model_flops_per_token(cfg, args.seq_len)
+    peak = peak_bf16_flops(device)
+    result = {
         "precision": precision,
-        "backend": backend or "auto",
+        "mode": train_step.mode,
+        "graphs_off_reason": train_step.graphs_off_reason,
         "step_ms": round(ms, 2),
-        "tokens_per_s": round(batch * seq / ms * 1e3, 1),
-        "all_ms": [round(t, 2) for t in times],
-        "model": model,
-        "opt": opt,
-        "batches": batches,
+        "tokens_per_s": round(tokens / ms * 1e3, 1),
+        "mfu": round(flops * tokens / ms * 1e3 / peak, 4) if peak else None,
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+        "loss": loss,
     }
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(2):
+            _one(train_step, batches, i)
+        torch.cuda.synchronize(device)
+    kernels, span = kernels_of(prof)
+    per_step = {k: v / 2 for k, v in breakdown(kernels, span).items()}
+    result["breakdown_ms"] = {k: round(v, 2) for k, v in per_step.items()}
+    result["profiled_step_ms"] = round(span / 2, 2)
+    print(
+        f"\n{precision} ({train_step.mode}): {ms:.1f} ms/step, "
+        f"{result['tokens_per_s']:,.0f} tokens/s, MFU {result['mfu']}, "
+        f"peak {result['peak_mem_gib']} GiB"
+    )
+    print(format_breakdown(per_step, span / 2))
+    if args.top:
+        ka = prof.key_averages()
+        print(ka.table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
+    del model, train_step
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return result
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--config", default=None, help="DeepSeekV3Config fields (JSON file)")
+    ap.add_argument("--no-mtp", action="store_true")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--grad-accum-steps", type=int, default=4)
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"])
+    ap.add_argument("--fp8-recipe", default="deepseek")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument(
-        "--cases", nargs="+", default=["bf16:", "fp8:triton", "fp8:"], help="PRECISION:BACKEND"
-    )
-    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--top", type=int, default=0, help="also print the top N kernels")
     ap.add_argument("--json")
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
-    ap.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="everything inside ptxtrain.train.loop.deterministic_mode() (ptxtrain train "
-        "--deterministic)",
-    )
     args = ap.parse_args()
-    from ptxtrain.train.loop import deterministic_mode
-
-    with deterministic_mode(args.deterministic):
-        _run(args)
-
-
-def _run(args) -> None:
     from ptxtrain.bench.timing import environment
 
-    device = torch.device(args.device)
-    results, last = [], None
-    for case in args.cases:
-        precision, _, backend = case.partition(":")
-        r = time_case(
-            args.preset, precision, backend, args.batch, args.seq, args.warmup, args.steps, device
-        )
-        print(
-            f"{precision:>5} {r['backend']:>7}: {r['step_ms']:9.1f} ms/step "
-            f"{r['tokens_per_s']:>10,.0f} tokens/s  (steps {r['all_ms']})",
-            flush=True,
-        )
-        last = r  # the previous case's model and optimizer are freed here
-        results.append({k: v for k, v in r.items() if k not in ("model", "opt", "batches")})
-    from torch.profiler import ProfilerActivity, profile
-
-    model, opt, batches = last["model"], last["opt"], last["batches"]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(2):
-            t = batches[i]
-            _step(model, opt, t[:, :-1], t[:, 1:])
-        _sync(device)
-    ka = prof.key_averages()
-    print(f"\n--- profile of {args.cases[-1]}: top CUDA kernels (2 steps)")
-    print(ka.table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-    print("\n--- top host ops by self CPU time (2 steps)")
-    print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
+    device = torch.device("cuda")
+    results = [run_case(args, p, device) for p in args.precisions]
     if args.json:
         record = {
             **environment(),
             "bench": "profile_step",
-            "preset": args.preset,
-            "batch": args.batch,
-            "seq": args.seq,
-            "method": f"{args.warmup} warm-up steps, then median of {args.steps} synced steps",
-            "deterministic": args.deterministic,
+            "args": vars(args),
             "cases": results,
         }
         with open(args.json, "w") as f:

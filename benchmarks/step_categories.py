@@ -20,7 +20,8 @@ overlaps between concurrent kernels, which are rare in one-stream training) add 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+
+from ptxtrain.parallel.timeline import union_length
 
 CATEGORIES = ("gemm", "attention", "quantize", "optimizer", "moe_layout", "elementwise", "idle")
 
@@ -45,22 +46,6 @@ def categorize(name: str) -> str:
         if re.search(pattern, low):
             return category
     return "elementwise"
-
-
-def union_length(intervals: Iterable[tuple[float, float]]) -> float:
-    """Total length covered by ``[start, end)`` intervals (overlaps counted once)."""
-    total = 0.0
-    cur_start = cur_end = None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
 
 
 def breakdown(kernels: list[tuple[str, float, float]], span: float) -> dict[str, float]:

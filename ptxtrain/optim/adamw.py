@@ -490,6 +490,20 @@ class AdamW(torch.optim.Optimizer):
                 if p.requires_grad and (p.dtype in _LOW_PRECISION or p in self._slots):
                     self._register_hook(p)
 
+    @property
+    def capturable(self) -> bool:
+        """Whether :meth:`clip_grad_norm_`, :meth:`step` and :meth:`zero_grad` can be captured
+        in a CUDA graph: every parameter that trains sits in a flat bucket updated by the
+        Triton kernels on a CUDA device (the step counts and hyper-parameters then live on the
+        device; change the learning rate between replays with :meth:`set_lr`)."""
+        trained = [p for p in self._params() if p.requires_grad]
+        return bool(trained) and all(
+            (slot := self._slots.get(p)) is not None
+            and slot.bucket.device.type == "cuda"
+            and slot.bucket.table.impl == "triton"
+            for p in trained
+        )
+
     def _fusable(self, p: torch.Tensor) -> bool:
         """Whether ``p`` goes into the flat buffers (see ``fused``)."""
         if self.fused is False or not (self.fp32_grads and p.requires_grad and p.dtype in _FUSABLE):

@@ -253,7 +253,8 @@ class BubbleStats:
     predicted: float
 
 
-def _union_ns(intervals: list[tuple[int, int]]) -> int:
+def union_length(intervals) -> float:
+    """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
     total, cur_s, cur_e = 0, None, None
     for s, e in sorted(intervals):
         if cur_e is None or s > cur_e:
@@ -315,7 +316,7 @@ def bubble_stats(steps: list[dict]) -> BubbleStats:
     busy, by_kind = [], {k: [] for k in COMPUTE_KINDS}
     for s in sorted(steps, key=lambda s: s["rank"]):
         cells = [c for c in s["cells"] if c["kind"] in COMPUTE_KINDS]
-        busy.append(_union_ns([(c["start_ns"], c["end_ns"]) for c in cells]))
+        busy.append(union_length([(c["start_ns"], c["end_ns"]) for c in cells]))
         for c in cells:
             by_kind[c["kind"]].append(c["end_ns"] - c["start_ns"])
     if not by_kind["F"]:
@@ -359,4 +360,5 @@ __all__ = [
     "bubble_stats",
     "check_timeline",
     "read_timelines",
+    "union_length",
 ]

@@ -568,6 +568,8 @@ def _read_pending(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 record[name] = float(host[name])
         if "moe_counts" in host:
             record["moe"] = router_stats_from(host["moe_counts"], float(host["bias_abs_max"]))
+        elif host.get("moe"):  # statistics the pipeline runner computed on the host
+            record["moe"] = host["moe"]
         out.append(record)
     return out
 
@@ -1582,7 +1584,6 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
             log(f"CUDA graphs: off ({step_fn.graphs_off_reason}); running the steps eagerly")
     pending: list[dict[str, Any]] = []  # steps run since the last flush, values maybe on device
     window_start: float | None = None  # when the first pending step began
-    moe_stats = None
 
     def flush(eval_now: bool) -> None:
         """Read the pending steps' values (one host sync), check the loss, write the records."""
@@ -1611,15 +1612,12 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                     f"the train loss became {loss} at step {step}; the checkpoint in "
                     f"{run_dir} holds step {last_saved} (try a lower --lr)"
                 )
-            if i == len(host) - 1:
-                if eval_now:
-                    if runner is not None:
-                        runner.gather_model()
-                    if pipe.evaluates:  # ep > 1: a collective over the EP group
-                        val_loss = evaluate(model, corpus, args, device)
-                        record["val_loss"] = val_loss
-                if runner is not None and moe_stats:
-                    record["moe"] = moe_stats
+            if i == len(host) - 1 and eval_now:
+                if runner is not None:
+                    runner.gather_model()
+                if pipe.evaluates:  # ep > 1: a collective over the EP group
+                    val_loss = evaluate(model, corpus, args, device)
+                    record["val_loss"] = val_loss
             if writer is not None:
                 writer.write(record)
             done = step
@@ -1672,8 +1670,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                         load = model.last_router_load()
                         if load is not None:
                             values["moe_counts"], values["bias_abs_max"] = load
-                    else:
-                        moe_stats = runner.update_router_biases()
+                    else:  # the pipeline's routers live on several ranks: a collective
+                        values["moe"] = runner.update_router_biases()
                 pending.append({"step": step, "lr": lr, **values})
                 if prof is not None:
                     _write_profile(prof, run_dir, step, pipe.rank)

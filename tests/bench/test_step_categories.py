@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import step_categories as sc
+from ptxtrain.parallel.timeline import union_length
 
 
 @pytest.mark.parametrize(
@@ -33,9 +34,9 @@ def test_categorize(name, category):
 
 
 def test_union_length_merges_overlaps():
-    assert sc.union_length([]) == 0.0
-    assert sc.union_length([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
-    assert sc.union_length([(5, 6), (1, 2), (1.5, 1.7)]) == pytest.approx(2.0)
+    assert union_length([]) == 0.0
+    assert union_length([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
+    assert union_length([(5, 6), (1, 2), (1.5, 1.7)]) == pytest.approx(2.0)
 
 
 def test_breakdown_sums_to_the_span_without_overlap():
