@@ -139,6 +139,8 @@ def _run_pair(
             _check(totals[1], totals[0], f"step {step}: total norm", t)
         _assert_same(ref, fe, params_ref, params_fe, f"step {step}", tol)
     for i, (p, p0) in enumerate(zip(params_fe, start)):
+        if "master" not in fe.state[p] and p.dtype in (torch.bfloat16, torch.float16):
+            continue  # without a master, updates under half an ulp round back: nothing to see
         weight = fe.state[p].get("master", p.detach())  # a BF16 weight may round back to p0
         assert not torch.equal(weight, p0.to(weight.dtype)), f"param {i} was never updated"
     return ref, fe, params_ref, params_fe

@@ -509,7 +509,8 @@ def test_fused_kernels_on_large_tensors_on_cuda():
         torch.testing.assert_close(totals[1], totals[0], rtol=2e-6, atol=0)
     for i, (pa, pb) in enumerate(zip(params_a, params_b)):
         rtol, atol = KERNEL_TOL[pa.dtype]
-        torch.testing.assert_close(pb, pa, rtol=rtol, atol=atol, msg=f"param {i}")
+        where = f"param {i} ({pa.dtype}, {tuple(pa.shape)})"
+        torch.testing.assert_close(pb, pa, rtol=rtol, atol=atol, msg=lambda m, w=where: f"{w}: {m}")
         for key, value in opt_a.state[pa].items():
             rtol, atol = (0, 0) if key == "step" else KERNEL_TOL[value.dtype]
             got = opt_b.state[pb][key]
