@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.step_categories import breakdown, format_breakdown, kernels_of
+from benchmarks.step_categories import breakdown, categorize, format_breakdown, kernels_of
 
 
 def _build(args, precision: str, device: torch.device):
@@ -92,6 +92,11 @@ def run_case(args, precision: str, device: torch.device) -> dict:
     kernels, span = kernels_of(prof)
     per_step = {k: v / 2 for k, v in breakdown(kernels, span).items()}
     result["breakdown_ms"] = {k: round(v, 2) for k, v in per_step.items()}
+    totals: dict[str, float] = {}
+    for name, start, end in kernels:
+        totals[name] = totals.get(name, 0.0) + (end - start) / 2
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[: args.kernels]
+    result["kernels_ms"] = [[categorize(n), round(ms, 3), n[:160]] for n, ms in top]
     result["profiled_step_ms"] = round(span / 2, 2)
     print(
         f"\n{precision} ({train_step.mode}): {ms:.1f} ms/step, "
@@ -122,6 +127,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--top", type=int, default=0, help="also print the top N kernels")
+    ap.add_argument("--kernels", type=int, default=60, help="kernels listed in the JSON record")
     ap.add_argument("--json")
     args = ap.parse_args()
     from ptxtrain.bench.timing import environment

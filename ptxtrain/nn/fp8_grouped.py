@@ -53,6 +53,7 @@ from ptxtrain.nn.fp8_linear import (
     _resolve_config,
     _save_operands,
     _saved_operands,
+    main_grad_target,
 )
 
 __all__ = ["fp8_grouped_linear"]
@@ -337,6 +338,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         ctx.act_dtype = act_dtype
         ctx.weight_dtype = weight_hp.dtype
         ctx.weight_shape = tuple(weight_hp.shape)
+        ctx.weight = weight_hp if need_dw else None  # for main_grad_target in backward
         return y
 
     @staticmethod
@@ -375,14 +377,24 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
             elif need_dx:
                 dx = _hp_grouped_mm(dy, saved["weight_hp"], counts, b_t=False)
             # -- Wgrad: dW[g] [N_out, K] = dy_gᵀ · x_g over expert g's (padded) token slice.
+            target = main_grad_target(ctx.weight) if fp8_wgrad else None
             if fp8_wgrad:
+                out, acc = target if target is not None else (None, False)
                 dw = _grouped_gemms()[1](
                     (dy_t_fp8, dy_t_sf),
                     (saved["input_t_fp8"], saved["input_t_sf"]),
                     layout.ks,
                     ks_tensor=layout.ks_tensor,
-                )  # [G, N_out, K] fp32
-                dw = dw.to(ctx.weight_dtype)
+                    out=out,
+                    accumulate=acc,
+                )  # [G, N_out, K] fp32, the optimizer's buffer itself with a target
+                if target is None:
+                    dw = dw.to(ctx.weight_dtype)
+                else:  # delivered into main_grad (see fp8_linear.main_grad_target)
+                    from ptxtrain.optim import mark_grad_ready
+
+                    mark_grad_ready(ctx.weight)
+                    dw = None
             elif need_dw:
                 x_hp = saved["input_hp"].to(dy.dtype)
                 dw = dy.new_zeros(ctx.weight_shape)

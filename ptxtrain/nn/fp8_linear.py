@@ -213,12 +213,40 @@ def _gemm_1d2d(a: tuple, b: tuple, out_dtype: torch.dtype) -> torch.Tensor:
     return mod._fp8_gemm_nt(a, b, None, out_dtype)
 
 
-def _gemm_1d1d(a: tuple, b: tuple, out_dtype: torch.dtype) -> torch.Tensor:
-    """``gemm.fp8_gemm_nt_1d1d`` minus its argument checks (see :func:`_gemm_1d2d`)."""
+def _gemm_1d1d(
+    a: tuple, b: tuple, out_dtype: torch.dtype, out: torch.Tensor | None = None, acc=False
+) -> torch.Tensor:
+    """``gemm.fp8_gemm_nt_1d1d`` minus its argument checks (see :func:`_gemm_1d2d`); ``out`` /
+    ``acc``: write (add) into an FP32 ``out``."""
     m, k = a[0].shape
     n = b[0].shape[0]
     mod = _backend.load(gemm.__name__, gemm.select_backend("1d1d", m, n, k, a[0].device))
-    return mod._fp8_gemm_nt_1d1d(a, b, None, False, out_dtype)
+    return mod._fp8_gemm_nt_1d1d(a, b, out, acc, out_dtype)
+
+
+def main_grad_target(weight: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """Where an FP8 wgrad GEMM may write ``weight``'s gradient straight into the optimizer's
+    FP32 buffer (Megatron's gradient-accumulation fusion): ``(weight.main_grad, accumulate)``,
+    or None (use autograd's ``.grad``).
+
+    ``ptxtrain.optim.AdamW`` on its fused path keeps ``weight.main_grad`` (FP32, the weight's
+    shape) and says whether it already holds this step's partial sum (``accumulate``: ``D +=``)
+    or stale values (``D =``). Writing there saves the weight-dtype gradient, its cast and the
+    optimizer hook's read-add-write of the FP32 buffer: ~12 bytes per parameter per
+    micro-batch. The caller then calls :func:`ptxtrain.optim.mark_grad_ready` and returns no
+    gradient to autograd.
+    """
+    buf = getattr(weight, "main_grad", None)
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.float32:
+        return None
+    if buf.shape != weight.shape or not buf.is_contiguous():
+        return None
+    from ptxtrain.optim import grad_ready
+
+    try:
+        return buf, grad_ready(weight)
+    except ValueError:  # a main_grad that no fused AdamW owns: leave it alone
+        return None
 
 
 def _autocast_off(device_type: str):
@@ -318,6 +346,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.config = config
         ctx.act_dtype = act_dtype
         ctx.weight_dtype = weight_hp.dtype
+        ctx.weight = weight_hp if need_dw else None  # for main_grad_target in backward
         ctx.bias_dtype = None if bias_hp is None else bias_hp.dtype
         return y
 
@@ -351,7 +380,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
             elif need_dx:
                 dx = dy @ saved["weight_hp"].to(dy.dtype)
             # -- Wgrad: dW [N, K] = dyᵀ [N, M] · x [M, K]; both operands 1x128 along M (1D1D).
-            if fp8_wgrad:
+            target = main_grad_target(ctx.weight) if fp8_wgrad else None
+            if target is not None:  # straight into the optimizer's FP32 buffer (D (+)= ...)
+                input_t = (saved["input_t_fp8"], saved["input_t_sf"])
+                _gemm_1d1d((dy_t_fp8, dy_t_sf), input_t, torch.float32, *target)
+                from ptxtrain.optim import mark_grad_ready
+
+                mark_grad_ready(ctx.weight)  # delivered: autograd gets no weight gradient
+            elif fp8_wgrad:
                 input_t = (saved["input_t_fp8"], saved["input_t_sf"])
                 # Written in the weight's dtype when the GEMM can (bf16 / fp32): no extra pass.
                 dw_dtype = _gemm_out_dtype(ctx.weight_dtype)

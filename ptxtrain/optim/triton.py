@@ -3,7 +3,7 @@
 Three kernels, all reading only device tensors, so a step launches without host reads or
 host-to-device copies (CUDA-graph capturable):
 
-* ``_prologue_kernel``: one lane per parameter of a device table. Adds 1 to the step count of
+* ``_adamw_prologue_kernel``: one lane per parameter of a device table. Adds 1 to the step count of
   every parameter whose gradient flag is set, and writes that parameter's eight FP32 update
   scalars (a row of :data:`~ptxtrain.optim.fused.SCALARS`) from its group's FP64
   hyper-parameters and the new step count. Each is computed in FP64 and rounded once to FP32,
@@ -12,7 +12,7 @@ host-to-device copies (CUDA-graph capturable):
   per-tensor ``v.sqrt() / x`` multiplies by that reciprocal). ``β^t`` is exponentiation by
   squaring in FP64 over the bits of the FP32 step count (exact up to 2^24 steps); rounded to
   FP32 it matched Python's ``β ** t`` for all of 48,000 tried (β, t) pairs.
-* ``_update_kernel``: one program per entry of a bucket's block table (a run of at most
+* ``_adamw_update_kernel``: one program per entry of a bucket's block table (a run of at most
   ``BLOCK`` elements inside one parameter; see ``Bucket.block_table``). It reads the
   parameter's flag and scalars, the gradient (times the device-scalar clip coefficient), the
   FP32 weight and both moments, and writes the weight, the moments and the low-precision
@@ -31,7 +31,7 @@ host-to-device copies (CUDA-graph capturable):
   of a parameter without a gradient this step is therefore read (wasted bandwidth in that
   rare case) but not written. The first update of a parameter with a master (step 1) takes
   the FP32 weight from the working copy, as the per-tensor path creates its master.
-* ``_norm_kernel``: per block table entry, the sum of squares (2-norm) or the largest
+* ``_adamw_norm_kernel``: per block table entry, the sum of squares (2-norm) or the largest
   magnitude (inf-norm, on the bits so that a NaN wins, as ``torch.linalg.vector_norm``) of the
   gradient, 0 for a parameter without one; the caller reduces the partials.
 
@@ -75,7 +75,9 @@ def _pow_by_squaring(base, n):
 
 
 @triton.jit
-def _prologue_kernel(flag_ptr, step_ptr, group_ptr, hyper_ptr, scal_ptr, n, BLOCK: tl.constexpr):
+def _adamw_prologue_kernel(
+    flag_ptr, step_ptr, group_ptr, hyper_ptr, scal_ptr, n, BLOCK: tl.constexpr
+):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     flag = tl.load(flag_ptr + i, mask=mask, other=0)
@@ -181,7 +183,7 @@ def _this_block(start_ptr, len_ptr, param_ptr, flag_ptr, BLOCK, START_MULTIPLE):
 
 
 @triton.jit
-def _update_kernel(
+def _adamw_update_kernel(
     w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, start_ptr, len_ptr, param_ptr, flag_ptr, scal_ptr,
     scale_ptr, MODE: tl.constexpr, BLOCK: tl.constexpr, START_MULTIPLE: tl.constexpr,
 ):  # fmt: skip
@@ -207,7 +209,7 @@ def _norm_part(g, INF: tl.constexpr):
 
 
 @triton.jit
-def _norm_kernel(
+def _adamw_norm_kernel(
     g_ptr, start_ptr, len_ptr, param_ptr, flag_ptr, out_ptr,
     INF: tl.constexpr, BLOCK: tl.constexpr, START_MULTIPLE: tl.constexpr,
 ):  # fmt: skip
@@ -234,7 +236,7 @@ def prologue(table: DeviceTable) -> None:
     if n == 0:
         return
     grid = (triton.cdiv(n, _PROLOGUE_BLOCK),)
-    _prologue_kernel[grid](
+    _adamw_prologue_kernel[grid](
         table.flags, table.steps, table.group_of, table.hyper, table.scalars, n,
         BLOCK=_PROLOGUE_BLOCK, num_warps=4,
     )  # fmt: skip
@@ -253,7 +255,7 @@ def update(bucket: Bucket, table: DeviceTable, block: int, num_warps: int) -> No
     if starts.numel() == 0:
         return
     weight = bucket.master if bucket.master is not None else bucket.param
-    _update_kernel[(starts.numel(),)](
+    _adamw_update_kernel[(starts.numel(),)](
         weight, bucket.param, bucket.grad, bucket.exp_avg, bucket.exp_avg_sq, starts, lens,
         params, table.flags, table.scalars, table.scale,
         MODE=bucket.mode, BLOCK=block, START_MULTIPLE=_START_MULTIPLE, num_warps=num_warps,
@@ -277,7 +279,7 @@ def grad_norm(
         return torch.zeros((), dtype=torch.float32, device=bucket.device)
     inf = math.isinf(norm_type)
     partials = torch.empty(starts.numel(), dtype=torch.float32, device=bucket.device)
-    _norm_kernel[(starts.numel(),)](
+    _adamw_norm_kernel[(starts.numel(),)](
         bucket.grad, starts, lens, params, table.flags, partials,
         INF=inf, BLOCK=block, START_MULTIPLE=_START_MULTIPLE, num_warps=num_warps,
     )  # fmt: skip

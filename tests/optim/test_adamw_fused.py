@@ -57,7 +57,7 @@ def _interpreted() -> bool:
     from ptxtrain.optim import triton as kernels
     from ptxtrain.testing.triton_interp import patch_applied
 
-    return isinstance(kernels._update_kernel, InterpretedFunction) and patch_applied()
+    return isinstance(kernels._adamw_update_kernel, InterpretedFunction) and patch_applied()
 
 
 def _fused_count(opt: AdamW) -> int:
@@ -431,7 +431,7 @@ import ptxtrain.optim.triton as ot
 ptrs = {"w_ptr": "*fp32", "p_ptr": "*bf16", "g_ptr": "*fp32", "m_ptr": "*bf16", "v_ptr": "*bf16",
         "start_ptr": "*i64", "len_ptr": "*i32", "param_ptr": "*i32", "flag_ptr": "*i32",
         "scal_ptr": "*fp32", "scale_ptr": "*fp32"}
-kernel = ot._update_kernel
+kernel = ot._adamw_update_kernel
 consts = dict(MODE=1, BLOCK=2048, START_MULTIPLE=ot._START_MULTIPLE)
 sig = {n: ptrs[n] for n in kernel.arg_names if n not in consts}
 sig.update({n: "constexpr" for n in consts})
@@ -509,6 +509,11 @@ def test_fused_kernels_on_large_tensors_on_cuda():
         torch.testing.assert_close(totals[1], totals[0], rtol=2e-6, atol=0)
     for i, (pa, pb) in enumerate(zip(params_a, params_b)):
         rtol, atol = KERNEL_TOL[pa.dtype]
+        if pa.dtype == torch.float32:
+            # The clip coefficients differ by ~1e-6 (the norms above); where an element's m is
+            # near 0 (its gradients nearly cancelled) Adam's m/√v magnifies that: measured up to
+            # 0.4% of one update on an H200. Bound: 1% of the 3 updates of size lr = 1e-3.
+            atol = 3e-5
         where = f"param {i} ({pa.dtype}, {tuple(pa.shape)})"
         torch.testing.assert_close(pb, pa, rtol=rtol, atol=atol, msg=lambda m, w=where: f"{w}: {m}")
         for key, value in opt_a.state[pa].items():
