@@ -31,11 +31,15 @@ _RULES: tuple[tuple[str, str], ...] = (
     ("attention", r"flash|fmha|cudnn|attention|sdpa|mem_eff"),
     ("quantize", r"cast_fp8|quant|cast_transpose"),
     (
+        "gemm",
+        r"gemm|nvjet|xmma|cutlass|cublas|wgmma|_mm_|matmul|grouped_mm|splitk|"
+        r"grouped_contiguous|grouped_masked|k_grouped",
+    ),
+    (
         "moe_layout",
         r"route|layout|unpermute|permute|scatter|gather|index|sort|radix|cumsum|histogram|"
         r"bincount|repeat_interleave",
     ),
-    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|wgmma|_mm_|matmul|grouped_mm|splitk"),
 )
 
 

@@ -96,6 +96,17 @@ def graphs_supported(optimizer, device: torch.device) -> str | None:
     return None
 
 
+def _reset_rng_capture_state(device: torch.device) -> None:
+    """After a capture that raised: the default CUDA generator was told a capture began but not
+    that it ended, and then refuses every random op outside a graph. A capture that completes
+    (one tiny op) runs its begin and end hooks again and leaves it in its normal state."""
+    probe = torch.zeros(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        probe.add_(1)
+    torch.cuda.synchronize(device)
+
+
 class SingleDeviceStep:
     """One training step of a single-device run (see the module note).
 
@@ -222,6 +233,7 @@ class SingleDeviceStep:
             self.log(f"CUDA graphs: off ({self.graphs_off_reason}); running the steps eagerly")
             self.side = None
             torch.cuda.synchronize(self.device)
+            _reset_rng_capture_state(self.device)
             self.optimizer.zero_grad(set_to_none=True)
             invalidate_fp8_weight_caches()
             return self._eager(x, y)

@@ -15,6 +15,12 @@ from ptxtrain.parallel.timeline import union_length
         ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_NNT", "gemm"),
         ("_fp8_gemm_kernel", "gemm"),
         ("cutlass::device_kernel<GroupedGemmKernel>", "gemm"),
+        (
+            "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17GroupProblemShape_Layout",
+            "gemm",
+        ),
+        ("_m_grouped_contiguous_kernel", "gemm"),
+        ("_adamw_update_kernel", "optimizer"),
         ("void cast_fp8<1, false, true, true, false>(...)", "quantize"),
         ("_quant_1x_kernel", "quantize"),
         ("flash_fwd_kernel", "attention"),
