@@ -262,6 +262,13 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         help=f"checkpoint every STEPS steps and at the end; 0 = end only (default: {d.ckpt_every})",
     )
     g.add_argument(
+        "--checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--no-checkpoint writes no checkpoint at all (benchmark runs of large models: the "
+        "medium preset's training state is ~59 GB); the run cannot be resumed (default: on)",
+    )
+    g.add_argument(
         "--sample-tokens",
         type=_int_at_least(0),
         metavar="BYTES",
@@ -348,6 +355,7 @@ _RUN_FIELDS = (
     "eval_every",
     "eval_batches",
     "ckpt_every",
+    "checkpoint",
     "sample_tokens",
     "data",
     "mtp",

@@ -221,6 +221,8 @@ class TrainArgs:
     eval_every: int = 50  # validate every this many steps (and at the last step); 0 = never
     eval_batches: int = 8  # validation batches per evaluation (fixed batches, same every time)
     ckpt_every: int = 200  # checkpoint every this many steps (and at the end); 0 = end only
+    # False: write no checkpoint at all (benchmark runs of large models; no --resume then)
+    checkpoint: bool = True
     sample_tokens: int = 200  # bytes sampled per sample at the end; 0 = no samples
     # --- data ---
     data: str | None = None  # text file or folder; None = the embedded Shakespeare corpus
@@ -285,7 +287,7 @@ class TrainArgs:
             raise bad("device", f"must be one of {list(DEVICES)}")
         if self.stop_after is not None and (not is_int(self.stop_after) or self.stop_after <= 0):
             raise TrainConfigError(f"stop_after must be an integer > 0, got {self.stop_after!r}")
-        for name in ("deterministic", "cuda_graphs"):
+        for name in ("deterministic", "cuda_graphs", "checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if self.resume and self.overwrite:
@@ -1465,6 +1467,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     codec = pipe.state_codec(model, optimizer, runner)
 
     def save(step: int) -> None:
+        if not args.checkpoint:
+            return
         if codec is None:
             save_checkpoint(run_dir, step=step, **ckpt_kw)
             return
@@ -1708,7 +1712,8 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     if timeline is not None:
         timeline.write(run_dir)
     if stop.requested:
-        log(f"interrupted: stopped after step {done}; checkpoint saved, continue with --resume")
+        saved = "checkpoint saved, continue with --resume" if args.checkpoint else "no checkpoint"
+        log(f"interrupted: stopped after step {done}; {saved}")
     wall = time.perf_counter() - t0
     if runner is not None and args.sample_tokens:
         runner.gather_model()

@@ -171,3 +171,15 @@ def test_gpu_capture_failure_falls_back_to_eager(tmp_path, monkeypatch):
     assert results[1] == (results[0][0], "eager")
     assert len(lines) == 1 and "capture failed" in lines[0]
     torch.randn(4, device="cuda")  # random ops work again after the failed capture
+
+
+def test_no_checkpoint_writes_none(tmp_path):
+    args = TrainArgs(
+        preset="tiny", steps=2, batch_size=2, seq_len=32, sample_tokens=0, ckpt_every=1,
+        checkpoint=False, out=str(tmp_path / "run"), progress=False,
+    )  # fmt: skip
+    train(args)
+    assert not (tmp_path / "run" / "checkpoint").exists()
+    assert (tmp_path / "run" / "summary.json").exists()
+    with pytest.raises(ValueError, match="--checkpoint must be a bool"):
+        TrainArgs(checkpoint="no").validate()
