@@ -125,6 +125,15 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         "dense layers (default: the preset's)",
     )
 
+    g.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default=None,
+        help="activations recomputed in backward instead of kept: selective = every RMSNorm and "
+        "MLA's up-projections (DeepSeek-V3's choice), full = each decoder layer keeps only its "
+        f"input; same results, less memory, more time (default: {d.recompute})",
+    )
+
     g = p.add_argument_group("schedule (1 step = 1 optimizer update)")
     g.add_argument(
         "--steps",
@@ -347,6 +356,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 # TrainArgs fields a flag can set besides the trajectory ones (loop.TRAJECTORY_FIELDS).
 _RUN_FIELDS = (
     "config",
+    "recompute",
     "device",
     "deterministic",
     "cuda_graphs",

@@ -45,6 +45,7 @@ from ptxtrain.moe.dispatch import _DEFAULT_NVL_BYTES, Buffer
 from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.layer import MLP, MoE
 from ptxtrain.moe.router import Router, load_stats
+from ptxtrain.nn.recompute import check_recompute, recompute
 
 __all__ = [
     "MLA",
@@ -103,10 +104,15 @@ def _apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 class MLA(nn.Module):
     """Multi-head latent attention (report §2.1.1), causal, no KV cache.
 
+    ``recompute`` (set by :meth:`DeepSeekV3.set_recompute`): ``"selective"`` recomputes the
+    up-projections and their norms in backward (:mod:`ptxtrain.nn.recompute`).
+
     Weights: ``wq_a [q_lora, D]``, ``q_norm``, ``wq_b [H·(nope+rope), q_lora]`` (or
     ``wq [H·(nope+rope), D]`` when ``q_lora_rank == 0``); ``wkv_a [kv_lora + rope, D]``,
     ``kv_norm``, ``wkv_b [H·(nope+v), kv_lora]``; ``wo [D, H·v]``.
     """
+
+    recompute = "none"  # see the class docstring
 
     def __init__(self, cfg: DeepSeekV3Config) -> None:
         super().__init__()
@@ -135,7 +141,11 @@ class MLA(nn.Module):
         """``x [B, T, D]``, ``freqs [T, rope/2]`` complex64 -> ``[B, T, D]`` in ``x``'s dtype."""
         b, t, _ = x.shape
         h = self.n_heads
-        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        selective = self.recompute == "selective"
+        if self.q_lora_rank == 0:
+            q = self.wq(x)
+        else:  # the up-projection and its norm: recomputed in backward under "selective"
+            q = recompute(self._q_up, self.wq_a(x), enabled=selective)
         q = q.view(b, t, h, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [B, T, H, nope|rope]
         q = torch.cat((q_nope, _apply_rope(q_pe, freqs)), dim=-1)  # [B, T, H, nope+rope]
@@ -143,7 +153,8 @@ class MLA(nn.Module):
         kv = self.wkv_a(x)  # [B, T, kv_lora + rope]
         kv_c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = _apply_rope(k_pe.unsqueeze(2), freqs)  # [B, T, 1, rope], shared by all heads
-        kv = self.wkv_b(self.kv_norm(kv_c)).view(b, t, h, self.nope_dim + self.v_dim)
+        kv = recompute(self._kv_up, kv_c, enabled=selective)
+        kv = kv.view(b, t, h, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, T, H, nope|v]
         k = torch.cat((k_nope, k_pe.expand(b, t, h, self.rope_dim)), dim=-1)  # [B, T, H, qk]
 
@@ -156,6 +167,12 @@ class MLA(nn.Module):
         )  # [B, H, T, v]
         return self.wo(o.transpose(1, 2).reshape(b, t, h * self.v_dim))
 
+    def _q_up(self, q_a: torch.Tensor) -> torch.Tensor:
+        return self.wq_b(self.q_norm(q_a))
+
+    def _kv_up(self, kv_c: torch.Tensor) -> torch.Tensor:
+        return self.wkv_b(self.kv_norm(kv_c))
+
 
 class Block(nn.Module):
     """Pre-norm decoder block: ``h += attn(attn_norm(h)); h += ffn(ffn_norm(h))``.
@@ -163,6 +180,8 @@ class Block(nn.Module):
     ``ffn`` is an :class:`~ptxtrain.moe.layer.MLP` (``dense_inter_dim``) when ``moe`` is False,
     else a :class:`~ptxtrain.moe.MoE`.
     """
+
+    recompute = "none"  # "selective": the RMSNorms; "full": the whole block (the caller)
 
     def __init__(self, cfg: DeepSeekV3Config, *, moe: bool) -> None:
         super().__init__()
@@ -191,12 +210,14 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [B, T, D]``, ``freqs [T, rope/2]`` complex64 -> (``[B, T, D]``, the MoE balance
         loss or ``None``)."""
-        x = x + self.attn(self.attn_norm(x), freqs)
+        selective = self.recompute == "selective"  # RMSNorms recomputed in backward
+        x = x + self.attn(recompute(self.attn_norm, x, enabled=selective), freqs)
         aux = None
+        h = recompute(self.ffn_norm, x, enabled=selective)
         if isinstance(self.ffn, MoE):
-            y, aux = self.ffn(self.ffn_norm(x), return_aux_loss=True)
+            y, aux = self.ffn(h, return_aux_loss=True)
         else:
-            y = self.ffn(self.ffn_norm(x))
+            y = self.ffn(h)
         return x + y, aux
 
 
@@ -222,7 +243,7 @@ class MTP(nn.Module):
         """``h [B, T', D]`` main-model hidden (before its final norm), ``emb_next [B, T', D]`` the
         embeddings of the next tokens -> (normalized hidden ``[B, T', D]``, balance loss | None)."""
         x = self.proj(torch.cat((self.hnorm(h), self.enorm(emb_next)), dim=-1))
-        x, aux = self.block(x, freqs)
+        x, aux = recompute(self.block, x, freqs, enabled=self.block.recompute == "full")
         return self.norm(x), aux
 
 
@@ -307,6 +328,7 @@ class DeepSeekV3(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.mtp = MTP(config) if config.mtp_depth == 1 else None
+        self.recompute = "none"  # activation recomputation: set_recompute
         self.ep_group: dist.ProcessGroup | None = None  # set by enable_expert_parallel
         self.ep_size = 1
         self.ep_buffer: Buffer | None = None  # the MoE layers' shared Buffer (expert parallel)
@@ -370,8 +392,9 @@ class DeepSeekV3(nn.Module):
         freqs = _rope_freqs(t, cfg.qk_rope_head_dim, cfg.rope_theta, input_ids.device)
         h = self.embed(input_ids)  # [B, T, D]
         aux_terms = []
+        full = self.recompute == "full"  # each layer keeps its input only
         for layer in self.layers:
-            h, aux = layer(h, freqs)
+            h, aux = recompute(layer, h, freqs, enabled=full)
             if aux is not None:
                 aux_terms.append(aux)
         logits = self.head(self.norm(h))  # [B, T, V]
@@ -395,6 +418,22 @@ class DeepSeekV3(nn.Module):
             loss = loss + out.aux_loss
         out.loss = loss
         return out
+
+    def set_recompute(self, mode: str) -> None:
+        """Which activations the backward recomputes instead of keeping (report §3.2.3;
+        :mod:`ptxtrain.nn.recompute`): ``"none"``, ``"selective"`` (every RMSNorm and MLA's
+        up-projections with their norms) or ``"full"`` (every decoder layer, the MTP block's
+        included, keeps only its input). Values and gradients are unchanged (the recomputed
+        forward is the same deterministic computation); the routers count their tokens once.
+
+        Raises:
+            ValueError: ``mode`` is not one of those.
+        """
+        mode = check_recompute(mode)
+        self.recompute = mode
+        for module in self.modules():
+            if isinstance(module, (Block, MLA)):
+                module.recompute = mode
 
     # ------------------------------------------------------------------ MoE balancing
     def routers(self) -> list[Router]:

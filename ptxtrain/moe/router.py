@@ -28,6 +28,7 @@ from torch import nn
 
 from ptxtrain._checks import check_tensor
 from ptxtrain.moe.ref import count_per_expert, route_ref, seq_balance_loss_ref
+from ptxtrain.nn.recompute import recomputing
 
 __all__ = ["Router", "load_stats"]
 
@@ -193,7 +194,7 @@ class Router(nn.Module):
             ValueError: ``seq_len`` does not divide ``N`` (from the loss).
         """
         n_tokens = topk_idx.shape[0]
-        if self.training:
+        if self.training and not recomputing():  # a recomputed forward counted already
             with torch.no_grad():
                 self.expert_counts += count_per_expert(topk_idx, self.n_experts)  # no sync
         if not (aux_loss and self.training and self.seq_aux_loss_alpha > 0 and n_tokens > 0):

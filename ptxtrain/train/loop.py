@@ -88,6 +88,7 @@ import torch
 from .. import __version__
 from ..data import ByteTokenizer, Corpus, batch_generator, load_corpus
 from ..model.config import DeepSeekV3Config, get_preset
+from ..nn.recompute import RECOMPUTE_MODES
 from .checkpoint import (
     CHECKPOINT_DIR,
     PREV_DIR,
@@ -191,6 +192,9 @@ class TrainArgs:
     # with precision "fp8": the Fp8Linear recipe (FP8_RECIPES); "deepseek_pow2" rounds every
     # scale up to a power of two, as Transformer Engine's Float8BlockScaling does by default
     fp8_recipe: str = "deepseek"
+    # activations recomputed in backward instead of kept (ptxtrain.nn.recompute): "none",
+    # "selective" (RMSNorms and MLA up-projections, DeepSeek-V3's choice) or "full" (each layer)
+    recompute: str = "none"
     # --- schedule ---
     steps: int = 500  # optimizer steps in total (the cosine schedule spans them)
     batch_size: int = 16  # sequences per micro-batch (per step when grad_accum_steps is 1)
@@ -283,6 +287,8 @@ class TrainArgs:
             raise bad("fp8_recipe", f"must be one of {list(FP8_RECIPES)}")
         if self.fp8_recipe != "deepseek" and self.precision != "fp8":
             raise bad("fp8_recipe", "applies to --precision fp8 only")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise bad("recompute", f"must be one of {list(RECOMPUTE_MODES)}")
         if self.device not in DEVICES:
             raise bad("device", f"must be one of {list(DEVICES)}")
         if self.stop_after is not None and (not is_int(self.stop_after) or self.stop_after <= 0):
@@ -1441,6 +1447,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
     pipe.split_experts(model)  # ep > 1: keep this rank's experts of the full model
     if args.precision == "fp8":
         convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name(args.fp8_recipe))
+    model.set_recompute(args.recompute)
     model.train()
     # One process on a GPU: compile the FP8 step's NVRTC kernels on background threads while the
     # host sets up and runs the first forward (ptxtrain.nn.prewarm; PTXTRAIN_JIT_PREWARM=0: off).
