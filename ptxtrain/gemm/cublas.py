@@ -2,8 +2,8 @@
 
 Design note. PyTorch ≥ 2.9 with CUDA ≥ 12.9 exposes cuBLASLt's DeepSeek-style block scaling through
 ``torch._scaled_mm``, which infers the recipe from the scale tensors' shapes and strides. For
-1D2D the layout that works on the H100/H200 test machines (torch 2.11 + CUDA 13; docs/design.md
-§2) is::
+1D2D the layout that works on the H100/H200 test machines (torch 2.11 + CUDA 13;
+docs/design.md §2) is::
 
     torch._scaled_mm(a_fp8, b_fp8.t(), sf_a_mn_major, sf_b.t(), out_dtype=torch.bfloat16)
 

@@ -48,8 +48,7 @@ _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc
 _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x block_n registers
 # 1D2D with block_m <= 128 also takes 192 (one accumulator: 96 + 96 registers per thread; a
 # tile still spans at most two 128-column scale blocks). Not chosen by select_config: 0.79-0.96x
-# cuBLAS at M = 4096 and 0.72-1.09x at M = 64 / 128 on an H200, below the heuristic's tiles
-# everywhere.
+# cuBLAS at M = 4096 and 0.72-1.09x at M = 64 / 128 on an H200, below the heuristic's tiles.
 _BLOCK_NS_WIDE = (192,)
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8  # the heuristics' ring depth cap (see select_config)
