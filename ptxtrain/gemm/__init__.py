@@ -1,4 +1,4 @@
-"""Block-scaled FP8 GEMMs with DeepGEMM's contracts (DESIGN §2), dispatched to a backend.
+"""Block-scaled FP8 GEMMs with DeepGEMM's contracts (docs/design.md §2), dispatched to a backend.
 
 Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and their unchecked
 ``_fp8_gemm_nt`` / ``_fp8_gemm_nt_1d1d`` that this dispatcher calls after validating once):
@@ -57,16 +57,16 @@ def _why_not(name: str, module) -> str | None:
 def ptx_wins(kind: str, m: int, n: int, k: int) -> bool:
     """Whether ``auto`` prefers the PTX kernels for this shape (pure rule, device not checked).
 
-    From ``ptxtrain bench gemm`` on an H200, all backends in one process, scales MN-major
-    (benchmarks/results/2026-11-22-s10-h200/call4): 1D2D at M = 64 / 128 PTX ran 0.95-1.32x the
-    faster of Triton and cuBLAS on the twelve V3 shapes (ties or better on ten); at M = 4096
+    From ``ptxtrain bench gemm`` on an H200, all backends in one process, scales MN-major (see
+    docs/performance.md): 1D2D at M = 64 / 128 PTX runs 0.95-1.32x the speed of the faster of
+    Triton and cuBLAS on the twelve V3 shapes (ties or better on ten); at M = 4096
     1.01-1.21x cuBLAS except 0.96x at 4096 x 2112 x 7168, whose 544 tiles of 128x128 fill 4.12
     waves of 132 SMs; 1D1D (wgrad, K = 4096) 1.05-1.11x cuBLAS. So: every decode-sized 1D2D
     (M <= 128); larger 1D2D and every 1D1D where the PTX heuristic's tiles fill at least two
     waves (two waves of 128x128 tiles) and either use at least 85% of the SMs' tile slots over
     all their waves or cut the partial last wave's tiles into K-slices (``PtxConfig.split_k``).
-    4096 x 2112 x 7168 fills 544 / 660 = 0.82 of the slots; with the split tail PTX ran 1.04x
-    cuBLAS there, 0.97x without (benchmarks/results/2026-11-22-s11-h200/call2). The rule sizes
+    4096 x 2112 x 7168 fills 544 / 660 = 0.82 of the slots; with the split tail PTX runs 1.04x
+    cuBLAS there, 0.97x without. The rule sizes
     the grid for 132 SMs (H100 / H200); on other SM counts the launch plans its own split.
     """
     if kind not in ("1d2d", "1d1d"):
@@ -110,17 +110,15 @@ def _auto_cuda(kind: str, m: int, n: int, k: int, index: int | None) -> str:
     device = torch.device("cuda", index) if index is not None else torch.device("cuda")
     if ptx_wins(kind, m, n, k) and ptx.supports(m, n, k, device=device):
         return "ptx"
-    # cuBLAS next (it beats Triton at M = 4096 for both kinds,
-    # benchmarks/results/2026-11-22-issue3-*); Triton takes decode-sized 1D2D where PTX cannot
-    # run and every shape cuBLAS cannot run correctly.
+    # cuBLAS next (it beats Triton at M = 4096 for both kinds); Triton takes decode-sized 1D2D
+    # where PTX cannot run and every shape cuBLAS cannot run correctly.
     if cublas.supports(m, n, k, device=device) and (kind == "1d1d" or m > 128):
         return "cublas"
     # Where cuBLAS cannot run the shape (K % 512 != 0, e.g. the dgrad of the 2112-wide
     # projection) and its 128x128 tiles fill the SMs twice over, the PTX kernels run at ~cuBLAS
     # speed and beat Triton: 1.20x / 1.16x (1D2D 4096 x 7168 x 2112, 4096 x 2112 x 4160) and
-    # 1.15x / 1.25x (1D1D 7168 x 2112 x 2112, 2112 x 7168 x 4160) in
-    # benchmarks/results/2026-11-22-s9-h200/call13. With fewer tiles the PTX heuristic takes
-    # decode-sized tiles and lost to Triton there (0.66x at 4096 x 576 x 7168).
+    # 1.15x / 1.25x (1D1D 7168 x 2112 x 2112, 2112 x 7168 x 4160) on an H200. With fewer tiles
+    # the PTX heuristic takes decode-sized tiles and loses to Triton (0.66x at 4096 x 576 x 7168).
     tiles = ceil_div(max(m, 1), 128) * ceil_div(max(n, 1), 128)
     # (two waves on the measured GPU's SMs; a constant keeps the rule pure)
     large = (kind == "1d1d" or m > 128) and tiles >= 2 * H100_SMS

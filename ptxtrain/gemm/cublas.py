@@ -1,8 +1,9 @@
 """cuBLAS blockwise FP8 GEMMs through ``torch._scaled_mm`` (the baseline that is always on Hopper).
 
 Design note. PyTorch ≥ 2.9 with CUDA ≥ 12.9 exposes cuBLASLt's DeepSeek-style block scaling through
-``torch._scaled_mm``, which infers the recipe from the scale tensors' shapes and strides. The
-layout that works on the H100/H200 test machines (torch 2.11 + CUDA 13; DESIGN §2) for 1D2D is::
+``torch._scaled_mm``, which infers the recipe from the scale tensors' shapes and strides. For
+1D2D the layout that works on the H100/H200 test machines (torch 2.11 + CUDA 13;
+docs/design.md §2) is::
 
     torch._scaled_mm(a_fp8, b_fp8.t(), sf_a_mn_major, sf_b.t(), out_dtype=torch.bfloat16)
 
@@ -37,12 +38,12 @@ def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> b
         return False
     if _capability(dev.index if dev.index is not None else torch.cuda.current_device()) != (9, 0):
         return False
-    # Measured on an H200 with torch 2.11 + CUDA 13 (benchmarks/diag_cublas.py):
+    # On an H200 with torch 2.11 + CUDA 13:
     # - M % 4 != 0 fails (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic query);
     # - ⌈K/128⌉ < 4 returns WRONG results with no error (calc_diff 5e-2 at K = 128, 1.0 at 256),
-    #   and ⌈K/128⌉ % 4 != 0 with several N-blocks was wrong through the Fp8Linear path
-    #   (ANCHORS §7: "K-blocks padded to a multiple of 4").
-    # So cuBLAS is used only where it was verified: K % 512 == 0 (every DeepSeek-V3 K).
+    #   and ⌈K/128⌉ % 4 != 0 with several N-blocks is wrong through the Fp8Linear path
+    #   (PyTorch's blockwise torch._scaled_mm wants "K-blocks padded to a multiple of 4").
+    # So cuBLAS is used only where it is verified: K % 512 == 0 (every DeepSeek-V3 K).
     # (N = 0 or K = 0 have nothing for cuBLAS to do: the other backends handle them.)
     return m > 0 and n > 0 and k > 0 and m % 4 == 0 and n % _ALIGN == 0 and k % _K_ALIGN == 0
 

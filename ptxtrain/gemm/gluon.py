@@ -22,11 +22,11 @@ partition the overlap of DeepGEMM's math warpgroups:
   the chunk's end: ptxas serializes every WGMMA of a kernel in which one stays in flight across
   a loop's back edge (C7514). The blocks past the last whole chunk run one at a time.
 
-Measured on an H200 (session 14, ``benchmarks/results/2026-11-22-s14-h200/`` call 7): correct
-(``calc_diff`` against the reference below 1e-6), but 0.26-0.65x cuBLAS at M = 4096, below the
-plain Triton kernel. Three [BM, BN] fp32 tensors leave registers for 64-column tiles only
-(128 columns spill), and Gluon's lowering puts a CTA-wide ``bar.sync`` around every mbarrier
-and TMA operation, so the two warpgroups run in lockstep.
+On an H200 this kernel is correct (``calc_diff`` against the reference below 1e-6) but runs
+at 0.26-0.65x cuBLAS at M = 4096, below the plain Triton kernel: three [BM, BN] fp32 tensors
+leave registers for 64-column tiles only (128 columns spill), and Gluon's lowering puts a
+CTA-wide ``bar.sync`` around every mbarrier and TMA operation, so the two warpgroups run in
+lockstep.
 
 ``_gemm_ws_kernel`` (``GluonConfig(warp_specialized=True)``) is DeepGEMM's structure through
 ``gl.warp_specialize``: a TMA producer partition (40 registers) that brings each K block's A
@@ -35,20 +35,20 @@ stage, and two consumer warpgroups (232 registers) of one or two 64-row waves ea
 waiting for its own WGMMAs and promoting while the other's run; persistent (one program per
 SM; the producer runs into the next tile during the epilogue) with a TMA-store epilogue, and
 for ``D +=`` the tile's old value TMA-loaded under the K loop. Explicit warp specialization
-works on sm_90 (only Triton's automatic pass faults). Measured on an H200 (session 15,
-``benchmarks/results/2026-11-23-s15-h200/``, calls 15-16): 1D2D at M = 4096 0.85-1.10x
-cuBLAS, geomean 0.976 with the tiles ``gluon_tile`` picks (the plain Triton kernel: 0.78);
-1D1D 0.94-0.97x. Scales by TMA instead of consumer global loads took 4096 x 7168 x 16384 from
-0.73 to 0.85 (call 1), 256-row tiles, a third fewer L2 bytes per FLOP, to 0.97 (call 3): at
-128x128 the kernel ran at 81% of L2 throughput (ncu, call 2). The scale ring has one slot
-more than the stages (see ``_ws_consumer``): with a slot per stage the consumers could release
-a stage before their loads of its scales returned (calls 10-13: 0.1% wrong outputs).
+works on sm_90 (only Triton's automatic pass faults). On an H200 (see docs/performance.md):
+1D2D at M = 4096 0.85-1.10x cuBLAS, geomean 0.976 with the tiles ``gluon_tile`` picks (the
+plain Triton kernel: 0.78); 1D1D 0.94-0.97x. Two choices carry that: the scales come by TMA,
+not by consumer global loads (4096 x 7168 x 16384: 0.85x cuBLAS instead of 0.73), and 256-row
+tiles read a third fewer L2 bytes per FLOP (0.97x; 128x128 tiles run at 81% of L2
+throughput). The scale ring has one slot more than the stages (see ``_ws_consumer``): with a
+slot per stage the consumers can release a stage before their loads of its scales return
+(0.1% wrong outputs).
 A partial last wave of tiles is cut into K-slices (``GluonConfig.split_k``, the tiles past
 ``whole``, a second loop behind the SPLIT constexpr): a lone 256x128 x 7168 tile takes 47 µs on
 one SM, so 4096 x 2112 x 7168's last 8 tiles cost a whole third wave; as 8 x 7 slices on the
 otherwise idle SMs, whose fp32 partial sums ``_split_finish_kernel`` adds in slice order, it
 runs 0.98x cuBLAS (256x64 tiles: 0.85x), and the Triton backend's M = 4096 geomean is
-1.007-1.012x (session 16, calls 2-10).
+1.007-1.012x.
 Each WGMMA sums 128 products at most (one 1x128 / 128x128 scale block; DeepSeek-V3 §3.3).
 """
 
@@ -318,9 +318,8 @@ def _ws_producer(args):
     ring = (a_desc, b_desc, a_ring, b_ring, ready, empty, flags, sfa_desc, sfb_desc, sfa_ring,
             sfb_ring)  # fmt: skip
     num_tiles = gl.cdiv(M, BOXES * HALF) * gl.cdiv(N, BLOCK_N)
-    # (Without SPLIT the bound is computed here, not taken from ``whole``: the unsplit kernel
-    # then compiles as it did before the split existed; with ``whole`` as its bound ptxas
-    # scheduled consumer 1's WGMMAs after scale FMULs, 4-5% slower, session 16 call 7.)
+    # (Without SPLIT the bound is computed here, not taken from ``whole``: with ``whole`` as the
+    # unsplit kernel's bound ptxas schedules consumer 1's WGMMAs after scale FMULs, 4-5% slower.)
     it = 0  # K blocks issued by this program so far (all tiles): the ring position
     for t in range(gl.program_id(0), whole if SPLIT else num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_coords(t, M, N, BOXES * HALF, BLOCK_N, group_m)
@@ -361,10 +360,10 @@ def _consume(a_ring, b_ring, ready, empty, flags, sfa_ring, sfb_ring, sfa_ptr, s
         # written again for block it + NUM_STAGES + 1, whose stage the producer gets only
         # once this warpgroup has released block it + 1, in a later iteration; before that
         # iteration's start (a branch) every scale load of this one, consumed by this
-        # iteration's promotion, has returned. Read from a slot the release below frees,
-        # with ptxas free to sink the loads past it, 0.1% of the outputs came out wrong
-        # (1D1D, session 15, calls 11 and 13); a proxy fence before the release fixes that
-        # too but cost 1-5% (call 12), a release after the promotion 18% for 1D1D (call 14).
+        # iteration's promotion, has returned. Read from a slot the release below frees, with
+        # ptxas free to sink the loads past it, 0.1% of 1D1D's outputs come out wrong; a proxy
+        # fence before the release fixes that too but costs 1-5%, a release after the promotion
+        # 18% for 1D1D.
         ss = it % (NUM_STAGES + 1)
         for w in gl.static_range(WAVES):
             box = st * BOXES + HALF_INDEX * WAVES + w
@@ -822,10 +821,10 @@ class GluonConfig:
 _SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
 _SMEM_SLACK = 1024  # mbarriers, flags and alignment beyond the buffers smem_bytes counts
 # The stages and TMA-store buffers ``ptxtrain.gemm.triton`` runs each warp-specialized tile with
-# where its default routes a GEMM here (``heuristics.prefers_gluon`` / ``gluon_tile``; session 14
-# call 18, session 15 calls 3-4 and 8): 4 stages for 128x128 (5 within 1%), 3 for 256x128 with
-# two staging buffers per consumer (+0.3-2.5% over one, call 8), 5 for 256x64 with one (two
-# cost it a stage: -1%), each where the staging of the output fits.
+# where its default routes a GEMM here (``heuristics.prefers_gluon`` / ``gluon_tile``), the
+# fastest on an H200: 4 stages for 128x128 (5 within 1%), 3 for 256x128 with two staging
+# buffers per consumer (+0.3-2.5% over one), 5 for 256x64 with one (two cost it a stage: -1%),
+# each where the staging of the output fits.
 _WS_STAGES = {(128, 128): 4, (256, 128): 3, (256, 64): 5}
 _WS_BUFFERS = {(128, 128): 1, (256, 128): 2, (256, 64): 1}
 

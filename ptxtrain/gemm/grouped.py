@@ -1,7 +1,7 @@
-"""Grouped block-scaled FP8 GEMMs for MoE experts (DeepGEMM's contracts, DESIGN §2), in Triton.
+"""Grouped block-scaled FP8 GEMMs for MoE experts, in Triton.
 
-Design note. Three ops, contracts and validation shared with their references in
-:mod:`ptxtrain.gemm.ref` (``*_ref``):
+Design note (DeepGEMM's contracts, docs/design.md §2). Three ops, contracts and validation shared
+with their references in :mod:`ptxtrain.gemm.ref` (``*_ref``):
 
 - ``m_grouped_fp8_gemm_nt_contiguous`` (Fprop / Dgrad of the experts): A [M_total, K] holds the
   tokens of each expert contiguously, each expert's slice padded to :data:`M_ALIGNMENT` (128)
@@ -210,10 +210,9 @@ def masked_ptx_wins(m_max: int, k: int) -> bool:
     """Whether ``auto`` sends a masked m-grouped GEMM with ``M_max`` rows per group and depth
     ``K`` to the PTX kernel (pure rule, device not checked).
 
-    From ``benchmarks/bench_grouped.py`` on an H200 (2026-11-22-s6-h200/call10), random
-    ``masked_m`` in [1, M_max], N x K = 4096 x 7168 / 7168 x 2048: PTX over Triton 1.01 / 1.06x
-    at 16 x 64, 1.20 / 1.32x at 16 x 128, 0.96 / 1.39x at 8 x 256: the PTX kernel except for
-    M_max > 128 with K > 2048.
+    From ``benchmarks/bench_grouped.py`` on an H200, random ``masked_m`` in [1, M_max],
+    N x K = 4096 x 7168 / 7168 x 2048: PTX over Triton 1.01 / 1.06x at 16 x 64, 1.20 / 1.32x
+    at 16 x 128, 0.96 / 1.39x at 8 x 256: the PTX kernel except for M_max > 128 with K > 2048.
     """
     return m_max <= 128 or k <= 2048
 
@@ -422,7 +421,8 @@ def m_grouped_fp8_gemm_nt_contiguous(
         TypeError / ValueError: as the reference; ``config`` not a GemmConfig (Triton path);
             ``PTXTRAIN_GEMM_BACKEND`` holding an unknown name.
 
-    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
+    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3;
+    docs/design.md §2.
     """
     if _use_ptx_contiguous(a, b, config):
         from ptxtrain.gemm import ptx
@@ -460,7 +460,7 @@ def m_grouped_fp8_gemm_nt_masked(
         expected_m: hint of the typical rows per group; picks the tiles (None: M_max).
         config: as in :func:`m_grouped_fp8_gemm_nt_contiguous`.
 
-    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_masked``; DESIGN §2.
+    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_masked``; docs/design.md §2.
     """
     if _use_ptx_masked(a, b, config):
         from ptxtrain.gemm import ptx
@@ -499,7 +499,7 @@ def k_grouped_fp8_gemm_nt_contiguous(
         config: as in :func:`m_grouped_fp8_gemm_nt_contiguous` (chosen for one group's M, N).
 
     Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous`` (``ks`` / ``ks_tensor``); DeepSeek-V3
-    report §3.3; DESIGN §2.
+    report §3.3; docs/design.md §2.
     """
     if (ks is None) == (ks_tensor is None):
         raise ValueError("give exactly one of ks (host sizes) and ks_tensor (device sizes)")

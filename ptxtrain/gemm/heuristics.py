@@ -31,7 +31,7 @@ warp-specialized Gluon kernel instead (``ptxtrain.gemm.gluon``; from two waves o
 tiles) and with which tile (fewest L2 bytes per FLOP among those that fill the waves).
 
 Source: DeepSeek-V3 report §3.3 (promotion every 128 K); DeepGEMM's block-size choice (fill the
-SMs); DESIGN §6 (132 SMs; a plain Triton kernel at ~0.7x of cuBLAS at M = 4096).
+SMs); docs/design.md §6 (132 SMs; a plain Triton kernel at ~0.7x of cuBLAS at M = 4096).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ KINDS = ("1d2d", "1d1d")
 #   (TMA on sm_90); the launcher falls back to the pointer twin unless both operands are K-major
 #   with 16-byte aligned rows and bases.
 # Triton 3.6's automatic warp specialization (``tl.range(warp_specialize=True)``) hangs or
-#   faults on sm_90, even in a minimal bf16 GEMM (session 14, ``benchmarks.probe_triton_ws``), so
-#   no variant uses it; ``ptxtrain.gemm.gluon`` specializes warps explicitly instead.
+#   faults on sm_90, even in a minimal bf16 GEMM, so no variant uses it; ``ptxtrain.gemm.gluon``
+#   specializes warps explicitly instead.
 VARIANTS = ("tiled", "persistent", "tma", "tma_persistent")
 _PERSISTENT_VARIANTS = ("persistent", "tma_persistent")
-H100_SMS = 132  # H100 SXM and H200 (DESIGN §6)
+H100_SMS = 132  # H100 SXM and H200 (docs/design.md §6)
 
 _BLOCK_MS = (64, 128)
 _BLOCK_NS = (64, 128, 256)
@@ -222,8 +222,8 @@ def select_config(
 
 
 # The warp-specialized Gluon kernel (ptxtrain.gemm.gluon) takes GEMMs from this many waves of
-# 128x128 tiles on. Measured on an H200 against the Triton kernel in the same process (session
-# 15, calls 1-2, scales by TMA), 1D2D: 1.09x at 2048 x 2112 x 7168 (272 tiles, 2.1 waves),
+# 128x128 tiles on. Measured on an H200 against the Triton kernel in the same process (scales
+# by TMA), 1D2D: 1.09x at 2048 x 2112 x 7168 (272 tiles, 2.1 waves),
 # 1.18x at 2048 x 4096 x 7168 (3.9 waves), 1.08x at 4096 x 2112 x 7168 (4.1 waves), equal to
 # 1.23x at the other V3 shapes at M = 4096 (7.8-47 waves); 1D1D (wgrad, K = 4096): 1.00-1.24x
 # at 6.8-17 waves. Below 2 waves (decode-sized M) the Triton kernel's 64-row tiles spread the
@@ -300,13 +300,13 @@ def split_tail(
 
 
 # A K-slice of the split tail covers at least this many 128-K blocks (each slice's partial sums
-# cost a [BM, BN] fp32 write and read; session 16, call 9: 4096 x 24576 x 1536's 36 tail tiles
-# in 3 slices of 4 blocks ran 0.993x cuBLAS against 1.005 unsplit, 4096 x 2112 x 7168's 8 in
-# 7 slices of 8 blocks 0.980, in 14 of 4 0.972), and a tile is cut into at most this many.
+# cost a [BM, BN] fp32 write and read; on an H200, 4096 x 24576 x 1536's 36 tail tiles in 3
+# slices of 4 blocks run 0.993x cuBLAS against 1.005 unsplit, 4096 x 2112 x 7168's 8 in 7
+# slices of 8 blocks 0.980, in 14 of 4 0.972), and a tile is cut into at most this many.
 GLUON_SPLIT_MIN_BLOCKS = 8
 GLUON_SPLIT_MAX = 16  # (GluonConfig.split_max's default and largest value)
-# Slices a split wave needs to count as 1 / splits of a wave in gluon_tile's choice. Session 16,
-# call 3: 2048 x 7168 x 2048 as 448 tiles of 256x128, the last 52 split 2 ways, ran 0.86x
+# Slices a split wave needs to count as 1 / splits of a wave in gluon_tile's choice. On an
+# H200, 2048 x 7168 x 2048 as 448 tiles of 256x128, the last 52 split 2 ways, runs 0.86x
 # cuBLAS against 0.95 for 896 tiles of 128x128 (equal fill on paper); 4096 x 2112 x 7168's
 # 8 tiles split 14 ways 0.93 against 0.75 unsplit.
 GLUON_SPLIT_FILL_MIN = 4
@@ -324,7 +324,7 @@ def gluon_split_k(
     :data:`GLUON_SPLIT_MIN_BLOCKS` K blocks per slice; ``(num_tiles, 1)`` where that is below
     2 or there is no partial wave.
 
-    Measured on an H200 (session 16, call 2, x cuBLAS): a lone 256x128 x 7168 tile takes
+    Measured on an H200 (x cuBLAS): a lone 256x128 x 7168 tile takes
     47 µs on one SM, and 4096 x 2112 x 7168's 272 tiles of 256x128 (two waves and 8 tiles)
     146 µs against 103 µs for 4096 x 2048's 256: the 8-tile wave costs a whole wave.
 
@@ -352,8 +352,8 @@ def gluon_tile(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_S
     :func:`gluon_split_k` counting as ``1 / splits`` of a wave. 1D1D: always 128x128 (its
     per-column scales spill with two 64-row waves per consumer).
 
-    Measured on an H200 (session 15, calls 3-4, x cuBLAS blockwise, before the scale-ring fix
-    of calls 15-16, which moved all tiles alike except 256x64, now 0.85-0.88): 1D2D at M = 4096
+    Measured on an H200 (x cuBLAS blockwise, with one scale slot per stage; the kernel's ring of
+    one slot more moves all tiles alike except 256x64, to 0.85-0.88): 1D2D at M = 4096
     256x128 against 128x128 at 24576 x 1536 0.995 / 0.958, 7168 x 16384 0.973 / 0.889,
     4096 x 7168 0.954 / 0.892, 7168 x 2048 0.995 / 0.955 (equal wave fill); at 2112 x 7168,
     where 256x64's 528 tiles fill 4 waves exactly (128x128: 82% of 5, 256x128: 69% of 3),

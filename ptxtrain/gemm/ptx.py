@@ -1,6 +1,6 @@
 """Hand-written sm_90a FP8 GEMMs (wgmma + TMA + mbarrier), JIT-compiled through NVRTC.
 
-Design note (DESIGN §3; DeepSeek-V3 report §3.3; DeepGEMM's kernel design, ANCHORS §1). The
+Design note (docs/design.md §3; DeepSeek-V3 report §3.3; DeepGEMM's kernel design). The
 kernel lives in ``ptxtrain/include/ptxtrain/fp8_gemm.cuh``: a persistent grid of one CTA per SM,
 one TMA producer warpgroup and one or two math warpgroups issuing ``wgmma.mma_async
 m64nNk32.e4m3`` from 128-byte-swizzled shared memory, FP32 promotion of every 128-K block on the
@@ -48,8 +48,7 @@ _BLOCK_NS = tuple(range(16, 161, 16))  # wgmma N multiple of 8; <= 160 keeps acc
 _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x block_n registers
 # 1D2D with block_m <= 128 also takes 192 (one accumulator: 96 + 96 registers per thread; a
 # tile still spans at most two 128-column scale blocks). Not chosen by select_config: 0.79-0.96x
-# cuBLAS at M = 4096 and 0.72-1.09x at M = 64 / 128 on an H200, below the heuristic's tiles
-# everywhere (benchmarks/results/2026-11-22-s12-h200/, calls 1 and 5).
+# cuBLAS at M = 4096 and 0.72-1.09x at M = 64 / 128 on an H200, below the heuristic's tiles.
 _BLOCK_NS_WIDE = (192,)
 _SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8  # the heuristics' ring depth cap (see select_config)
@@ -174,8 +173,7 @@ def _config_smem(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
 
 def _efficiency(bm: int, bn: int, k: int) -> float:
     """Relative throughput per tile area, measured on an H200 at M = 4096 over the six DeepSeek-V3
-    shapes (benchmarks/results/2026-11-22-ptx-gemm-sweep-h200/, sweep_*_8703b7e.json, and with
-    the TMA-store epilogue 2026-11-22-ptx-s4-h200/): 128-row tiles with double accumulators
+    shapes, with and without the TMA-store epilogue: 128-row tiles with double accumulators
     (block_n <= 128) fastest on 5 of 6 shapes and 1D1D; 256x128 (one accumulator, two waves, B
     multicast) 1.11x faster at K = 16384 (1311 vs 1180 TFLOPS), 0.98-0.99x at K = 2048-7168;
     128-row tiles wider than 128 (one accumulator) ~0.75, narrower tiles proportionally slower
@@ -202,15 +200,14 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     - Decode-sized M: DeepGEMM's rule of the fewest waves, ``waves · block_m · (block_n + 24)``
       (each tile costs its area plus a share for A's traffic, which does not shrink with
       ``block_n``), over ``block_n`` in {32, 64, 128}. On an H200 with the TMA-store epilogue
-      (benchmarks/results/2026-11-22-ptx-s4-h200/sweep_decode_5b2ef08.json) this picks the
-      fastest or a within-3% config on all twelve V3 shapes at M = 64 and 128; non-power-of-two
-      and 16-column tiles were slower or unmeasured, and 64-row tiles won at M = 128 too.
+      this picks the fastest or a within-3% config on all twelve V3 shapes at M = 64 and 128;
+      non-power-of-two and 16-column tiles are left out (none is faster where timed), and
+      64-row tiles win at M = 128 too.
 
     Ties go to the larger tile. ``cluster = 2`` (B multicast over two CTAs) when the tiles fill
     the SMs and an odd M-block count wastes little. Stages: as many as fit in shared memory,
     at most 8, or 16 for decode-sized tiles (their K loop streams B from HBM with little math
-    per block: 16 stages ran 1.04-1.07x faster than 8 at M = 64 on an H200 in one process,
-    benchmarks/results/2026-11-22-s10-h200/call2).
+    per block: 16 stages run 1.04-1.07x faster than 8 at M = 64 on an H200).
 
     Raises:
         ValueError: unknown ``kind`` or a non-positive ``num_sms``.
@@ -242,12 +239,9 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     _, bm, bn = best
     if kind == "1d2d" and not large and m == 128 and bm == 64 and bn >= 64:
         # One 128-row M-block of half as wide tiles instead of two 64-row ones: as many tiles,
-        # each with two math warpgroups (two wgmma chains per SM) instead of one. At M = 128 on
-        # an H200, 128x64 against 64x128: 2.0-6.4% faster at N x K = 7168 x 16384, 24576 x 1536
-        # and 7168 x 2048, 128x32 against 64x64 at 4096 x 7168 1.2-1.7%
-        # (benchmarks/results/2026-11-23-s18-h200/call15, call16); on an H100 within ±1.3%
-        # (call17). At M = 100 the same tiles were 3-13% slower (call16), so partly filled
-        # 128-row blocks keep the 64-row pick.
+        # each with two math warpgroups (two wgmma chains per SM) instead of one: 1.2-6.4% faster
+        # at M = 128 on an H200 (within ±1.3% on an H100). At M = 100 the same tiles are 3-13%
+        # slower, so partly filled 128-row blocks keep the 64-row pick.
         bm, bn = 128, bn // 2
     # TMA-store epilogue (the tile drains from shared memory while the next one computes) where
     # whole boxes fit the tile, sized for the kind's usual D (bf16 1D2D, fp32 1D1D).
@@ -266,7 +260,7 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     tiles = m_blocks * ceil_div(n, bn)
     cluster = 2 if tiles >= num_sms and (m_blocks % 2 == 0 or m_blocks >= 8) else 1
     if bm < 256:
-        # Measured: 128-row tiles (1D2D with double accumulators, and 1D1D) ran 1.03-1.08x
+        # Measured: 128-row tiles (1D2D with double accumulators, and 1D1D) run 1.03-1.08x
         # faster without B multicast; 256x128 tiles gain from it.
         cluster = 1
     # Two wgmma accumulators (the next block's MMAs overlap this block's promotion) fit in the
@@ -285,8 +279,8 @@ def _with_split_tail(cfg: PtxConfig, kind: str, m: int, n: int, k: int, num_sms:
     fill (e.g. 4096 x 2112 x 7168: 4 waves + 16 tiles of 128x128), and (1D2D) where the tiles of
     decode-sized M are one wave that leaves at least half the SMs idle (64 x 2112 x 7168: 66
     tiles of 64x32, cut in 2: 1.20x faster on an H200; cutting wider tiles of shapes that fill
-    the SMs was not faster except at 128 x 2112 x 7168; the tails of several decode-sized waves
-    were not measured, so they are not cut: benchmarks/results/2026-11-22-s12-h200/call13).
+    the SMs is not faster except at 128 x 2112 x 7168; the tails of several decode-sized waves
+    are not cut, as no timing shows them gaining).
     Double accumulators only: 256-row tiles spill registers with the slice loop compiled in.
     (Such tiles never take a cluster here: one unit per tile.)"""
     large = ceil_div(max(m, 1), 128) * ceil_div(n, 128) >= 2 * num_sms
@@ -509,8 +503,7 @@ _SPLIT_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 def _split_counters(device_index: int, count: int) -> torch.Tensor:
     from ptxtrain.jit.launch import _raw_stream
 
-    # (the raw stream getter: torch.cuda.current_stream() cost 8.5 µs of host time per launch,
-    # benchmarks/results/2026-11-23-s23-h200/call7)
+    # (the raw stream getter: torch.cuda.current_stream() costs 8.5 µs of host time per launch)
     if torch.cuda.is_current_stream_capturing():
         # A CUDA graph gets counters of its own (zeroed inside the graph, from its private pool):
         # graphs captured on one stream may replay at once on different streams.
@@ -594,7 +587,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     smem = _config_smem(cfg, kind, out_dtype)
     if cfg.cluster > 1:
         # Only as many clusters as fit at once: a second wave of a persistent grid doubles the
-        # time (measured: 66 clusters of 2 on 132 SMs ran 2x slower than 132 single CTAs).
+        # time (66 clusters of 2 on 132 SMs run 2x slower than 132 single CTAs).
         resident = max_active_clusters(kernel, cfg.cluster, cfg.num_threads, smem)
         grid = min(units, max(resident, 1)) * cfg.cluster
     else:
@@ -731,8 +724,7 @@ def grouped_config(
     M-blocks may belong to different groups), with rasterization groups of about one expert's
     rows, ``M / num_groups`` rounded down to a power of two in [512, 2048] (512 when
     ``num_groups`` is unknown, 0): the tiles in flight then read few experts' B. 8 x 512 rows on
-    an H200: 512 gave 1.03x / 1.01x the dense default 2048
-    (benchmarks/results/2026-11-22-s7-h200/call4/sweep_raster_b624f63.json). ``split``: the
+    an H200: 512 gives 1.03x / 1.01x the speed of the dense default 2048. ``split``: the
     dense rule's split tail (K-slices of the last partial wave's tiles, ``PtxConfig.split_k``);
     the masked GEMM has none."""
     raster = _GROUPED_RASTER_M
@@ -913,7 +905,8 @@ def m_grouped_fp8_gemm_nt_contiguous(
             ``K % 16 != 0``.
         ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
 
-    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
+    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3;
+    docs/design.md §2.
     """
     m, n, k, g = ref.validate_m_grouped_contiguous(a, b, m_indices, out, out_dtype, check_indices)
     return _m_grouped_contiguous(a, b, m_indices, out, out_dtype, (m, n, k, g))
@@ -929,9 +922,8 @@ def _cached_block_groups(m_indices: torch.Tensor) -> torch.Tensor:
     """:func:`block_groups` of ``m_indices``, kept on the tensor object until it is modified
     in place (its version counter moves): a MoE layer's m-grouped GEMMs (the two projections'
     Fprop, then their Dgrad) share one ``m_indices``, so the reduction runs once per layout
-    instead of once per GEMM (1-1.5% of an 8 x 512-row GEMM on an H200,
-    benchmarks/results/2026-11-23-s22-h200/call6). Inference-mode tensors (no version counter)
-    are not cached."""
+    instead of once per GEMM (1-1.5% of an 8 x 512-row GEMM on an H200). Inference-mode tensors
+    (no version counter) are not cached."""
     try:
         version = m_indices._version
     except RuntimeError:  # inference tensors do not track versions
@@ -988,7 +980,8 @@ def k_grouped_fp8_gemm_nt_contiguous(
         TypeError / ValueError: as the reference, plus non-CUDA / non-sm_90 tensors.
         ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
 
-    Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
+    Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3;
+    docs/design.md §2.
     """
     if (ks is None) == (ks_tensor is None):
         raise ValueError("give exactly one of ks (host sizes) and ks_tensor (device sizes)")
@@ -1053,7 +1046,7 @@ def m_grouped_fp8_gemm_nt_masked(
             non-CUDA / non-sm_90 tensors or ``K % 16 != 0``.
         ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
 
-    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_masked``; DESIGN §2.
+    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_masked``; docs/design.md §2.
     """
     g, m_max, n, k = ref.validate_m_grouped_masked(
         a, b, masked_m, expected_m, out, out_dtype, check_masked_m=False

@@ -1,7 +1,7 @@
 """Reference block-scaled FP8 GEMMs (pure PyTorch): the oracle for every GEMM kernel.
 
-Design note. Names and contracts follow DeepGEMM (DESIGN §2). "NT" means ``D = A · Bᵀ`` with both
-operands K-major: A [M, K], B [N, K]. An operand is passed as a pair ``(x_fp8, sf)``:
+Design note. Names and contracts follow DeepGEMM (docs/design.md §2). "NT" means ``D = A · Bᵀ`` with
+both operands K-major: A [M, K], B [N, K]. An operand is passed as a pair ``(x_fp8, sf)``:
 
 - ``fp8_gemm_nt`` ("1D2D", Fprop and Dgrad): A scaled per 1x128 tile (sf_a [M, ⌈K/128⌉]), B per
   128x128 block (sf_b [⌈N/128⌉, ⌈K/128⌉]); output bf16 or fp32.
@@ -152,7 +152,7 @@ def fp8_gemm_nt(
         TypeError: operands not ``(float8_e4m3fn, float32)`` pairs, bad ``out_dtype``.
         ValueError: ranks, mismatched K, scale shapes, devices or ``out`` shape wrong.
 
-    Source: DeepGEMM ``fp8_gemm_nt``; DESIGN §2.
+    Source: DeepGEMM ``fp8_gemm_nt``; docs/design.md §2.
     """
     validate_1d2d(a, b, out, out_dtype)
     return _fp8_gemm_nt(a, b, out, out_dtype)
@@ -200,7 +200,7 @@ def fp8_gemm_nt_1d1d(
             ``accumulate=True`` with a bfloat16 ``out``.
         ValueError: as :func:`fp8_gemm_nt`; ``accumulate=True`` without ``out``.
 
-    Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; DESIGN §2.
+    Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; docs/design.md §2.
     """
     validate_1d1d(a, b, out, accumulate, out_dtype)
     return _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
@@ -220,7 +220,7 @@ def _fp8_gemm_nt_1d1d(a: Operand, b: Operand, out, accumulate, out_dtype) -> tor
 
 
 # ----------------------------------------------------------------------------------------------
-# Grouped GEMMs (MoE experts; DESIGN §2). Backends: ptxtrain.gemm.grouped.
+# Grouped GEMMs (MoE experts; docs/design.md §2). Backends: ptxtrain.gemm.grouped.
 # ----------------------------------------------------------------------------------------------
 
 # Rows per alignment unit of the m-grouped contiguous layout: each group's rows start at a multiple
@@ -543,7 +543,8 @@ def m_grouped_fp8_gemm_nt_contiguous_ref(
         ValueError: ranks, shapes, K mismatch, devices, M_total not a multiple of 128,
             ``m_indices`` values out of range or mixing groups within a 128-row chunk.
 
-    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
+    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3;
+    docs/design.md §2.
     """
     m, n, _, g = validate_m_grouped_contiguous(a, b, m_indices, out, out_dtype, check_indices)
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
@@ -589,7 +590,7 @@ def m_grouped_fp8_gemm_nt_masked_ref(
         ValueError: ranks, shapes, group counts, devices, ``expected_m`` or ``masked_m`` values
             outside [0, M_max].
 
-    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_masked``; DESIGN §2.
+    Source: DeepGEMM ``m_grouped_fp8_gemm_nt_masked``; docs/design.md §2.
     """
     g, m_max, n, _ = validate_m_grouped_masked(a, b, masked_m, expected_m, out, out_dtype)
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
@@ -645,7 +646,8 @@ def k_grouped_fp8_gemm_nt_contiguous_ref(
             K_total (``ks_tensor``: summing to more), ``accumulate=True`` without ``out``, both
             or neither of ``ks`` and ``ks_tensor``.
 
-    Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3; DESIGN §2.
+    Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous``; DeepSeek-V3 report §3.3;
+    docs/design.md §2.
     """
     ks = resolve_k_sizes(a, b, ks, ks_tensor, out, accumulate)
     if ks_tensor is not None:  # only the columns the groups own

@@ -1,6 +1,6 @@
 """Triton block-scaled FP8 GEMMs: the GPU backend that is always available.
 
-Design note. Same names, contracts and validation as :mod:`ptxtrain.gemm.ref` (DESIGN §2):
+Design note. Same names, contracts and validation as :mod:`ptxtrain.gemm.ref` (docs/design.md §2):
 ``fp8_gemm_nt`` (1D2D: A per 1x128 tile, B per 128x128 block; bf16/fp32 out) and
 ``fp8_gemm_nt_1d1d`` (wgrad: both per 1x128 tile; fp32 out, optional ``D += ...``).
 
@@ -17,7 +17,7 @@ block of B), a vector of two values gathered per column when ``BLOCK_N = 256`` (
 two scale rows), and a per-column vector for 1D1D. M and N tails: row indices are clamped for
 the loads and masked at the store; K tail: masked loads with zeros (or TMA's zero fill). Every
 operand (fp8 data, scales, output) is addressed through its strides, so sf_a may be row-major
-or MN-major (the cuBLAS layout, DESIGN §2); offsets switch to int64 when a tensor spans 2^31
+or MN-major (the cuBLAS layout, docs/design.md §2); offsets switch to int64 when a tensor spans 2^31
 elements.
 
 Variants (:data:`ptxtrain.gemm.heuristics.VARIANTS`), chosen by a :class:`GemmConfig`:
@@ -27,8 +27,8 @@ the current epilogue), and ``tma`` / ``tma_persistent`` (A and B through host-bu
 ``TensorDescriptor``s, i.e. TMA on sm_90; used only when both operands are K-major with 16-byte
 aligned rows and bases, else the pointer twin runs). Triton 3.6's automatic warp specialization
 (``tl.range(warp_specialize=True)``) runs a Hopper pass on sm_90 too, but its kernels hang or
-fault there, a minimal bf16 GEMM's included (session 14, ``benchmarks.probe_triton_ws``; Triton's
-tutorials keep it off before Blackwell, triton-lang/triton PR #7108), so no variant uses it;
+fault there, a minimal bf16 GEMM's included (Triton's tutorials keep it off before Blackwell,
+triton-lang/triton PR #7108), so no variant uses it;
 :mod:`ptxtrain.gemm.gluon` specializes warps explicitly instead, and the default config sends
 GEMMs of at least two waves of 128x128 tiles there (``heuristics.prefers_gluon``: sm_90,
 TMA-loadable operands; ``PTXTRAIN_TRITON_GLUON=0`` turns it off; an explicit ``config`` or
@@ -39,10 +39,10 @@ there) unless the caller passes one, or ``config="autotune"``, which times the c
 Every variant was checked on an H200 over the DeepSeek-V3 shapes (``calc_diff`` < 1e-3).
 
 Speed of the default configs (H200, L2 flushed, vs cuBLAS blockwise through
-``torch._scaled_mm``, DeepSeek-V3 shapes, session 16 ``bench gemm``): 1D2D geometric mean
-1.12x at M = 64, 1.06x at M = 128 (this kernel), 1.007-1.012x at M = 4096 (the Gluon kernel
-with its split tail; this one alone: 0.78x); 1D1D (wgrad, K = 4096) 0.94-1.02x per shape
-(Gluon; this one alone 0.77-0.80x).
+``torch._scaled_mm``, DeepSeek-V3 shapes, ``ptxtrain bench gemm``; see docs/performance.md):
+1D2D geometric mean 1.12x at M = 64, 1.06x at M = 128 (this kernel), 1.007-1.012x at M = 4096
+(the Gluon kernel with its split tail; this one alone: 0.78x); 1D1D (wgrad, K = 4096)
+0.94-1.02x per shape (Gluon; this one alone 0.77-0.80x).
 This kernel's ceiling is structural: Triton 3.6 waits for each block's WGMMAs before the
 promotion can read them, so only other programs on the SM overlap the promotion (heuristics.py).
 Host overhead is ~50-110 µs per call against cuBLAS's ~20 µs: hide it with CUDA graphs.
@@ -50,9 +50,9 @@ Host overhead is ~50-110 µs per call against cuBLAS's ~20 µs: hide it with CUD
 Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` set before this
 module is imported) on CPU tensors. Its ``tl.dot`` on FP8 operands upcasts them exactly
 (e4m3 → fp16 bit manipulation, subnormals included) and multiplies in fp32, so the GEMM is
-interpretable as is; only its fp32 → bf16 cast truncates instead of rounding (DESIGN §7), which
-the tests' tolerances cover. ``_compile_for_sm90`` compiles the kernel for sm_90a without a GPU
-for instruction- and spill-level checks.
+interpretable as is; only its fp32 → bf16 cast truncates instead of rounding (docs/design.md §7),
+which the tests' tolerances cover. ``_compile_for_sm90`` compiles the kernel for sm_90a without a
+GPU for instruction- and spill-level checks.
 """
 
 from __future__ import annotations
@@ -526,7 +526,7 @@ def fp8_gemm_nt(
         ValueError: ranks, mismatched K, scale shapes or ``out`` shape wrong; tensors on different
             devices, or not on a CUDA device (CPU only under ``TRITON_INTERPRET=1``).
 
-    Source: DeepGEMM ``fp8_gemm_nt``; DeepSeek-V3 report §3.3; DESIGN §1-2.
+    Source: DeepGEMM ``fp8_gemm_nt``; DeepSeek-V3 report §3.3; docs/design.md §1-2.
     """
     return _gemm("1d2d", a, b, out, out_dtype, False, config)
 
@@ -558,7 +558,7 @@ def fp8_gemm_nt_1d1d(
         TypeError / ValueError: as :func:`fp8_gemm_nt`; ``accumulate=True`` without ``out`` or
         with a bfloat16 ``out``.
 
-    Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; DESIGN §2.
+    Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; docs/design.md §2.
     """
     return _gemm("1d1d", a, b, out, out_dtype, accumulate, config)
 

@@ -1,6 +1,6 @@
 """Run-time compilation of CUDA C++ (with inline PTX) to a cubin through NVRTC.
 
-Design (DESIGN §3, §7): NVRTC is reached through ``cuda.bindings.nvrtc`` (packages
+Design (docs/design.md §3, §7): NVRTC is reached through ``cuda.bindings.nvrtc`` (packages
 ``cuda-bindings`` + ``nvidia-cuda-nvrtc``), which needs neither a GPU nor a driver nor a CUDA
 toolkit, so compiles (and the tests on their PTX / SASS) run on a CPU-only machine. Kernel
 symbols are named at compile time: every kernel is registered as an NVRTC name expression (an

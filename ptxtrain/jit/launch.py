@@ -1,6 +1,6 @@
 """Loading cubins and launching kernels on PyTorch's current stream, through the CUDA driver API.
 
-Design (DESIGN §3, §7):
+Design (docs/design.md §3, §7):
 
 - ``cuda.bindings.driver`` is used directly: ``cuModuleLoadData`` on the cubin from
   ``compile_cuda``, ``cuModuleGetFunction`` on the symbol NVRTC lowered at compile time,
@@ -13,7 +13,7 @@ Design (DESIGN §3, §7):
   ``int32`` / ``float32``, and ``TensorMap`` objects (``cuTensorMapEncodeTiled``) as their 128
   bytes, i.e. by value for a ``const __grid_constant__ ptxtrain::TmaDescriptor`` parameter.
 - Every driver entry point first checks that ``libcuda.so.1`` can be loaded and raises a clear
-  RuntimeError otherwise (DESIGN §7: driver paths misbehave, even hang, without a driver).
+  RuntimeError otherwise (docs/design.md §7: driver paths misbehave, even hang, without a driver).
 """
 
 from __future__ import annotations
@@ -40,13 +40,12 @@ def programmatic_launch_enabled(quant: bool = False) -> bool:
 
     GEMMs: on unless ``PTXTRAIN_PDL`` is set to something other than 1 / true / yes / on (e.g.
     ``PTXTRAIN_PDL=0``). With the GEMM letting the next kernel in once its producer has issued the
-    last loads, Fp8Linear's fwd + bwd ran 0.8-1.0% faster on an H200 (geomean 1.293 / 1.305x BF16
-    against 1.282 / 1.292x without, up to 1.7% per layer,
-    benchmarks/results/2026-11-23-s18-h200/call4). Quantizers: only with ``PTXTRAIN_PDL_QUANT=1``
-    as well. Launched behind a GEMM, a quantizer of many CTA waves ran 2-13% longer that way:
-    its CTAs land on the SMs that the GEMM's early-finishing CTAs free (3.6% lost at 32768 x 512,
-    call3 and call4 there); with the GEMM letting it in only at its exit it is not slowed, and
-    not faster than without PDL either (call13).
+    last loads, Fp8Linear's fwd + bwd runs 0.8-1.0% faster on an H200 (geomean 1.293 / 1.305x
+    BF16 against 1.282 / 1.292x without, up to 1.7% per layer). Quantizers: only with
+    ``PTXTRAIN_PDL_QUANT=1`` as well. Launched behind a GEMM, a quantizer of many CTA waves runs
+    2-13% longer that way: its CTAs land on the SMs that the GEMM's early-finishing CTAs free
+    (3.6% lost at 32768 x 512); with the GEMM letting it in only at its exit it is not slowed,
+    and not faster than without PDL either.
     Read when a kernel's launch is first prepared (those are cached per process)."""
     value = os.environ.get("PTXTRAIN_PDL", "").strip()
     gemm = not value or _env_flag("PTXTRAIN_PDL")

@@ -9,10 +9,9 @@ section with a small ELF64 reader (no external tools), decodes each 16-byte inst
 and control fields, groups the FFMAs into *runs* and rewrites one control bit per FFMA according
 to a mode (:func:`patch_ffma_yield`).
 
-Measured on an H200 (session 16, call 7, ``benchmarks/results/2026-11-23-s16-h200/``): ptxas
-13 already alternates yielding and non-yielding FFMAs in the PTX GEMM's promotion, and every
-other pattern was slower (``interleave`` 0-3%, ``all`` 0-7%, ``none`` 3-13%, over the six V3
-shapes of 1D2D at M = 4096 and of wgrad), so the default stays ``"off"``.
+On an H200, ptxas 13 already alternates yielding and non-yielding FFMAs in the PTX GEMM's
+promotion, and every other pattern is slower (``interleave`` 0-3%, ``all`` 0-7%, ``none`` 3-13%,
+over the six V3 shapes of 1D2D at M = 4096 and of wgrad), so the default stays ``"off"``.
 
 Why it is safe: only FFMA instructions change, and in them only two things, both scheduling
 hints: the yield bit (bit 45 of the high word) and the operand-reuse flags (bits 58-61), which

@@ -7,15 +7,15 @@ Structure (DeepSeek-V3 report, arXiv 2412.19437, §2.1-2.2):
     MTP (depth 1): h'_i = proj([RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]) -> Block -> RMSNorm -> head
                    (shared embedding and head) predicts t_{i+2}.
 
-Precision (DESIGN §1): every projection and dense-MLP weight is a plain ``nn.Linear(bias=False)``,
-the candidates of the FP8 swap (:func:`fp8_module_filter` picks them); the routed experts are
-stacked weights in an :class:`~ptxtrain.moe.experts.Experts` module whose ``fp8`` switch sends
-them through FP8 grouped GEMMs (:func:`convert_model_to_fp8_training` does both).
-Never FP8 (they stay in the activation dtype or higher): the embedding, the output ``head``, the
-router (an ``nn.Parameter``; gate GEMM in fp32), RMSNorm (computed in fp32), RoPE (computed in
+Precision (docs/design.md §1): every projection and dense-MLP weight is a plain
+``nn.Linear(bias=False)``, the candidates of the FP8 swap (:func:`fp8_module_filter` picks them);
+the routed experts are stacked weights in an :class:`~ptxtrain.moe.experts.Experts` module whose
+``fp8`` switch sends them through FP8 grouped GEMMs (:func:`convert_model_to_fp8_training` does
+both). Never FP8 (they stay in the activation dtype or higher): the embedding, the output ``head``,
+the router (an ``nn.Parameter``; gate GEMM in fp32), RMSNorm (computed in fp32), RoPE (computed in
 complex64) and the attention core (``scaled_dot_product_attention`` in the activation dtype).
-Cross-entropy runs in fp32.
-The router's selection bias stays fp32 through any module cast (see ``ptxtrain.moe.router``).
+Cross-entropy runs in fp32. The router's selection bias stays fp32 through any module cast (see
+``ptxtrain.moe.router``).
 
 MLA follows the report's eqs. 1-11 without the inference-time weight absorption: keys and
 values are decompressed with ``wkv_b`` and the decoupled RoPE key (one per token, shared by all
@@ -715,7 +715,7 @@ def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
 
 
 def convert_model_to_fp8_training(model: nn.Module, config=None) -> nn.Module:
-    """Switch a model to FP8 training in place (DeepSeek-V3 report §3.3; DESIGN §1).
+    """Switch a model to FP8 training in place (DeepSeek-V3 report §3.3; docs/design.md §1).
 
     Swaps the Linears :func:`fp8_module_filter` selects for ``Fp8Linear`` (through
     :func:`ptxtrain.nn.convert_to_fp8_training`) and sets ``fp8 = True`` on every

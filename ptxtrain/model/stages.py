@@ -1,4 +1,6 @@
-"""Pipeline stages of a :class:`~ptxtrain.model.deepseek.DeepSeekV3` (DESIGN §5, report §3.2).
+"""Pipeline stages of a :class:`~ptxtrain.model.deepseek.DeepSeekV3`.
+
+Source: DeepSeek-V3 report §3.2; docs/design.md §5.
 
 The decoder layers are cut into ``n_stages`` consecutive slices, as even as they go
 (:func:`split_layers`); stage 0 also holds the embedding, the last stage the final norm and the

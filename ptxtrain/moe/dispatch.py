@@ -1,7 +1,7 @@
 """Expert-parallel dispatch / combine in DeepEP's shape, on ``torch.distributed.all_to_all_single``.
 
-Design note (DeepSeek-V3 report §3.2.2; DESIGN §4; the API follows DeepEP's V1 ``Buffer``,
-ANCHORS §2).
+Design note (DeepSeek-V3 report §3.2.2; docs/design.md §4; the API follows DeepEP's V1
+``Buffer``).
 
 Experts are split contiguously over the ``R`` ranks of the group: rank ``r`` holds the
 ``E_local = E / R`` experts ``[r·E_local, (r+1)·E_local)``. A token goes **once** to every rank
@@ -38,9 +38,9 @@ and unpacked with one launch each, the received rows' local ids / weights / sour
 rank come from one launch (``recv_tail``) and combine sums with one launch over a slot table
 (:mod:`ptxtrain.moe.layout`; CPU tensors take its torch twins, bit-identical). What needs no
 host-side count (the send / receive offsets; with nvlink, the packing) is queued before the
-sync, so that the host's launches after it are few: on two H200s a dispatch added 0.56x
-(nvlink) / 0.74x (all_to_all) of the GPU time it added before this split, behind queued work
-(``benchmarks/diag_dispatch_host.py``; benchmarks/results/2026-11-23-s20-h200, call 4).
+sync, so that the host's launches after it are few: behind queued work on two H200s a
+dispatch adds 0.56x (nvlink) / 0.74x (all_to_all) of the GPU time it adds with all of it
+after the sync.
 ``combine`` is one message with the splits swapped and no layout exchange (the handle
 knows everything), then an ``index_add`` per source token accumulated in fp32 (fp64 for fp64
 inputs); the backward of dispatch combines the gradients of activations and weights in one
@@ -151,7 +151,7 @@ def get_dispatch_layout(
         ValueError: ``topk_idx`` is not 2-D or holds ids outside ``[-1, E)``; ``num_experts``
             is not a positive multiple of ``num_ranks``.
 
-    Source: DeepEP ``Buffer.get_dispatch_layout`` (ANCHORS §2), without the RDMA-rank count.
+    Source: DeepEP ``Buffer.get_dispatch_layout``, without the RDMA-rank count.
     """
     check_positive_int("num_ranks", num_ranks)
     _check_experts(num_experts, num_ranks)
@@ -439,7 +439,7 @@ class EventOverlap:
     Wraps the CUDA event recorded on the communication stream after the operation, or ``None``
     on CPU (then every method is a no-op: the work is already done).
 
-    Source: DeepEP ``EventOverlap`` (ANCHORS §2).
+    Source: DeepEP ``EventOverlap``.
     """
 
     def __init__(self, event: torch.cuda.Event | None = None) -> None:
@@ -585,7 +585,7 @@ class Buffer:
             device's SM count, ``"nvlink"`` without CUDA, or the default group is not
             initialized.
 
-    Source: DeepEP V1 ``Buffer`` (ANCHORS §2); DESIGN §4.
+    Source: DeepEP V1 ``Buffer``; docs/design.md §4.
     """
 
     def __init__(
@@ -769,7 +769,7 @@ class Buffer:
                 on every rank, after the count exchange).
             RuntimeError: ``"nvlink"``: an earlier kernel timed out waiting for a peer.
 
-        Source: DeepEP ``Buffer.dispatch`` (ANCHORS §2); DESIGN §4.
+        Source: DeepEP ``Buffer.dispatch``; docs/design.md §4.
         """
         self._check_dispatch_args(x, topk_idx, topk_weights, num_experts)
         if not async_finish:
@@ -835,7 +835,7 @@ class Buffer:
                 message).
             RuntimeError: ``"nvlink"``: an earlier kernel timed out waiting for a peer.
 
-        Source: DeepEP ``Buffer.combine`` (ANCHORS §2); DESIGN §4.
+        Source: DeepEP ``Buffer.combine``; docs/design.md §4.
         """
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")

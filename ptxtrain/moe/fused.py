@@ -1,6 +1,6 @@
 """Autograd around the Triton MoE kernels, and the FP8 expert-parallel dispatch, for the MoE layer.
 
-Design note (DeepSeek-V3 report §2.1.2, §3.2.2, §3.3; DESIGN §4).
+Design note (DeepSeek-V3 report §2.1.2, §3.2.2, §3.3; docs/design.md §4).
 
 :mod:`ptxtrain.moe.triton` holds forward-only kernels, exact twins of :mod:`ptxtrain.moe.ref`.
 This module gives each one the backward the reference's autograd has, so that
@@ -223,7 +223,7 @@ def route_fused(router, x: torch.Tensor, *, seq_len: int | None = None):
         TypeError / ValueError: ``x`` is not a float ``[N, D]`` tensor the kernel takes, or is not
             on a device it runs on; ``seq_len`` does not divide ``N``.
 
-    Source: DeepSeek-V3 report §2.1.2; DESIGN §4.
+    Source: DeepSeek-V3 report §2.1.2; docs/design.md §4.
     """
     check_tensor("x", x, dtypes=HP_DTYPES, ndim=2)
     if x.shape[1] != router.dim:
@@ -303,7 +303,7 @@ def dispatch_fp8(
         TypeError / ValueError: as :func:`ptxtrain.quant.per_token_cast_to_fp8` and
             :meth:`~ptxtrain.moe.Buffer.dispatch`.
 
-    Source: DeepSeek-V3 report §3.3 (FP8 dispatch, BF16 combine); DESIGN §4.
+    Source: DeepSeek-V3 report §3.3 (FP8 dispatch, BF16 combine); docs/design.md §4.
     """
     from ptxtrain.quant import per_token_cast_to_fp8
 

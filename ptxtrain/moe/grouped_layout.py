@@ -125,7 +125,7 @@ def build_grouped_layout(topk_idx: torch.Tensor, num_experts: int, align: int) -
             not a positive int.
 
     Source: DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous`` (layout); torchtitan's token-group
-    alignment; DESIGN §2, §4.
+    alignment; docs/design.md §2, §4.
     """
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
     n_tokens, k = topk_idx.shape

@@ -26,20 +26,20 @@ always the references; ``"triton"`` always the kernels (on the CPU only under
 evaluated on the CPU), same gradient paths (the gates stay differentiable w.r.t. the router
 input and weight, the selection does not); the backward sums run in fp32 in a fixed order.
 
-Expert parallelism (:meth:`MoE.enable_expert_parallel`, report §3.2.2 / DESIGN §4): with a group
-of ``R`` ranks, rank ``r`` keeps experts ``[r·E/R, (r+1)·E/R)`` only. Every rank routes its own
-tokens over all ``E`` experts, :meth:`ptxtrain.moe.Buffer.dispatch` sends each token once to every
-rank holding one of its experts, the receiver permutes the received rows by local expert (slots
-for other ranks' experts are dropped), runs its local experts, un-permutes with the received gate
-weights (fp32 accumulation) and :meth:`~ptxtrain.moe.Buffer.combine` sums the partial outputs back
-at the source token (fp32 accumulation). Forward and backward are collectives: every rank of the
-group must run every MoE forward and backward in the same order. The router keeps counting its
+Expert parallelism (:meth:`MoE.enable_expert_parallel`, report §3.2.2 / docs/design.md §4): with a
+group of ``R`` ranks, rank ``r`` keeps experts ``[r·E/R, (r+1)·E/R)`` only. Every rank routes its
+own tokens over all ``E`` experts, :meth:`ptxtrain.moe.Buffer.dispatch` sends each token once to
+every rank holding one of its experts, the receiver permutes the received rows by local expert
+(slots for other ranks' experts are dropped), runs its local experts, un-permutes with the received
+gate weights (fp32 accumulation) and :meth:`~ptxtrain.moe.Buffer.combine` sums the partial outputs
+back at the source token (fp32 accumulation). Forward and backward are collectives: every rank of
+the group must run every MoE forward and backward in the same order. The router keeps counting its
 own rank's tokens; all-reduce ``router.expert_counts`` over the data-parallel group before
-``update_bias`` (:meth:`MoE.sync_expert_counts`, or the model's ``update_router_biases``).
-The layers of a model share ONE :class:`~ptxtrain.moe.Buffer`
+``update_bias`` (:meth:`MoE.sync_expert_counts`, or the model's ``update_router_biases``). The
+layers of a model share ONE :class:`~ptxtrain.moe.Buffer`
 (:meth:`ptxtrain.model.DeepSeekV3.enable_expert_parallel` passes it to every layer): nothing of a
-dispatch is kept on the buffer until its combine (the layout, cached indices and slot table live
-in the call's :class:`~ptxtrain.moe.DispatchHandle`; the nvlink transport's buffer holds rows only
+dispatch is kept on the buffer until its combine (the layout, cached indices and slot table live in
+the call's :class:`~ptxtrain.moe.DispatchHandle`; the nvlink transport's buffer holds rows only
 within one kernel launch), so layer after layer, forward and backward, may use it, provided the
 calls run one at a time (one CUDA stream; not with ``PTXTRAIN_PP_OVERLAP=1`` on ``"nvlink"``).
 

@@ -1,7 +1,7 @@
 """Few-launch helpers of :mod:`ptxtrain.moe.dispatch`: the send layout, row packing and the
 combine sum, each one Triton kernel with a ``torch_*`` twin (bit-identical results).
 
-Design note (DESIGN §4; why: a dispatch is host-bound, ~10-20 µs of host time per torch op).
+Design note (docs/design.md §4; why: a dispatch is host-bound, ~10-20 µs of host time per torch op).
 
 - :func:`send_layout` — everything a dispatch computes from ``topk_idx`` before the count
   exchange, in two kernels over blocks of ``BT`` tokens (one program per block; it was one
@@ -326,7 +326,7 @@ def send_layout(
         tokens (rank-major, ascending tokens), the rest unspecified; ``slot [T, R]`` int64,
         the send place of each (token, rank) pair or ``-1`` (``None`` on the torch path).
 
-    Source: DeepEP ``get_dispatch_layout`` + the notify step (ANCHORS §2); DESIGN §4.
+    Source: DeepEP ``get_dispatch_layout`` + the notify step; docs/design.md §4.
     """
     if use_triton is None:
         use_triton = triton_usable(topk_idx)
@@ -556,7 +556,8 @@ def recv_tail(
         ``s`` with ``recv_off[s] <= n < recv_off[s + 1]``); bit-identical to
         :func:`torch_recv_tail` (integer selects and copies only).
 
-    Source: DeepEP ``Buffer.dispatch``'s received ``topk_idx`` / ``topk_weights``; DESIGN §4.
+    Source: DeepEP ``Buffer.dispatch``'s received ``topk_idx`` / ``topk_weights``;
+    docs/design.md §4.
     """
     if use_triton is None:
         use_triton = triton_usable(recv_global)

@@ -1,6 +1,6 @@
 """The NVLink intranode transport of :class:`ptxtrain.moe.dispatch.Buffer` (``backend="nvlink"``).
 
-Design note (DeepSeek-V3 report §3.2.2; DESIGN §3-4; DeepEP's intranode kernels, ANCHORS §2).
+Design note (DeepSeek-V3 report §3.2.2; docs/design.md §3-4; DeepEP's intranode kernels).
 
 What moves where. The per-peer counts are exchanged by one small ``all_to_all_single`` in
 ``dispatch.py``; the NVLink kernel moves the *message rows*: for dispatch one packed row per
@@ -71,9 +71,8 @@ blocks, which waits for nothing but (a). Blocks that are not yet resident (SMs b
 kernels) delay the others, never block them forever.
 
 Pipelined variant (``pipeline=True``, compile-time; the default: in all six (threads, SMs)
-configurations of the EP4 sweep on 4 x H200 it moved 1.02-1.10x the dispatch payload bytes and
-1.01-1.09x the combine payload bytes of the barrier kernel,
-benchmarks/results/2026-11-22-s5-4xh200/call1/sweep_nvlink_f4fa698.json). Phase 4
+configurations at EP4 on 4 x H200 it moves 1.02-1.10x the dispatch payload bytes and
+1.01-1.09x the combine payload bytes of the barrier kernel). Phase 4
 above waits for *all* ``R·G`` ready flags, so no block copies out before the slowest block of
 any rank has sent. The variant removes that global barrier by making block ``b`` of every rank
 the only writer of the slots that block ``b`` of the receiver reads:
@@ -84,7 +83,7 @@ the only writer of the slots that block ``b`` of the receiver reads:
     they are copied straight to their output rows (``recv_off[rank] + j``), one local copy
     instead of two. Warp ``w`` takes the destinations in the order ``rank + 1 + w, rank + 2 +
     w, ...`` (mod ``R``), so about ``1/R`` of the warps copy locally while the others push
-    over NVLink, which 16 SMs of pushes already fill (``benchmarks/diag_nvlink.py``).
+    over NVLink, which 16 SMs of pushes already fill.
 4'. The output is grouped by source (``recv_off[s]..recv_off[s+1]``, places ``0, 1, ...``);
     for each peer source ``s``, block ``b`` waits for ``ready[s][b] ≥ epoch`` only, then
     copies out places ``j ≡ w (mod G·warps)`` of ``s``, which are exactly the places block
@@ -102,16 +101,15 @@ own GPU that could be waiting for it. Both groupings are what ``dispatch.py`` bu
 sends by destination, output by source; combine: the reverse) and are asserted by the gloo
 emulation of the kernel's contract in the tests.
 
-Split variant (``send_sms = S > 0``, compile-time ``split``; measured in
-``benchmarks/diag_nvlink.py``). In the two variants above a block sends all its rows before it
-copies any out, so the copy-out (a local copy as large as the rows received from peers) runs
-after the NVLink transfer instead of under it, and 8 SMs of pushes already fill the link. Here
-blocks ``[0, S)`` only send and blocks ``[S, G)`` only copy out:
+Split variant (``send_sms = S > 0``, compile-time ``split``). In the two variants above a block
+sends all its rows before it copies any out, so the copy-out (a local copy as large as the rows
+received from peers) runs after the NVLink transfer instead of under it, and 8 SMs of pushes already
+fill the link. Here blocks ``[0, S)`` only send and blocks ``[S, G)`` only copy out:
 
 - sender warp ``w`` (``S·warps`` of them) sends places ``j ≡ w (mod S·warps)`` of each peer, in
   turns (turn ``k``: to ``rank + 1 + k``, while receivers drain ``rank - 1 - k``: a matching,
-  so no receiver waits on a source that is still busy with another peer; measured at EP4, a
-  per-block stagger of the destinations was slower than the pipelined kernel) and in
+  so no receiver waits on a source that is still busy with another peer; at EP4 a per-block
+  stagger of the destinations is slower than the pipelined kernel) and in
   rounds of ``round_rows`` rows per warp; after each round the block syncs and one thread
   releases ``progress[rank][b] = epoch·2^32 + rounds done`` (int64, system scope) in the
   destination's flags;
@@ -167,14 +165,13 @@ __all__ = [
 ]
 
 KERNEL_NAME = "nvl_all_to_all_v"
-# threads per block: 1024 moved 1.5x (dispatch) / 1.3x (combine) the payload bytes of 512 at 24
-# SMs on 2 x H200 (benchmarks/results/2026-11-22-s4-2xh200/sweep_nvlink_9edeed0.json)
+# threads per block: 1024 moves 1.5x (dispatch) / 1.3x (combine) the payload bytes of 512 at 24
+# SMs on 2 x H200
 DEFAULT_THREADS = 1024
 DEFAULT_UNROLL = 4  # 16-byte loads in flight per lane
 DEFAULT_PIPELINE = True  # per-block flags (see the design note)
 # None: the split variant with half the SMs sending (EP2, 24 SMs: 1.24x the dispatch payload
-# rate of the pipelined kernel, 1.28x the combine's; benchmarks/results/2026-11-22-s8-2xh200/
-# call5/diag_nvlink_919e27b.json); 0: no split
+# rate of the pipelined kernel, 1.28x the combine's); 0: no split
 DEFAULT_SEND_SMS = None
 DEFAULT_ROUND_ROWS = 2
 UNROLLS = (1, 2, 4, 8)
@@ -486,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(PTXTRAIN_NVL_THREADS, 1) nvl_all_to
   // rows for this rank itself skip the buffer: they go straight to their output rows (place j
   // of this rank's own group is output row recv_off[rank] + j). Warp w visits the destinations
   // starting at rank + 1 + w, so at any time about 1/R of the warps copy locally while the
-  // others push over NVLink (measured: 16 SMs of pushes fill the link, diag_nvlink.py).
+  // others push over NVLink (16 SMs of pushes fill the link).
   for (int k = 0; k < num_ranks; ++k) {
     const int dst = (int)((rank + 1 + gwarp + k) % num_ranks);
     const long long first = send_off[dst], count = send_off[dst + 1] - first;
@@ -841,7 +838,7 @@ class NvlinkTransport:
             self._combine_launch = BoundLaunch(kernel, _SIGNATURE, self._combine_threads)
         hidden = x.shape[1]
         out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
-        senders = max(1, self.num_sms // 3)  # 8 of 24 SMs fill the link (diag_nvlink.py)
+        senders = max(1, self.num_sms // 3)  # 8 of 24 SMs fill the link
         self._run(self._combine_launch, x, send_row, out, num_tokens, send_off, recv_off,
                   hidden // 8, senders, slot.data_ptr(), hidden)  # fmt: skip
         return out

@@ -370,7 +370,7 @@ def fused_route(
         ValueError: shapes disagree, tensors are on different devices or not on CUDA (with the
             interpreter off), or the routing hyper-parameters do not fit ``E``.
 
-    Source: DeepSeek-V3 report §2.1.2 (eqs. 12-16, node-limited routing); DESIGN §4.
+    Source: DeepSeek-V3 report §2.1.2 (eqs. 12-16, node-limited routing); docs/design.md §4.
     """
     check_tensor("logits", logits, dtypes=HP_DTYPES, ndim=2)
     check_tensor("bias", bias, dtypes=(*HP_DTYPES, torch.float64), ndim=1)
@@ -462,7 +462,8 @@ def permute_quant(
             ``sf_layout`` is unknown, or the tensors are on different devices or not on CUDA
             (with the interpreter off).
 
-    Source: DeepSeek-V3 report §3.3 (FP8 activations before MoE up-projections); DESIGN §2, §4.
+    Source: DeepSeek-V3 report §3.3 (FP8 activations before MoE up-projections);
+    docs/design.md §2, §4.
     """
     check_tensor("x", x, dtypes=HP_DTYPES, ndim=2)
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
@@ -570,7 +571,7 @@ def unpermute_weighted(
         ValueError: shapes disagree, an index is out of range, or the tensors are on different
             devices or not on CUDA (with the interpreter off).
 
-    Source: DeepSeek-V3 report §2.1.2 (eq. 12, the gated sum of expert outputs); DESIGN §4.
+    Source: DeepSeek-V3 report §2.1.2 (eq. 12, the gated sum of expert outputs); docs/design.md §4.
     """
     check_tensor("y", y, dtypes=HP_DTYPES, ndim=2)
     check_tensor("sorted_slots", sorted_slots, dtypes=(torch.int64,), ndim=1)

@@ -1,4 +1,4 @@
-"""FP8 training modules: DeepSeek-V3's fine-grained FP8 Linear (report §3.3, DESIGN §1).
+"""FP8 training modules: DeepSeek-V3's fine-grained FP8 Linear (report §3.3, docs/design.md §1).
 
 Design note. For ``y = x·Wᵀ`` with x [M, K] (M tokens) and W [N, K], all three GEMMs run in
 E4M3 with fp32 dequantization scales computed online:

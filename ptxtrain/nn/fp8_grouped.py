@@ -2,7 +2,7 @@
 
 Design note. The tokens arrive in expert-contiguous order (expert 0's rows, then expert 1's, ...)
 with their counts. The three GEMMs of every expert run as one grouped GEMM each, with
-DeepSeek-V3's fine-grained FP8 recipe (report §3.3; DESIGN §1-2), as in the dense
+DeepSeek-V3's fine-grained FP8 recipe (report §3.3; docs/design.md §1-2), as in the dense
 :class:`ptxtrain.nn.Fp8Linear`:
 
 - Fprop  ``y = x·W[g]ᵀ`` — x per 1x128 tile along K, each expert's W per 128x128 block:
@@ -58,7 +58,7 @@ from ptxtrain.nn.fp8_linear import (
 
 __all__ = ["fp8_grouped_linear"]
 
-# The GEMM contracts (DESIGN §2) fix the scale granularity at 128 (also the k-grouped K unit).
+# The GEMM contracts (docs/design.md §2) fix the scale granularity and the k-grouped K unit at 128.
 _GEMM_BLOCK = 128
 
 
@@ -453,8 +453,8 @@ def fp8_grouped_linear(
             with a negative count or not summing to N; ``align`` not a positive multiple of 128;
             unknown recipe name.
 
-    Source: DeepSeek-V3 report §3.3 (FP8 recipe, MoE experts); DESIGN §1-2; DeepGEMM's grouped
-    GEMM contracts.
+    Source: DeepSeek-V3 report §3.3 (FP8 recipe, MoE experts); docs/design.md §1-2; DeepGEMM's
+    grouped GEMM contracts.
     """
     check_tensor("x", x, dtypes=HP_DTYPES, ndim=2)
     check_tensor("weight", weight, dtypes=HP_DTYPES, ndim=3)

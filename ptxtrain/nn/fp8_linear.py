@@ -6,7 +6,8 @@ Layers, top to bottom: :class:`Fp8LinearConfig` (frozen, named recipes), ``_Fp8L
 are called through :mod:`ptxtrain.gemm` and :mod:`ptxtrain.quant` at call time, so the fast
 kernels that later sit behind those names are picked up without a change here.
 
-Source: DeepSeek-V3 report §3.3; DESIGN §1; API after torchao's ``convert_to_float8_training``.
+Source: DeepSeek-V3 report §3.3; docs/design.md §1; API after torchao's
+``convert_to_float8_training``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from ptxtrain._checks import HP_DTYPES, check_tensor
 
 RECIPES: tuple[str, ...] = ("deepseek", "deepseek_pow2", "deepseek_wgrad_bf16", "bf16")
 
-# The GEMM contracts (DESIGN §2) fix the scale granularity at 128.
+# The GEMM contracts (docs/design.md §2) fix the scale granularity at 128.
 _GEMM_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8LinearConfig:
-    """How an :class:`Fp8Linear` runs its three GEMMs (DeepSeek-V3 report §3.3; DESIGN §1).
+    """How an :class:`Fp8Linear` runs its three GEMMs (DeepSeek-V3 report §3.3; docs/design.md §1).
 
     The defaults are DeepSeek's recipe: all three GEMMs in FP8 E4M3, activations and output
     gradients scaled per 1x128 tile, weights per 128x128 block, fp32 scales computed online.
@@ -429,7 +430,7 @@ class Fp8Linear(nn.Linear):
         ValueError: input is 0-D, its last dimension is not ``in_features``, or it is not on
             the weight's device.
 
-    Source: DeepSeek-V3 report §3.3; DESIGN §1.
+    Source: DeepSeek-V3 report §3.3; docs/design.md §1.
     """
 
     def __init__(

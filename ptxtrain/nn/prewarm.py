@@ -1,12 +1,9 @@
 """Compile a model's FP8 kernels ahead of its first step, on background threads.
 
-Design note (ANCHORS §1: the first run's JIT cost is DeepGEMM users' third complaint). On a
-fresh H200 the first FP8 step of ``ptxtrain train --preset small`` at 8 x 1024 tokens took
-31.5 s. Of that, NVRTC took 15.8 s in 16 compiles: the quantizer modules 3.2-4.2 s each (ten
-instantiations per module then; a launch now compiles only its own) and the GEMMs 0.3-1.0 s
-each. Triton took 7.4 s in 13 compiles (``benchmarks.diag_first_step``,
-benchmarks/results/2026-11-23-s25-h200/call7). The step needs them one after another, so it
-waits for each in turn.
+Design note (the first run's JIT cost is among the complaints DeepGEMM's users raise most).
+On a fresh H200 the first FP8 step of ``ptxtrain train --preset small`` at 8 x 1024 tokens
+compiles 16 NVRTC kernels (the GEMMs 0.3-1.0 s each, the quantizer instantiations) and 13
+Triton kernels. The step needs them one after another, so it waits for each in turn.
 
 Yet the NVRTC kernels the step will need follow from the model's shapes:
 - the PTX GEMM configs come from :func:`ptxtrain.gemm.ptx.compile_args`, the same function the
@@ -23,8 +20,8 @@ what it actually needs. The guesses are the experts' row count (the routing vari
 token count of MTP or pipeline stages. Triton kernels are not covered: their specializations
 depend on run-time argument properties.
 
-Measured (same setting, empty caches each, call9): first step 9.6-11.3 s with prewarm against
-14.5-15.6 s without; no NVRTC compile was left on the training thread.
+Effect (same setting, empty caches): first step 9.6-11.3 s with prewarm against 14.5-15.6 s
+without; no NVRTC compile is left on the training thread.
 ``PTXTRAIN_JIT_PREWARM=0`` turns it off (``ptxtrain train`` calls :func:`prewarm` for FP8 runs
 on one GPU).
 """

@@ -1,6 +1,6 @@
 """AdamW with BF16 moments, FP32 master weights and FP32 gradient accumulation.
 
-Design note (DeepSeek-V3 report §3.3 "Low-Precision Storage and Communication"; DESIGN §1):
+Design note (DeepSeek-V3 report §3.3 "Low-Precision Storage and Communication"; docs/design.md §1):
 
 * **Why BF16 moments.** Adam's two moment buffers are the largest part of optimizer state.
   DeepSeek-V3 keeps them in BF16 and reports no observable loss of quality. The arithmetic stays
@@ -30,7 +30,7 @@ Design note (DeepSeek-V3 report §3.3 "Low-Precision Storage and Communication";
   tensors that are actually allocated, for any ``torch.optim.Optimizer``.
 * **Why a multi-tensor (foreach) path.** The per-tensor update runs ~15 small ops per parameter
   (upcasts, lerp, mul/addcmul, sqrt, div, add, addcdiv, copies back, the step counter). On an H200
-  the ``small`` model (94M params in 211 tensors) spent ~49 ms of host time per step (of ~350 ms)
+  the ``small`` model (94M params in 211 tensors) spends ~49 ms of host time per step (of ~350 ms)
   in ``step`` just launching those kernels. On CUDA, ``step`` and :meth:`AdamW.clip_grad_norm_`
   therefore group the parameters by (device, dtypes, master or not) and run each group through a
   fixed ~15 ``torch._foreach_*`` calls, in chunks of at most 2^25 elements so the FP32
@@ -44,7 +44,7 @@ Design note (DeepSeek-V3 report §3.3 "Low-Precision Storage and Communication";
   2-norm in clipping also differs by a few ulps: ``_foreach_norm`` sums in another order.
 * **Why a fused path** (``fused``, the default on CUDA). The foreach path still runs ~15 kernels
   per chunk, most of them a full pass over some operand or an FP32 temporary: training a 4.19 B
-  parameter MoE on an H200, its step took 130 ms, ~5x the bandwidth floor and 37% of the GPU
+  parameter MoE on an H200, its step takes 130 ms, ~5x the bandwidth floor and 37% of the GPU
   time of a step. The update needs each element's operands once. Bytes moved per element:
 
   ==============================================  ==========  ===========  =====
@@ -284,7 +284,7 @@ def _nbytes(t: torch.Tensor) -> int:
 class AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with BF16 moments and FP32 master weights and gradients.
 
-    The DeepSeek-V3 optimizer recipe (report §3.3; DESIGN §1 "AdamW"). The update is exactly
+    The DeepSeek-V3 optimizer recipe (report §3.3; docs/design.md §1 "AdamW"). The update is exactly
     ``torch.optim.AdamW``'s, in FP32 (or FP64 for FP64 params), per element::
 
         w ← w · (1 − lr·weight_decay)

@@ -1,4 +1,5 @@
-"""DualPipe: bidirectional pipeline schedule (DeepSeek-V3 report §3.2.1; DESIGN §5, ANCHORS §3).
+"""DualPipe: bidirectional pipeline schedule (DeepSeek-V3 report §3.2.1; docs/design.md §5), after
+deepseek-ai/DualPipe.
 
 Design notes:
 

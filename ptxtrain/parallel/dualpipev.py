@@ -1,4 +1,5 @@
-"""DualPipeV: DualPipe "cut in half", PP stages on PP/2 ranks in a V (DESIGN §5, ANCHORS §3).
+"""DualPipeV: DualPipe "cut in half", PP stages on PP/2 ranks in a V (docs/design.md §5), after
+deepseek-ai/DualPipe's DualPipeV.
 
 Design notes:
 

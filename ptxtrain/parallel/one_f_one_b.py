@@ -1,6 +1,6 @@
 """1F1B pipeline schedule (one forward, one backward), the baseline DualPipe is measured against.
 
-Design notes (DESIGN §5, ANCHORS §3):
+Design notes (docs/design.md §5; the baseline of deepseek-ai/DualPipe's bubble comparison):
 
 - PP ranks, rank s holds stage s; micro-batches enter at rank 0 and the loss is computed at rank
   PP-1. Each rank runs (1) warmup: ``min(PP-1-s, N)`` forwards, (2) steady state: one forward then

@@ -1,6 +1,6 @@
 """Where each pipeline stage lives under each schedule, and the schedule object of one rank.
 
-Placement (DESIGN §5; DeepSeek-V3 report §3.2.1), for PP pipeline ranks:
+Placement (docs/design.md §5; DeepSeek-V3 report §3.2.1), for PP pipeline ranks:
 
 =========== ======== ==================================================================
 schedule    stages   rank r holds

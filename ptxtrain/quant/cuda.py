@@ -1,5 +1,5 @@
 """Hand-written CUDA FP8 quantizers (NVRTC through :mod:`ptxtrain.jit`), bit-exact twins of
-:mod:`ptxtrain.quant.ref`, aimed at the transposed quantizations (DESIGN §1, §3).
+:mod:`ptxtrain.quant.ref`, aimed at the transposed quantizations (docs/design.md §1, §3).
 
 Design note. One kernel template (``ptxtrain/quant/kernels/cast_transpose.cuh``, whose header
 comment has the details) covers every quantizer: a CTA of 256 threads owns one 128x128 tile of
@@ -93,8 +93,8 @@ __all__ = [
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 # Ops that ``auto`` sends to this backend on sm_90: the transposed ones, where the Triton kernels
 # reach only 0.50-0.67 of copy bandwidth, and the 128x128 block cast (worst over 4096x7168,
-# 7168x4096 and 16384x7168 bf16 on an H200: 0.88 of copy here against Triton's 0.79;
-# benchmarks/results/2026-11-22-s7-h200/call7 and call9). The plain 1x128 cast stays on Triton
+# 7168x4096 and 16384x7168 bf16 on an H200: 0.88 of copy here against Triton's 0.79). The
+# plain 1x128 cast stays on Triton
 # (0.82-0.86 there against 0.81 here).
 AUTO_OPS = frozenset(
     {
@@ -171,28 +171,26 @@ VARIANTS: dict[str, Variant] = {
     "lean_pair": Variant(pair=True, **_FAST),
     "t512_pair": Variant(threads=512, pair=True, **_FAST),
     # 64 registers: 4 CTAs of 256 / 2 of 512 threads per SM (50% occupancy) instead of 3 / 1,
-    # no spills with the session-8 kernels. Measured within 1% of lean_pair / t512_pair
-    # (benchmarks/results/2026-11-22-s8-h200/call12/): occupancy does not limit these kernels.
+    # no spills. Within 1% of lean_pair / t512_pair on an H200: occupancy does not limit these
+    # kernels.
     "pair_occ4": Variant(pair=True, min_ctas=4, **_FAST),
     "t512_pair_occ2": Variant(threads=512, pair=True, min_ctas=2, **_FAST),
     # cp.async double buffering (two 32 KB bf16 tiles per CTA), persistent grids: 3 CTAs of 256
     # threads per SM (shared memory allows 3), or 2. On an H200 the fused 1x128 + 128x1 kernel
-    # ran 0.80-0.84 of copy with them against pair_occ4's 0.86-0.87; 128x1 alone 0.88 against
-    # 0.86-0.87 at 4096 x 24576 / 32768 only (benchmarks/results/2026-11-23-s17-h200/call5).
+    # runs 0.80-0.84 of copy with them against pair_occ4's 0.86-0.87; 128x1 alone 0.88 against
+    # 0.86-0.87 at 4096 x 24576 / 32768 only.
     "async_pair": Variant(tiles_per_cta=0, async_copy=True, pair=True, min_ctas=3, **_FAST),
     "async_pair_occ2": Variant(tiles_per_cta=0, async_copy=True, pair=True, min_ctas=2, **_FAST),
 }
 # The variant each public quantizer runs (update from ``python -m benchmarks.sweep_quant
 # --cuda``: the fastest variant per op, by the worst fraction of copy bandwidth over 4096x7168,
-# 7168x4096 and 16384x7168 bf16). Measured on an H200 with the FULL kernels
-# (benchmarks/results/2026-11-22-s7-h200/call9/sweep_quant_cuda_3725a1c.json): both 0.74
+# 7168x4096 and 16384x7168 bf16). Measured on an H200 with the FULL kernels: both 0.74
 # (lean 0.71, default 0.68), 128x1 0.78, 128x128 0.88, W+Wᵀ 0.83 (lean; lean_pair 0.82), 1x128
 # 0.81 (t512_pair; default 0.79). With MN-major scales (the layout Fp8Linear asks for on CUDA;
-# sweep_quant --sf-layout mn_major over 4096x7168, 8192x7168, 16384x4096,
-# benchmarks/results/2026-11-22-s9-h200/call10/), worst shape each: both 0.865 with pair_occ4
-# (lean_pair 0.842), 128x1 0.856 (lean_pair), 1x128 0.879 (t512_pair; lean_pair 0.876 but 0.903
-# on average), 128x128 0.881 (lean_pair), W+Wᵀ 0.854 (lean). pair_occ4 with row-major scales was
-# within 1% of lean_pair in session 8 (benchmarks/results/2026-11-22-s8-h200/call12/).
+# sweep_quant --sf-layout mn_major over 4096x7168, 8192x7168, 16384x4096), worst shape each:
+# both 0.865 with pair_occ4 (lean_pair 0.842), 128x1 0.856 (lean_pair), 1x128 0.879 (t512_pair;
+# lean_pair 0.876 but 0.903 on average), 128x128 0.881 (lean_pair), W+Wᵀ 0.854 (lean).
+# pair_occ4 with row-major scales is within 1% of lean_pair.
 SELECT: dict[str, str] = {
     "per_token_cast_to_fp8": "t512_pair",
     "per_token_cast_to_fp8_t": "lean_pair",
@@ -263,9 +261,9 @@ def compile_module(
         full: the ``FULL`` instantiations (whole 128x128 tiles and aligned accesses only, no
             bounds checks; :func:`_full`), a separate module compiled on first use.
         mode: ``(block, row, col, pow2)``: that one instantiation only, what a launch compiles
-            (NVRTC took 0.45 s for one against 2.8 s for all ten on a 2-core CPU; the first FP8
-            training step compiled four ten-instantiation modules, 3.2-4.2 s each on an H200
-            host, benchmarks/results/2026-11-23-s25-h200/call7); None: all ten.
+            (NVRTC takes 0.45 s for one against 2.8 s for all ten on a 2-core CPU; four
+            ten-instantiation modules would cost the first FP8 training step 3.2-4.2 s each on
+            an H200 host); None: all ten.
 
     Returns:
         :class:`ptxtrain.jit.CompiledKernel` with the instantiations of
@@ -579,7 +577,7 @@ def per_token_cast_to_fp8(
             ``sf_layout`` is unknown.
         RuntimeError: the CUDA driver is missing or a launch failed.
 
-    Source: DeepSeek-V3 report §3.3 (fine-grained quantization); DESIGN §1.
+    Source: DeepSeek-V3 report §3.3 (fine-grained quantization); docs/design.md §1.
     """
     x = _check_input("x", x, block)
     sf_layout = check_sf_layout(sf_layout)
@@ -607,7 +605,7 @@ def per_token_cast_to_fp8_t(
     Raises:
         TypeError / ValueError / RuntimeError: as :func:`per_token_cast_to_fp8`.
 
-    Source: DeepSeek-V3 report §3.3 (wgrad operands quantized along tokens); DESIGN §1.
+    Source: DeepSeek-V3 report §3.3 (wgrad operands quantized along tokens); docs/design.md §1.
     """
     x = _check_input("x", x, block)
     sf_layout = check_sf_layout(sf_layout)
@@ -635,7 +633,7 @@ def per_token_cast_to_fp8_both(
         TypeError / ValueError / RuntimeError: as :func:`per_token_cast_to_fp8`.
 
     Source: DeepSeek-V3 report §3.3 (the transposed re-quantization it names as a memory-traffic
-    cost); DESIGN §1.
+    cost); docs/design.md §1.
     """
     x = _check_input("x", x, block)
     sf_layout = check_sf_layout(sf_layout)
@@ -662,7 +660,7 @@ def per_block_cast_to_fp8(
     Raises:
         TypeError / ValueError / RuntimeError: as :func:`per_token_cast_to_fp8` (naming ``w``).
 
-    Source: DeepSeek-V3 report §3.3; DESIGN §1.
+    Source: DeepSeek-V3 report §3.3; docs/design.md §1.
     """
     w = _check_input("w", w, block)
     if block != _TILE:
@@ -686,7 +684,7 @@ def per_block_cast_to_fp8_both(
     Raises:
         TypeError / ValueError / RuntimeError: as :func:`per_block_cast_to_fp8`.
 
-    Source: DeepSeek-V3 report §3.3 (Fprop reads W, Dgrad reads Wᵀ); DESIGN §1.
+    Source: DeepSeek-V3 report §3.3 (Fprop reads W, Dgrad reads Wᵀ); docs/design.md §1.
     """
     w = _check_input("w", w, block)
     if block != _TILE:

@@ -123,7 +123,7 @@ def per_token_cast_to_fp8(
         TypeError: ``x`` is not a float32/bfloat16/float16 tensor.
         ValueError: ``x`` is not 2-D, or ``block`` is not a positive int.
 
-    Source: DeepSeek-V3 report §3.3 (fine-grained quantization); DESIGN §1.
+    Source: DeepSeek-V3 report §3.3 (fine-grained quantization); docs/design.md §1.
     """
     _check_hp_2d("x", x)
     _check_block(block)
@@ -196,7 +196,7 @@ def per_block_cast_to_fp8(
     Raises:
         TypeError / ValueError: as :func:`per_token_cast_to_fp8`.
 
-    Source: DeepSeek-V3 report §3.3; DESIGN §1.
+    Source: DeepSeek-V3 report §3.3; docs/design.md §1.
     """
     check_tensor("w", w, dtypes=HP_DTYPES, ndim=2)
     _check_block(block)
@@ -225,7 +225,8 @@ def per_block_cast_to_fp8_both(
     Raises:
         TypeError / ValueError: as :func:`per_block_cast_to_fp8`.
 
-    Source: DeepSeek-V3 report §3.3 (W is used in Fprop and, transposed, in Dgrad); DESIGN §1.
+    Source: DeepSeek-V3 report §3.3 (W is used in Fprop and, transposed, in Dgrad);
+    docs/design.md §1.
     """
     w_fp8, sf = per_block_cast_to_fp8(w, block, pow2_scale=pow2_scale)
     return w_fp8, sf, w_fp8.t().contiguous(), sf.t().contiguous()

@@ -1,4 +1,4 @@
-"""Triton FP8 quantizers, bit-exact twins of :mod:`ptxtrain.quant.ref` (DESIGN §1, §3).
+"""Triton FP8 quantizers, bit-exact twins of :mod:`ptxtrain.quant.ref` (docs/design.md §1, §3).
 
 Design note.
 
@@ -11,7 +11,7 @@ Design note.
   ``tl.trans``. With both flags (the fused kernel) a program owns a 128x128 tile walked in
   64-column chunks; its row amaxes need the whole 128 columns first, so it makes a first pass
   over the chunks for them and re-reads the tile from L1/L2 in the second. On the GPU that
-  fused kernel measured slower (0.40 of copy bandwidth) than the two single-flag kernels run
+  fused kernel is slower (0.40 of copy bandwidth) than the two single-flag kernels run
   one after the other (0.50), so ``per_token_cast_to_fp8_both`` runs those there (see
   ``_config_1x``); the fused one serves the interpreter and explicit configs.
   ``per_token_cast_to_fp8_t`` uses narrow 128x64 tiles (one chunk). The grid is
@@ -42,8 +42,8 @@ Design note.
 Scales: ``sf_layout="row"`` gives row-major scales (the reference's layout); ``"mn_major"`` gives
 the same values in an MN-major tensor: shape ``[rows, ⌈cols/128⌉]``, strides ``(1, rows_pad)``
 with ``rows_pad = 4·⌈rows/4⌉`` (TMA wants 16-byte aligned columns), the layout of DeepGEMM's
-``get_col_major_tma_aligned_tensor`` and of the LHS scales of ``torch._scaled_mm`` (DESIGN §2).
-The padding entries are not allocated past the last column and are not written.
+``get_col_major_tma_aligned_tensor`` and of the LHS scales of ``torch._scaled_mm``
+(docs/design.md §2). The padding entries are not allocated past the last column and are not written.
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def _config_1x(m: int, block: int, *, row: bool, col: bool, interpreted: bool = 
     if interpreted and col:
         return _Config(block_m=block, block_k=block, sub_k=block, num_warps=4)
     # Measured on an H200 at 4096 / 8192 x 7168 and 4096 x 2112 bf16, fraction of copy bandwidth
-    # (benchmarks/sweep_quant.py; results in benchmarks/results/2026-11-22-quant-sweep-h200):
+    # (benchmarks/sweep_quant.py):
     # 1x128 at block_m 32: 0.76-0.86 (16: same, 64: 0.71-0.84, 128 with 8 warps: 0.69-0.81);
     # 128x1 at block_k 64: 0.62-0.67 (32: 0.58-0.60, 128: 0.43-0.45, 8 warps slower); fused
     # both at sub_k 64: 0.40 (32: 0.27-0.35, 128: 0.34). Transposing the 16-bit input instead of
@@ -395,7 +395,7 @@ def per_token_cast_to_fp8(
         ValueError: ``x`` is not 2-D, is not on CUDA while the interpreter is off, ``block`` is
             not a power of two in [16, 128], or ``sf_layout`` is unknown.
 
-    Source: DeepSeek-V3 report §3.3; DESIGN §1.
+    Source: DeepSeek-V3 report §3.3; docs/design.md §1.
     """
     x, block = _check_input("x", x, block)
     sf_layout = check_sf_layout(sf_layout)
@@ -420,7 +420,7 @@ def per_token_cast_to_fp8_t(
     Raises:
         TypeError / ValueError: as :func:`per_token_cast_to_fp8`.
 
-    Source: DeepSeek-V3 report §3.3 (wgrad operands quantized along tokens); DESIGN §1.
+    Source: DeepSeek-V3 report §3.3 (wgrad operands quantized along tokens); docs/design.md §1.
     """
     x, block = _check_input("x", x, block)
     sf_layout = check_sf_layout(sf_layout)
@@ -432,7 +432,7 @@ def per_token_cast_to_fp8_both(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`per_token_cast_to_fp8` and :func:`per_token_cast_to_fp8_t` of one tensor.
 
-    On the GPU the two kernels run one after the other (x is read twice): measured faster than
+    On the GPU the two kernels run one after the other (x is read twice): faster than
     the fused one-read kernel, whose transposed stores run at 0.40 of copy bandwidth (module
     note). Under the interpreter the fused kernel runs.
 
@@ -448,7 +448,7 @@ def per_token_cast_to_fp8_both(
         TypeError / ValueError: as :func:`per_token_cast_to_fp8`.
 
     Source: DeepSeek-V3 report §3.3 (the transposed re-quantization it names as a memory-traffic
-    cost); DESIGN §1.
+    cost); docs/design.md §1.
     """
     x, block = _check_input("x", x, block)
     sf_layout = check_sf_layout(sf_layout)
@@ -473,7 +473,7 @@ def per_block_cast_to_fp8(
     Raises:
         TypeError / ValueError: as :func:`per_token_cast_to_fp8` (naming ``w``).
 
-    Source: DeepSeek-V3 report §3.3; DESIGN §1.
+    Source: DeepSeek-V3 report §3.3; docs/design.md §1.
     """
     w, block = _check_input("w", w, block)
     return _quant_block(w, block, pow2_scale, transposed=False)
@@ -523,7 +523,7 @@ def per_block_cast_to_fp8_both(
     Raises:
         TypeError / ValueError: as :func:`per_block_cast_to_fp8`.
 
-    Source: DeepSeek-V3 report §3.3 (Fprop reads W, Dgrad reads Wᵀ); DESIGN §1.
+    Source: DeepSeek-V3 report §3.3 (Fprop reads W, Dgrad reads Wᵀ); docs/design.md §1.
     """
     w, block = _check_input("w", w, block)
     return _quant_block(w, block, pow2_scale, transposed=True)

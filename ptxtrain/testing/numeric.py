@@ -12,7 +12,7 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
     0 for identical tensors, about ``‖x - y‖² / (2‖y‖²)`` for nearby ones, 1 for orthogonal ones.
     FP8 x FP8 GEMMs pass at ``< 1e-3`` against a high-precision matmul of the unquantized inputs
-    (DESIGN §2). Empty tensors give 0; a NaN anywhere gives NaN (which fails any ``<`` check).
+    (docs/design.md §2). Empty tensors give 0; a NaN anywhere gives NaN, failing any ``<`` check.
 
     Raises:
         ValueError: the shapes differ.

@@ -1,9 +1,9 @@
 """Test-only patch of Triton 3.6's CPU interpreter (``TRITON_INTERPRET=1``): GPU float semantics.
 
 The interpreter converts between floating-point types with its own bit arithmetic, which differs
-from the GPU (DESIGN §7): float→fp8 rounds half away from zero and neither saturates nor keeps NaN
-(500 → 256 instead of 448), float32→bfloat16 truncates instead of rounding to nearest even, a
-``tl.dot`` on bfloat16 operands multiplies their raw bits as integers, and ``tl.fma`` rounds
+from the GPU (docs/design.md §7): float→fp8 rounds half away from zero and neither saturates nor
+keeps NaN (500 → 256 instead of 448), float32→bfloat16 truncates instead of rounding to nearest
+even, a ``tl.dot`` on bfloat16 operands multiplies their raw bits as integers, and ``tl.fma`` rounds
 twice. Kernels checked bit for bit against a PyTorch reference need the GPU's semantics, which
 torch's CPU casts have (RNE, saturating to ±448 for ``float8_e4m3fn``, NaN kept).
 

@@ -383,10 +383,9 @@ def deterministic_mode(enabled: bool = True):
     attention) sums dQ in an order that depends on timing unless deterministic algorithms are
     on: a warn-only mode still runs the fast, nondeterministic kernel (PyTorch warns "cuDNN
     Attention defaults to a non-deterministic algorithm"). On an H200 one forward + backward of
-    the ``small`` model in 30 gave other dQ-path gradients (``benchmarks.diag_determinism
-    --async-repeats``, benchmarks/results/2026-11-23-s25-h200/call1); a last-bit difference
-    can flip an expert choice (one FP8 training run in ten left the others at step 3, session
-    24). ptxtrain's own kernels (GEMMs, quantizers, MoE layout, dispatch / combine sums) are
+    the ``small`` model in 30 gives other dQ-path gradients; a last-bit difference can flip an
+    expert choice (about one FP8 training run in ten departs from the others by step 3).
+    ptxtrain's own kernels (GEMMs, quantizers, MoE layout, dispatch / combine sums) are
     deterministic already. Cost on an H200 (``small``, 8 x 1024 tokens): 0.84-0.89x the
     tokens/s (cuDNN attention has no deterministic backward, PyTorch runs its memory-efficient
     kernel instead; index ops take sort-based paths).

@@ -3,7 +3,7 @@
 Every rank builds the whole model from the seed (so initialization is the single-process one),
 cuts it into stages (:class:`~ptxtrain.model.stages.DeepSeekV3Stage`, which share the model's
 submodules) and keeps the ones :func:`~ptxtrain.parallel.stages.stages_of_rank` gives it; the
-optimizer is built over those stages' parameters only. A step (DESIGN §5)::
+optimizer is built over those stages' parameters only. A step (docs/design.md §5)::
 
     micro-batches = the batch split into num_chunks along dim 0
     schedule.step(...)          1F1B / DualPipe / DualPipeV; loss per micro-batch
@@ -186,12 +186,11 @@ class PipelineRunner:
         overlap: DualPipe / DualPipeV: run the F&B steps through
             :meth:`DeepSeekV3Stage.overlapped_forward_backward` (two CUDA streams). None (the
             default) reads the environment variable ``PTXTRAIN_PP_OVERLAP``: ``1`` turns it on,
-            unset or ``0`` leaves it off. Off by default because it measured slower on H200s
+            unset or ``0`` leaves it off. Off by default because it is slower on H200s
             (``small``, 32 x 512 tokens): DualPipe 48,635 tokens/s without it against 37,351
-            with it at PP = 2, 34,332 against 33,141 at PP = 4
-            (benchmarks/results/2026-11-22-s6-2xh200, -s6-4xh200). The MoE layer reads its
+            with it at PP = 2, 34,332 against 33,141 at PP = 4. The MoE layer reads its
             expert counts back to the host in the forward, so the host waits for the device
-            mid-cell and the two streams' work cannot overlap; those reads cost 3x longer with
+            mid-cell and the two streams' work cannot overlap; those reads take 3x longer with
             the overlap on (cudaMemcpyAsync 54 vs 16 µs per call, torch.profiler).
 
     Raises:

@@ -2,7 +2,7 @@
 
 import os
 
-# DeepGEMM's FP8 x FP8 bar (DESIGN §2): e4m3's 3 mantissa bits give each operand ~2.6% RMS
+# DeepGEMM's FP8 x FP8 bar (docs/design.md §2): e4m3's 3 mantissa bits give each operand ~2.6% RMS
 # relative error per element, so calc_diff of a random-input GEMM sits near 6-8e-4; a wrong scale
 # index, a missed K block, a wrong group or a transposed tile pushes it far above 1e-2.
 CALC_DIFF_MAX = 1e-3

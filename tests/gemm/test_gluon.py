@@ -245,7 +245,7 @@ def test_gpu_matches_reference(m, n, k, kind, cfg):
     want = _reference(kind, qa, qb)
     # Same FP8 products, same per-128-K promotion: only the fp32 summation order differs.
     assert calc_diff(out, want) < 1e-6, (m, n, k, kind, cfg)
-    # The GEMM contract (DESIGN §2): within calc_diff 1e-3 of the unquantized product.
+    # The GEMM contract (docs/design.md §2): within calc_diff 1e-3 of the unquantized product.
     assert calc_diff(out, x @ w.t()) < CALC_DIFF_MAX
     if kind == "1d1d":  # D += (wgrad accumulation into fp32)
         before = out.clone()
@@ -370,8 +370,7 @@ def test_gpu_store_buffers_across_tiles(block_m, buffers):
 def test_gpu_pointer_epilogue_across_tiles(block_m, kind):
     """Pointer stores (an fp32 view with rows of 4163 floats) with several tiles per program
     (528 or 264 tiles on 132 SMs), three runs. Without the scales' loads completed before the
-    stage's release, 0.1% of these outputs were wrong, in different places each run (session
-    15, calls 10-11)."""
+    stage's release, 0.1% of these outputs come out wrong, in different places each run."""
     from ptxtrain.gemm import gluon
 
     m, n, k = 2048, 4160, 512

@@ -52,14 +52,14 @@ def test_config_is_valid_and_fills_the_sms(kind, m, n, k):
 
 
 def test_config_at_large_and_decode_m():
-    # M = 4096: 128x128 tiles with double accumulators and no multicast measured fastest on 4 of
-    # the 6 V3 shapes on an H200 (benchmarks/sweep_ptx.py).
+    # M = 4096: 128x128 tiles with double accumulators and no multicast are the fastest on 4 of
+    # the 6 V3 shapes on an H200.
     cfg = ptx.select_config("1d2d", 4096, 4096, 7168, H200_SMS)
     assert (cfg.block_m, cfg.block_n, cfg.cluster, cfg.double_acc) == (128, 128, 1, True)
     # Decode-sized M: narrow tiles spread over the SMs, one 64-row math warpgroup per tile at
     # M <= 64; at M = 128 the 64xBN pick (BN >= 64) becomes one 128-row M-block of BN / 2
-    # columns, two warpgroups per tile (session 18, calls 15-16; at M = 100 that was slower, so
-    # it keeps the 64-row tiles).
+    # columns, two warpgroups per tile (at M = 100 that is slower, so it keeps the 64-row
+    # tiles).
     for (m, n, k), (bm, bn) in {
         (64, 2112, 7168): (64, 32),
         (64, 32768, 512): (64, 128),
@@ -645,12 +645,12 @@ def _check_split(kind, m, n, k, out_dtype, accumulate, cfg):
 def test_gpu_repeated_runs_are_bitwise_equal(cfg, n, k):
     # Each kernel adds its FP32 block products (and split slices) in a fixed order, so runs on
     # the same operands must agree bitwise. A race between a math warp's shared-memory reads of
-    # a stage's scales and the producer's next TMA into that stage broke this (8 rows x 128
-    # columns of one tile; with the release fence removed, PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE,
-    # such runs differed). The cluster cases reuse stages across a CTA pair (a peer's multicast
-    # overwrites a stage only after both CTAs released it, by remote arrives) and the split case
-    # hands the workspace between CTAs; few stages recycle them fast (session 13's review of
-    # these paths).
+    # a stage's scales and the producer's next TMA into that stage breaks this (8 rows x 128
+    # columns of one tile) unless the release fence orders them: with the fence removed
+    # (PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE) such runs differ. The cluster cases reuse stages
+    # across a CTA pair (a peer's multicast overwrites a stage only after both CTAs released it,
+    # by remote arrives) and the split case hands the workspace between CTAs; few stages recycle
+    # them fast.
     m = 4096
     x, w = _inputs(m, n, k, seed=11)
     qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)

@@ -182,7 +182,7 @@ def test_layouts_give_identical_results():
     x, w = _inputs(m, n, k, seed=3)
     (a8, sa), (b8, sb) = _quantize(x, w, "1d2d")
     base = tg.fp8_gemm_nt((a8, sa), (b8, sb), out_dtype=torch.float32)
-    # sf_a MN-major, as cuBLAS wants it (DESIGN §2): strides (1, M).
+    # sf_a MN-major, as cuBLAS wants it (docs/design.md §2): strides (1, M).
     sa_mn = sa.t().contiguous().t()
     assert sa_mn.stride() == (1, m)
     assert_bitwise_equal(tg.fp8_gemm_nt((a8, sa_mn), (b8, sb), out_dtype=torch.float32), base)
@@ -370,7 +370,7 @@ def test_compile_for_sm90a_without_gpu(tmp_path):
         # 4 WGMMAs of k = 32 per 128-K block, e4m3 x e4m3 with fp32 accumulators.
         assert r["wgmma_e4m3"] >= 4, (name, r)
         assert (r["tma"] > 0) == ("tma" in name), (name, r)
-        # No warp-specialized region (Triton's Hopper pass faults on sm_90, session 14).
+        # No warp-specialized region (Triton 3.6's Hopper pass faults on sm_90).
         assert r["ws_ops"] == 0 and r["warps"] == 4 * (1 + ("bn256" in name)), (name, r)
         if "sass_qgmma" not in r:
             continue  # cuobjdump missing from the wheel: PTX checks only

@@ -182,8 +182,8 @@ def test_ffma_runs_are_the_promotions(kernels, name):
     # Every FFMA of the GEMM is FP32 promotion: runs of 64 (a 64-row x 128-column tile per
     # warpgroup, 128 threads: 64 accumulators each), one per promotion site, or of a few sites
     # that ptxas scheduled back to back (at most sass.MAX_RUN_GAP other instructions between
-    # them: since session 19's fp32 staging, two of the 1D1D kernel's eight sites form one run
-    # of 128), never a part of one.
+    # them: with the fp32 epilogue's swizzled staging, two of the 1D1D kernel's eight sites form
+    # one run of 128), never a part of one.
     ins = _instructions(*kernels[name])
     runs = sass.ffma_runs(ins)
     assert runs and all(len(r) % 64 == 0 for r in runs), [len(r) for r in runs]

@@ -1,13 +1,13 @@
 """Expert-parallel dispatch / combine on gloo, against single-process recomputations.
 
-Following DeepEP's test method (ANCHORS §2): every rank builds *all* ranks' inputs from one seed,
-so it can recompute, in plain Python, what it must receive. Rows are rank-encoded (column 0 = the
-source rank, column 1 = the source token index), so the order of received rows is checked both
-against the recomputation and by decoding the rows themselves. Each world size spawns its
-processes once and runs every check inside, once on ``all_to_all_single`` and once through the
-nvlink backend's Python side (index lists, byte rows, padding, capacity, autograd) with the
-kernel replaced by :class:`GlooTransport`, a gloo emulation of its contract. The kernel itself is
-tested on GPUs in ``test_nvlink.py``.
+Following DeepEP's test method (its tests/test_intranode.py): every rank builds *all* ranks'
+inputs from one seed, so it can recompute, in plain Python, what it must receive. Rows are
+rank-encoded (column 0 = the source rank, column 1 = the source token index), so the order of
+received rows is checked both against the recomputation and by decoding the rows themselves. Each
+world size spawns its processes once and runs every check inside, once on ``all_to_all_single`` and
+once through the nvlink backend's Python side (index lists, byte rows, padding, capacity, autograd)
+with the kernel replaced by :class:`GlooTransport`, a gloo emulation of its contract. The kernel
+itself is tested on GPUs in ``test_nvlink.py``.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def _check_validation(buf, rank):
     with pytest.raises(ValueError, match="k=3"):  # a wider topk_idx on one rank
         buf.dispatch(x, idx[:, [0, 1, 1]] if odd else idx, w[:, [0, 1, 1]] if odd else w, n_exp)
     # Another num_experts on one rank: its count message has another number of columns, padded
-    # to the same width for the exchange, so every rank raises (gloo used to abort the process).
+    # to the same width for the exchange, so every rank raises (unpadded, gloo aborts the process).
     with pytest.raises(ValueError, match="num_experts"):
         buf.dispatch(x, idx, w, 2 * n_exp if odd else n_exp)
     with pytest.raises(ValueError, match="at most 1024 per rank"):  # before any communication

@@ -9,9 +9,9 @@ each:
     # or, under torchrun (from the repository root):
     torchrun --nproc-per-node 2 -m tests.moe.test_nvlink
 
-Inputs follow DeepEP's test method (ANCHORS §2), reusing ``test_dispatch``'s rank-encoded
-scenarios (uneven and skewed loads, a rank with no tokens, a rank receiving nothing, a rank
-sending nothing, several experts of a token on one rank).
+Inputs follow DeepEP's test method (its tests/test_intranode.py), reusing ``test_dispatch``'s
+rank-encoded scenarios (uneven and skewed loads, a rank with no tokens, a rank receiving
+nothing, a rank sending nothing, several experts of a token on one rank).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from ptxtrain.testing import assert_bitwise_equal, calc_diff, sqnr_db
 from ptxtrain.testing.shapes import DSV3_DENSE_NK
 
 # DeepGEMM's oracle for an FP8 GEMM against a high-precision matmul of the unquantized inputs
-# (DESIGN §2). Each of the three outputs (y, dx, dW) is one FP8 x FP8 GEMM of two 1x128 / 128x128
-# quantized operands, so all three see the same error statistic: measured 5.5e-4 to 6.8e-4 over
-# the cases below (Gaussian data), fp32 or bf16 alike. The same bar therefore holds for the
+# (docs/design.md §2). Each of the three outputs (y, dx, dW) is one FP8 x FP8 GEMM of two 1x128 /
+# 128x128 quantized operands, so all three see the same error statistic: measured 5.5e-4 to 6.8e-4
+# over the cases below (Gaussian data), fp32 or bf16 alike. The same bar therefore holds for the
 # gradients; a wrong scale or a row sent to the wrong expert gives calc_diff ~ 1e-1 or more.
 CALC_DIFF_MAX = 1e-3
 # torchao's bar as used for the dense Fp8Linear (tests/nn/test_fp8_linear.py): 28.6-29.6 dB

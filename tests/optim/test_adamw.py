@@ -412,7 +412,7 @@ def test_state_bytes_bf16_model_is_14_bytes_per_param():
     expected["per_param"] = expected["total"] / n
     assert got == expected
     core = got["total"] - got["other"]
-    assert core == 14 * n  # 2 + 4 + 4 + 2 + 2, DESIGN §1
+    assert core == 14 * n  # 2 + 4 + 4 + 2 + 2, docs/design.md §1
 
     opt.zero_grad()
     assert opt.state_bytes()["grad"] == 0

@@ -58,9 +58,8 @@ def run_gloo(fn, world: int, *args, timeout_s: float = 60.0, hard_exit: bool = F
     ``hard_exit``: a rank that finished ``fn`` and left the group ends with ``os._exit(0)``
     instead of the interpreter's normal teardown. For workers that ran ``torch.profiler``:
     torch 2.13's teardown after a profiled gloo run aborts ("terminate called without an active
-    exception", no Python frame on the stack) now and then (once in ~100 runs on 2 cores in
-    session 13, and once in CI), after the worker's results were written. An error
-    raised by ``fn`` still propagates as before.
+    exception", no Python frame on the stack) now and then (about once in 100 runs on 2 cores),
+    after the worker's results are written. An error raised by ``fn`` still propagates.
     """
     ctx = mp.start_processes(
         _entry, args=(world, _free_port(), fn, args, hard_exit), nprocs=world, join=False,

@@ -1,9 +1,9 @@
 """DualPipeV on CPU gloo groups against the unpartitioned 2R-stage model run in one process.
 
-Same oracle as test_schedules.py (DESIGN §5): float64 toy stages, loss and outputs bitwise equal
-(same ops on the same micro-batches; P2P and the local turn move raw values), gradients within
-1e-13 (sums over micro-batches in the schedule's order). Rank r holds stages r and 2R-1-r, and
-each stage has one copy, so its gradient must equal the reference's directly.
+Same oracle as test_schedules.py (docs/design.md §5): float64 toy stages, loss and outputs bitwise
+equal (same ops on the same micro-batches; P2P and the local turn move raw values), gradients within
+1e-13 (sums over micro-batches in the schedule's order). Rank r holds stages r and 2R-1-r, and each
+stage has one copy, so its gradient must equal the reference's directly.
 """
 
 from __future__ import annotations

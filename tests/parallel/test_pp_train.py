@@ -155,8 +155,8 @@ def test_pp2_errors_raise_on_every_rank(pipeline_runs):
 
 
 def test_pp_report_reads_the_run_folders(pipeline_runs, tmp_path):
-    """benchmarks/pp_report.py (issue 7's record): throughput, per-rank memory and the bubble
-    from a pipeline run folder, against a one-process run made here."""
+    """benchmarks/pp_report.py: throughput, per-rank memory and the bubble from a pipeline run
+    folder, against a one-process run made here."""
     from benchmarks.pp_report import main as pp_report
 
     root, _ = pipeline_runs

@@ -1,6 +1,6 @@
 """1F1B and DualPipe on CPU gloo groups against the unpartitioned model run in one process.
 
-Oracle (DESIGN §5, after DualPipe's example): float64 toy stages; losses and outputs must be
+Oracle (docs/design.md §5, after DualPipe's example): float64 toy stages; losses and outputs must be
 bitwise equal (each micro-batch goes through the very same ops on the same shapes, and P2P moves
 raw bytes), gradients within 1e-13 (they are sums over micro-batches, accumulated in the schedule's
 order rather than autograd's, so the last bits may differ). Several checks run in each spawned

@@ -35,7 +35,7 @@ def _rand(m, k, dtype=torch.float32, seed=0):
 
 def test_torch_fp8_cast_rounds_and_saturates():
     # The reference relies on torch's CPU cast being round-to-nearest-even and saturating
-    # (DESIGN §7), i.e. the GPU's cvt.rn.satfinite. If a torch upgrade changes that, stop here.
+    # (docs/design.md §7), i.e. the GPU's cvt.rn.satfinite; a torch upgrade changing it fails here.
     x = torch.tensor([500.0, -1e9, float("inf"), 448.0, 17.0, 19.0, 0.0009765625 * 1.5])
     got = x.to(FP8_DTYPE).float()
     # 17 lies halfway between 16 and 18 (ties to even mantissa -> 16); 19 between 18 and 20 -> 20.
@@ -235,7 +235,7 @@ def test_bad_block_and_scale_shapes():
 @pytest.mark.parametrize("m,k", [(4096, 7168), (4096, 2112), (13, 576), (1, 300)])
 def test_reference_on_cuda_matches_cpu_bitwise(m, k):
     # The same reference ops on CUDA must produce the CPU's bits: CUDA's fp32 division is IEEE and
-    # its e4m3 cast is RNE + saturating like torch's CPU cast (DESIGN §7).
+    # its e4m3 cast is RNE + saturating like torch's CPU cast (docs/design.md §7).
     x = _rand(m, k, torch.bfloat16, seed=m + k)
     for fn in (per_token_cast_to_fp8, per_token_cast_to_fp8_t, per_block_cast_to_fp8):
         for pow2 in (False, True):

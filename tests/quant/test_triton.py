@@ -356,8 +356,8 @@ def test_gpu_dsv3_shapes(m, k):
 @pytest.mark.skipif(INTERPRETED, reason="TRITON_INTERPRET=1: kernels are not compiled")
 @pytest.mark.parametrize("m", [4096, 4000])
 def test_gpu_mn_major_scales_feed_scaled_mm(m):
-    # The MN-major scales are a layout torch._scaled_mm takes for a 1x128 LHS (DESIGN §2): the
-    # product equals, bit for bit, the one with the reference scales made MN-major by a copy.
+    # The MN-major scales are a layout torch._scaled_mm takes for a 1x128 LHS (docs/design.md §2):
+    # the product equals, bit for bit, the one with the reference scales made MN-major by a copy.
     # (torch 2.11's blockwise _scaled_mm rejects M % 4 != 0 in any scale layout: M = 4000.)
     k = 7168
     x = _rand(m, k, torch.bfloat16, seed=m, device="cuda")

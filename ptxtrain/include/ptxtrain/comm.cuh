@@ -1,4 +1,5 @@
-// ptxtrain/comm.cuh — wrappers for inter-GPU communication kernels (DESIGN §3), beside ptx.cuh.
+// ptxtrain/comm.cuh — wrappers for inter-GPU communication kernels, beside ptx.cuh
+// (docs/design.md §3).
 //
 // Each wrapper cites, by title, the PTX ISA section (ISA 9.0, CUDA 13.0) that defines its
 // instruction. Header-only, no includes (NVRTC needs no CUDA toolkit headers).

@@ -1,5 +1,5 @@
 // ptxtrain/fp8_gemm.cuh — persistent, warp-specialized block-scaled FP8 GEMM for sm_90a
-// (DESIGN §2-3; DeepSeek-V3 report §3.3; the design of DeepGEMM's 1D2D / 1D1D kernels).
+// (docs/design.md §2-3; DeepSeek-V3 report §3.3; the design of DeepGEMM's 1D2D / 1D1D kernels).
 //
 //   D[M, N] (+)= A[M, K] · B[N, K]ᵀ, A and B e4m3 K-major, scales per 128-K block:
 //   1D2D: sf_a per 1x128 tile of A, sf_b per 128x128 block of B;  1D1D: both per 1x128 tile.
@@ -106,9 +106,7 @@
 // Diagnostic only (wrong results unless 0): what the 1D1D promotion's parts cost. Bit 1: no
 // per-element scale products (fin += acc · sf_b[col], 64 fewer FMUL per block and thread);
 // bit 2: every lane reads its column scales from the same address (group j's first pair: one
-// address per warp-wide 8-byte load instead of four). (Bits 4 and 8, twice and half the column
-// scales' shared-memory wavefronts, were measured and removed:
-// benchmarks/results/2026-11-23-s23-h200/, calls 2 and 10.)
+// address per warp-wide 8-byte load instead of four).
 #ifndef PTXTRAIN_GEMM_DIAG_1D1D
 #define PTXTRAIN_GEMM_DIAG_1D1D 0
 #endif
@@ -126,14 +124,13 @@ constexpr int kDefaultRasterM = 2048;
 // from global memory per block. The stage, for
 // - decode-sized tiles (BLOCK_M = 64) of short K: their tiles change every few blocks, so the
 //   global loads would stall each tile start (3-7% faster at K = 512-2048, M = 64 / 128 on an
-//   H200; at K >= 7168 the copy was 6-10% slower there, benchmarks/results/2026-11-22-s12-h200/
-//   call7);
+//   H200; at K >= 7168 the copy is 6-10% slower);
 // - dense 128-row tiles of K >= 1024: a global load in flight makes the release fence of the
 //   stage (MEMBAR.ALL.CTA in the SASS) wait for it every block; through the stage 0.3-4% faster
-//   at the V3 fprop / dgrad shapes of K = 1536-24576, 3% slower at K = 512
-//   (benchmarks/results/2026-11-23-s17-h200/call9). 256-row tiles: not measured faster.
+//   at the V3 fprop / dgrad shapes of K = 1536-24576, 3% slower at K = 512. 256-row tiles: no
+//   faster through the stage.
 //   M-grouped 128-row tiles (the experts' GEMMs) as well: 1-6% faster at 8 x 4096 and 4 x 8192
-//   rows, level at 8 x 512 (benchmarks/results/2026-11-23-s18-h200/call7, call8).
+//   rows, level at 8 x 512.
 template <bool k1D1D, int kBlockM, int kK, int kGroupMode = 0>
 __host__ __device__ constexpr bool sfb_in_stage() {
   constexpr int kBlocks = (kK + 127) / 128;
@@ -165,7 +162,7 @@ struct Fp8GemmSmem {
 };
 
 // Diagnostic only (racy by design): 1 drops the fence of release_read_stage, to check that the
-// repeated-runs test and benchmarks.diag_race still catch the race it prevents.
+// repeated-runs test still catches the race it prevents.
 #ifndef PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE
 #define PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE 0
 #endif
@@ -185,10 +182,9 @@ __device__ __forceinline__ void release_stage(u64* bar, int lane) {
 // fence.proxy.async first orders those generic-proxy reads before the producer's next TMA
 // (async proxy) writes into the stage, which the release / acquire through `empty` alone does
 // not (PTX ISA "Memory Consistency Model: proxies"). Without it ptxas may place the arrival
-// before the loads have returned; at 4096 x 2112 x 7168 a row scale then read the next block's
-// value in rare runs (8 rows x 128 columns of one tile off,
-// benchmarks/results/2026-11-22-s12-h200/call14; benchmarks.diag_race: 3 of 40 runs of the
-// direct-store kernel differed without the fence, none with it, call15).
+// before the loads have returned; at 4096 x 2112 x 7168 a row scale then reads the next block's
+// value in rare runs (8 rows x 128 columns of one tile off; 3 of 40 runs of the direct-store
+// kernel differ without the fence, none with it).
 template <int kCluster>
 __device__ __forceinline__ void release_read_stage(u64* bar, int lane) {
   if (!PTXTRAIN_GEMM_DIAG_NO_RELEASE_FENCE) fence_proxy_async_shared_cta();
@@ -329,11 +325,10 @@ __device__ __forceinline__ void store_tile_tma(const float (&fin)[kBlockN / 2],
       // is in slot jr / 4, 16-byte chunk 2 (jr % 4) + (lane % 4) / 2, 8-byte half lane % 2.
       // A warp's 8-byte stores go out as two half-warps (rows lane / 4 of 0..3 or 4..7). With
       // every lane at group jr, a half-warp's chunks (2 (jr % 4) + {0, 1}) ^ (row % 8) are 4
-      // chunks written twice (ncu: 4.9 wavefronts per store instead of 2,
-      // benchmarks/results/2026-11-23-s19-h200/call7). So lanes of odd rows write group jr ^ 2
-      // (same slot, 4 chunks away) while the others write jr: a half-warp's 8 chunks differ,
-      // each lane still writes each group once (a select of two fixed registers). Measured 3.2
-      // wavefronts per store, the 1D1D fp32 GEMMs 1.1-2.1% faster (call8). The lane is read
+      // chunks written twice (ncu: 4.9 wavefronts per store instead of 2). So lanes of odd rows
+      // write group jr ^ 2 (same slot, 4 chunks away) while the others write jr: a half-warp's 8
+      // chunks differ, each lane still writes each group once (a select of two fixed registers):
+      // 3.2 wavefronts per store, the 1D1D fp32 GEMMs 1.1-2.1% faster. The lane is read
       // again here through volatile asm: derived once at the kernel's start, these values held
       // registers across the main loop and ptxas spilled.
       u32 lid;
@@ -617,8 +612,8 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
     const int group = tile_group<kGroupMode, kBlockM>(block_group, group_info, m0, kg, num_groups);
     if (kGroupMode == 3 && group < 0) continue;  // masked off: neither computed nor stored
     // M-grouped: this thread's rows' m_indices, loaded now so that their latency hides behind
-    // the main loop instead of stalling the epilogue (a padding row, -1, stores zeros; measured
-    // 1-9% faster than loading them in the epilogue, benchmarks/results/2026-11-22-s9-h200/call7).
+    // the main loop instead of stalling the epilogue (a padding row, -1, stores zeros; 1-9%
+    // faster than loading them in the epilogue).
     int row_midx[kGroupMode == 1 ? 2 * kWaves : 1];
     if constexpr (kGroupMode == 1) {
 #pragma unroll
@@ -691,8 +686,7 @@ __device__ __forceinline__ void fp8_gemm_math(unsigned char* smem_d, unsigned ch
           k1D1D ? (kEarlyWant < kBlockN / 8 ? kEarlyWant : kBlockN / 8) : 0;
       // Row scales before the wait too (1D2D as well once K spans a whole chunk: the fence before
       // the stage's release then finds their loads done instead of waiting for them, up to 1.4%
-      // faster at K = 2048-7168; at K = 512 reading them late was 3% faster,
-      // benchmarks/results/2026-11-22-s12-h200/call16).
+      // faster at K = 2048-7168; at K = 512 reading them late is 3% faster).
       constexpr bool kEarlySa = kEarlyGroups > 0 || kNumKBlocks >= PTXTRAIN_GEMM_CHUNK;
       // Retire the oldest block (`cur`): read its early scales (kEarlySa / kEarlyGroups); with
       // `next`, issue block it + 1 into `nxt` and wait until one group is pending; then read the

@@ -1,5 +1,5 @@
 // ptxtrain/mbarrier.cuh — shared-memory transaction barriers (mbarrier), the completion
-// mechanism of TMA loads (DESIGN §3). PTX ISA "Parallel Synchronization and
+// mechanism of TMA loads (docs/design.md §3). PTX ISA "Parallel Synchronization and
 // Communication Instructions: mbarrier".
 //
 // A barrier is a 64-bit word in shared memory. Phase protocol: init with the number of expected
@@ -39,8 +39,8 @@ __device__ __forceinline__ void mbarrier_arrive(u64* bar) {
 // "mbarrier.arrive" on the barrier at the same shared-memory offset in CTA `cta_rank` of the
 // cluster (the address mapped with "mapa"): a consumer releases a stage that a multicast load of
 // another CTA will overwrite. Default semantics (.release.cta): the consumer's reads of the stage
-// are already in registers, so no cluster-scope fence is needed, and `.release.cluster` made
-// every k-block wait for one (measured: clusters of 2 ran at half speed).
+// are already in registers, so no cluster-scope fence is needed, and `.release.cluster` makes
+// every k-block wait for one (clusters of 2 then run at half speed).
 __device__ __forceinline__ void mbarrier_arrive_cluster(u64* bar, u32 cta_rank) {
   u32 remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"

@@ -1,4 +1,4 @@
-// ptxtrain/ptx.cuh — thin `asm volatile` wrappers, one per PTX instruction (DESIGN §3).
+// ptxtrain/ptx.cuh — thin `asm volatile` wrappers, one per PTX instruction (docs/design.md §3).
 //
 // Every wrapper cites, by title, the PTX ISA section (ISA 9.0, CUDA 13.0) that defines its
 // instruction. Header-only, no includes, so that NVRTC needs no CUDA toolkit headers.

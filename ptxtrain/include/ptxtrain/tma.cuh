@@ -1,5 +1,5 @@
-// ptxtrain/tma.cuh — Tensor Memory Accelerator bulk tensor copies (sm_90; DESIGN §3). PTX ISA
-// "Data Movement and Conversion Instructions: cp.async.bulk.tensor".
+// ptxtrain/tma.cuh — Tensor Memory Accelerator bulk tensor copies (sm_90; docs/design.md §3).
+// PTX ISA "Data Movement and Conversion Instructions: cp.async.bulk.tensor".
 //
 // The tensor map (CUtensorMap, 128 bytes, 64-byte aligned) is built on the host with
 // cuTensorMapEncodeTiled (ptxtrain.jit.launch.make_tma_2d_desc) and passed by value as a

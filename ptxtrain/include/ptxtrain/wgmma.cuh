@@ -1,6 +1,6 @@
-// ptxtrain/wgmma.cuh — warpgroup-level asynchronous MMA (sm_90a only; DESIGN §3). PTX ISA
-// "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions" (wgmma). In SASS the
-// FP8 form shows as QGMMA.
+// ptxtrain/wgmma.cuh — warpgroup-level asynchronous MMA (sm_90a only; docs/design.md §3).
+// PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions" (wgmma). In
+// SASS the FP8 form shows as QGMMA.
 //
 // Operands A and B come from shared memory through 64-bit matrix descriptors (make_smem_desc);
 // the accumulator lives in registers: for m64nNk32 each of the 128 threads holds N / 2 floats.

@@ -915,8 +915,8 @@ __global__ void __launch_bounds__(KN::kThreads, MinCtas<IN, KN>::value)
   }
   // The next kernel may launch once every CTA got here: in the last wave, not at the start,
   // where its CTAs could take SMs this grid's later waves need (a GEMM's take a whole SM and
-  // wait there for this grid's end). Session 17 let it in at the start and measured Fp8Linear
-  // 1.7-2.3% slower with PDL (benchmarks/results/2026-11-23-s17-h200/call17).
+  // wait there for this grid's end). Let in at the start, it makes Fp8Linear 1.7-2.3% slower
+  // with PDL than without.
   grid_dependency_launch();
 }
 
