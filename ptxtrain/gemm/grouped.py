@@ -501,8 +501,7 @@ def k_grouped_fp8_gemm_nt_contiguous(
     Source: DeepGEMM ``k_grouped_fp8_gemm_nt_contiguous`` (``ks`` / ``ks_tensor``); DeepSeek-V3
     report §3.3; docs/design.md §2.
     """
-    if (ks is None) == (ks_tensor is None):
-        raise ValueError("give exactly one of ks (host sizes) and ks_tensor (device sizes)")
+    ref.check_one_of_ks(ks, ks_tensor)
     if _use_ptx_k_grouped(a, b, config):
         from ptxtrain.gemm import ptx
 

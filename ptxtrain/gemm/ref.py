@@ -443,6 +443,13 @@ def validate_k_grouped(
     return m, n, ks
 
 
+def check_one_of_ks(ks: object, ks_tensor: object) -> None:
+    """ValueError unless exactly one of ``ks`` (host sizes) and ``ks_tensor`` (device sizes) is
+    given to a ``k_grouped_fp8_gemm_nt_contiguous``."""
+    if (ks is None) == (ks_tensor is None):
+        raise ValueError("give exactly one of ks (host sizes) and ks_tensor (device sizes)")
+
+
 def resolve_k_sizes(
     a: object,
     b: object,
@@ -458,8 +465,7 @@ def resolve_k_sizes(
         ValueError: both or neither of ``ks`` and ``ks_tensor``; ``ks_tensor`` summing to more
             than K_total or holding sizes that are negative or not multiples of 128.
     """
-    if (ks is None) == (ks_tensor is None):
-        raise ValueError("give exactly one of ks (host sizes) and ks_tensor (device sizes)")
+    check_one_of_ks(ks, ks_tensor)
     if ks_tensor is None:
         return ks
     validate_k_grouped_device(a, b, ks_tensor, out, accumulate)

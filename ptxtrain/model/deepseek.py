@@ -275,7 +275,8 @@ def _check_ids(name: str, ids: object, vocab_size: int, *, allow_ignore: bool) -
     CPU ids: a ValueError naming the first bad id. CUDA ids: an asynchronous device-side assert
     (reading the check back would stall the host in every step, and keep the step out of a CUDA
     graph; an out-of-range id would fault in the embedding anyway), so validate ids on the host
-    before moving them, as ``ptxtrain train`` does with its byte batches."""
+    before moving them (``ptxtrain train``'s byte ids are in range by construction: it refuses a
+    ``vocab_size`` below 256)."""
     ids = check_tensor(name, ids, dtypes=(torch.int64,), ndim=2)
     if ids.numel() == 0:
         return ids

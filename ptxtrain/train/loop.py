@@ -86,7 +86,7 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..data import ByteTokenizer, Corpus, batch_generator, load_corpus
+from ..data import VOCAB_SIZE, ByteTokenizer, Corpus, batch_generator, load_corpus
 from ..model.config import DeepSeekV3Config, get_preset
 from ..nn.recompute import RECOMPUTE_MODES
 from .checkpoint import (
@@ -100,7 +100,7 @@ from .checkpoint import (
 from .metrics import MetricsWriter, format_summary, plot_loss_curve, read_metrics
 from .mfu import achieved_flops, model_flops_per_token, peak_bf16_flops
 from .pipeline import all_reduce_grads
-from .step import LOSS_TERMS, SingleDeviceStep, accumulate_grads
+from .step import LOSS_TERMS, NO_CLIP, SingleDeviceStep, accumulate_grads, step_values
 
 PRECISIONS = ("bf16", "fp8")
 # Fp8Linear recipes --fp8-recipe takes (ptxtrain.nn.RECIPES without "bf16", which runs no FP8).
@@ -140,9 +140,6 @@ RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "summary
 SAMPLE_PROMPT = "\n"
 SAMPLE_COUNT = 3
 SAMPLE_TEMPERATURE = 0.8
-
-
-_NO_CLIP = 1e30
 
 
 class _StopFlag:
@@ -1315,7 +1312,8 @@ def model_config(
     Reads the file but builds nothing. Does not call ``args.validate()``.
 
     Raises:
-        TrainConfigError: an unknown preset; ``--config`` unreadable, not a JSON object, or
+        TrainConfigError: an unknown preset; a ``vocab_size`` below the corpus's 256 byte
+            tokens; ``--config`` unreadable, not a JSON object, or
             with an unknown or repeated field; a field of the wrong type or out of range, or a
             model that is inconsistent (e.g. ``n_activated_experts > n_routed_experts``) after a
             step; the message names the step (``--config FILE``, ``--n-layers``, ...) and the
@@ -1341,6 +1339,11 @@ def model_config(
             config = DeepSeekV3Config.from_dict({**config.to_dict(), **fields})
         except (ValueError, TypeError) as e:
             raise TrainConfigError(f"{where}: {e}") from None
+    if config.vocab_size < VOCAB_SIZE:  # the model checks ids on a GPU only asynchronously
+        raise TrainConfigError(
+            f"vocab_size {config.vocab_size} is below the {VOCAB_SIZE} byte tokens the corpus "
+            f"holds; the model needs vocab_size >= {VOCAB_SIZE}"
+        )
     return config
 
 
@@ -1657,7 +1660,7 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                     for group in optimizer.param_groups:
                         group["lr"] = lr
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    clip = args.grad_clip or _NO_CLIP
+                    clip = args.grad_clip or NO_CLIP
                     if runner is not None:  # ep > 1: this pipeline's share of the batch
                         out = runner.step(pipe.shard(x), pipe.shard(y), timeline)
                         runner.reduce_grads(optimizer)
@@ -1673,14 +1676,11 @@ def _train(args: TrainArgs, config, pipe: _PipeSetup, model_overrides) -> dict[s
                     if state_bytes is None:  # the full footprint: after step, before zero_grad
                         state_bytes = optimizer.state_bytes()
                     optimizer.zero_grad(set_to_none=True)
-                    values = {n: getattr(out, n) for n in LOSS_TERMS if getattr(out, n) is not None}
-                    values["grad_norm"] = grad_norm
                     if runner is None:
                         model.update_router_biases(stats=False)
-                        load = model.last_router_load()
-                        if load is not None:
-                            values["moe_counts"], values["bias_abs_max"] = load
+                        values = step_values(out, grad_norm, model)
                     else:  # the pipeline's routers live on several ranks: a collective
+                        values = step_values(out, grad_norm)
                         values["moe"] = runner.update_router_biases()
                 pending.append({"step": step, "lr": lr, **values})
                 if prof is not None:

@@ -40,9 +40,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["LOSS_TERMS", "SingleDeviceStep", "accumulate_grads", "graphs_supported"]
+__all__ = [
+    "LOSS_TERMS",
+    "NO_CLIP",
+    "SingleDeviceStep",
+    "accumulate_grads",
+    "graphs_supported",
+    "step_values",
+]
 
 LOSS_TERMS = ("lm_loss", "mtp_loss", "aux_loss")  # the ModelOutput losses a step logs
+NO_CLIP = 1e30  # the max_norm of --grad-clip 0: no norm reaches it, the gradients stay unscaled
 
 
 def accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, n: int, shard=None):
@@ -82,6 +90,19 @@ def accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, n: int, shard=None
     for name, total in sums.items():
         setattr(mean, name, total if n == 1 else total / n)
     return mean
+
+
+def step_values(out, grad_norm, model=None) -> dict[str, torch.Tensor | float]:
+    """What a step logs, left where it is (device tensors are read back at a logging step):
+    ``out``'s loss terms, ``grad_norm`` and, given a ``model`` with MoE layers, the routers'
+    load after the step's bias update (``moe_counts`` ``[L, E]``, ``bias_abs_max``;
+    :meth:`~ptxtrain.model.DeepSeekV3.last_router_load`)."""
+    values = {name: getattr(out, name) for name in LOSS_TERMS if getattr(out, name) is not None}
+    values["grad_norm"] = grad_norm
+    load = model.last_router_load() if model is not None else None
+    if load is not None:
+        values["moe_counts"], values["bias_abs_max"] = load
+    return values
 
 
 def graphs_supported(optimizer, device: torch.device) -> str | None:
@@ -151,7 +172,7 @@ class SingleDeviceStep:
         self.model = model
         self.optimizer = optimizer
         self.n = grad_accum_steps
-        self.clip = grad_clip if grad_clip else 1e30  # a max_norm no norm reaches: unscaled
+        self.clip = grad_clip or NO_CLIP
         self.device = device
         self.log = log
         self.warmup = warmup
@@ -178,12 +199,7 @@ class SingleDeviceStep:
             self.state_bytes = self.optimizer.state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.update_router_biases(stats=False)
-        result = {name: getattr(out, name) for name in LOSS_TERMS if getattr(out, name) is not None}
-        result["grad_norm"] = grad_norm
-        load = self.model.last_router_load()
-        if load is not None:  # the MoE balance of this step, read at the logging step
-            result["moe_counts"], result["bias_abs_max"] = load
-        return result
+        return step_values(out, grad_norm, self.model)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":  # pinned: the copy is asynchronous, no stream sync
@@ -201,10 +217,11 @@ class SingleDeviceStep:
         return self._capture_and_run(x, y, lr)
 
     def _set_lr(self, lr: float) -> None:
+        if self.side is not None:  # capturable: also the device copy a replayed graph reads
+            self.optimizer.set_lr(lr)
+            return
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.side is not None and hasattr(self.optimizer, "set_lr"):
-            self.optimizer.set_lr(lr)
 
     def _eager(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.side is None:

@@ -477,3 +477,14 @@ def test_bad_config_file_is_refused_before_anything_is_built(
     for needle in needles:
         assert needle in msg, (needle, msg)
     assert not run.exists()  # no run folder either
+
+
+def test_vocab_below_the_byte_corpus_is_refused_before_anything_is_built(tmp_path):
+    # The model checks token ids on a GPU only asynchronously: the byte corpus's ids (0-255) must
+    # fit the vocabulary, checked with the config.
+    path = tmp_path / "small_vocab.json"
+    path.write_text(json.dumps({"vocab_size": 200}))
+    args = TrainArgs(config=str(path), out=str(tmp_path / "run"), progress=False)
+    with pytest.raises(TrainConfigError, match="vocab_size 200 is below the 256 byte tokens"):
+        train(args)
+    assert not (tmp_path / "run").exists()
