@@ -395,7 +395,7 @@ def permute_quant_ref(
     """:func:`permute_ref` followed by 1x128 FP8 quantization, optionally padded per expert.
 
     Padding rows (``m_indices == -1``) hold the quantization of a zero row: ``x_fp8 = 0`` and
-    ``sf = 1e-4 / 448`` (the clamped amax of :func:`ptxtrain.quant.ref.per_token_cast_to_fp8`).
+    ``sf = AMAX_EPS / 448`` (the clamped amax of :func:`ptxtrain.quant.ref.per_token_cast_to_fp8`).
 
     Args:
         x: ``[T, D]`` float32 / bfloat16 / float16 tokens.

@@ -436,7 +436,7 @@ def permute_quant(
     with ``align``, to :func:`ptxtrain.moe.ref.permute_quant_ref`: each expert's slice padded to a
     multiple of ``align`` rows (the layout of DeepGEMM's m-grouped contiguous GEMM, ``align = 128``
     there), padding rows holding the quantization of a zero row (``x_fp8 = 0``,
-    ``sf = 1e-4 / 448``). With ``align`` the output size depends on the counts, which are read
+    ``sf = AMAX_EPS / 448``). With ``align`` the output size depends on the counts, which are read
     back to the host (one sync; the index-range check is another).
 
     Args:

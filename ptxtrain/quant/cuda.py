@@ -15,8 +15,8 @@ The kernel has ten instantiations per input dtype (float32 / bfloat16 / float16)
 five modes x ``pow2_scale``. A launch compiles only its own, by NVRTC for ``sm_90a``, cached on
 disk by ``ptxtrain.jit`` (:func:`compile_module` with ``mode``; without it all ten, as the
 compile tests do). The arithmetic is the reference's, bit for bit: amax from the bits of |x| (NaN
-wins), the 1e-4 clamp, ``sf = amax / 448`` as ``div.rn``, the power-of-two rounding on the bits,
-``x / sf`` correctly rounded (a reciprocal and two exact-residual FMA corrections; one for
+wins), the ``AMAX_EPS`` clamp, ``sf = amax / 448`` as ``div.rn``, the power-of-two rounding on
+the bits, ``x / sf`` correctly rounded (a reciprocal and two exact-residual FMA corrections; one for
 bf16 / fp16 input, whose E4M3 bytes are then the same for every (x, amax) pair, proven by
 exhaustion in the tests; ``div.rn`` for non-finite scales), and ``cvt.rn.satfinite.e4m3x2.f32``.
 

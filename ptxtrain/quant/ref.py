@@ -4,7 +4,7 @@ Design note. DeepSeek-V3 (report §3.3) scales activations and output gradients 
 (one token, 128 channels of the GEMM's K dimension) and weights per 128x128 block, online, from the
 tile's absolute maximum:
 
-    amax = max(|x_tile|) clamped below at 1e-4        (fp32)
+    amax = max(|x_tile|) clamped below at 1e-12       (fp32)
     sf   = amax / 448                                  (fp32; 448 = E4M3's largest finite value)
     sf   = 2^ceil(log2(sf))                            (only with ``pow2_scale``)
     x_fp8 = saturate_e4m3(x / sf)                      (round to nearest even)
@@ -33,7 +33,14 @@ from ptxtrain._checks import HP_DTYPES, ceil_div, check_tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-AMAX_EPS = 1e-4  # lower clamp on a tile's amax (DeepGEMM / DeepSeek convention)
+# Lower clamp on a tile's amax: it only keeps an all-zero tile's scale positive. It must sit far
+# below any real tile's amax. Output gradients are tiny (the loss is a mean over every token of
+# the step: at 65,536 tokens per step a tile's amax is ~1e-7 early in training and ~1e-9 later),
+# and a clamp above the amax scales the tile into E4M3's subnormals: DeepGEMM's test-helper
+# value 1e-4 leaves such a tile a few bits or none, and FP8 training then diverges from BF16.
+# At 1e-12 every scale (>= 2.2e-15) and the product of two (>= 5e-30, as the GEMMs form it) is
+# a normal fp32.
+AMAX_EPS = 1e-12
 BLOCK = 128
 
 

@@ -22,7 +22,7 @@ Design note.
   tile's fp32 amax, NaN if the tile holds one and inf if it holds an inf (like ``torch.amax``),
   where a float ``tl.max`` would skip NaNs (maxnum on the GPU, ``nanmax`` in the interpreter);
   a NaN amax is made the canonical quiet NaN 0x7FC00000, which is what ``torch.amax`` returns.
-  The 1e-4 clamp is an int32 maximum with the bits of fp32(1e-4), so NaN stays NaN.
+  The amax clamp (``AMAX_EPS``) is an int32 maximum with its fp32 bits, so NaN stays NaN.
 - Division, bit-exact with the reference's IEEE ``x / sf``: ``sf = amax / 448`` uses
   ``tl.div_rn`` (``div.rn.f32``; Triton's ``/`` on fp32 is the approximate ``div.full.f32``).
   The per-element ``x / sf`` is ``q0 = x·y`` with ``y = RN(1/sf)`` (one ``div_rn`` per tile

@@ -219,6 +219,17 @@ def test_bit_exact_vs_reference(name, m, k, dtype, pow2):
 
 
 @runnable
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gradient_magnitudes_bit_exact(dtype):
+    # Output-gradient tiles (a loss mean over a step's tokens: amax ~1e-9 = 2^-30 late in
+    # training) sit far below 1 but above the amax clamp: every scale and byte as the reference.
+    x = _rand(129, 300, dtype, seed=30) * 2.0**-30
+    for name in ALL_FUNCS:
+        for pow2 in (False, True):
+            _check_same(name, x, pow2=pow2)
+
+
+@runnable
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_special_values(dtype):
     # Zero tiles (amax clamped to 1e-4), tiny tiles (subnormal e4m3 outputs), values that land

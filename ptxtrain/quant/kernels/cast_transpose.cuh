@@ -27,7 +27,7 @@
 //           the BYTE_T knob the column pass transposes the row pass's FP8 bytes instead).
 //
 // Scale and division, as ref.py: amax in fp32 from the integer bits of |x| (NaN above inf, so a
-// NaN anywhere gives the canonical NaN like torch.amax), clamped below at 1e-4, sf = amax / 448
+// NaN anywhere gives the canonical NaN like torch.amax), clamped below at 1e-12, sf = amax / 448
 // (div.rn), optional power-of-two rounding, then x / sf correctly rounded: q0 = x * y with
 // y = rcp.rn(sf) and two residual corrections q <- q - (q * sf - x) * y (FMA, exact residual):
 // the first brings q within one ulp of x / sf, the second makes it the correctly rounded
@@ -165,7 +165,7 @@ inline float rcp_rn(float b) { return __frcp_rn(b); }
 #endif
 
 constexpr int kTile = 128;     // tile edge (DeepSeek-V3's 128)
-constexpr u32 kEpsBits = 0x38d1b717u;  // bits of fp32(1e-4)
+constexpr u32 kEpsBits = 0x2b8cbcccu;  // bits of fp32(1e-12), ref.py's AMAX_EPS
 constexpr u32 kCanonicalNan = 0x7fc00000u;
 
 enum InKind { kF32 = 0, kBF16 = 1, kF16 = 2 };
@@ -284,8 +284,8 @@ __device__ __forceinline__ u32 fold16x2(u32 m) { return max_u16x2(m, __byte_perm
 // amax bits (max of |x| bits over a tile) -> fp32 dequantization factor, as ref.py.
 // FAST_SF: amax / 448 as q = amax * RN(1/448), then one exact-residual correction
 // q + (amax - 448 q) * RN(1/448) (two FMAs) instead of div.rn (its reciprocal, Newton steps and
-// range check). Bit-exact with div.rn for every finite amax >= fp32(1e-4), the clamped range,
-// by exhaustion over all 1,185,827,049 such floats (host_emulation.cpp's emu_check_fast_sf, run
+// range check). Bit-exact with div.rn for every finite amax >= fp32(1e-12), the clamped range,
+// by exhaustion over all 1,408,451,380 such floats (host_emulation.cpp's emu_check_fast_sf, run
 // by tests/quant/test_cuda.py); inf / NaN: a * RN(1/448), div.rn's result for those two.
 constexpr u32 kInv448Bits = 0x3b124925u;  // RN(1 / 448)
 
@@ -306,7 +306,7 @@ __device__ __forceinline__ float div448(u32 amax_bits) {
 template <bool POW2, bool FAST_SF = false>
 __device__ __forceinline__ float scale_from_amax_bits(u32 amax_bits) {
   if (amax_bits > 0x7f800000u) amax_bits = kCanonicalNan;  // NaN: torch.amax's canonical NaN
-  if (amax_bits < kEpsBits) amax_bits = kEpsBits;             // clamp(min=1e-4); NaN stays
+  if (amax_bits < kEpsBits) amax_bits = kEpsBits;             // clamp(min=1e-12); NaN stays
   float sf = div448<FAST_SF>(amax_bits);
   if constexpr (POW2) {
     // sf is finite exactly when amax is (sf <= FLT_MAX / 448), and then a normal sf > 0:
@@ -347,7 +347,7 @@ __device__ __forceinline__ Scale tile_scale(const Scale& block_scale, AmaxBits a
 // RN_fp32(x / sf) for a finite sf, bit-exact with IEEE division (see the file comment).
 // ONE_STEP (16-bit input): one residual correction instead of two. The quotient may then be one
 // fp32 ulp off RN(x / sf), but its E4M3 byte is the same for every pair of a 16-bit x and a
-// 16-bit amax >= |x| (the only scales such an input gives, the 1e-4 clamp included), bf16 and
+// 16-bit amax >= |x| (the only scales such an input gives, the 1e-12 clamp included), bf16 and
 // fp16: 532,668,480 and 503,824,896 pairs, checked by exhaustion (host_emulation.cpp's
 // emu_check_one_step, run by tests/quant/test_cuda.py). Without any correction (x * y alone)
 // 19,761 bf16 pairs differ. fp32 input keeps both corrections.
@@ -368,7 +368,7 @@ __device__ __forceinline__ u32 pack4(float a, float b, float c, float d) {
 // N values (N % 4 == 0) quantized with one scale into N / 4 words of E4M3 bytes. The branch on
 // the scale is taken once for all N (a non-finite scale, from an inf / NaN input, multiplies).
 // MUL_POW2 (only with power-of-two scales): x / sf = x * y exactly-rounded in one multiply, since
-// sf = 2^e (e in [-22, 127]: amax >= 1e-4) and y = rcp.rn(sf) = 2^-e is exact (2^-127 is an fp32
+// sf = 2^e (e in [-48, 127]: amax >= 1e-12) and y = rcp.rn(sf) = 2^-e is exact (2^-127 is an fp32
 // subnormal), so RN(x * y) and RN(x / sf) round the same real number; -0 * y = -0.
 template <int N, bool MUL_POW2 = false, bool ONE_STEP = false>
 __device__ __forceinline__ void quantize(const float (&f)[N], const Scale& s, u32 (&out)[N / 4]) {

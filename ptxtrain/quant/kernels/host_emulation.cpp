@@ -125,7 +125,7 @@ extern "C" void emu_e4m3(const float* in, unsigned char* out, long long n) {
 }
 
 // The FAST_SF scale division (ptxtrain_quant::div448<true>) against IEEE division for every
-// amax bit pattern in [lo_bits, hi_bits) (all finite floats >= fp32(1e-4): the clamped range);
+// amax bit pattern in [lo_bits, hi_bits) (all finite floats >= fp32(1e-12): the clamped range);
 // returns the number of mismatches (the first few are printed on stderr).
 extern "C" long long emu_check_fast_sf(unsigned lo_bits, unsigned hi_bits) {
   long long bad = 0;
