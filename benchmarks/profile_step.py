@@ -30,7 +30,7 @@ def _build(args, precision: str, device: torch.device):
     from ptxtrain.nn import Fp8LinearConfig
     from ptxtrain.optim import AdamW
     from ptxtrain.train import TrainArgs, model_config
-    from ptxtrain.train.loop import _param_groups
+    from ptxtrain.train.runtime import param_groups
     from ptxtrain.train.step import SingleDeviceStep
 
     targs = TrainArgs(preset=args.preset, mtp=not args.no_mtp, config=args.config)
@@ -39,7 +39,7 @@ def _build(args, precision: str, device: torch.device):
     if precision == "fp8":
         convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name(args.fp8_recipe))
     model.train()
-    opt = AdamW(_param_groups(model, 0.1), lr=1e-4)
+    opt = AdamW(param_groups(model, 0.1), lr=1e-4)
     step = SingleDeviceStep(
         model, opt, grad_accum_steps=args.grad_accum_steps, grad_clip=1.0, device=device,
         cuda_graphs=not args.no_cuda_graphs,

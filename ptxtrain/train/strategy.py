@@ -1,0 +1,698 @@
+"""The parallelism strategy of a ``ptxtrain train`` run: one process, expert parallelism (EP),
+pipeline parallelism (PP) or both (PP x EP).
+
+:class:`ParallelStrategy` is configured by ``(pp, ep)`` as torchtitan's ``ParallelDims`` is by
+its degrees; it owns the process groups and this rank's place in them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..data import ByteTokenizer
+from . import evaluation
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .evaluation import SAMPLE_COUNT, SAMPLE_PROMPT, all_reduce_mean, shard_rows
+from .pipeline import StageStates, all_reduce_grads, pipeline_groups
+from .runtime import Printer, TrainConfigError, param_groups, resolve_device
+from .step import LOSS_TERMS, NO_CLIP, SingleDeviceStep, accumulate_grads, step_values
+
+if TYPE_CHECKING:
+    from .loop import TrainArgs
+
+__all__ = [
+    "PP_OVERLAP_ENV",
+    "ExpertStates",
+    "ParallelStrategy",
+    "StageExpertStates",
+    "destroy_default_group",
+    "peak_memory_per_rank",
+]
+
+PP_OVERLAP_ENV = "PTXTRAIN_PP_OVERLAP"  # read by ptxtrain.train.pipeline.PipelineRunner
+
+
+class ExpertStates:
+    """Converts checkpointed state dicts between the expert-parallel and the full layout.
+
+    The full layout is the single-process one: every stacked expert weight ``[E, ...]`` and its
+    optimizer state (``master``, ``exp_avg``, ``exp_avg_sq``) whole. Rank ``r`` of the ``R``
+    ranks of ``group`` (the expert-parallel group; None = the world) holds rows
+    ``[r·E/R, (r+1)·E/R)`` of each; every other entry is replicated.
+    """
+
+    def __init__(self, model, optimizer, rank: int, n_ranks: int, group=None) -> None:
+        self.rank, self.n_ranks, self.group = rank, n_ranks, group  # group None: the world
+        experts = {id(p) for p in model.expert_parameters()}
+        self.model_keys = [n for n, p in model.named_parameters() if id(p) in experts]
+        order = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        self.opt_indices = {i for i, pid in enumerate(order) if pid in experts}
+
+    def _expert_entries(self, model_sd: dict, opt_sd: dict):
+        """``(container, key)`` of every sharded tensor of the two state dicts."""
+        for k in self.model_keys:
+            yield model_sd, k
+        for i, st in opt_sd["state"].items():
+            if int(i) in self.opt_indices:
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        yield st, k
+
+    @staticmethod
+    def _copy(opt_sd: dict) -> dict:
+        """A copy of ``opt_sd`` whose per-parameter state dicts may be edited."""
+        return {**opt_sd, "state": {i: dict(st) for i, st in opt_sd["state"].items()}}
+
+    @torch.no_grad()
+    def gather(self, model, optimizer) -> tuple[dict, dict]:
+        """The full-layout model and optimizer state dicts (a collective; every rank gets them).
+
+        The shards travel as raw bytes (bit-exact for any dtype, whatever the backend supports).
+        """
+        import torch.distributed as dist
+
+        model_sd = dict(model.state_dict())
+        opt_sd = self._copy(optimizer.state_dict())
+        for box, k in list(self._expert_entries(model_sd, opt_sd)):
+            t = box[k].detach().contiguous()
+            raw = t.reshape(t.shape[0], -1).view(torch.uint8)  # [E_local, bytes per expert]
+            parts = [torch.empty_like(raw) for _ in range(self.n_ranks)]
+            dist.all_gather(parts, raw, group=self.group)
+            full = torch.cat(parts).view(t.dtype)
+            box[k] = full.reshape(t.shape[0] * self.n_ranks, *t.shape[1:])
+        return model_sd, opt_sd
+
+    def slice(self, model_sd: dict, opt_sd: dict) -> tuple[dict, dict]:
+        """This rank's part of full-layout state dicts (for ``load_checkpoint``).
+
+        Raises:
+            ValueError: a sharded entry's first dim is not a multiple of the rank count.
+        """
+        model_sd = dict(model_sd)
+        opt_sd = self._copy(opt_sd)
+        for box, k in list(self._expert_entries(model_sd, opt_sd)):
+            t = box[k]
+            if t.shape[0] % self.n_ranks:
+                raise ValueError(
+                    f"{k}: {t.shape[0]} experts cannot be split over {self.n_ranks} ranks"
+                )
+            per = t.shape[0] // self.n_ranks
+            box[k] = t[self.rank * per : (self.rank + 1) * per].clone()
+        return model_sd, opt_sd
+
+
+class StageExpertStates:
+    """``--pp`` with ``--ep``: the two conversions composed. Saving gathers the expert shards
+    over the EP group first (:class:`ExpertStates`), then the stages over the pipeline group to
+    its rank 0 (:class:`StageStates`; only the pipeline of global rank 0 does, the others'
+    result would be dropped); loading re-indexes the optimizer state to this rank's stages
+    first, then slices this rank's experts out of it and out of the model state."""
+
+    def __init__(self, experts: ExpertStates, stages: StageStates, gather_stages: bool):
+        self.experts, self.stages, self.gather_stages = experts, stages, gather_stages
+
+    def gather(self, model, optimizer) -> tuple[dict | None, dict | None]:
+        """Full-layout state dicts on global rank 0, ``(None, None)`` elsewhere (a collective)."""
+        model_sd, opt_sd = self.experts.gather(model, optimizer)
+        if not self.gather_stages:
+            return None, None
+        return self.stages.gather(model, optimizer, model_sd, opt_sd)
+
+    def slice(self, model_sd: dict, opt_sd: dict) -> tuple[dict, dict]:
+        """This rank's part of full-layout state dicts (for ``load_checkpoint``); raises the
+        ``ValueError`` of either step."""
+        return self.experts.slice(*self.stages.slice(model_sd, opt_sd))
+
+
+class ParallelStrategy:
+    """How one ``ptxtrain train`` run spreads over processes, configured by ``(pp, ep)`` as
+    torchtitan's ``ParallelDims`` is by its degrees: one process (``pp = ep = 1``), expert
+    parallelism (``ep > 1``), pipeline parallelism (``pp > 1``) or both (``pp * ep`` ranks).
+
+    It owns what differs between them, so that the training loop does not branch on them:
+    the process groups and this rank's place in them, the device, the model's split over the
+    ranks (:meth:`build`: experts, pipeline stages), the optimizer step with its gradient
+    reductions and clipping (:meth:`step`), the checkpoint layout (:meth:`save` / :meth:`load`
+    always read and write the single-process layout), evaluation and sampling
+    (:meth:`evaluate`, :meth:`finish`), the metrics gathered over ranks (losses, router load,
+    peak memory) and which rank prints and writes (:attr:`is_lead`, :attr:`log`).
+
+    Args:
+        args: the run's validated ``TrainArgs``.
+        config: the model's ``DeepSeekV3Config``.
+        param_dtype: the floating dtype the model is built in.
+        device: the resolved ``--device`` (None: resolve ``args.device`` here); under torchrun
+            a CUDA device becomes this rank's ``cuda:LOCAL_RANK``.
+
+    Raises (on every rank alike, since the checks depend on the arguments only):
+        TrainConfigError: the model cannot be cut into the schedule's stages (pp), the routed
+            experts cannot be split over the ranks (ep), WORLD_SIZE (or an existing process
+            group) does not match ``--pp`` / ``--ep`` (``pp * ep`` with both), or no CUDA device
+            is visible.
+
+    With both, ``pp_group`` / ``ep_group`` / ``mirror_group`` and ``pp_rank`` / ``ep_rank``
+    describe this rank's place (:func:`~ptxtrain.train.pipeline.pipeline_groups`); otherwise
+    the groups are None (the world) and the ranks follow the one parallelism in use.
+    """
+
+    def __init__(
+        self, args: TrainArgs, config, param_dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
+        self.args, self.param_dtype = args, param_dtype
+        self.pipeline = args.pp > 1
+        self.ep = args.ep
+        self.active = self.pipeline or self.ep > 1
+        self.rank = 0
+        # rank = pp_rank * ep + ep_rank (ptxtrain.train.pipeline.pipeline_groups)
+        self.pp_rank, self.ep_rank = 0, 0
+        self.pp_group = self.ep_group = self.mirror_group = None  # None: the world
+        self.p2p_groups = None  # None: the schedule creates them (a world-wide pipeline)
+        self.model = self.optimizer = self.runner = self.codec = None  # set by build()
+        self.ep_buffer = self.warm = self.single_step = None
+        self.state_bytes: dict[str, Any] | None = None  # the optimizer's footprint, first step
+        if self.active:
+            self._check_model(config)
+        device = resolve_device(args.device) if device is None else device
+        if self.active:
+            device = self._init_process_group(device)
+            self._init_groups()
+        self.device = device
+        self.log = Printer(enabled=self.is_lead)  # the lead rank prints
+
+    @property
+    def is_lead(self) -> bool:
+        """Whether this rank prints and writes the run folder (global rank 0)."""
+        return self.rank == 0
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run, one device each (``pp * ep``; MFU is per device)."""
+        return self.args.pp * self.ep
+
+    def _check_model(self, config) -> None:
+        args = self.args
+        if self.pipeline:
+            from ..model.stages import check_stageable
+            from ..parallel.stages import num_stages
+
+            try:
+                check_stageable(config, num_stages(args.schedule, args.pp))
+            except ValueError as e:
+                raise TrainConfigError(f"--pp {args.pp} --schedule {args.schedule}: {e}") from None
+        if self.ep > 1:
+            if config.n_routed_experts % self.ep:
+                raise TrainConfigError(
+                    f"--ep {self.ep}: the model's n_routed_experts={config.n_routed_experts} must "
+                    "be divisible by --ep (each rank holds n_routed_experts / ep experts per "
+                    "MoE layer)"
+                )
+            if config.n_moe_layers == 0:
+                raise TrainConfigError(f"--ep {self.ep}: the model has no MoE layer")
+
+    def _init_process_group(self, device: torch.device) -> torch.device:
+        """Check the world size, pick this rank's GPU and join (or create) the default process
+        group; returns this rank's device."""
+        import torch.distributed as dist
+
+        args = self.args
+        if self.pipeline and self.ep > 1:
+            flags, want = f"--pp {args.pp} --ep {self.ep}", args.pp * self.ep
+            what = "pipeline rank x expert-parallel rank"
+        elif self.pipeline:
+            flags, want, what = f"--pp {args.pp}", args.pp, "pipeline rank"
+        else:
+            flags, want, what = f"--ep {self.ep}", self.ep, "expert-parallel rank"
+        if args.ep_backend == "nvlink":
+            self._check_nvlink(device)
+        if dist.is_initialized():
+            world = dist.get_world_size()
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != want:
+            raise TrainConfigError(
+                f"{flags} needs {want} processes, one per {what}, got a world "
+                f"of {world}: launch with torchrun --nproc-per-node {want} -m ptxtrain train "
+                f"{flags} ..."
+            )
+        if device.type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+            device = torch.device("cuda", local % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            # Kept after this run (destroyed at exit): a second train() in the same torchrun
+            # process reuses it, where re-initializing after a destroy hangs in the rendezvous.
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            atexit.register(destroy_default_group)
+        self.rank = dist.get_rank()
+        return device
+
+    def _init_groups(self) -> None:
+        """This rank's groups and ranks: the ``pp x ep`` layout's groups with both, else the
+        world and the global rank."""
+        if self.pipeline and self.ep > 1:
+            groups = pipeline_groups(self.args.pp, self.ep, self.args.schedule)  # every rank
+            self.pp_group, self.ep_group, self.mirror_group = (
+                groups.pipeline,
+                groups.expert,
+                groups.mirror,
+            )
+            self.pp_rank, self.ep_rank = groups.pipeline_rank, groups.ep_rank
+            self.p2p_groups = groups.p2p
+        elif self.pipeline:
+            self.pp_rank = self.rank
+        else:
+            self.ep_rank = self.rank
+
+    def _check_nvlink(self, device: torch.device) -> None:
+        """``--ep-backend nvlink``: raise before any communication unless it can work."""
+        import torch.distributed as dist
+
+        args = self.args
+        if device.type != "cuda":
+            raise TrainConfigError(
+                f"--ep-backend nvlink needs CUDA GPUs (NVLink-connected, one node), got device "
+                f"{device.type!r}; use --ep-backend all_to_all (the default) on CPU"
+            )
+        if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+            raise TrainConfigError(
+                f"--ep-backend nvlink needs an NCCL process group, got {dist.get_backend()!r}; "
+                "use --ep-backend all_to_all"
+            )
+        overlap = os.environ.get(PP_OVERLAP_ENV, "0").strip() == "1"
+        if self.pipeline and args.schedule in ("dualpipe", "dualpipev") and overlap:
+            # The overlap hook runs one micro-batch's forward and another's backward on two
+            # CUDA streams; the nvlink kernels of the shared Buffer assume one operation at a
+            # time in issue order (one epoch counter, one symmetric buffer), so they would race.
+            raise TrainConfigError(
+                f"--ep-backend nvlink cannot run with {PP_OVERLAP_ENV}=1 (--schedule "
+                f"{args.schedule}): the overlapped forward and backward would use the MoE "
+                f"layers' shared nvlink buffer from two CUDA streams at once; unset "
+                f"{PP_OVERLAP_ENV} or use --ep-backend all_to_all"
+            )
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this rank takes part in evaluation and sampling: rank 0, or with ``--ep``
+        every expert-parallel rank of pipeline rank 0 (they hold the gathered model; the
+        forward is a collective over their EP group)."""
+        return self.pp_rank == 0 if self.ep > 1 else self.rank == 0
+
+    def on_lead(self, fn, *fn_args) -> None:
+        """Run ``fn`` on rank 0 only; a ``TrainConfigError`` there is raised on every rank."""
+        if not self.active:
+            fn(*fn_args)
+            return
+        import torch.distributed as dist
+
+        msg = [None]
+        if self.rank == 0:
+            try:
+                fn(*fn_args)
+            except TrainConfigError as e:
+                msg = [str(e)]
+        dist.broadcast_object_list(msg, src=0)
+        if msg[0] is not None:
+            raise TrainConfigError(msg[0])
+
+    def new_timeline(self):
+        if not self.args.timeline or self.ep_rank != 0:  # one pipeline's timelines (--ep)
+            return None
+        from ..parallel.timeline import Timeline
+
+        return Timeline()
+
+    def agree_to_stop(self, requested: bool) -> bool:
+        """Whether any rank saw a Ctrl-C (all ranks then stop after the same step)."""
+        if not self.active:
+            return requested
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(requested)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def describe(self) -> dict[str, Any] | None:
+        if not self.pipeline:
+            return None
+        a = self.args
+        return {"pp": a.pp, "schedule": a.schedule, "num_chunks": a.chunks()}
+
+    def note(self) -> str:
+        """What the run's first log line adds about the parallelism ("" for one process)."""
+        return f"; experts split over {self.ep} ranks" if self.ep > 1 else ""
+
+    # ------------------------------------------------------------------ model and optimizer
+    def build(self, config) -> tuple[torch.nn.Module, Any]:
+        """This rank's model and optimizer: the full model built from the seed (the same on
+        every rank), this rank's experts kept (``ep > 1``), FP8 layers (``--precision fp8``)
+        and recomputation applied, then the pipeline stages cut (``pp > 1``: the optimizer
+        holds their parameters only) and the checkpoint codec and step set up. Returns
+        ``(model, optimizer)``: the full model (evaluation, sampling, checkpoints) and
+        :class:`~ptxtrain.optim.AdamW` over ``param_groups`` of this rank's parameters."""
+        from ..model import build_model
+        from ..model.deepseek import convert_model_to_fp8_training
+        from ..nn import Fp8LinearConfig
+        from ..optim import AdamW
+
+        a = self.args
+        model = build_model(config, dtype=self.param_dtype, device=self.device, seed=a.seed)
+        self.split_experts(model)  # ep > 1: keep this rank's experts of the full model
+        if a.precision == "fp8":
+            convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name(a.fp8_recipe))
+        model.set_recompute(a.recompute)
+        model.train()
+        self._prewarm(model)
+        self.runner = self._pipeline_runner(model)  # None when pp == 1
+        trained = model if self.runner is None else self.runner.module  # this rank's parameters
+        optimizer = AdamW(param_groups(trained, a.weight_decay), lr=a.lr)
+        self.model, self.optimizer = model, optimizer
+        # ep > 1: expert shards, pp > 1: stages <-> the full (single-process) layout
+        self.codec = self.state_codec(model, optimizer, self.runner)
+        # The MoE layers' shared Buffer (ep > 1). Its nvlink kernels report a flag wait that
+        # timed out (a peer failed or stalled) only at the next operation, after writing wrong
+        # rows: checked before every optimizer step so that no step uses them (a no-op for
+        # "all_to_all"; the step has synchronized for the gradient norm already).
+        self.ep_buffer = getattr(model, "ep_buffer", None)
+        if not self.active:
+            self.single_step = self._single_device_step(model, optimizer)
+        return model, optimizer
+
+    def _prewarm(self, model) -> None:
+        """One process on a GPU: compile the FP8 step's NVRTC kernels on background threads
+        while the host sets up and runs the first forward (ptxtrain.nn.prewarm;
+        PTXTRAIN_JIT_PREWARM=0: off)."""
+        a = self.args
+        if a.precision == "fp8" and not self.active and self.device.type == "cuda":
+            from ..nn.prewarm import prewarm
+
+            self.warm = prewarm(model, a.batch_size * a.seq_len, self.device)  # a micro-batch's M
+
+    def _pipeline_runner(self, model):
+        if not self.pipeline:
+            return None
+        from .pipeline import PipelineRunner
+
+        return PipelineRunner(
+            model,
+            self.args.schedule,
+            self.args.chunks(),
+            group=self.pp_group,
+            ep_group=self.ep_group,
+            mirror_group=self.mirror_group,
+            p2p_groups=self.p2p_groups,
+        )
+
+    def _single_device_step(self, model, optimizer) -> SingleDeviceStep:
+        """One process: the step object (eager, or a replayed CUDA graph). Its losses and
+        gradient norm stay on the device until a logging step reads the pending ones at once."""
+        a = self.args
+        step = SingleDeviceStep(
+            model,
+            optimizer,
+            grad_accum_steps=a.grad_accum_steps,
+            grad_clip=a.grad_clip,
+            device=self.device,
+            cuda_graphs=a.cuda_graphs,
+            log=self.log,
+        )
+        if a.cuda_graphs and self.device.type == "cuda" and step.graphs_off_reason is not None:
+            self.log(f"CUDA graphs: off ({step.graphs_off_reason}); running the steps eagerly")
+        return step
+
+    def close(self) -> None:
+        """Cancel the FP8 kernel compiles not started yet (a short run does not need them)."""
+        if self.warm is not None:
+            self.warm.cancel()
+
+    # ------------------------------------------------------------------ the step
+    def step(self, x: torch.Tensor, y: torch.Tensor, lr: float, timeline=None) -> dict[str, Any]:
+        """One optimizer step on the step's batch ``x, y [B·N, T]`` int64 (CPU, the same on
+        every rank) at learning rate ``lr``; ``timeline`` records the pipeline schedule.
+
+        Returns what the step logs (:func:`~ptxtrain.train.step.step_values`: losses, gradient
+        norm before clipping, router load), device tensors left unread; every rank returns the
+        global values (means over the ranks' sequences)."""
+        if self.single_step is not None:
+            values = self.single_step(x, y, lr)
+            values = {k: v.clone() for k, v in values.items()}  # graph outputs are reused
+            self.state_bytes = self.state_bytes or self.single_step.state_bytes
+            return values
+        model, optimizer, runner = self.model, self.optimizer, self.runner
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        clip = self.args.grad_clip or NO_CLIP
+        if runner is not None:  # ep > 1: this pipeline's share of the batch
+            out = runner.step(self.shard(x), self.shard(y), timeline)
+            runner.reduce_grads(optimizer)
+            grad_norm = runner.clip_grad_norm_(optimizer, clip)
+        else:  # ep > 1: this rank's sequences of every micro-batch
+            out = accumulate_grads(model, x, y, self.args.grad_accum_steps, self.shard)
+            self.reduce_grads(model, optimizer)
+            grad_norm = self.clip_grad_norm_(model, optimizer, clip)
+            out = self.mean_losses(out)
+        if self.ep_buffer is not None:
+            self.ep_buffer.check_errors()
+        optimizer.step()
+        if self.state_bytes is None:  # the full footprint: after step, before zero_grad
+            self.state_bytes = optimizer.state_bytes()
+        optimizer.zero_grad(set_to_none=True)
+        if runner is None:
+            model.update_router_biases(stats=False)
+            return step_values(out, grad_norm, model)
+        values = step_values(out, grad_norm)  # the pipeline's routers live on several ranks
+        values["moe"] = runner.update_router_biases()  # a collective
+        return values
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, run_dir: Path, step: int, **kw) -> None:
+        """Write the checkpoint of ``step`` in the single-process layout (a collective: every
+        rank calls it; rank 0 writes). ``kw``: :func:`~ptxtrain.train.checkpoint.save_checkpoint`'s
+        ``model``, ``optimizer``, ``config``, ``extra``."""
+        if self.codec is None:
+            save_checkpoint(run_dir, step=step, **kw)
+            return
+        model_state, optimizer_state = self.codec.gather(self.model, self.optimizer)  # every rank
+        self.run_on_lead(
+            lambda: save_checkpoint(
+                run_dir, step=step, model_state=model_state, optimizer_state=optimizer_state, **kw
+            )
+        )
+
+    def load(self, run_dir: Path, **kw) -> dict[str, Any]:
+        """Load the checkpoint in ``run_dir`` on every rank, each keeping its part; returns
+        its metadata. ``kw``: :func:`~ptxtrain.train.checkpoint.load_checkpoint`'s ``model``,
+        ``optimizer``, ``expected_config``.
+
+        Raises:
+            CheckpointError: on every rank when any rank fails to load (:meth:`on_every_rank`).
+        """
+        transform = None if self.codec is None else self.codec.slice
+        return self.on_every_rank(lambda: load_checkpoint(run_dir, state_transform=transform, **kw))
+
+    # ------------------------------------------------------------------ evaluation, metrics
+    def evaluate(self, corpus) -> float | None:
+        """The validation loss (:func:`~ptxtrain.train.evaluation.evaluate`) on the ranks that
+        evaluate (:attr:`evaluates`), None elsewhere; every rank must call it (``pp > 1``
+        gathers the stages to pipeline rank 0 first)."""
+        if self.runner is not None:
+            self.runner.gather_model()
+        if not self.evaluates:  # ep > 1: a collective over the EP group
+            return None
+        return evaluation.evaluate(self.model, corpus, self.args, self.device)
+
+    def reset_peak_memory(self) -> None:
+        """Start the peak-memory count of the run (CUDA; nothing on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def finish(self) -> tuple[list[str] | None, list[int | None]]:
+        """``(samples, peaks)`` at the end of the run (a collective: every rank calls it).
+
+        ``samples``: the end-of-run samples (:func:`~ptxtrain.train.evaluation.sample_texts`;
+        ``[]`` with ``sample_tokens`` 0) on the lead rank, None on the others (``ep > 1``:
+        sampled collectively by the ranks that evaluate, rank 0's kept). ``peaks``: each rank's
+        peak CUDA memory (:func:`peak_memory_per_rank`)."""
+        a = self.args
+        if self.runner is not None and a.sample_tokens:
+            self.runner.gather_model()
+        collective = a.sample_tokens and self.ep > 1 and self.evaluates
+        samples = evaluation.sample_texts(self.model, a, self.device) if collective else None
+        peaks = peak_memory_per_rank(self.device)  # an all_gather_object under torchrun
+        if samples is None and self.is_lead:
+            samples = evaluation.sample_texts(self.model, a, self.device) if a.sample_tokens else []
+        return samples, peaks
+
+    # ------------------------------------------------------------------ expert parallelism
+    def split_experts(self, model) -> None:
+        """``ep > 1``: keep this rank's experts of the (identically built) full model; every MoE
+        layer uses one ``Buffer`` of ``--ep-backend`` (nvlink: sized for the largest forward)."""
+        if self.ep > 1:
+            a = self.args
+            # The most tokens one rank's forward sees: an evaluation batch (batch_size / ep
+            # sequences; training micro-batches are no larger) or a sampling step (SAMPLE_COUNT
+            # sequences of up to max_seq_len tokens, on every rank).
+            sample = 0
+            if a.sample_tokens:
+                prompt = len(ByteTokenizer().encode(SAMPLE_PROMPT))
+                sample = SAMPLE_COUNT * min(model.config.max_seq_len, prompt + a.sample_tokens)
+            max_tokens = max(a.batch_size // self.ep * a.seq_len, sample, 1)
+            try:
+                model.enable_expert_parallel(
+                    self.ep_group, backend=a.ep_backend, max_tokens=max_tokens
+                )
+            except ValueError as e:
+                raise TrainConfigError(f"--ep {self.ep} --ep-backend {a.ep_backend}: {e}") from e
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's sequences of a batch ``[B, T]`` (all of them unless ``ep > 1``): rows
+        ``[e·B/ep, (e+1)·B/ep)`` for EP rank ``e`` (with ``pp > 1``: its pipeline's share)."""
+        return shard_rows(t, self.ep_rank, self.ep) if self.ep > 1 else t
+
+    @torch.no_grad()
+    def reduce_grads(self, model, optimizer) -> None:
+        """``ep > 1``: average the replicated parameters' gradients over the ranks (one
+        all-reduce, fp32 or fp64) and divide the expert gradients by ``ep`` (they already sum
+        every rank's tokens), giving the gradient of the global batch-mean loss.
+
+        Works on the gradients ``optimizer.step`` uses (``optimizer.grad_for``, the FP32 buffers
+        of :class:`~ptxtrain.optim.AdamW`). A replicated parameter without a gradient on every
+        rank keeps none (the optimizer then skips it, as in the single-process run).
+        """
+        if self.ep == 1:
+            return
+        experts = {id(p) for p in model.expert_parameters()}
+        for p in model.expert_parameters():
+            g = optimizer.grad_for(p)
+            if g is not None:
+                g.div_(self.ep)
+        params = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+        all_reduce_grads(params, optimizer, None, self.device, divide_by=self.ep)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, model, optimizer, max_norm: float) -> float:
+        """``ep > 1``: clip by the global L2 norm (replicated gradients counted once, expert
+        shards summed over the ranks; per-tensor norms in FP32 or wider, as
+        :meth:`~ptxtrain.optim.AdamW.clip_grad_norm_`). Returns the norm before clipping."""
+        import torch.distributed as dist
+
+        experts = {id(p) for p in model.expert_parameters()}
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [replicated, experts]
+        grads = []
+        for p in model.parameters():
+            g = optimizer.grad_for(p)
+            if g is None:
+                continue
+            grads.append(g)
+            n = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
+            sq[int(id(p) in experts)] += n.double() ** 2
+        dist.all_reduce(sq)
+        total = math.sqrt(float(sq[0]) / self.ep + float(sq[1]))  # replicated: same on all ranks
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(torch.tensor(coef, dtype=torch.float32).to(g.dtype))
+        return total
+
+    def mean_losses(self, out):
+        """``ep > 1``: the step's losses averaged over the ranks (= the global batch means),
+        as a :class:`~ptxtrain.model.ModelOutput` without logits; ``out`` itself otherwise."""
+        if self.ep == 1:
+            return out
+        from ..model import ModelOutput
+
+        names = [n for n in LOSS_TERMS if getattr(out, n) is not None]
+        vals = all_reduce_mean([float(getattr(out, n).detach()) for n in names], None, self.device)
+        mean = ModelOutput(logits=None)
+        for n, v in zip(names, vals, strict=True):
+            setattr(mean, n, torch.tensor(v, dtype=torch.float64))
+        return mean
+
+    def state_codec(
+        self, model, optimizer, runner=None
+    ) -> ExpertStates | StageStates | StageExpertStates | None:
+        """Converts checkpointed state dicts to and from the single-process layout: ``ep > 1``
+        gathers / slices the expert shards, ``pp > 1`` (``runner`` given) the stages, both
+        composed with both; None for a single process."""
+        if runner is not None and self.ep > 1:
+            return StageExpertStates(
+                ExpertStates(model, optimizer, self.ep_rank, self.ep, self.ep_group),
+                StageStates(model, optimizer, runner, self.args.weight_decay),
+                gather_stages=self.ep_rank == 0,
+            )
+        if runner is not None:
+            return StageStates(model, optimizer, runner, self.args.weight_decay)
+        return ExpertStates(model, optimizer, self.rank, self.ep) if self.ep > 1 else None
+
+    def on_every_rank(self, fn, *fn_args):
+        """``fn(*fn_args)`` on every rank; if it raises on any rank, every rank raises (its own
+        exception, else a ``CheckpointError`` / ``RuntimeError`` naming the first failed rank),
+        so a fault one rank sees cannot leave the others waiting in a collective."""
+        if not self.active:
+            return fn(*fn_args)
+        import torch.distributed as dist
+
+        err, result = None, None
+        try:
+            result = fn(*fn_args)
+        except Exception as e:  # shared below, then re-raised
+            err = e
+        mine = None if err is None else (isinstance(err, CheckpointError), f"{err}")
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        if err is not None:
+            raise err
+        for r, got in enumerate(every):
+            if got is not None:
+                is_ckpt, text = got
+                raise (CheckpointError if is_ckpt else RuntimeError)(f"rank {r} failed: {text}")
+        return result
+
+    def run_on_lead(self, fn, *fn_args) -> None:
+        """Run ``fn`` on rank 0 only; any exception there is raised on every rank (as an
+        ``OSError`` elsewhere when it is not a ``TrainConfigError``)."""
+        if not self.active:
+            fn(*fn_args)
+            return
+        import torch.distributed as dist
+
+        msg: list = [None]
+        if self.rank == 0:
+            try:
+                fn(*fn_args)
+            except Exception as e:
+                msg = [(isinstance(e, TrainConfigError), f"{type(e).__name__}: {e}")]
+                err = e
+        dist.broadcast_object_list(msg, src=0)
+        if msg[0] is not None:
+            if self.rank == 0:
+                raise err
+            is_config, text = msg[0]
+            raise (TrainConfigError if is_config else OSError)(f"rank 0 failed: {text}")
+
+
+def destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def peak_memory_per_rank(device: torch.device) -> list[int | None]:
+    """Peak CUDA memory allocated since the run started (bytes), one entry per rank of the
+    default process group in rank order (one entry without torchrun); None on CPU. Under torchrun
+    this is an ``all_gather_object``: every rank must call it."""
+    import torch.distributed as dist
+
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [peak]
+    peaks: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return peaks
