@@ -27,42 +27,10 @@ is built; the weights stay BF16 and the optimizer keeps their FP32 masters eithe
 The run folder gets ``config.json``, ``metrics.jsonl``, ``loss.png``, ``checkpoint/``,
 ``samples.txt`` and ``summary.json``.
 
-Pipeline parallelism (``pp > 1``, one process per rank under ``torchrun``): the forward/backward
-above becomes one schedule step over ``num_chunks`` micro-batches (1F1B, DualPipe or DualPipeV;
-see :mod:`ptxtrain.train.pipeline`), followed by the cross-rank gradient reduction and a global
-clipping norm. Rank 0 writes the run folder; with ``timeline`` every rank writes
-``timeline_rank{r}.jsonl``. Checkpoints gather every stage's parameters, buffers (router biases)
-and optimizer state to rank 0 by parameter name, each stage from its owner (a DualPipe mirror copy
-is identical and written once), so rank 0 writes the single-process layout: a pipeline run resumes
-with any ``--pp`` / ``--schedule`` or none, and a single-process checkpoint resumes under
-``--pp``. On ``--resume`` every rank loads the full files, the full model and its own stages'
-optimizer state; with the same pipeline the resumed losses are bitwise those of a straight run.
-
-Expert parallelism (``ep > 1``, one process per rank under ``torchrun``; DeepSeek-V3 report
-§3.2.2): every rank builds the same full model (same seed), then keeps ``1/ep`` of every MoE
-layer's routed experts (:meth:`~ptxtrain.model.DeepSeekV3.enable_expert_parallel`); tokens reach
-their experts through :class:`ptxtrain.moe.Buffer` dispatch/combine. The ranks are also data
-parallel: rank ``r`` trains on sequences ``[r·B/ep, (r+1)·B/ep)`` of the step's batch, so the
-global batch is the single-process one. After backward the replicated parameters' gradients are
-averaged over the ranks and the expert gradients (which already sum every rank's tokens) are
-divided by ``ep``, which gives the single-process gradient of the batch-mean loss; clipping uses
-the global norm; the router bias update uses the global expert load. Losses, evaluation and
-samples are computed collectively and agree on every rank. Checkpoints gather the expert shards
-to rank 0, which writes the single-process layout (so a run can be resumed with another ``ep``);
-every rank loads the full files and keeps its slice.
-
-Both (``pp > 1`` and ``ep > 1``, ``pp · ep`` processes; DeepSeek-V3's layout, EP inside a
-pipeline stage): rank ``r = pipeline_rank · ep + ep_rank``
-(:func:`~ptxtrain.train.pipeline.pipeline_groups`). The ``pp`` ranks of one ``ep_rank`` run the
-schedule together on sequences ``[e·B/ep, (e+1)·B/ep)`` of the batch (``num_chunks``
-micro-batches of them); the ``ep`` ranks of one pipeline rank hold the same stages with ``1/ep``
-of the experts each and exchange tokens inside the MoE layers. After the schedule: DualPipe's
-mirror sum, then the EP average / expert scaling above; the clipping norm, the losses and the
-router load are reduced over both groups. Evaluation and sampling run on the ``ep`` ranks of
-pipeline rank 0 (each gathers the stages of its own pipeline, then they run the model
-collectively); with ``timeline`` only the pipeline of ``ep_rank`` 0 records (files named by
-pipeline rank). Checkpoints: expert shards gathered over the EP group, then stages over the
-pipeline of rank 0, which writes the single-process layout; resume slices both back.
+Where the run is spread over processes (``--pp``, ``--ep``), the loop stays the same:
+:class:`~ptxtrain.train.strategy.ParallelStrategy` builds this rank's part of the model and
+runs its step, gathers the checkpoints to the single-process layout and reduces the metrics
+over the ranks (its module doc describes each layout).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ optimizer is built over those stages' parameters only. A step (docs/design.md §
     optimizer.step()            each rank updates its stages; mirrored copies stay identical
     update_router_biases()      DualPipe: expert counts of the two copies summed first
 
-Checkpoints: :mod:`ptxtrain.train.loop` gathers each stage from its owner
+Checkpoints: :class:`StageStates` gathers each stage from its owner
 (``PipelineRunner.owned``) to rank 0 in the single-process layout; on ``--resume`` every rank
 loads the whole model and its stages' optimizer state.
 
