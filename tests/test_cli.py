@@ -1,16 +1,12 @@
 """``ptxtrain`` command line: a short ``train`` run in-process, resume, and user errors."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-import ptxtrain
 from ptxtrain.cli import main
+from tests._spawn import run_python
 
 FAST = ["--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--min-lr", "1e-3",
         "--warmup-steps", "2", "--eval-batches", "2", "--no-progress",
@@ -145,15 +141,7 @@ def test_corrupt_checkpoint_exit_2(tmp_path, capsys):
 
 
 def test_python_m_ptxtrain_help():
-    root = Path(ptxtrain.__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    r = subprocess.run(
-        [sys.executable, "-m", "ptxtrain", "train", "--help"],
-        capture_output=True, text=True, timeout=120, cwd=root, env=env,
-    )  # fmt: skip
+    r = run_python(["-m", "ptxtrain", "train", "--help"])
     assert r.returncode == 0, r.stderr
     for flag in ("--precision", "--steps", "--batch-size", "--seq-len", "--lr", "--min-lr",
                  "--warmup-steps", "--weight-decay", "--grad-clip", "--seed", "--device",
@@ -164,10 +152,7 @@ def test_python_m_ptxtrain_help():
     help_text = " ".join(r.stdout.split())  # argparse wraps the help at the terminal width
     assert "--grad-accum-steps N micro-batches per optimizer step" in help_text
     assert "then --n-layers and --no-mtp on top" in help_text
-    r = subprocess.run(
-        [sys.executable, "-m", "ptxtrain", "train", "--steps", "-3"],
-        capture_output=True, text=True, timeout=120, cwd=root, env=env,
-    )  # fmt: skip
+    r = run_python(["-m", "ptxtrain", "train", "--steps", "-3"])
     assert r.returncode == 2 and "ptxtrain: error:" in r.stderr and "Traceback" not in r.stderr
 
 

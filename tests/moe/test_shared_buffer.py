@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from ptxtrain.cli import _train_args_from as train_args_from
 from ptxtrain.cli import build_parser, main
 from ptxtrain.model import build_model, get_preset
@@ -22,7 +21,7 @@ from ptxtrain.model.deepseek import ep_nvl_bytes
 from ptxtrain.moe import Buffer
 from ptxtrain.moe.layer import MoE
 from ptxtrain.train import TrainArgs, TrainConfigError, train
-from tests.moe._dist import run_dist, run_gloo
+from tests._spawn import run_dist, run_gloo
 
 # tiny preset (8 routed experts top-2, 3 MoE layers + the MTP block's) at a small width: every
 # rank holds 4 experts of each of the 4 MoE layers.
