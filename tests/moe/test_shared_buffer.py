@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
 from ptxtrain.cli import _train_args_from as train_args_from
 from ptxtrain.cli import build_parser, main
 from ptxtrain.model import build_model, get_preset
@@ -187,7 +188,10 @@ def test_cli_ep_backend_flag_and_refusals(tmp_path, capsys, monkeypatch):
     out = ["--out", str(tmp_path), "--device", "cpu", "--no-progress"]
     assert main(["train", "--ep-backend", "nvlink", *out]) == 2  # no expert parallelism
     assert "--ep-backend nvlink" in capsys.readouterr().err
-    # CPU: refused before the process group (a world of one here) or any training step.
+    # CPU: refused before the process group (torchrun's variables, no group) or any step.
+    for var, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, MASTER_PORT=29500).items():
+        monkeypatch.setenv(var, str(value))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert main(["train", "--ep", "2", "--ep-backend", "nvlink", *out]) == 2
     err = capsys.readouterr().err
     assert "--ep-backend nvlink needs CUDA GPUs" in err and "got device 'cpu'" in err
