@@ -1,6 +1,7 @@
 """``ptxtrain`` command line: a short ``train`` run in-process, resume, and user errors."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,7 @@ def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
     cases = [
         (["--data", str(tmp_path / "missing.txt")], "does not exist"),
         (["--data", str(empty)], "holds no *.txt or *.md"),
+        (["--data", sys.executable], "of its bytes are not text"),  # an executable
         (["--seq-len", "100000"], "max_seq_len"),
         (["--resume"], "no checkpoint"),
         (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
