@@ -3,7 +3,9 @@
 Commands register themselves in ``_COMMANDS`` (name → (add_arguments, run)); ``train`` is the
 first, ``bench``, ``probe`` and ``plot`` slot in the same way. User errors (a bad flag value, an
 unknown preset, an unreadable ``--data``, a corrupt checkpoint) print ``ptxtrain: error: ...``
-to stderr and exit with status 2, without a traceback.
+to stderr and exit with status 2, without a traceback. A flag the parser rejects prints the
+error line first, naming the command (``ptxtrain train: error: argument --steps: ...``), then a
+one-line pointer to that command's ``--help`` instead of argparse's usage block.
 """
 
 from __future__ import annotations
@@ -20,15 +22,44 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class _UsageError(Exception):
-    """A command-line error: printed as ``ptxtrain: error: ...``, exit status 2."""
+    """A command-line error: printed as ``PROG: error: ...``, exit status 2.
+
+    ``prog``: the command it belongs to (``ptxtrain train``); ``hint``: follow the error line
+    with a pointer to ``PROG --help`` (for errors the parser finds).
+    """
+
+    def __init__(self, message: str, prog: str = PROG, hint: bool = False) -> None:
+        super().__init__(message)
+        self.prog, self.hint = prog, hint
+
+    def report(self) -> str:
+        """The lines to print on stderr: the error first, then the ``--help`` pointer."""
+        line = f"{self.prog}: error: {self}"
+        return f"{line}\n(see `{self.prog} --help`)" if self.hint else line
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors (in any subcommand) read ``ptxtrain: error: ...``."""
+    """An ArgumentParser whose errors (in any subcommand) raise :class:`_UsageError` naming the
+    command, instead of printing the usage block and exiting.
+
+    Every parser records its ``prog`` as the default of ``_prog``; a subcommand's default
+    replaces its parent's, so the parsed namespace names the innermost command given.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(_prog=self.prog)
 
     def error(self, message: str):  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        raise _UsageError(message)
+        raise _UsageError(message, prog=self.prog, hint=True)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        # The root parser reports a subcommand's unknown flags: name that subcommand.
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            prog = getattr(ns, "_prog", self.prog)
+            raise _UsageError(f"unrecognized arguments: {' '.join(extras)}", prog, hint=True)
+        return ns
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
@@ -416,10 +447,48 @@ def _train_args_from(ns: argparse.Namespace):
     return TrainArgs(**given, resume=ns.resume, overwrite=ns.overwrite, progress=not ns.no_progress)
 
 
+# What torchrun sets in each process it starts; a --pp / --ep run reads them to join its group.
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launch(pp: int, ep: int, argv: Sequence[str]) -> None:
+    """Refuse a ``--pp`` / ``--ep`` run started without torchrun, saying all that is missing.
+
+    ``pp * ep > 1`` takes ``pp * ep`` processes, each given :data:`TORCHRUN_VARS` by torchrun.
+    Without a process group and with any of those variables unset, raises one error that
+    names the world size needed, the missing variables and the exact command to run instead:
+    ``torchrun --nproc-per-node PP*EP -m ptxtrain`` followed by ``argv`` (this command's
+    arguments). A WORLD_SIZE that does not match is left to ``train``'s own check.
+
+    Raises:
+        _UsageError: the run needs torchrun and this process was not started by it.
+    """
+    import os
+    import shlex
+
+    import torch.distributed as dist
+
+    want = pp * ep
+    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+    if want == 1 or not missing or (dist.is_available() and dist.is_initialized()):
+        return
+    flags = " ".join(f"--{k} {v}" for k, v in (("pp", pp), ("ep", ep)) if v > 1)
+    command = shlex.join(["torchrun", "--nproc-per-node", str(want), "-m", PROG, *argv])
+    lacks = "none of them" if len(missing) == len(TORCHRUN_VARS) else "no " + ", ".join(missing)
+    raise _UsageError(
+        f"{flags} needs {want} processes (WORLD_SIZE = pp x ep = {want}), each started by "
+        f"torchrun, which sets {', '.join(TORCHRUN_VARS)}; this process has {lacks}. "
+        f"Run it on one machine as:\n  {command}"
+    )
+
+
 def _run_train(ns: argparse.Namespace) -> int:
     from .train.loop import train
 
-    summary = train(_train_args_from(ns))
+    args = _train_args_from(ns)
+    args.validate()  # flag errors first: they need fixing whatever the launch
+    check_launch(args.pp, args.ep, getattr(ns, "_argv", ["train"]))
+    summary = train(args)
     return EXIT_INTERRUPTED if summary.get("interrupted") else EXIT_OK
 
 
@@ -674,12 +743,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .train.loop import TrainConfigError
 
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ns = parser.parse_args(argv)
+        ns._argv = argv  # check_launch repeats them in the torchrun command it suggests
         return ns._run(ns)
     except SystemExit as e:  # --help / --version
         return e.code if isinstance(e.code, int) else EXIT_OK
-    except (_UsageError, CorpusError, CheckpointError, TrainConfigError) as e:
+    except _UsageError as e:
+        print(e.report(), file=sys.stderr)
+        return EXIT_USAGE
+    except (CorpusError, CheckpointError, TrainConfigError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except FloatingPointError as e:

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests._spawn import run_python
 
 PREAMBLE = '''
 import json, os, re, subprocess, sys, tempfile
@@ -77,10 +75,7 @@ def run_sm90_script(body: str, tmp_path: Path, *argv: str) -> dict:
     script = tmp_path / "compile_sm90.py"
     script.write_text(PREAMBLE + textwrap.dedent(body))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(script), *argv], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_python([str(script), *argv], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next((s for s in reversed(proc.stdout.splitlines()) if s.startswith("RESULT")), None)
     assert line is not None, f"the script emitted no result: {proc.stdout[-2000:]}"

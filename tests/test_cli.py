@@ -1,16 +1,14 @@
 """``ptxtrain`` command line: a short ``train`` run in-process, resume, and user errors."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import ptxtrain
 from ptxtrain.cli import main
+from tests._spawn import run_python
 
 FAST = ["--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--min-lr", "1e-3",
         "--warmup-steps", "2", "--eval-batches", "2", "--no-progress",
@@ -79,7 +77,6 @@ def _error(argv, capsys):
         (["train", "--grad-accum-steps", "two"], "expected an integer, got 'two'"),
         (["train", "--grad-accum-steps", "1.5"], "expected an integer, got '1.5'"),
         (["train", "--config"], "--config: expected one argument"),
-        (["train", "--fp8-recipe", "deepseek_pow2"], "--fp8-recipe applies to --precision fp8"),
         (["frobnicate"], "invalid choice"),
         (["bench", "matmul"], "invalid choice: 'matmul'"),
         (["bench", "gemm", "--repeats", "0"], "--repeats: must be >= 1"),
@@ -92,8 +89,57 @@ def _error(argv, capsys):
 def test_bad_flags_exit_2(argv, needle, capsys):
     code, err = _error(argv, capsys)
     assert code == 2
-    assert "ptxtrain: error:" in err and needle in err
-    assert "Traceback" not in err
+    # The error line first, naming the command; then one line pointing to its --help.
+    prog = " ".join(["ptxtrain", *argv[:1]]) if argv[:1] != ["frobnicate"] else "ptxtrain"
+    first, *rest = err.splitlines()
+    assert first.startswith(f"{prog}: error: ") and needle in first, err
+    assert rest == [f"(see `{prog} --help`)"], err
+    assert "usage:" not in err
+
+
+def test_parser_error_line_comes_first(capsys):
+    code, err = _error(["train", "--steps", "x"], capsys)
+    assert code == 2
+    assert err.splitlines() == [
+        "ptxtrain train: error: argument --steps: expected an integer, got 'x'",
+        "(see `ptxtrain train --help`)",
+    ]
+    # Unknown flags are found by the root parser; the message still names the subcommand.
+    code, err = _error(["plot", "timeline", "run", "--nope", "1"], capsys)
+    assert code == 2
+    assert err.splitlines() == [
+        "ptxtrain plot timeline: error: unrecognized arguments: --nope 1",
+        "(see `ptxtrain plot timeline --help`)",
+    ]
+    # Errors found after parsing (here: a run folder in use) carry no --help pointer.
+    code, err = _error(["train", "--resume", "--out", "/nonexistent/run", "--no-progress"], capsys)
+    assert code == 2 and err.startswith("ptxtrain: error:") and "--help" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "world", "what"),
+    [(["--pp", "4"], 4, "--pp 4"), (["--ep", "2"], 2, "--ep 2"),
+     (["--pp", "2", "--ep", "4"], 8, "--pp 2 --ep 4")],
+)  # fmt: skip
+def test_pp_ep_without_torchrun_says_all_that_is_missing(flags, world, what, capsys, monkeypatch):
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["train", *flags, "--no-mtp", "--batch-size", "16", "--out", "my run", "--steps", "7"]
+    code, err = _error(argv, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith(f"ptxtrain: error: {what} needs {world} processes"), err
+    assert "RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in err
+    assert "this process has none of them" in err
+    # The command to run: the same arguments, shell-quoted.
+    assert err.splitlines()[-1] == (
+        f"  torchrun --nproc-per-node {world} -m ptxtrain train {' '.join(flags)} --no-mtp "
+        "--batch-size 16 --out 'my run' --steps 7"
+    )
+    # Only some of torchrun's variables: the message names those missing.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    code, err = _error(argv, capsys)
+    assert code == 2 and "this process has no LOCAL_RANK, WORLD_SIZE, MASTER_ADDR." in err, err
 
 
 def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
@@ -105,6 +151,7 @@ def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
     cases = [
         (["--data", str(tmp_path / "missing.txt")], "does not exist"),
         (["--data", str(empty)], "holds no *.txt or *.md"),
+        (["--data", sys.executable], "of its bytes are not text"),  # an executable
         (["--seq-len", "100000"], "max_seq_len"),
         (["--resume"], "no checkpoint"),
         (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
@@ -112,6 +159,7 @@ def test_user_errors_exit_2(tmp_path, smoke_run, capsys):
         (["--ep", "3"], "--batch-size 16 must be divisible by --ep 3"),
         (["--ep", "2", "--pp", "2", "--no-mtp"], "--pp 2 --ep 2 needs 4 processes"),
         (["--seed", str(2**64)], "--seed must be < 2**64"),  # torch.Generator's limit
+        (["--fp8-recipe", "deepseek_pow2"], "--fp8-recipe applies to --precision fp8"),
         (["--config", str(tmp_path / "none.json")], "--config " + str(tmp_path / "none.json")),
         (["--config", str(a_file)], "is not valid JSON"),
         (["--grad-accum-steps", "2", "--pp", "2", "--no-mtp"], "cannot run with --pp 2"),
@@ -145,15 +193,7 @@ def test_corrupt_checkpoint_exit_2(tmp_path, capsys):
 
 
 def test_python_m_ptxtrain_help():
-    root = Path(ptxtrain.__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    r = subprocess.run(
-        [sys.executable, "-m", "ptxtrain", "train", "--help"],
-        capture_output=True, text=True, timeout=120, cwd=root, env=env,
-    )  # fmt: skip
+    r = run_python(["-m", "ptxtrain", "train", "--help"])
     assert r.returncode == 0, r.stderr
     for flag in ("--precision", "--steps", "--batch-size", "--seq-len", "--lr", "--min-lr",
                  "--warmup-steps", "--weight-decay", "--grad-clip", "--seed", "--device",
@@ -164,11 +204,9 @@ def test_python_m_ptxtrain_help():
     help_text = " ".join(r.stdout.split())  # argparse wraps the help at the terminal width
     assert "--grad-accum-steps N micro-batches per optimizer step" in help_text
     assert "then --n-layers and --no-mtp on top" in help_text
-    r = subprocess.run(
-        [sys.executable, "-m", "ptxtrain", "train", "--steps", "-3"],
-        capture_output=True, text=True, timeout=120, cwd=root, env=env,
-    )  # fmt: skip
-    assert r.returncode == 2 and "ptxtrain: error:" in r.stderr and "Traceback" not in r.stderr
+    r = run_python(["-m", "ptxtrain", "train", "--steps", "-3"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("ptxtrain train: error: argument --steps: must be >= 1"), r.stderr
 
 
 def test_resume_inherits_data_path(tmp_path, capsys):

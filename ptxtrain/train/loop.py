@@ -106,7 +106,11 @@ RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt", "summary
 
 class _StopFlag:
     """The first Ctrl-C (SIGINT) asks the loop to stop after the step in flight, checkpointed;
-    a second one interrupts at once (KeyboardInterrupt)."""
+    a second one interrupts at once (KeyboardInterrupt).
+
+    A process whose SIGINT is ignored (a non-interactive shell's background job, ``cmd &``)
+    keeps ignoring it, as Python does (no KeyboardInterrupt then): whoever launched it asked
+    that a terminal's Ctrl-C not reach it."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -118,6 +122,9 @@ class _StopFlag:
                 raise KeyboardInterrupt
             self.requested = True
 
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            yield
+            return
         try:
             previous = signal.signal(signal.SIGINT, handler)
         except ValueError:  # not the main thread: leave SIGINT alone

@@ -90,7 +90,7 @@ def test_profile_buffer_on_gloo(tmp_path):
     """--profile's tables (CPU gloo: host tables only; a collective on every rank)."""
     import json
 
-    from tests.parallel._dist import run_gloo
+    from tests._spawn import run_gloo
 
     run_gloo(_profile_worker, 2, str(tmp_path), hard_exit=True)  # (torch teardown abort)
     for r in range(2):

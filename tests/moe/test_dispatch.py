@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ptxtrain.moe.dispatch import Buffer, DispatchHandle, EventOverlap, get_dispatch_layout
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.quant.ref import per_token_cast_to_fp8
-from tests.moe._dist import run_gloo
+from tests._spawn import run_gloo
 
 
 def _interpreted() -> bool:

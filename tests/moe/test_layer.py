@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ptxtrain.moe import MoE
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
-from tests.moe._dist import run_gloo
+from tests._spawn import run_gloo
 
 
 def _topk_idx(n_tokens, k, n_experts, gen, skip=()):

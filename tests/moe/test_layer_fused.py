@@ -22,7 +22,7 @@ from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.quant.ref import FP8_DTYPE
 from ptxtrain.testing import assert_bitwise_equal
 from ptxtrain.testing.triton_interp import patch_applied
-from tests.moe._dist import run_gloo
+from tests._spawn import run_gloo
 from tests.moe.test_kernels import DEVICE, INTERPRETED, _tokens, runnable
 
 DIM, INTER, E, K = 32, 24, 8, 3

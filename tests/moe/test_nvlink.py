@@ -37,7 +37,7 @@ from ptxtrain.moe.nvlink import (
     kernel_source,
 )
 from ptxtrain.quant.ref import per_token_cast_to_fp8
-from tests.moe._dist import init_nccl, run_dist
+from tests._spawn import init_nccl, run_dist
 from tests.moe.test_dispatch import _check_exact, _expected, _scenario
 
 NC_LOAD = "ld.global.nc.L1::no_allocate.L2::256B"

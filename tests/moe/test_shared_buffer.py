@@ -22,7 +22,7 @@ from ptxtrain.model.deepseek import ep_nvl_bytes
 from ptxtrain.moe import Buffer
 from ptxtrain.moe.layer import MoE
 from ptxtrain.train import TrainArgs, TrainConfigError, train
-from tests.moe._dist import run_dist, run_gloo
+from tests._spawn import run_dist, run_gloo
 
 # tiny preset (8 routed experts top-2, 3 MoE layers + the MTP block's) at a small width: every
 # rank holds 4 experts of each of the 4 MoE layers.
@@ -188,7 +188,10 @@ def test_cli_ep_backend_flag_and_refusals(tmp_path, capsys, monkeypatch):
     out = ["--out", str(tmp_path), "--device", "cpu", "--no-progress"]
     assert main(["train", "--ep-backend", "nvlink", *out]) == 2  # no expert parallelism
     assert "--ep-backend nvlink" in capsys.readouterr().err
-    # CPU: refused before the process group (a world of one here) or any training step.
+    # CPU: refused before the process group (torchrun's variables, no group) or any step.
+    for var, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, MASTER_PORT=29500).items():
+        monkeypatch.setenv(var, str(value))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert main(["train", "--ep", "2", "--ep-backend", "nvlink", *out]) == 2
     err = capsys.readouterr().err
     assert "--ep-backend nvlink needs CUDA GPUs" in err and "got device 'cpu'" in err

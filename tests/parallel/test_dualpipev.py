@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ptxtrain.parallel import DualPipeV, Timeline
-from tests.parallel._dist import run_gloo
+from tests._spawn import run_gloo
 from tests.parallel.test_schedules import (
     assert_grads,
     assert_step_result,
@@ -104,4 +104,4 @@ def worker(rank: int, world: int, cases) -> None:
     ],
 )
 def test_dualpipev_matches_single_process(world, cases):
-    run_gloo(worker, world, cases, timeout_s=90)
+    run_gloo(worker, world, cases, timeout=90)

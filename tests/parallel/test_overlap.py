@@ -23,7 +23,7 @@ import torch
 
 from ptxtrain.parallel import DualPipe, DualPipeV
 from ptxtrain.parallel._p2p import P2P, sequential_forward_backward
-from tests.parallel._dist import run_gloo
+from tests._spawn import run_gloo
 from tests.parallel.test_schedules import (
     Block,
     assert_grads,
@@ -138,7 +138,7 @@ def worker_toy(rank: int, world: int) -> None:
 
 
 def test_overlap_hook_toy_stages_pp4():
-    run_gloo(worker_toy, 4, timeout_s=120)
+    run_gloo(worker_toy, 4, timeout=120)
 
 
 # ---------------------------------------------------------------- the model's stages (PP=2)
@@ -233,7 +233,7 @@ def worker_model(rank: int, world: int) -> None:
 
 
 def test_overlap_hook_model_stages_pp2():
-    run_gloo(worker_model, 2, timeout_s=120)
+    run_gloo(worker_model, 2, timeout=120)
 
 
 # ---------------------------------------------------------------- single process

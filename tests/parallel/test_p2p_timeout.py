@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from ptxtrain.parallel import OneFOneB
-from tests.parallel._dist import run_torchrun_like
+from tests._spawn import run_torchrun_like
 from tests.parallel.test_schedules import make_batch, make_stage
 
 # The default group's timeout. Long enough for 2 spawned ranks on 2 busy cores to get through
@@ -66,4 +66,4 @@ def _stuck_peer(rank: int, world: int, flag_dir) -> None:
 
 
 def test_neighbours_of_a_stuck_rank_time_out_naming_the_receive(tmp_path):
-    run_torchrun_like(worker_stuck_peer, 2, tmp_path, timeout_s=60)
+    run_torchrun_like(worker_stuck_peer, 2, tmp_path, timeout=60)

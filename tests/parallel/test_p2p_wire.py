@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ptxtrain.parallel import DualPipe, DualPipeV, OneFOneB
 from ptxtrain.parallel._p2p import P2P
-from tests.parallel._dist import run_gloo
+from tests._spawn import run_gloo
 from tests.parallel.test_schedules import criterion, make_batch, make_stage
 
 _P2P_OPS = ("isend", "irecv", "send", "recv")
@@ -213,4 +213,4 @@ def _schedules(rank: int, world: int) -> None:
 
 def test_schedule_traffic_pairs_up_without_tags():
     # 4 ranks: the smallest pipeline where DualPipeV's pairs carry both legs out of tag order.
-    run_gloo(_schedules, 4, timeout_s=120)
+    run_gloo(_schedules, 4, timeout=120)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ptxtrain.train import CheckpointError, TrainArgs, read_metrics, train
-from tests.parallel._dist import run_gloo
+from tests._spawn import run_gloo
 from tests.parallel.test_pp_train import CFG
 
 STEPS = 4
@@ -134,7 +134,7 @@ def runs(tmp_path_factory):
     # Single-process fp32 reference (straight), and its step-2 checkpoint for the pp resume.
     single = train(_args(root / "single"), model_overrides=CFG, param_dtype=f32)
     train(_args(root / "from-single", stop_after=STOP), model_overrides=CFG, param_dtype=f32)
-    run_gloo(_worker, 2, str(root), timeout_s=150)
+    run_gloo(_worker, 2, str(root), timeout=150)
     # The 1F1B step-2 checkpoint resumed in this (single) process.
     to_single = train(_resume(root / "to-single"), model_overrides=CFG, param_dtype=f32)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]

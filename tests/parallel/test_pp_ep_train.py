@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from ptxtrain.train import TrainArgs, read_metrics, train
 from ptxtrain.train.pipeline import pipeline_groups
-from tests.parallel._dist import raised_on_this_rank, run_gloo
+from tests._spawn import raised_on_this_rank, run_gloo
 
 PP, EP = 2, 2
 STEPS = 4
@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppep")
-    run_gloo(_worker, PP * EP, str(root), timeout_s=180)
+    run_gloo(_worker, PP * EP, str(root), timeout=180)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(PP * EP)]
     single = tmp_path_factory.mktemp("single") / "run"
     ref = train(_args(single), param_dtype=torch.float64)
@@ -215,7 +215,7 @@ def _layout_worker(rank: int, world: int, root: str) -> None:
 
 def test_pipeline_groups_dualpipe_pp4_ep2(tmp_path):
     # The DualPipe mirror pairs with PP > 2 (not reachable by the 4-rank training runs above).
-    run_gloo(_layout_worker, 8, str(tmp_path), timeout_s=60)
+    run_gloo(_layout_worker, 8, str(tmp_path), timeout=60)
     for r in range(8):
         p_rank, e_rank = divmod(r, 2)
         mirror_rank = 3 - p_rank

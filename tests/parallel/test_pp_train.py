@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ptxtrain.train import TrainArgs, read_metrics, train
-from tests.parallel._dist import raised_on_this_rank, run_gloo, run_torchrun_like
+from tests._spawn import raised_on_this_rank, run_gloo, run_torchrun_like
 
 # A 4-layer model small enough for a few steps in well under a second; 4 layers split into 2
 # stages (1F1B, DualPipe) or 4 (DualPipeV on 2 ranks). MoE layers with the sequence-wise
@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
-    run_gloo(_worker, 2, str(root), timeout_s=120)
+    run_gloo(_worker, 2, str(root), timeout=120)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
     return root, ranks
 
@@ -194,4 +194,4 @@ def _twice(rank: int, world: int, root: str) -> None:
 def test_train_twice_in_one_torchrun_process(tmp_path):
     """train() creates the process group from torchrun's environment; a second call in the same
     process reuses it (re-initializing after a destroy hung in the rendezvous)."""
-    run_torchrun_like(_twice, 2, str(tmp_path), timeout_s=120)
+    run_torchrun_like(_twice, 2, str(tmp_path), timeout=120)

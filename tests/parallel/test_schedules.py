@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptxtrain.parallel import DualPipe, OneFOneB
-from tests.parallel._dist import run_gloo
+from tests._spawn import run_gloo
 
 DIM = 16
 ROWS = 2  # rows per micro-batch
@@ -193,11 +193,11 @@ def worker_pp1(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_schedules_match_single_process(world):
-    run_gloo(worker_pp, world, timeout_s=90)
+    run_gloo(worker_pp, world, timeout=90)
 
 
 def test_pp1_and_odd_pp():
-    run_gloo(worker_pp1, 1, timeout_s=60)
+    run_gloo(worker_pp1, 1, timeout=60)
 
 
 def test_p2p_pairs():

@@ -18,7 +18,7 @@ import torch
 from ptxtrain.cli import main
 from ptxtrain.parallel import DualPipe, DualPipeV, OneFOneB, Timeline, bubble_stats, read_timelines
 from ptxtrain.parallel.plot import select_step
-from tests.parallel._dist import run_gloo
+from tests._spawn import run_gloo
 from tests.parallel.test_schedules import criterion, make_batch, make_stage
 
 EXACT = 1e-12  # the fractions are ratios of integers ns computed in float64: ~1e-16 relative
@@ -182,7 +182,7 @@ def record_worker(rank: int, world: int, root: str) -> None:
 
 
 def test_plot_timeline_from_a_gloo_run(tmp_path, capsys):
-    run_gloo(record_worker, 2, str(tmp_path), timeout_s=90)
+    run_gloo(record_worker, 2, str(tmp_path), timeout=90)
     for name in ("1f1b", "dualpipe", "dualpipev"):
         run_dir = tmp_path / name
         steps = read_timelines(run_dir)

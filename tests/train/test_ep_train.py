@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from ptxtrain.train import TrainArgs, TrainConfigError, read_metrics, train
-from tests.parallel._dist import raised_on_this_rank, run_gloo
+from tests._spawn import raised_on_this_rank, run_gloo
 
 # The tiny preset (8 routed experts, 4 per rank; MTP on, so the MTP block's MoE layer is split
 # too) at a short sequence length: a few steps take a couple of seconds.
@@ -108,7 +108,7 @@ def _worker(rank: int, world: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    run_gloo(_worker, 2, str(root), timeout_s=150)
+    run_gloo(_worker, 2, str(root), timeout=150)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
     return root, ranks
 

@@ -174,7 +174,20 @@ def test_deterministic_run_trains_the_same_and_records_it(tmp_path, monkeypatch)
     assert "deterministic" not in meta["config"]["train"]
 
 
-def test_sigint_stops_after_the_step_and_resumes_exactly(tmp_path, monkeypatch):
+@pytest.fixture
+def sigint(request):
+    """SIGINT set to ``request.param`` (default: Python's KeyboardInterrupt handler) for the
+    test, whatever this process inherited (a non-interactive shell's background job starts with
+    SIGINT ignored), and put back afterwards. Yields the disposition the test starts with."""
+    start = getattr(request, "param", signal.default_int_handler)
+    before = signal.signal(signal.SIGINT, start)
+    try:
+        yield start
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_sigint_stops_after_the_step_and_resumes_exactly(tmp_path, monkeypatch, sigint):
     straight = tmp_path / "straight"
     train(_args(straight, steps=5, ckpt_every=0), model_overrides=SMALL)
 
@@ -192,7 +205,22 @@ def test_sigint_stops_after_the_step_and_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(loop_mod, "batch_generator", real)
     train(_args(run, steps=5, ckpt_every=0, resume=True), model_overrides=SMALL)
     assert _losses(run) == _losses(straight)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert signal.getsignal(signal.SIGINT) is sigint  # handler restored
+
+
+@pytest.mark.parametrize("sigint", [signal.SIG_IGN, signal.default_int_handler], indirect=True)
+def test_stop_flag_keeps_an_ignored_sigint_ignored(sigint):
+    stop = loop_mod._StopFlag()
+    with stop.on_sigint():
+        os.kill(os.getpid(), signal.SIGINT)  # ignored, or sets the flag
+        # A second one interrupts, unless SIGINT is ignored.
+        if sigint is signal.SIG_IGN:
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+    assert stop.requested is (sigint is not signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGINT) is sigint  # restored
 
 
 def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path):
