@@ -71,10 +71,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ptxtrain._checks import ceil_div
 from ptxtrain.gemm.heuristics import (
     BLOCK_K,
-    H100_SMS,
     VARIANTS,
     GemmConfig,
     autotune_configs,
+    device_sms,
     gluon_split_k,
     gluon_tile,
     m_bucket,
@@ -290,17 +290,6 @@ def _check_devices(a_fp8, sf_a, b_fp8, sf_b) -> None:
         )
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return H100_SMS  # interpreter: choose as for the GPU the code is meant for
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _max_offset(t: torch.Tensor) -> int:
     """Largest element offset of ``t`` from its data pointer."""
     return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()) if size)
@@ -472,13 +461,13 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
             out.zero_()
         return out
     if num_sms is None:
-        num_sms = _device_sms(a_fp8.device)
+        num_sms = device_sms(a_fp8.device)
     if config is None and _gluon_runs(kind, a_fp8, b_fp8, out, m, n, k, num_sms):
         from ptxtrain.gemm import gluon
 
         cfg = gluon.ws_config(*gluon_tile(m, n, k, kind, num_sms), out.element_size())
         # (validated above and by _gluon_runs: fp8_gemm's checks without repeating them)
-        return gluon._launch(kind, a, b, out, accumulate, cfg, m, n, k)
+        return gluon.launch_checked(kind, a, b, out, accumulate, cfg, m, n, k)
     if config is None:
         cfg = select_config(m, n, k, kind, num_sms)
     elif config == "autotune":
@@ -577,7 +566,7 @@ def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | Non
     if device is None:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    num_sms = _device_sms(device)
+    num_sms = device_sms(device)
     if _gluon_shape_route(kind, m, n, k, device, num_sms):
         from ptxtrain.gemm import gluon
 
