@@ -96,7 +96,7 @@ _INT32_MAX = 2**31 - 1
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Tile id → (pid_m, pid_n), running down GROUP_M tile rows before moving right (L2 reuse)."""
     tiles_per_group = GROUP_M * num_pid_n
     group = tile_id // tiles_per_group
@@ -107,7 +107,7 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_scaled_tile(
+def block_scaled_tile(
     a_src,
     b_src,
     sfa_ptr,
@@ -183,7 +183,7 @@ def _block_scaled_tile(
 
 
 @triton.jit
-def _store_tile(
+def store_tile(
     out_ptr,
     acc,
     M,
@@ -197,6 +197,8 @@ def _store_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """Store the fp32 ``acc [BLOCK_M, BLOCK_N]`` tile (pid_m, pid_n) into ``out`` (bf16 / fp32,
+    any strides), masked to M x N; ``out +=`` when ACCUMULATE; int64 offsets when INT64."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -246,26 +248,26 @@ def _fp8_gemm_kernel(
     if PERSISTENT:
         num_tiles = num_pid_m * num_pid_n
         for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            acc = _block_scaled_tile(
+            pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = block_scaled_tile(
                 a_src, b_src, sfa_ptr, sfb_ptr, M, N, K, pid_m, pid_n,
                 stride_am, stride_ak, stride_bn, stride_bk,
                 stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
                 SFB_PER_ROW, EVEN_K, USE_TMA, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
             )  # fmt: skip
-            _store_tile(
+            store_tile(
                 out_ptr, acc, M, N, pid_m, pid_n, stride_om, stride_on,
                 ACCUMULATE, INT64, BLOCK_M, BLOCK_N,
             )  # fmt: skip
     else:
-        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        acc = _block_scaled_tile(
+        pid_m, pid_n = tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        acc = block_scaled_tile(
             a_src, b_src, sfa_ptr, sfb_ptr, M, N, K, pid_m, pid_n,
             stride_am, stride_ak, stride_bn, stride_bk,
             stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
             SFB_PER_ROW, EVEN_K, USE_TMA, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
         )  # fmt: skip
-        _store_tile(
+        store_tile(
             out_ptr, acc, M, N, pid_m, pid_n, stride_om, stride_on,
             ACCUMULATE, INT64, BLOCK_M, BLOCK_N,
         )  # fmt: skip

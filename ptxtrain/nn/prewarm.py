@@ -201,9 +201,9 @@ def prewarm(
     CUDA device, NVRTC missing, ``PTXTRAIN_JIT_PREWARM=0``, or no kernel to compile."""
     from ptxtrain import _backend, gemm, quant
     from ptxtrain.gemm import ptx
-    from ptxtrain.jit.cache import _env_flag
+    from ptxtrain.jit.cache import env_flag
 
-    if os.environ.get(ENV_VAR, "").strip() and not _env_flag(ENV_VAR):
+    if os.environ.get(ENV_VAR, "").strip() and not env_flag(ENV_VAR):
         return None
     if device.type != "cuda" or not ptx.supports(128, 128, 128, device=device):
         return None

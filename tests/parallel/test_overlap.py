@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ptxtrain.parallel import DualPipe, DualPipeV
-from ptxtrain.parallel._p2p import P2P, sequential_forward_backward
+from ptxtrain.parallel.p2p import P2P, sequential_forward_backward
 from tests.parallel._dist import run_gloo
 from tests.parallel.test_schedules import (
     Block,
