@@ -48,7 +48,7 @@ TARGETS = [
     "ptxtrain.nn.fp8_linear:_gemm_1d1d",
     "ptxtrain.nn.fp8_grouped:_Fp8GroupedLinearFunction.forward",
     "ptxtrain.nn.fp8_grouped:_Fp8GroupedLinearFunction.backward",
-    "ptxtrain.nn.fp8_grouped:_Layout.__init__",
+    "ptxtrain.nn.fp8_grouped:HostLayout.__init__",
     "ptxtrain.moe.fused:_RouteFn.forward",
     "ptxtrain.moe.fused:_RouteFn.backward",
     "ptxtrain.moe.fused:_PermuteFn.forward",

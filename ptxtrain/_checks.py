@@ -2,7 +2,9 @@
 
 Each check raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, layout,
 device or value) with a message that names the argument, what it got and what it needs, so no
-``AssertionError`` or ``IndexError`` from deep inside an op reaches a user.
+``AssertionError`` or ``IndexError`` from deep inside an op reaches a user. Also the one
+numeric check library code makes on its own results (:func:`calc_diff`; tests reach it through
+:mod:`ptxtrain.testing`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,27 @@ HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def ceil_div(a: int, b: int) -> int:
     """⌈a / b⌉ for non-negative ``a`` and positive ``b``."""
     return (a + b - 1) // b
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's GEMM oracle: ``1 - 2·Σxy / Σ(x² + y²)``, computed in float64.
+
+    0 for identical tensors, about ``‖x - y‖² / (2‖y‖²)`` for nearby ones, 1 for orthogonal ones.
+    FP8 x FP8 GEMMs pass at ``< 1e-3`` against a high-precision matmul of the unquantized inputs
+    (docs/design.md §2). Empty tensors give 0; a NaN anywhere gives NaN, failing any ``<`` check.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    if x.shape != y.shape:
+        raise ValueError(f"calc_diff needs equal shapes, got {tuple(x.shape)} and {tuple(y.shape)}")
+    if x.numel() == 0:
+        return 0.0
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1.0 - 2.0 * (x * y).sum() / denom)
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:

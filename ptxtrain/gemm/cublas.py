@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from ptxtrain._checks import calc_diff
 from ptxtrain.gemm import ref
 
 _ALIGN = 16  # cuBLASLt FP8: leading dimensions multiple of 16 bytes (= 16 e4m3 elements)
@@ -125,7 +126,6 @@ _1d1d_layout_by_device: dict[int, str | None] = {}
 
 def _probe_1d1d_layout(device: torch.device) -> str | None:
     from ptxtrain.quant import per_token_cast_to_fp8
-    from ptxtrain.testing import calc_diff
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(256, 384, device=device, generator=g)

@@ -70,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ptxtrain.gemm.heuristics import GLUON_SPLIT_MAX, gluon_split_k
+from ptxtrain.gemm.heuristics import GLUON_SPLIT_MAX, device_sms, gluon_split_k
 
 BLOCK_K = gl.constexpr(128)  # one 1x128 / 128x128 scale block per K step
 
@@ -920,14 +920,24 @@ def fp8_gemm(kind: str, a: tuple, b: tuple, out: torch.Tensor | None = None,
         if k == 0 and not accumulate:
             out.zero_()
         return out
-    return _launch(kind, a, b, out, accumulate, cfg, m, n, k)
+    return launch_checked(kind, a, b, out, accumulate, cfg, m, n, k)
 
 
-def _launch(kind: str, a: tuple, b: tuple, out: torch.Tensor, accumulate: bool,
-            cfg: GluonConfig, m: int, n: int, k: int) -> torch.Tensor:  # fmt: skip
-    """:func:`fp8_gemm` after its checks (M, N, K > 0, operands TMA-loadable, ``out`` given
-    with int32 column offsets): ``ptxtrain.gemm.triton``'s route, which has made them, calls
-    this directly (the checks cost about a tenth of a call's host time)."""
+def launch_checked(kind: str, a: tuple, b: tuple, out: torch.Tensor, accumulate: bool,
+                   cfg: GluonConfig, m: int, n: int, k: int) -> torch.Tensor:  # fmt: skip
+    """:func:`fp8_gemm` without its checks: ``ptxtrain.gemm.triton``'s default route, which
+    has made them, calls this directly (the checks cost about a tenth of a call's host time).
+
+    The caller guarantees what :func:`fp8_gemm` checks: ``a = (a_fp8 [m, k] e4m3, sf_a [m,
+    ceil(k/128)] fp32)``, ``b = (b_fp8 [n, k] e4m3, sf_b)`` with sf_b ``[ceil(n/128),
+    ceil(k/128)]`` (1D2D) or ``[n, ceil(k/128)]`` (1D1D), both K-major CUDA tensors with
+    16-byte aligned rows and base (TMA), m, n, k > 0, and ``out`` an ``[m, n]`` bf16 / fp32
+    tensor whose column offsets fit in int32. Writes ``out`` (``+=`` when ``accumulate``) and
+    returns it.
+
+    Raises:
+        ValueError: ``cfg`` needs more shared memory than sm_90 has for this ``out`` dtype.
+    """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
@@ -940,9 +950,7 @@ def _launch(kind: str, a: tuple, b: tuple, out: torch.Tensor, accumulate: bool,
     grid = (num_tiles,)
     whole, splits = num_tiles, 1
     if cfg.warp_specialized:  # persistent: one program per SM walks the tiles
-        from ptxtrain.gemm.triton import _device_sms
-
-        num_sms = _device_sms(a_fp8.device)
+        num_sms = device_sms(a_fp8.device)
         if cfg.split_k:
             whole, splits = gluon_split_k(num_tiles, num_sms, triton.cdiv(k, _BK), cfg.split_max)
         grid = (min(whole + (num_tiles - whole) * splits, num_sms),)

@@ -50,7 +50,7 @@ from ptxtrain._checks import ceil_div
 from ptxtrain.gemm import ref
 from ptxtrain.gemm.heuristics import BLOCK_K, H100_SMS, GemmConfig, select_config
 from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT, Operand
-from ptxtrain.gemm.triton import _block_scaled_tile, _store_tile, _tile_coords
+from ptxtrain.gemm.triton import block_scaled_tile, store_tile, tile_coords
 
 __all__ = [
     "M_ALIGNMENT",
@@ -91,13 +91,13 @@ def _m_grouped_contiguous_kernel(
 ):  # fmt: skip
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     idx = tl.load(m_idx_ptr + offs_m, mask=offs_m < M, other=-1)  # [BM] int32
     grp = tl.max(idx, axis=0)  # the tile's group; -1 when every row is padding
     if (grp >= 0) & (grp < G):
         g64 = grp.to(tl.int64)
-        acc = _block_scaled_tile(
+        acc = block_scaled_tile(
             a_ptr, b_ptr + g64 * stride_bg, sfa_ptr, sfb_ptr + g64 * stride_sfb_g,
             M, N, K, pid_m, pid_n,
             stride_am, stride_ak, stride_bn, stride_bk,
@@ -107,7 +107,7 @@ def _m_grouped_contiguous_kernel(
         acc = tl.where((idx == grp)[:, None], acc, 0.0)  # padding rows -> zeros
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    _store_tile(
+    store_tile(
         out_ptr, acc, M, N, pid_m, pid_n, stride_om, stride_on, False, INT64, BLOCK_M, BLOCK_N
     )
 
@@ -128,9 +128,9 @@ def _m_grouped_masked_kernel(
     rows = tl.minimum(tl.maximum(rows, 0), M_MAX)  # never read past the group's M_max rows
     num_pid_m = tl.cdiv(M_MAX, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M < rows:
-        acc = _block_scaled_tile(
+        acc = block_scaled_tile(
             a_ptr + g64 * stride_ag, b_ptr + g64 * stride_bg,
             sfa_ptr + g64 * stride_sfa_g, sfb_ptr + g64 * stride_sfb_g,
             rows, N, K, pid_m, pid_n,
@@ -138,7 +138,7 @@ def _m_grouped_masked_kernel(
             stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
             False, EVEN_K, False, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
         )  # fmt: skip
-        _store_tile(
+        store_tile(
             out_ptr + g64 * stride_og, acc, rows, N, pid_m, pid_n, stride_om, stride_on,
             False, INT64, BLOCK_M, BLOCK_N,
         )  # fmt: skip
@@ -163,8 +163,8 @@ def _k_grouped_kernel(
     k_len = tl.load(ks_ptr + g64).to(tl.int32)  # a multiple of BLOCK_K
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    acc = _block_scaled_tile(
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    acc = block_scaled_tile(
         a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk,
         sfa_ptr + kb_start * stride_sfa_k, sfb_ptr + kb_start * stride_sfb_k,
         M, N, k_len, pid_m, pid_n,
@@ -172,7 +172,7 @@ def _k_grouped_kernel(
         stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
         True, True, False, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
     )  # fmt: skip
-    _store_tile(
+    store_tile(
         out_ptr + g64 * stride_og, acc, M, N, pid_m, pid_n, stride_om, stride_on,
         ACCUMULATE, INT64, BLOCK_M, BLOCK_N,
     )  # fmt: skip

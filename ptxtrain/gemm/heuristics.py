@@ -1,4 +1,5 @@
-"""Launch-config heuristics for the Triton block-scaled FP8 GEMMs (pure functions, no GPU needed).
+"""Launch-config heuristics for the Triton block-scaled FP8 GEMMs (pure functions, no GPU needed;
+:func:`device_sms` reads the one device property they take, the SM count).
 
 Design note. Every kernel in :mod:`ptxtrain.gemm.triton` walks K in steps of ``BLOCK_K = 128``,
 one scale block per step, so a config only chooses the output tile (``block_m`` x ``block_n``),
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
+import torch
 
 from ptxtrain._checks import ceil_div
 
@@ -163,6 +166,23 @@ def m_bucket(m: int) -> int:
 def num_tiles(m: int, n: int, config: GemmConfig) -> int:
     """Output tiles of an [m, n] result under ``config``."""
     return ceil_div(m, config.block_m) * ceil_div(n, config.block_n)
+
+
+@functools.cache
+def _cuda_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``: the ``num_sms`` the heuristics take.
+
+    A CUDA device without an index means the current device. Any other device (the CPU under
+    Triton's interpreter) gives :data:`H100_SMS`, so the interpreter chooses configs as for the
+    GPU the kernels are meant for. Cached per device index (one driver query each).
+    """
+    if device.type != "cuda":
+        return H100_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=4096)

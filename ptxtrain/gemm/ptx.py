@@ -501,14 +501,14 @@ _SPLIT_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _split_counters(device_index: int, count: int) -> torch.Tensor:
-    from ptxtrain.jit.launch import _raw_stream
+    from ptxtrain.jit.launch import raw_stream
 
     # (the raw stream getter: torch.cuda.current_stream() costs 8.5 µs of host time per launch)
     if torch.cuda.is_current_stream_capturing():
         # A CUDA graph gets counters of its own (zeroed inside the graph, from its private pool):
         # graphs captured on one stream may replay at once on different streams.
         return torch.zeros(count, dtype=torch.int32, device=f"cuda:{device_index}")
-    stream = _raw_stream(device_index)
+    stream = raw_stream(device_index)
     key = (device_index, stream)
     buf = _SPLIT_COUNTERS.get(key)
     if buf is None or buf.numel() < count:

@@ -71,10 +71,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ptxtrain._checks import ceil_div
 from ptxtrain.gemm.heuristics import (
     BLOCK_K,
-    H100_SMS,
     VARIANTS,
     GemmConfig,
     autotune_configs,
+    device_sms,
     gluon_split_k,
     gluon_tile,
     m_bucket,
@@ -96,7 +96,7 @@ _INT32_MAX = 2**31 - 1
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Tile id → (pid_m, pid_n), running down GROUP_M tile rows before moving right (L2 reuse)."""
     tiles_per_group = GROUP_M * num_pid_n
     group = tile_id // tiles_per_group
@@ -107,7 +107,7 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_scaled_tile(
+def block_scaled_tile(
     a_src,
     b_src,
     sfa_ptr,
@@ -183,7 +183,7 @@ def _block_scaled_tile(
 
 
 @triton.jit
-def _store_tile(
+def store_tile(
     out_ptr,
     acc,
     M,
@@ -197,6 +197,8 @@ def _store_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """Store the fp32 ``acc [BLOCK_M, BLOCK_N]`` tile (pid_m, pid_n) into ``out`` (bf16 / fp32,
+    any strides), masked to M x N; ``out +=`` when ACCUMULATE; int64 offsets when INT64."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -246,26 +248,26 @@ def _fp8_gemm_kernel(
     if PERSISTENT:
         num_tiles = num_pid_m * num_pid_n
         for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            acc = _block_scaled_tile(
+            pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = block_scaled_tile(
                 a_src, b_src, sfa_ptr, sfb_ptr, M, N, K, pid_m, pid_n,
                 stride_am, stride_ak, stride_bn, stride_bk,
                 stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
                 SFB_PER_ROW, EVEN_K, USE_TMA, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
             )  # fmt: skip
-            _store_tile(
+            store_tile(
                 out_ptr, acc, M, N, pid_m, pid_n, stride_om, stride_on,
                 ACCUMULATE, INT64, BLOCK_M, BLOCK_N,
             )  # fmt: skip
     else:
-        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        acc = _block_scaled_tile(
+        pid_m, pid_n = tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        acc = block_scaled_tile(
             a_src, b_src, sfa_ptr, sfb_ptr, M, N, K, pid_m, pid_n,
             stride_am, stride_ak, stride_bn, stride_bk,
             stride_sfa_m, stride_sfa_k, stride_sfb_n, stride_sfb_k,
             SFB_PER_ROW, EVEN_K, USE_TMA, INT64, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
         )  # fmt: skip
-        _store_tile(
+        store_tile(
             out_ptr, acc, M, N, pid_m, pid_n, stride_om, stride_on,
             ACCUMULATE, INT64, BLOCK_M, BLOCK_N,
         )  # fmt: skip
@@ -288,17 +290,6 @@ def _check_devices(a_fp8, sf_a, b_fp8, sf_b) -> None:
             f"the Triton FP8 GEMM needs CUDA tensors, got {device} (CPU tensors run only under "
             "TRITON_INTERPRET=1; ptxtrain.gemm.ref runs anywhere)"
         )
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return H100_SMS  # interpreter: choose as for the GPU the code is meant for
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _max_offset(t: torch.Tensor) -> int:
@@ -472,13 +463,13 @@ def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_s
             out.zero_()
         return out
     if num_sms is None:
-        num_sms = _device_sms(a_fp8.device)
+        num_sms = device_sms(a_fp8.device)
     if config is None and _gluon_runs(kind, a_fp8, b_fp8, out, m, n, k, num_sms):
         from ptxtrain.gemm import gluon
 
         cfg = gluon.ws_config(*gluon_tile(m, n, k, kind, num_sms), out.element_size())
         # (validated above and by _gluon_runs: fp8_gemm's checks without repeating them)
-        return gluon._launch(kind, a, b, out, accumulate, cfg, m, n, k)
+        return gluon.launch_checked(kind, a, b, out, accumulate, cfg, m, n, k)
     if config is None:
         cfg = select_config(m, n, k, kind, num_sms)
     elif config == "autotune":
@@ -577,7 +568,7 @@ def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | Non
     if device is None:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    num_sms = _device_sms(device)
+    num_sms = device_sms(device)
     if _gluon_shape_route(kind, m, n, k, device, num_sms):
         from ptxtrain.gemm import gluon
 

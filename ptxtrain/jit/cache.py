@@ -40,7 +40,7 @@ _CUBIN_NAME = "kernel.cubin"
 _PTX_NAME = "kernel.ptx"
 _SASS_NAME = "kernel.sass"
 _META_NAME = "meta.json"
-_ELF_MAGIC = b"\x7fELF"
+ELF_MAGIC = b"\x7fELF"
 _META_VERSION = 1
 
 
@@ -48,13 +48,15 @@ def _sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _env_flag(name: str) -> bool:
+def env_flag(name: str) -> bool:
+    """Whether environment variable ``name`` is on: ``1``, ``true``, ``yes`` or ``on`` (any case,
+    surrounding spaces ignored); unset or anything else is off."""
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def debug_enabled() -> bool:
     """True when ``PTXTRAIN_JIT_DEBUG`` is set to 1 (read at every call, not at import)."""
-    return _env_flag("PTXTRAIN_JIT_DEBUG")
+    return env_flag("PTXTRAIN_JIT_DEBUG")
 
 
 def debug_log(message: str) -> None:
@@ -71,7 +73,7 @@ def cache_dir() -> Path:
 
 def cache_disabled() -> bool:
     """True when ``PTXTRAIN_JIT_DISABLE_CACHE=1``: every compile runs NVRTC afresh."""
-    return _env_flag("PTXTRAIN_JIT_DISABLE_CACHE")
+    return env_flag("PTXTRAIN_JIT_DISABLE_CACHE")
 
 
 def hash_headers(include_dirs: Sequence[str | os.PathLike] = ()) -> str:
@@ -190,7 +192,7 @@ class JitCache:
             ptx = (d / _PTX_NAME).read_bytes().decode() if (d / _PTX_NAME).is_file() else ""
             ok = (
                 meta.get("meta_version") == _META_VERSION
-                and cubin.startswith(_ELF_MAGIC)
+                and cubin.startswith(ELF_MAGIC)
                 and len(cubin) == meta["cubin_bytes"]
                 and hashlib.sha256(cubin).hexdigest() == meta["cubin_sha256"]
             )

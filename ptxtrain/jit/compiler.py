@@ -23,12 +23,12 @@ from pathlib import Path
 from ptxtrain.jit.cache import (
     INCLUDE_DIR,
     CacheEntry,
-    _env_flag,
     atomic_write_bytes,
     cache_dir,
     cache_disabled,
     debug_log,
     default_cache,
+    env_flag,
     hash_headers,
     make_key,
     write_sass,
@@ -289,7 +289,7 @@ def compile_cuda(
         *(f"--include-path={d}" for d in extra_dirs),
         *flags,
     )
-    want_ptx = keep_ptx or _env_flag("PTXTRAIN_JIT_DUMP_PTX")
+    want_ptx = keep_ptx or env_flag("PTXTRAIN_JIT_DUMP_PTX")
     key = make_key(
         name=name,
         source=source,
@@ -316,7 +316,7 @@ def compile_cuda(
         cache = default_cache()
         entry, how = cache.get_or_build(key, build)
         path = cache.entry_dir(key)
-        if how == "compiled" and _env_flag("PTXTRAIN_JIT_DUMP_SASS"):
+        if how == "compiled" and env_flag("PTXTRAIN_JIT_DUMP_SASS"):
             sass = write_sass(path, path / "kernel.cubin")
             if sass is not None:
                 debug_log(f"SASS of {name} at {sass}")

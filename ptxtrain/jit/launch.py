@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptxtrain.jit.cache import _env_flag
+from ptxtrain.jit.cache import env_flag
 from ptxtrain.jit.compiler import CompiledKernel
 
 _STATIC_SMEM_LIMIT = 48 * 1024  # bytes of dynamic smem allowed without cuFuncSetAttribute
@@ -48,8 +48,8 @@ def programmatic_launch_enabled(quant: bool = False) -> bool:
     and not faster than without PDL either.
     Read when a kernel's launch is first prepared (those are cached per process)."""
     value = os.environ.get("PTXTRAIN_PDL", "").strip()
-    gemm = not value or _env_flag("PTXTRAIN_PDL")
-    return gemm and (not quant or _env_flag("PTXTRAIN_PDL_QUANT"))
+    gemm = not value or env_flag("PTXTRAIN_PDL")
+    return gemm and (not quant or env_flag("PTXTRAIN_PDL_QUANT"))
 
 
 @functools.cache
@@ -572,7 +572,10 @@ def param_layout(signature: str) -> tuple[str, list[int], int]:
     return fmt, offsets, off
 
 
-def _raw_stream(device: int) -> int:
+def raw_stream(device: int) -> int:
+    """The current CUDA stream of device index ``device`` as a raw ``cudaStream_t`` (int), read
+    through torch's C binding when it has one (no Python stream object), else from
+    ``torch.cuda.current_stream``."""
     import torch
 
     getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -703,7 +706,7 @@ class BoundLaunch:
             raise self._bad_values(values, e) from None
         gx, gy, gz = (grid, 1, 1) if type(grid) is int else grid
         if stream is None:
-            stream = _raw_stream(self.kernel.device)
+            stream = raw_stream(self.kernel.device)
         for _ in range(2):
             if config is None:
                 bx, by, bz = self.block

@@ -50,7 +50,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ptxtrain.jit.cache import _ELF_MAGIC, debug_log
+from ptxtrain.jit.cache import ELF_MAGIC, debug_log
 from ptxtrain.jit.compiler import CompiledKernel
 
 FFMA_YIELD_ENV = "PTXTRAIN_JIT_FFMA_YIELD"
@@ -153,7 +153,7 @@ class _Section:
 def _sections(cubin: bytes) -> list[_Section]:
     """The section headers of an ELF64 little-endian file (``e_shnum`` / ``e_shstrndx`` escapes
     through section 0 handled). Raises ValueError naming ``cubin``."""
-    if len(cubin) < 64 or cubin[:4] != _ELF_MAGIC:
+    if len(cubin) < 64 or cubin[:4] != ELF_MAGIC:
         raise ValueError("cubin: not an ELF file (no \\x7fELF magic)")
     if cubin[4] != 2 or cubin[5] != 1:
         raise ValueError(

@@ -29,7 +29,7 @@ the stream its forward op ran on, so the backward cannot be moved to another str
 fact; instead the forward goes to the stream the backward's graph is *not* on: the current
 stream or one side stream per device, alternating. Each output of a hook forward is tagged with
 its stream so a later hook knows where that chunk's graph lives; plain forwards run on the
-current stream. On CPU the hook is :func:`~ptxtrain.parallel._p2p.sequential_forward_backward`
+current stream. On CPU the hook is :func:`~ptxtrain.parallel.p2p.sequential_forward_backward`
 (forward, then backward): the very same ops, so the numerics are identical.
 """
 
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ptxtrain.model.deepseek import DeepSeekV3, _cross_entropy, _rope_freqs
-from ptxtrain.parallel._p2p import as_tuple, sequential_forward_backward
+from ptxtrain.parallel.p2p import as_tuple, sequential_forward_backward
 
 # Attribute set on the outputs (and loss) of a forward run by the overlap hook: the CUDA stream
 # its autograd graph lives on, so the backward of that chunk knows which stream is busy.
@@ -185,9 +185,9 @@ class DeepSeekV3Stage(nn.Module):
     ) -> tuple[tuple, torch.Tensor | None]:
         """The forward of one micro-batch and the backward of another, overlapped on CUDA.
 
-        The overlap hook of the pipeline schedules (:func:`ptxtrain.parallel._p2p.forward_backward`
+        The overlap hook of the pipeline schedules (:func:`ptxtrain.parallel.p2p.forward_backward`
         calls it for DualPipe's F&B steps); arguments and results as
-        :func:`~ptxtrain.parallel._p2p.sequential_forward_backward`, whose numerics it matches:
+        :func:`~ptxtrain.parallel.p2p.sequential_forward_backward`, whose numerics it matches:
 
         Args:
             module_f: the stage to run forward, on ``inputs_f`` (its positional inputs).

@@ -34,6 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptxtrain._checks import HP_DTYPES, check_positive_int, check_tensor
+from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT
+from ptxtrain.nn import fp8_grouped as fg
+from ptxtrain.nn.fp8_linear import resolve_config, weight_cache_key
 
 __all__ = ["Experts"]
 
@@ -126,9 +129,7 @@ class Experts(nn.Module):
         weight changes (:meth:`_quantized_weight`). Bit-identical to three
         ``fp8_grouped_linear`` calls.
         """
-        from ptxtrain.nn import fp8_grouped as fg
-
-        cfg = fg._resolve_config(self.fp8_config)
+        cfg = resolve_config(self.fp8_config)
         weights = (self.w1, self.w3, self.w2)
         if not cfg.any_fp8 or not (
             x.dtype in HP_DTYPES
@@ -137,34 +138,30 @@ class Experts(nn.Module):
             # "bf16" recipe (per-expert high precision), or inputs fp8_grouped_linear rejects:
             # its public calls (and their errors).
             return self._forward_fp8_calls(x, counts, cfg)
-        layout = fg._Layout(counts, fg.gemm_ref.M_GROUPED_ALIGNMENT, x.device)
+        layout = fg.HostLayout(counts, M_GROUPED_ALIGNMENT, x.device)
         return self._swiglu_fp8(x, layout, counts, cfg)
 
     def _swiglu_fp8(self, x: torch.Tensor, layout, counts, cfg) -> torch.Tensor:
         """``w2(silu(w1 x) ⊙ w3 x)`` through the grouped FP8 linear on one layout."""
-        from ptxtrain.nn import fp8_grouped as fg
-
         # x's quantization for w1 and w3 (same values, same tiles): made once. Which parts are
         # needed follows the Function's rule (fprop: 1x128; wgrad of a weight that wants grad:
         # 128x1); anything missing is made inside the call.
         grad = torch.is_grad_enabled()
         want_t = cfg.wgrad and grad and self.w1.requires_grad and self.w3.requires_grad
         with torch.no_grad():
-            x_q = fg._quantize_input(
-                fg._autocast_input(x).detach(), layout, cfg.pow2_scale, cfg.fprop, want_t
+            x_q = fg.quantize_grouped_input(
+                fg.autocast_input(x).detach(), layout, cfg.pow2_scale, cfg.fprop, want_t
             )
-        run = fg._grouped_apply
+        run = fg.fp8_grouped_apply
         q = self._quantized_weight
         h = F.silu(run(x, self.w1, layout, counts, cfg, q("w1", cfg), x_q))
         h = h * run(x, self.w3, layout, counts, cfg, q("w3", cfg), x_q)
         return run(h, self.w2, layout, counts, cfg, q("w2", cfg))  # [N, D]
 
     def _forward_fp8_calls(self, x, counts, cfg) -> torch.Tensor:
-        from ptxtrain.nn.fp8_grouped import fp8_grouped_linear
-
-        h = F.silu(fp8_grouped_linear(x, self.w1, counts, config=cfg))  # [N, I]
-        h = h * fp8_grouped_linear(x, self.w3, counts, config=cfg)
-        return fp8_grouped_linear(h, self.w2, counts, config=cfg)  # [N, D]
+        h = F.silu(fg.fp8_grouped_linear(x, self.w1, counts, config=cfg))  # [N, I]
+        h = h * fg.fp8_grouped_linear(x, self.w3, counts, config=cfg)
+        return fg.fp8_grouped_linear(h, self.w2, counts, config=cfg)  # [N, D]
 
     def _quantized_weight(self, name: str, cfg) -> tuple | None:
         """``(w_fp8, sf, wt_fp8, sf_t)`` of parameter ``name``: each expert's 128x128 blocks of
@@ -176,8 +173,6 @@ class Experts(nn.Module):
         the quantized storage, so a storage swapped in later (``w.data = ...``,
         :meth:`keep_experts_`) cannot reuse its address.
         """
-        from ptxtrain.nn.fp8_linear import weight_cache_key
-
         w = getattr(self, name)
         key = weight_cache_key(w, cfg)
         if key is None:
@@ -186,10 +181,8 @@ class Experts(nn.Module):
         hit = cache.get(name)
         if hit is not None and hit[0] == key:
             return hit[1]
-        from ptxtrain.nn.fp8_grouped import _quantize_weight
-
         with torch.no_grad():
-            q = _quantize_weight(w.detach(), True, cfg.dgrad, cfg.pow2_scale)
+            q = fg.quantize_grouped_weight(w.detach(), True, cfg.dgrad, cfg.pow2_scale)
         cache[name] = (key, q, w.detach())  # the alias keeps the storage (and address) alive
         return q
 
@@ -230,8 +223,6 @@ class Experts(nn.Module):
         if x_pad.device != self.w1.device:
             raise ValueError(f"x_pad must be on {self.w1.device}, got {x_pad.device}")
         if self.fp8:
-            from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT
-
             if layout.align % M_GROUPED_ALIGNMENT:
                 raise ValueError(
                     f"the FP8 experts need layout.align a multiple of {M_GROUPED_ALIGNMENT}, "
@@ -274,9 +265,7 @@ class Experts(nn.Module):
 
     def _forward_fp8_layout(self, x_pad: torch.Tensor, layout) -> torch.Tensor:
         """:meth:`_forward_fp8` on a padded layout (no host sync)."""
-        from ptxtrain.nn import fp8_grouped as fg
-
-        cfg = fg._resolve_config(self.fp8_config)
+        cfg = resolve_config(self.fp8_config)
         grouped = fg.DeviceLayout(layout)
         weights = (self.w1, self.w3, self.w2)
         if not cfg.any_fp8 or not (

@@ -252,9 +252,9 @@ def permute_fused(
             :func:`~ptxtrain.moe.triton.unpermute_weighted`.
     """
     if check_ids and isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64:
-        from ptxtrain.moe.ref import _check_expert_ids
+        from ptxtrain.moe.ref import check_expert_ids
 
-        _check_expert_ids(topk_idx, num_experts)  # (other bad inputs: permute_ref raises)
+        check_expert_ids(topk_idx, num_experts)  # (other bad inputs: permute_ref raises)
     return _PermuteFn.apply(x, topk_idx, num_experts)
 
 

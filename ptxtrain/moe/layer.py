@@ -66,7 +66,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ptxtrain._checks import check_tensor
+from ptxtrain._checks import ceil_div, check_tensor
 from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT
 from ptxtrain.moe.dispatch import Buffer
 from ptxtrain.moe.experts import Experts
@@ -85,6 +85,7 @@ from ptxtrain.moe.grouped_layout import (
 )
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.moe.router import Router
+from ptxtrain.nn.fp8_linear import Fp8LinearConfig, resolve_config
 
 __all__ = ["MLP", "MoE"]
 
@@ -278,6 +279,26 @@ class MoE(nn.Module):
     def ep_size(self) -> int:
         """Ranks the experts are split over (1 without expert parallelism)."""
         return 1 if self.ep_buffer is None else self.ep_buffer.num_ranks
+
+    def fp8_grouped_linears(self, tokens: int) -> list[tuple[torch.Tensor, int, Fp8LinearConfig]]:
+        """The FP8 grouped linears a training step on ``tokens`` tokens runs in this layer,
+        for :func:`ptxtrain.nn.prewarm.fp8_kernels` (which compiles their GEMMs ahead).
+
+        Returns:
+            ``[(weight, rows, config), ...]`` for the routed experts' ``w1``, ``w3``, ``w2``
+            (``[E_local, N_out, K]`` each): ``rows`` is the expected padded row count, each
+            local expert's share of ``tokens x top-k`` rounded up to 128 (the routing moves it;
+            a miss compiles on demand), ``config`` the experts' resolved
+            :class:`~ptxtrain.nn.Fp8LinearConfig`. Empty when the experts run in high
+            precision (``experts.fp8`` False).
+        """
+        ex = self.experts
+        if not ex.fp8:
+            return []
+        cfg = resolve_config(ex.fp8_config)
+        share = max(ceil_div(tokens * self.router.top_k, max(self.n_routed_experts, 1)), 1)
+        rows = ex.num_local_experts * ceil_div(share, M_GROUPED_ALIGNMENT) * M_GROUPED_ALIGNMENT
+        return [(w, rows, cfg) for w in (ex.w1, ex.w3, ex.w2)]
 
     @torch.no_grad()
     def sync_expert_counts(self) -> None:

@@ -236,7 +236,7 @@ def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor
     return counts.scatter_add_(0, spill, torch.ones_like(spill))[:num_experts]
 
 
-def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
     """ValueError unless every id of ``topk_idx`` is in ``[0, num_experts)`` (one host read)."""
     if topk_idx.numel() > 0:
         lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
@@ -278,7 +278,7 @@ def permute_ref(
     if topk_idx.dtype != torch.int64:
         raise TypeError(f"topk_idx must be int64, got {topk_idx.dtype}")
     if check_ids:
-        _check_expert_ids(topk_idx, num_experts)
+        check_expert_ids(topk_idx, num_experts)
     k = topk_idx.shape[1]
     flat = topk_idx.flatten()  # [T·k]
     sorted_slots = flat.argsort(stable=True)  # [T·k]

@@ -50,11 +50,11 @@ from ptxtrain._checks import (
 from ptxtrain.moe.ref import PermuteQuantResult, check_routing, count_per_expert
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE, check_sf_layout, empty_sf
 from ptxtrain.quant.triton import (
-    _abs_bits,
-    _all_finite,
-    _cast_e4m3,
-    _reciprocal,
-    _scale_from_amax_bits,
+    abs_bits,
+    all_finite,
+    cast_e4m3,
+    reciprocal,
+    scale_from_amax_bits,
 )
 
 __all__ = ["fused_route", "layout_combine", "layout_gather", "permute_quant", "unpermute_weighted"]
@@ -165,8 +165,8 @@ def _scatter_quant_kernel(
     mask = tok_ok[:, None] & (cols < D)[None, :]
     x = tl.load(x_ptr + toks[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)  # [BM, BK]
-    sf = _scale_from_amax_bits(tl.max(_abs_bits(x), axis=1), False)  # [BM]
-    q = _cast_e4m3(x, sf[:, None], _reciprocal(sf)[:, None], _all_finite(sf))
+    sf = scale_from_amax_bits(tl.max(abs_bits(x), axis=1), False)  # [BM]
+    q = cast_e4m3(x, sf[:, None], reciprocal(sf)[:, None], all_finite(sf))
     sf_col = pid_k.to(tl.int64) * stride_sf_k
     for j in range(K):  # the same quantized tile goes to each of the token's k rows
         dst = tl.load(slot_row_ptr + toks * K + j, mask=tok_ok, other=0)  # [BM] output rows
@@ -193,7 +193,7 @@ def _padding_rows_kernel(
     pad = tl.load(m_idx_ptr + rows, mask=rows < R, other=0) == -1  # [BM] padding rows only
     cols = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)  # [BK]
     zero = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    sf = _scale_from_amax_bits(tl.max(_abs_bits(zero), axis=1), False)  # a zero row's scale
+    sf = scale_from_amax_bits(tl.max(abs_bits(zero), axis=1), False)  # a zero row's scale
     q = zero.to(tl.float8e4nv)
     tl.store(
         q_ptr + rows[:, None] * stride_qm + cols[None, :],

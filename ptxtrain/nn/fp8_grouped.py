@@ -26,7 +26,7 @@ When every count is already a multiple of ``align`` the layout is the identity a
 made.
 
 Host cost (the GPU's host issues every op of the small MoE layers): :class:`ptxtrain.moe.Experts`
-calls the unchecked ``_grouped_apply`` with one layout for its three projections, x's
+calls the unchecked ``fp8_grouped_apply`` with one layout for its three projections, x's
 quantization shared by w1 and w3, and each weight's 128x128 quantization cached until the weight
 changes; W[g]ᵀ's blocks are strided views of the stacked quantization (no copy). All of it is
 bit-identical to separate :func:`fp8_grouped_linear` calls.
@@ -49,11 +49,11 @@ from ptxtrain.gemm import ref as gemm_ref
 from ptxtrain.nn.fp8_linear import (
     Fp8LinearConfig,
     _autocast_off,
-    _gemm_out_dtype,
-    _resolve_config,
     _save_operands,
     _saved_operands,
+    gemm_out_dtype,
     main_grad_target,
+    resolve_config,
 )
 
 __all__ = ["fp8_grouped_linear"]
@@ -127,9 +127,15 @@ def _check_align(align: object) -> int:
     return align
 
 
-class _Layout:
+class HostLayout:
     """The padded expert-contiguous layout of N rows: ``R`` rows, expert g's ``n_g`` rows first
     in its slice of ``⌈n_g/align⌉·align`` rows, the rest padding.
+
+    Built from the host list ``counts`` (E ints >= 0, summing to N; unchecked: callers validate
+    them) with ``align`` a multiple of 128, on ``device``. Attributes: ``n`` (N), ``rows`` (R),
+    ``ks`` (each expert's padded row count, the k-grouped Wgrad's group sizes), ``m_indices``
+    (``[R]`` int32 expert of each row, -1 on padding), ``padded_rows`` (``[N]`` int64 padded row
+    of each real row, None when ``identity``: every count already aligned).
     """
 
     def __init__(self, counts: list[int], align: int, device: torch.device) -> None:
@@ -183,7 +189,7 @@ class _Layout:
 
 
 class DeviceLayout:
-    """:class:`_Layout`'s interface over a :class:`ptxtrain.moe.grouped_layout.GroupedLayout`:
+    """:class:`HostLayout`'s interface over a :class:`ptxtrain.moe.grouped_layout.GroupedLayout`:
     the rows arrive already padded (``identity``), the GEMMs read ``m_indices`` and the group
     sizes on the device, so no call made with it reads the routing back to the host (except
     the high-precision fallback loops, which read the sizes once).
@@ -210,10 +216,12 @@ class DeviceLayout:
         return t
 
 
-def _quantize_weight(
+def quantize_grouped_weight(
     weight: torch.Tensor, need_w: bool, need_wt: bool, pow2: bool
 ) -> tuple[torch.Tensor | None, ...]:
-    """Each expert's 128x128 quantization of W[g] (Fprop's B) and of W[g]ᵀ (Dgrad's B).
+    """Each expert's 128x128 quantization of W[g] (Fprop's B, ``need_w``) and of W[g]ᵀ (Dgrad's
+    B, ``need_wt``); ``weight`` is ``[G, N_out, K]`` float32 / bfloat16 / float16, scales are
+    float32 (powers of two when ``pow2``). Raises as :func:`ptxtrain.quant.per_block_cast_to_fp8`.
 
     Returns ``(w_fp8 [G, N_out, K], sf [G, ⌈N_out/128⌉, ⌈K/128⌉], wt_fp8 [G, K, N_out],
     sf_t [G, ⌈K/128⌉, ⌈N_out/128⌉])``, None where not needed. With N_out a multiple of 128 the
@@ -244,12 +252,15 @@ def _quantize_weight(
     return w_fp8, sf, (wt_fp8 if need_wt else None), (sf_t if need_wt else None)
 
 
-def _quantize_input(
-    x: torch.Tensor, layout: _Layout, pow2: bool, row: bool, col: bool
+def quantize_grouped_input(
+    x: torch.Tensor, layout: HostLayout, pow2: bool, row: bool, col: bool
 ) -> tuple[torch.Tensor | None, ...]:
     """x [N, K] scattered to the padded layout and quantized: ``(x_fp8 [R, K], sf [R, ⌈K/128⌉],
     xt_fp8 [K, R], sf_t [K, ⌈R/128⌉])`` — 1x128 tiles (``row``, Fprop's A) and 128x1 tiles stored
     transposed (``col``, Wgrad's B), one pass when both; None where not asked for.
+
+    ``x`` is float32 / bfloat16 / float16 (after :func:`autocast_input`); e4m3 data, float32
+    scales (powers of two when ``pow2``). Raises as the :mod:`ptxtrain.quant` functions.
     """
     if not (row or col):
         return None, None, None, None
@@ -278,7 +289,7 @@ def _hp_grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], b_t: boo
 class _Fp8GroupedLinearFunction(torch.autograd.Function):
     """``y[rows of g] = x[rows of g] · W[g]ᵀ`` with the GEMMs chosen by an Fp8LinearConfig.
 
-    Inputs: x [N, K], weight [G, N_out, K], the layout (:class:`_Layout`, or a
+    Inputs: x [N, K], weight [G, N_out, K], the layout (:class:`HostLayout`, or a
     :class:`DeviceLayout` whose x is already padded: N = R), the host counts (None with a
     DeviceLayout), config, and whether grad mode was on at the call. Output: y [N, N_out] in x's
     dtype.
@@ -296,23 +307,23 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         need_wt = need_dx and config.dgrad
         with _autocast_off(input_hp.device.type):
             # -- x in the padded layout [R, K]: 1x128 for fprop, 128x1 (transposed [K, R]) for
-            # wgrad; one pass when both. ``input_q`` (from _quantize_input on these very values,
-            # shared by projections of one input) supplies the parts it holds.
+            # wgrad; one pass when both. ``input_q`` (from quantize_grouped_input on these very
+            # values, shared by projections of one input) supplies the parts it holds.
             input_fp8, input_sf, input_t_fp8, input_t_sf = input_q or (None,) * 4
             want_row = config.fprop and input_fp8 is None
             want_t = keep_xt_fp8 and input_t_fp8 is None
             if want_row or want_t:
-                q = _quantize_input(input_hp, layout, pow2, want_row, want_t)
+                q = quantize_grouped_input(input_hp, layout, pow2, want_row, want_t)
                 if want_row:
                     input_fp8, input_sf = q[0], q[1]
                 if want_t:
                     input_t_fp8, input_t_sf = q[2], q[3]
             # -- each expert's W 128x128, and W[g]ᵀ's blocks when dgrad will need them (or the
-            # caller's cached copy, ``weight_q``, made by _quantize_weight from this weight).
+            # caller's cached copy, ``weight_q``, made by quantize_grouped_weight from this weight).
             if weight_q is not None and (weight_q[2] is not None or not need_wt):
                 weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = weight_q
             else:
-                weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = _quantize_weight(
+                weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = quantize_grouped_weight(
                     weight_hp, config.fprop, need_wt, pow2
                 )
             # -- Fprop: y_pad [R, N_out] = x_pad · W[g]ᵀ per expert; padding rows come out zero.
@@ -321,8 +332,8 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
                     (input_fp8, input_sf),
                     (weight_fp8, weight_sf),
                     layout.m_indices,
-                    out_dtype=_gemm_out_dtype(act_dtype),
-                    check_indices=False,  # built by _Layout, valid by construction
+                    out_dtype=gemm_out_dtype(act_dtype),
+                    check_indices=False,  # built by HostLayout, valid by construction
                 )
                 y = layout.gather(y_pad).to(act_dtype)
             else:
@@ -373,7 +384,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
                     (dy_fp8, dy_sf),
                     (saved["weight_t_fp8"], saved["weight_t_sf"]),
                     layout.m_indices,
-                    out_dtype=_gemm_out_dtype(ctx.act_dtype),
+                    out_dtype=gemm_out_dtype(ctx.act_dtype),
                     check_indices=False,
                 )
                 dx = layout.gather(dx_pad).to(ctx.act_dtype)
@@ -470,24 +481,25 @@ def fp8_grouped_linear(
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
     align = _check_align(align)
-    config = _resolve_config(config)
+    config = resolve_config(config)
     counts = _check_counts(tokens_per_expert, g, n, x.device)
-    layout = _Layout(counts, align, x.device)
-    return _grouped_apply(x, weight, layout, counts, config)
+    layout = HostLayout(counts, align, x.device)
+    return fp8_grouped_apply(x, weight, layout, counts, config)
 
 
-def _autocast_input(x: torch.Tensor) -> torch.Tensor:
-    """x cast to the autocast dtype when autocast is on (as a matmul would be), else x."""
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x cast to the autocast dtype when autocast is on for x's device type (as a matmul would
+    be), else x itself: the dtype the grouped FP8 linear quantizes x from."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return x.to(torch.get_autocast_dtype(device_type))
     return x
 
 
-def _grouped_apply(
+def fp8_grouped_apply(
     x: torch.Tensor,
     weight: torch.Tensor,
-    layout: _Layout,
+    layout: HostLayout,
     counts: list[int],
     config: Fp8LinearConfig,
     weight_q: tuple | None = None,
@@ -495,14 +507,27 @@ def _grouped_apply(
 ) -> torch.Tensor:
     """:func:`fp8_grouped_linear` after validation, for callers that checked their arguments
     and built ``layout`` from ``counts`` themselves (:class:`ptxtrain.moe.Experts` builds one
-    layout per MoE layer for its three projections).
+    layout per MoE layer for its three projections). Nothing is checked here: wrong shapes or
+    dtypes fail inside the kernels or give wrong results.
 
-    ``weight_q``: ``_quantize_weight(weight, ...)``'s result for this weight's current values
-    (a cache), or None. ``input_q``: ``_quantize_input(_autocast_input(x), layout, ...)`` for
-    this x (shared by projections of one input), or None. Either is recomputed where it lacks a
-    part the call needs.
+    Args:
+        x: ``[N, K]`` (a :class:`HostLayout`) or ``[R, K]`` (a :class:`DeviceLayout`) float
+            rows, expert-contiguous; cast by :func:`autocast_input`.
+        weight: ``[G, N_out, K]`` float32 / bfloat16 / float16 on x's device.
+        layout: a :class:`HostLayout` built from ``counts``, or a :class:`DeviceLayout`.
+        counts: the G host row counts (None with a DeviceLayout).
+        config: the resolved :class:`~ptxtrain.nn.Fp8LinearConfig`.
+        weight_q: :func:`quantize_grouped_weight`'s result for this weight's current values (a
+            cache), or None.
+        input_q: ``quantize_grouped_input(autocast_input(x), layout, ...)`` for this x (shared
+            by projections of one input), or None. Either is recomputed where it lacks a part
+            the call needs.
+
+    Returns:
+        ``[N, N_out]`` (``[R, N_out]`` with a DeviceLayout) in x's (autocast) dtype, with
+        autograd to x and weight.
     """
-    x = _autocast_input(x)
+    x = autocast_input(x)
     grad = torch.is_grad_enabled()
     return _Fp8GroupedLinearFunction.apply(
         x, weight, layout, counts, config, grad, weight_q, input_q

@@ -180,7 +180,14 @@ def weight_cache_key(w: torch.Tensor, cfg: Fp8LinearConfig) -> tuple | None:
     )  # fmt: skip
 
 
-def _resolve_config(config: Fp8LinearConfig | str | None) -> Fp8LinearConfig:
+def resolve_config(config: Fp8LinearConfig | str | None) -> Fp8LinearConfig:
+    """The :class:`Fp8LinearConfig` that ``config`` names: itself, the recipe of that name
+    (:data:`RECIPES`), or the ``"deepseek"`` recipe for None.
+
+    Raises:
+        TypeError: ``config`` is neither an Fp8LinearConfig, a str nor None.
+        ValueError: an unknown recipe name (:meth:`Fp8LinearConfig.from_recipe_name`).
+    """
     if config is None:
         return Fp8LinearConfig.from_recipe_name("deepseek")
     if isinstance(config, str):
@@ -198,8 +205,10 @@ def _sf_layout(device: torch.device) -> str:
     return "mn_major" if device.type == "cuda" else "row"
 
 
-def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Output dtype to ask of an FP8 GEMM whose result ends up in ``dtype``."""
+def gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Output dtype to ask of an FP8 GEMM whose result ends up in ``dtype``: bfloat16 for
+    bfloat16, else float32 (the GEMMs write only those two; a float16 or float64 result is cast
+    from float32)."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
@@ -326,7 +335,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 weight_fp8, weight_sf = quant.per_block_cast_to_fp8(weight_hp, pow2_scale=pow2)
             # -- Fprop: y [M, N] = x [M, K] · Wᵀ; bias added in fp32, one rounding to act_dtype.
             if config.fprop:
-                out_dtype = _gemm_out_dtype(act_dtype) if bias_hp is None else torch.float32
+                out_dtype = gemm_out_dtype(act_dtype) if bias_hp is None else torch.float32
                 y = _gemm_1d2d((input_fp8, input_sf), (weight_fp8, weight_sf), out_dtype)
                 if bias_hp is not None:
                     y = y + bias_hp.float()
@@ -376,7 +385,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # -- Dgrad: dx [M, K] = dy [M, N] · W [N, K]; B = Wᵀ [K, N] from W's blocks transposed.
             if fp8_dgrad:
                 weight_t = (saved["weight_t_fp8"], saved["weight_t_sf"])
-                dx = _gemm_1d2d((dy_fp8, dy_sf), weight_t, _gemm_out_dtype(ctx.act_dtype))
+                dx = _gemm_1d2d((dy_fp8, dy_sf), weight_t, gemm_out_dtype(ctx.act_dtype))
                 dx = dx.to(ctx.act_dtype)
             elif need_dx:
                 dx = dy @ saved["weight_hp"].to(dy.dtype)
@@ -391,7 +400,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             elif fp8_wgrad:
                 input_t = (saved["input_t_fp8"], saved["input_t_sf"])
                 # Written in the weight's dtype when the GEMM can (bf16 / fp32): no extra pass.
-                dw_dtype = _gemm_out_dtype(ctx.weight_dtype)
+                dw_dtype = gemm_out_dtype(ctx.weight_dtype)
                 dw = _gemm_1d1d((dy_t_fp8, dy_t_sf), input_t, dw_dtype)
                 dw = dw.to(ctx.weight_dtype)
             elif need_dw:
@@ -444,7 +453,7 @@ class Fp8Linear(nn.Linear):
         config: Fp8LinearConfig | str | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.config = _resolve_config(config)
+        self.config = resolve_config(config)
         self._weight_fp8_key: tuple | None = None
         self._weight_fp8: tuple | None = None
         self._weight_fp8_src: torch.Tensor | None = None
@@ -488,7 +497,7 @@ class Fp8Linear(nn.Linear):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
-        config = _resolve_config(config)
+        config = resolve_config(config)
         with torch.device("meta"):  # allocate nothing; the real Parameters are attached below
             new = cls(linear.in_features, linear.out_features, bias=False, config=config)
         new.weight = linear.weight
@@ -567,7 +576,7 @@ def convert_to_fp8_training(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    config = _resolve_config(config)
+    config = resolve_config(config)
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(
             f"module_filter_fn must be callable (mod, fqn) -> bool or None, "

@@ -35,8 +35,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ptxtrain._checks import ceil_div
-
 __all__ = ["Prewarm", "fp8_kernels", "prewarm", "start"]
 
 ENV_VAR = "PTXTRAIN_JIT_PREWARM"
@@ -54,8 +52,11 @@ def fp8_kernels(
     """The NVRTC kernels an FP8 training step of ``model`` on ``tokens`` rows compiles (pure).
 
     Args:
-        model: a module holding :class:`ptxtrain.nn.Fp8Linear` layers and
-            :class:`ptxtrain.moe.MoE` layers with FP8 experts (others are ignored).
+        model: a module holding :class:`ptxtrain.nn.Fp8Linear` layers and modules that run FP8
+            grouped linears, which say so through a method ``fp8_grouped_linears(tokens)``
+            returning ``[(weight [G, N_out, K], rows, config), ...]``: each stacked weight, the
+            padded rows it expects per step, and its resolved :class:`Fp8LinearConfig` (e.g.
+            :meth:`ptxtrain.moe.MoE.fp8_grouped_linears`). Other modules are ignored.
         tokens: rows of every Linear's input in one step (batch x sequence).
         num_sms: the GPU's SM count (the GEMM heuristics size tiles by it).
         gemm_backend: ``(kind, m, n, k) -> backend name``, as
@@ -76,59 +77,69 @@ def fp8_kernels(
         ValueError: ``tokens`` or ``num_sms`` not positive.
     """
     from ptxtrain.gemm import ptx
-    from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT as align
-    from ptxtrain.moe.experts import Experts
-    from ptxtrain.moe.layer import MoE
-    from ptxtrain.nn.fp8_grouped import _resolve_config as grouped_config
-    from ptxtrain.nn.fp8_linear import Fp8Linear, _gemm_out_dtype
+    from ptxtrain.nn.fp8_linear import Fp8Linear
     from ptxtrain.quant import cuda as qcuda
 
     if tokens < 1 or num_sms < 1:
         raise ValueError(f"tokens and num_sms must be positive, got {tokens} and {num_sms}")
     jobs: dict[tuple, None] = {}
     pow2_flags = set()
-
-    def gemm(kind, m, n, k, out_dtype, groups=1):
-        args = ptx.compile_args(kind, m, n, k, out_dtype, False, num_sms, groups)
-        jobs.setdefault(("gemm", args))
-
     for mod in model.modules():
         if isinstance(mod, Fp8Linear) and mod.config.any_fp8:
-            cfg, n, k, m = mod.config, mod.out_features, mod.in_features, tokens
-            pow2_flags.add(bool(cfg.pow2_scale))
-            act = _gemm_out_dtype(mod.weight.dtype)  # the activations share the weight's dtype
-            fprop_out = act if mod.bias is None else torch.float32
-            for on, kind, mm, nn_, kk, out in (
-                (cfg.fprop, "1d2d", m, n, k, fprop_out),
-                (cfg.dgrad, "1d2d", m, k, n, act),
-                (cfg.wgrad, "1d1d", n, k, m, act),
-            ):
-                if on and gemm_backend(kind, mm, nn_, kk) == "ptx":
-                    gemm(kind, mm, nn_, kk, out)
-        elif isinstance(mod, MoE) and isinstance(mod.experts, Experts) and mod.experts.fp8:
-            ex = mod.experts
-            cfg = grouped_config(ex.fp8_config)
-            pow2_flags.add(bool(cfg.pow2_scale))
-            experts = ex.w1.shape[0]  # this rank's experts
-            # Expected padded rows: each expert's share of tokens x top-k, rounded up to the
-            # alignment (the routing moves it; a miss compiles on demand).
-            share = ceil_div(tokens * mod.router.top_k, max(mod.n_routed_experts, 1))
-            rows = experts * ceil_div(max(share, 1), align) * align
-            out = _gemm_out_dtype(ex.w1.dtype)
-            for w in (ex.w1, ex.w3, ex.w2):
-                n, k = w.shape[1], w.shape[2]
-                if cfg.fprop and grouped_ptx(rows, n, k):
-                    gemm("m_grouped", rows, n, k, out, groups=experts)
-                if cfg.dgrad and grouped_ptx(rows, k, n):
-                    gemm("m_grouped", rows, k, n, out, groups=experts)
-                if cfg.wgrad and grouped_ptx(n, k, rows):
-                    gemm("k_grouped", n, k, rows, torch.float32, groups=experts)
+            pow2_flags.add(bool(mod.config.pow2_scale))
+            shapes = _linear_gemms(mod, tokens, gemm_backend)
+        elif callable(grouped := getattr(mod, "fp8_grouped_linears", None)):
+            shapes = []
+            for weight, rows, cfg in grouped(tokens):
+                pow2_flags.add(bool(cfg.pow2_scale))
+                shapes += _grouped_gemms(weight, rows, cfg, grouped_ptx)
+        else:
+            continue
+        for kind, m, n, k, out_dtype, groups in shapes:
+            args = ptx.compile_args(kind, m, n, k, out_dtype, False, num_sms, groups)
+            jobs.setdefault(("gemm", args))
     quant = {
         ("quant", args): None
         for dtype in quant_dtypes
         for args in qcuda.auto_instantiations(dtype, tuple(sorted(pow2_flags)))
     }
     return [*quant, *jobs]
+
+
+def _linear_gemms(mod, tokens: int, gemm_backend) -> list[tuple]:
+    """``(kind, m, n, k, out_dtype, groups)`` of an Fp8Linear's FP8 GEMMs on the PTX backend."""
+    from ptxtrain.nn.fp8_linear import gemm_out_dtype
+
+    cfg, n, k, m = mod.config, mod.out_features, mod.in_features, tokens
+    act = gemm_out_dtype(mod.weight.dtype)  # the activations share the weight's dtype
+    fprop_out = act if mod.bias is None else torch.float32
+    return [
+        (kind, mm, nn_, kk, out, 1)
+        for on, kind, mm, nn_, kk, out in (
+            (cfg.fprop, "1d2d", m, n, k, fprop_out),
+            (cfg.dgrad, "1d2d", m, k, n, act),
+            (cfg.wgrad, "1d1d", n, k, m, act),
+        )
+        if on and gemm_backend(kind, mm, nn_, kk) == "ptx"
+    ]
+
+
+def _grouped_gemms(weight: torch.Tensor, rows: int, cfg, grouped_ptx) -> list[tuple]:
+    """``(kind, m, n, k, out_dtype, groups)`` of a grouped FP8 linear's PTX GEMMs: weight
+    ``[G, N_out, K]`` on ``rows`` padded rows (m-grouped Fprop and Dgrad, k-grouped Wgrad)."""
+    from ptxtrain.nn.fp8_linear import gemm_out_dtype
+
+    groups, n, k = weight.shape
+    out = gemm_out_dtype(weight.dtype)
+    return [
+        (kind, mm, nn_, kk, out_dtype, groups)
+        for on, kind, mm, nn_, kk, out_dtype in (
+            (cfg.fprop, "m_grouped", rows, n, k, out),
+            (cfg.dgrad, "m_grouped", rows, k, n, out),
+            (cfg.wgrad, "k_grouped", n, k, rows, torch.float32),
+        )
+        if on and grouped_ptx(mm, nn_, kk)
+    ]
 
 
 @dataclass
@@ -190,9 +201,9 @@ def prewarm(
     CUDA device, NVRTC missing, ``PTXTRAIN_JIT_PREWARM=0``, or no kernel to compile."""
     from ptxtrain import _backend, gemm, quant
     from ptxtrain.gemm import ptx
-    from ptxtrain.jit.cache import _env_flag
+    from ptxtrain.jit.cache import env_flag
 
-    if os.environ.get(ENV_VAR, "").strip() and not _env_flag(ENV_VAR):
+    if os.environ.get(ENV_VAR, "").strip() and not env_flag(ENV_VAR):
         return None
     if device.type != "cuda" or not ptx.supports(128, 128, 128, device=device):
         return None

@@ -102,6 +102,7 @@ Design note (DeepSeek-V3 report §3.3 "Low-Precision Storage and Communication";
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import weakref
@@ -274,6 +275,16 @@ def _triton_kernels() -> Any:
     from ptxtrain.optim import triton as kernels
 
     return kernels
+
+
+@functools.cache
+def _triton_ok() -> bool:
+    """Whether :mod:`ptxtrain.optim.triton` imports (Triton installed and working)."""
+    try:
+        _triton_kernels()
+    except ImportError:
+        return False
+    return True
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -508,7 +519,7 @@ class AdamW(torch.optim.Optimizer):
         """Whether ``p`` goes into the flat buffers (see ``fused``)."""
         if self.fused is False or not (self.fp32_grads and p.requires_grad and p.dtype in _FUSABLE):
             return False
-        if p.device.type == "cuda" and not _fused.triton_ok():
+        if p.device.type == "cuda" and not _triton_ok():
             if self.fused:
                 raise RuntimeError(
                     "fused=True needs Triton for CUDA parameters, and ptxtrain.optim.triton "

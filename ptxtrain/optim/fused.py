@@ -11,14 +11,12 @@ and :mod:`ptxtrain.optim.triton` runs the kernels over them.
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "SCALARS", "Bucket", "DeviceTable", "Slot", "default_impl", "triton_ok"]
+__all__ = ["ALIGN", "SCALARS", "Bucket", "DeviceTable", "Slot", "default_impl"]
 
 # Every parameter's slice of a flat buffer starts at a multiple of ALIGN elements: 512 bytes of
 # BF16 (what torch's caching allocator gives a fresh tensor, so GEMMs and TMA descriptors see
@@ -46,16 +44,6 @@ def default_impl(device: torch.device) -> str:
     """How a fused bucket on ``device`` is updated: ``"triton"`` (the kernels) on CUDA, else
     ``"torch"`` (the reference: the per-tensor update on each parameter's views)."""
     return "triton" if device.type == "cuda" else "torch"
-
-
-@functools.cache
-def triton_ok() -> bool:
-    """Whether :mod:`ptxtrain.optim.triton` imports (Triton installed and working)."""
-    try:
-        importlib.import_module("ptxtrain.optim.triton")
-    except ImportError:
-        return False
-    return True
 
 
 def _dense_strides(p: torch.Tensor) -> tuple[int, ...]:

@@ -17,16 +17,16 @@ Design notes:
   (3) B+W of the far direction then its forward, (4) main phase of F&B pairs,
   (5) far B then an F&B pair, (6) pairs of backwards, (7) W then near B, (8) remaining W.
   An F&B pair goes through the stages' overlap hook when their class defines one
-  (``overlapped_forward_backward``, see :func:`~ptxtrain.parallel._p2p.forward_backward`): the
+  (``overlapped_forward_backward``, see :func:`~ptxtrain.parallel.p2p.forward_backward`): the
   receives of both chunks, one hook call computing the forward of one chunk and the backward of
   the other (on CUDA the model's stage overlaps them on two streams), then both sends. Without a
   hook (or with ``overlap=False``) the forward runs, then the backward.
 - NCCL: micro-batches enter at both ends, so two neighbours can both send to each other before
   either receives (at PP=2 the first op of each rank: rank 0 sends direction 0's activations
   while rank 1 sends direction 1's), which NCCL's lazy connection set-up cannot take (CUDA
-  error 700 at the first send; see :mod:`ptxtrain.parallel._p2p`). The first ``step`` therefore
+  error 700 at the first send; see :mod:`ptxtrain.parallel.p2p`). The first ``step`` therefore
   connects every rank to its neighbours and its mirror with
-  :meth:`~ptxtrain.parallel._p2p.P2P.connect`, once.
+  :meth:`~ptxtrain.parallel.p2p.P2P.connect`, once.
 - Gradients: a rank's two modules are different stages, so nothing is reduced between them. But
   stage s has two copies, on ranks s and PP-1-s, each receiving the gradient of one direction's
   micro-batches only; the model's gradient is their sum. Call :meth:`DualPipe.reduce_mirrored_grads`
@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptxtrain.parallel._p2p import (
+from ptxtrain.parallel.p2p import (
     PairGroupsMixin,
+    StageRunner,
     WeightGradStore,
-    _StageRunner,
     check_overlap_hooks,
     check_step_args,
     check_two_stages,
@@ -65,12 +65,12 @@ class DualPipe(PairGroupsMixin, nn.Module):
             positional arguments and returns a tensor or a tuple of tensors.
         process_group: the pipeline's process group (default: the world).
         p2p_groups: ``{(src, dst): group}`` of global ranks from
-            :func:`~ptxtrain.parallel._p2p.directional_groups` over this pipeline's
+            :func:`~ptxtrain.parallel.p2p.directional_groups` over this pipeline's
             :meth:`peers` (one NCCL communicator per direction, so crossed large sends cannot
             block each other). None: created at the first ``step`` on the default group; with a
             subgroup, messages then travel on ``process_group`` itself.
         overlap: run the F&B steps through the stages' ``overlapped_forward_backward`` hook
-            when their class defines one (see :func:`~ptxtrain.parallel._p2p.forward_backward`);
+            when their class defines one (see :func:`~ptxtrain.parallel.p2p.forward_backward`);
             False: forward then backward, as for stages without a hook.
 
     Raises:
@@ -167,7 +167,7 @@ class DualPipe(PairGroupsMixin, nn.Module):
         # NCCL: set up every pair's connections (neighbours, mirror) before any crossed send.
         connect_once(p2p, self._connected, self.peers(rank, world), world)
         stages = (
-            _StageRunner(  # direction 0: rank 0 -> rank PP-1
+            StageRunner(  # direction 0: rank 0 -> rank PP-1
                 self.module[0],
                 p2p,
                 0,
@@ -179,7 +179,7 @@ class DualPipe(PairGroupsMixin, nn.Module):
                 keep_outputs=return_outputs,
                 timeline=timeline,
             ),
-            _StageRunner(  # direction 1: rank PP-1 -> rank 0
+            StageRunner(  # direction 1: rank PP-1 -> rank 0
                 self.module[1],
                 p2p,
                 1,
@@ -210,7 +210,7 @@ class DualPipe(PairGroupsMixin, nn.Module):
         far = stages[1] if rank < half else stages[0]
         wgrad = WeightGradStore()
 
-        def _forward_backward(f: _StageRunner, b: _StageRunner) -> None:
+        def _forward_backward(f: StageRunner, b: StageRunner) -> None:
             forward_backward(f, b, overlap)  # an F&B cell, through the overlap hook if any
 
         # 1. Warmup: forwards of the near direction only.

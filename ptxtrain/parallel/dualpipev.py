@@ -17,9 +17,9 @@ Design notes:
   these backwards deferring W, (7) ``R-r-1`` x (W, phase-0 B deferring W), (8) remaining W.
   Each of the N micro-batches thus gets one F and one B per phase on every rank; needs
   N >= 2R. F&B pairs go through the stages' overlap hook when they define one, as in DualPipe
-  (:func:`~ptxtrain.parallel._p2p.forward_backward`); otherwise forward, then backward.
+  (:func:`~ptxtrain.parallel.p2p.forward_backward`); otherwise forward, then backward.
 - The first ``step`` sets up the P2P connections to both neighbours
-  (:meth:`~ptxtrain.parallel._p2p.P2P.connect`; see :mod:`ptxtrain.parallel._p2p` for why NCCL
+  (:meth:`~ptxtrain.parallel.p2p.P2P.connect`; see :mod:`ptxtrain.parallel.p2p` for why NCCL
   needs it).
 - Bubble ``(PP/2-1)(F&B+B-3W)`` with PP = 2R stages, as DualPipe's on PP ranks, for half the
   devices; 2 stages of parameters per rank and activations of up to PP+1 micro-batches.
@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptxtrain.parallel._p2p import (
+from ptxtrain.parallel.p2p import (
+    Loopback,
     PairGroupsMixin,
+    StageRunner,
     WeightGradStore,
-    _Loopback,
-    _StageRunner,
     check_overlap_hooks,
     check_step_args,
     check_two_stages,
@@ -58,7 +58,7 @@ class DualPipeV(PairGroupsMixin, nn.Module):
             R on the same rank.
         process_group: the pipeline's process group (default: the world); any size R >= 1.
         p2p_groups: ``{(src, dst): group}`` of global ranks from
-            :func:`~ptxtrain.parallel._p2p.directional_groups` over this pipeline's
+            :func:`~ptxtrain.parallel.p2p.directional_groups` over this pipeline's
             :meth:`peers` (one NCCL communicator per direction, so crossed large sends cannot
             block each other). None: created at the first ``step`` on the default group; with a
             subgroup, messages then travel on ``process_group`` itself.
@@ -144,9 +144,9 @@ class DualPipeV(PairGroupsMixin, nn.Module):
 
         p2p = self._p2p(device)
         connect_once(p2p, self._connected, self.peers(rank, world), world)
-        turn = _Loopback() if last else None  # stage R-1 -> stage R on rank R-1
+        turn = Loopback() if last else None  # stage R-1 -> stage R on rank R-1
         stages = (
-            _StageRunner(  # phase 0, stage r: down from rank r-1 to rank r+1
+            StageRunner(  # phase 0, stage r: down from rank r-1 to rank r+1
                 self.module[0],
                 p2p,
                 0,
@@ -158,7 +158,7 @@ class DualPipeV(PairGroupsMixin, nn.Module):
                 keep_outputs=False,
                 timeline=timeline,
             ),
-            _StageRunner(  # phase 1, stage 2R-1-r: up from rank r+1 to rank r-1
+            StageRunner(  # phase 1, stage 2R-1-r: up from rank r+1 to rank r-1
                 self.module[1],
                 p2p,
                 1,
@@ -187,7 +187,7 @@ class DualPipeV(PairGroupsMixin, nn.Module):
         wgrad = WeightGradStore()
         rest = world - rank - 1  # ranks below this one
 
-        def _forward_backward(f: _StageRunner, b: _StageRunner) -> None:
+        def _forward_backward(f: StageRunner, b: StageRunner) -> None:
             forward_backward(f, b, overlap)  # an F&B cell, through the overlap hook if any
 
         # 1. Warmup: down-leg forwards only.

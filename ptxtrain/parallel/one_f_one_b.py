@@ -7,9 +7,9 @@ Design notes (docs/design.md §5; the baseline of deepseek-ai/DualPipe's bubble 
   one backward until every forward is issued, (3) cooldown: the remaining backwards. At most
   ``PP - s`` micro-batches' activations are alive on rank s (PP on rank 0).
 - Bubble per rank: ``(PP-1)(F+B)`` (F, B: one chunk's forward / full backward time).
-- Communication is plain async send + blocking receive (``_p2p``); compute/communication overlap is
+- Communication is plain async send + blocking receive (``p2p``); compute/communication overlap is
   not attempted here. The first ``step`` sets up the P2P connections to both neighbours
-  (:meth:`~ptxtrain.parallel._p2p.P2P.connect`), as the other schedules do.
+  (:meth:`~ptxtrain.parallel.p2p.P2P.connect`), as the other schedules do.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptxtrain.parallel._p2p import (
+from ptxtrain.parallel.p2p import (
     PairGroupsMixin,
-    _StageRunner,
+    StageRunner,
     check_step_args,
     connect_once,
     module_device,
@@ -39,7 +39,7 @@ class OneFOneB(PairGroupsMixin, nn.Module):
         process_group: the pipeline's process group (default: the world); group rank s holds
             stage s.
         p2p_groups: ``{(src, dst): group}`` of global ranks from
-            :func:`~ptxtrain.parallel._p2p.directional_groups` over this pipeline's
+            :func:`~ptxtrain.parallel.p2p.directional_groups` over this pipeline's
             :meth:`peers` (one NCCL communicator per direction, so crossed large sends cannot
             block each other). None: created at the first ``step`` on the default group; with a
             subgroup, messages then travel on ``process_group`` itself.
@@ -118,7 +118,7 @@ class OneFOneB(PairGroupsMixin, nn.Module):
 
         p2p = self._p2p(device)
         connect_once(p2p, self._connected, self.peers(rank, world), world)
-        stage = _StageRunner(
+        stage = StageRunner(
             self.module,
             p2p,
             direction=0,

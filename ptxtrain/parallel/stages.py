@@ -22,10 +22,10 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
-from ptxtrain.parallel._p2p import schedule_pairs
 from ptxtrain.parallel.dualpipe import DualPipe
 from ptxtrain.parallel.dualpipev import DualPipeV
 from ptxtrain.parallel.one_f_one_b import OneFOneB
+from ptxtrain.parallel.p2p import schedule_pairs
 
 __all__ = [
     "SCHEDULES",
@@ -129,7 +129,7 @@ def build_schedule(
 def p2p_pairs(schedule: str, ranks: Sequence[int]) -> list[tuple[int, int]]:
     """The pairs of global ranks ``schedule`` sends messages between, for the pipeline whose
     group rank ``i`` is global rank ``ranks[i]`` (neighbours; DualPipe also mirror pairs), for
-    :func:`~ptxtrain.parallel._p2p.directional_groups`."""
+    :func:`~ptxtrain.parallel.p2p.directional_groups`."""
     _check_schedule(schedule)
     cls = {"1f1b": OneFOneB, "dualpipe": DualPipe, "dualpipev": DualPipeV}[schedule]
     return schedule_pairs(cls.peers, ranks)

@@ -61,7 +61,7 @@ from ptxtrain.quant.ref import (
     BLOCK,
     FP8_DTYPE,
     SF_LAYOUTS,
-    _check_block,
+    check_block,
     check_sf_layout,
     empty_sf,
 )
@@ -351,7 +351,7 @@ def _usable_index(index: int) -> bool:
 def _check_input(name: str, x: object, block: object) -> torch.Tensor:
     """Validate like the reference, plus the device; return x with ``stride(-1) == 1``."""
     check_tensor(name, x, dtypes=HP_DTYPES, ndim=2)
-    _check_block(block)
+    check_block(block)
     _require_cuda(name, x)
     if x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()

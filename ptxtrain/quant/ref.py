@@ -44,7 +44,12 @@ AMAX_EPS = 1e-12
 BLOCK = 128
 
 
-def _check_block(block: int) -> int:
+def check_block(block: int) -> int:
+    """``block`` (a quantization tile or block edge) if it is a positive int.
+
+    Raises:
+        ValueError: ``block`` is a bool, not an int, or <= 0.
+    """
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise ValueError(f"block must be a positive int, got {block!r}")
     return block
@@ -133,7 +138,7 @@ def per_token_cast_to_fp8(
     Source: DeepSeek-V3 report §3.3 (fine-grained quantization); docs/design.md §1.
     """
     _check_hp_2d("x", x)
-    _check_block(block)
+    check_block(block)
     m, k = x.shape
     kb = ceil_div(k, block)
     xf = x.float()
@@ -206,7 +211,7 @@ def per_block_cast_to_fp8(
     Source: DeepSeek-V3 report §3.3; docs/design.md §1.
     """
     check_tensor("w", w, dtypes=HP_DTYPES, ndim=2)
-    _check_block(block)
+    check_block(block)
     n, k = w.shape
     nb, kb = ceil_div(n, block), ceil_div(k, block)
     wf = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
@@ -266,7 +271,7 @@ def per_token_cast_back(
             ``block`` is not a positive int.
     """
     _check_fp8_pair("x", x_fp8, sf)
-    _check_block(block)
+    check_block(block)
     m, k = x_fp8.shape
     if tuple(sf.shape) != (m, ceil_div(k, block)):
         raise ValueError(
@@ -295,7 +300,7 @@ def per_block_cast_back(
             ``block`` is not a positive int.
     """
     _check_fp8_pair("w", w_fp8, sf)
-    _check_block(block)
+    check_block(block)
     n, k = w_fp8.shape
     want = (ceil_div(n, block), ceil_div(k, block))
     if tuple(sf.shape) != want:

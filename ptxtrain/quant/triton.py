@@ -62,7 +62,7 @@ from ptxtrain.quant.ref import (
     FP8_DTYPE,
     FP8_MAX,
     SF_LAYOUTS,
-    _check_block,
+    check_block,
     check_sf_layout,
     empty_sf,
 )
@@ -88,13 +88,13 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
-def _abs_bits(x):
+def abs_bits(x):
     """fp32 tile → int32 bits of |x| (order-preserving for non-negative floats, NaN on top)."""
     return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
-def _scale_from_amax_bits(amax_bits, POW2: tl.constexpr):
+def scale_from_amax_bits(amax_bits, POW2: tl.constexpr):
     """int32 bits of a tile's amax → fp32 dequantization factor ``sf`` (as the reference)."""
     # Any NaN becomes the canonical quiet NaN, as torch.amax returns it (payloads are dropped).
     amax_bits = tl.where(amax_bits > 0x7F800000, 0x7FC00000, amax_bits)
@@ -114,13 +114,13 @@ def _is_finite(sf):
 
 
 @triton.jit
-def _reciprocal(sf):
-    """``RN(1/sf)`` (``div.rn``), the factor of the fast division in :func:`_cast_e4m3`."""
+def reciprocal(sf):
+    """``RN(1/sf)`` (``div.rn``), the factor of the fast division in :func:`cast_e4m3`."""
     return tl.div_rn(1.0, sf)
 
 
 @triton.jit
-def _cast_e4m3(x, sf, y, all_finite):
+def cast_e4m3(x, sf, y, all_finite):
     """``RN_e4m3(RN_fp32(x / sf))``: the reference's IEEE division, then a saturating RNE cast.
 
     ``y`` is ``RN(1/sf)``. Where every ``sf`` of the tile is finite (the uniform ``all_finite``
@@ -141,7 +141,8 @@ def _cast_e4m3(x, sf, y, all_finite):
 
 
 @triton.jit
-def _all_finite(sf):
+def all_finite(sf):
+    """Whether every fp32 scale of the tile ``sf`` is finite (uniform, for :func:`cast_e4m3`)."""
     return tl.min(_is_finite(sf).to(tl.int32), axis=0) == 1
 
 
@@ -184,10 +185,10 @@ def _quant_1x_kernel(
             mask = row_ok[:, None] & (cols < K)[None, :]
             ptrs = x_ptr + rows64[:, None] * stride_xm + cols.to(tl.int64)[None, :]
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(_abs_bits(x), axis=1))
-        sf = _scale_from_amax_bits(amax, POW2)  # [BM]
-        y = _reciprocal(sf)
-        finite = _all_finite(sf)
+            amax = tl.maximum(amax, tl.max(abs_bits(x), axis=1))
+        sf = scale_from_amax_bits(amax, POW2)  # [BM]
+        y = reciprocal(sf)
+        finite = all_finite(sf)
         sf_ptrs = sf_ptr + rows64 * stride_sf_m + pid_k.to(tl.int64) * stride_sf_k
         tl.store(sf_ptrs, sf, mask=row_ok)
     # Pass 2 (the only one unless TWO_PASS): quantize SUB_K columns at a time.
@@ -200,16 +201,16 @@ def _quant_1x_kernel(
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         if ROW:
             if not TWO_PASS:  # the chunk is the whole 1 x BLOCK_K tile
-                sf = _scale_from_amax_bits(tl.max(_abs_bits(x), axis=1), POW2)
-                y = _reciprocal(sf)
-                finite = _all_finite(sf)
+                sf = scale_from_amax_bits(tl.max(abs_bits(x), axis=1), POW2)
+                y = reciprocal(sf)
+                finite = all_finite(sf)
                 sf_ptrs = sf_ptr + rows64 * stride_sf_m + pid_k.to(tl.int64) * stride_sf_k
                 tl.store(sf_ptrs, sf, mask=row_ok)
-            q = _cast_e4m3(x, sf[:, None], y[:, None], finite)
+            q = cast_e4m3(x, sf[:, None], y[:, None], finite)
             tl.store(q_ptr + rows64[:, None] * stride_qm + cols64[None, :], q, mask=mask)
         if COL:  # BLOCK_M x 1 tiles, complete in the chunk; xt [K, M] written transposed
-            sft = _scale_from_amax_bits(tl.max(_abs_bits(x), axis=0), POW2)  # [SK]
-            qt = tl.trans(_cast_e4m3(x, sft[None, :], _reciprocal(sft)[None, :], _all_finite(sft)))
+            sft = scale_from_amax_bits(tl.max(abs_bits(x), axis=0), POW2)  # [SK]
+            qt = tl.trans(cast_e4m3(x, sft[None, :], reciprocal(sft)[None, :], all_finite(sft)))
             qt_ptrs = qt_ptr + cols64[:, None] * stride_qt_k + rows64[None, :]
             tl.store(qt_ptrs, qt, mask=tl.trans(mask))
             sft_ptrs = sft_ptr + cols64 * stride_sft_k + pid_m.to(tl.int64) * stride_sft_m
@@ -239,9 +240,9 @@ def _quant_block_kernel(
     mask = (rows < N)[:, None] & (cols < K)[None, :]  # [B, B]
     w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
     w = w.to(tl.float32)
-    amax_bits = tl.max(tl.max(_abs_bits(w), axis=1), axis=0)  # scalar
-    sf = _scale_from_amax_bits(amax_bits, POW2)
-    q = _cast_e4m3(w, sf, _reciprocal(sf), _is_finite(sf))
+    amax_bits = tl.max(tl.max(abs_bits(w), axis=1), axis=0)  # scalar
+    sf = scale_from_amax_bits(amax_bits, POW2)
+    q = cast_e4m3(w, sf, reciprocal(sf), _is_finite(sf))
     tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q, mask=mask)
     if TRANS:  # the block of wᵀ is this block transposed: same bits
         tl.store(qt_ptr + cols[:, None] * stride_qt_k + rows[None, :], tl.trans(q), tl.trans(mask))
@@ -301,7 +302,7 @@ def _kernels_interpreted() -> bool:
 
 
 def _check_triton_block(block: object) -> int:
-    _check_block(block)
+    check_block(block)
     if block & (block - 1) or not 16 <= block <= 128:
         raise ValueError(
             f"block must be a power of two between 16 and 128 for the Triton kernels, got {block}"

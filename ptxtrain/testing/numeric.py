@@ -1,4 +1,5 @@
-"""Accuracy metrics: DeepGEMM's ``calc_diff``, torchao's SQNR, and a bit-exact comparison."""
+"""Accuracy metrics: DeepGEMM's ``calc_diff`` (defined in :mod:`ptxtrain._checks`, which
+library code uses too), torchao's SQNR, and a bit-exact comparison."""
 
 from __future__ import annotations
 
@@ -6,26 +7,9 @@ import math
 
 import torch
 
+from ptxtrain._checks import calc_diff
 
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepGEMM's GEMM oracle: ``1 - 2·Σxy / Σ(x² + y²)``, computed in float64.
-
-    0 for identical tensors, about ``‖x - y‖² / (2‖y‖²)`` for nearby ones, 1 for orthogonal ones.
-    FP8 x FP8 GEMMs pass at ``< 1e-3`` against a high-precision matmul of the unquantized inputs
-    (docs/design.md §2). Empty tensors give 0; a NaN anywhere gives NaN, failing any ``<`` check.
-
-    Raises:
-        ValueError: the shapes differ.
-    """
-    if x.shape != y.shape:
-        raise ValueError(f"calc_diff needs equal shapes, got {tuple(x.shape)} and {tuple(y.shape)}")
-    if x.numel() == 0:
-        return 0.0
-    x, y = x.double(), y.double()
-    denom = (x * x + y * y).sum()
-    if denom == 0:
-        return 0.0
-    return float(1.0 - 2.0 * (x * y).sum() / denom)
+__all__ = ["assert_bitwise_equal", "calc_diff", "sqnr_db"]
 
 
 def sqnr_db(signal: torch.Tensor, estimate: torch.Tensor) -> float:

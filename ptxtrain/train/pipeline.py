@@ -45,7 +45,7 @@ from torch import nn
 from ..model.deepseek import DeepSeekV3, aggregate_router_stats
 from ..model.stages import DeepSeekV3Stage
 from ..moe.router import Router
-from ..parallel._p2p import directional_groups
+from ..parallel.p2p import directional_groups
 from ..parallel.stages import (
     build_schedule,
     check_pipeline,
@@ -76,7 +76,7 @@ class PipelineGroups:
     this rank and its mirror inside the pipeline (None for other schedules; the pipeline group
     itself when ``PP == 2``). ``pipeline_rank`` / ``ep_rank``: this rank's place in each.
     ``p2p``: the schedule's per-direction message groups ``{(src, dst): group}`` (global ranks;
-    :func:`~ptxtrain.parallel._p2p.directional_groups`), this rank's directions only.
+    :func:`~ptxtrain.parallel.p2p.directional_groups`), this rank's directions only.
     """
 
     pipeline: dist.ProcessGroup | None

@@ -403,12 +403,11 @@ def test_gpu_split_tail(m, n, k, kind, block_m, accumulate, layout):
     the reference (and ``D +=`` for 1D1D), bitwise the same over repeated runs; into a
     row-major out (TMA stores for the whole tiles) and a column-major view (pointer stores)."""
     from ptxtrain.gemm import gluon
-    from ptxtrain.gemm.heuristics import gluon_split_k
-    from ptxtrain.gemm.triton import _device_sms
+    from ptxtrain.gemm.heuristics import device_sms, gluon_split_k
 
     if accumulate and kind == "1d2d":
         pytest.skip("D += is a 1D1D option")
-    sms = _device_sms(torch.device("cuda"))
+    sms = device_sms(torch.device("cuda"))
     tiles = ceil_div(m, block_m) * ceil_div(n, 128)
     whole, splits = gluon_split_k(tiles, sms, ceil_div(k, 128))
     if sms == 132:  # the cases are chosen for 132 SMs (H100 SXM / H200)

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from ptxtrain.gemm.heuristics import (
     BLOCK_K,
@@ -11,6 +12,7 @@ from ptxtrain.gemm.heuristics import (
     VARIANTS,
     GemmConfig,
     autotune_configs,
+    device_sms,
     gluon_split_k,
     gluon_tile,
     m_bucket,
@@ -100,6 +102,17 @@ def test_select_config_depends_on_num_sms():
     # 2112 columns in 64-wide tiles are 33 tiles at M = 64: at most two waves on 17 SMs, not on 8.
     assert select_config(64, 2112, 7168, num_sms=17).block_n == 64
     assert select_config(64, 2112, 7168, num_sms=8).block_n == 128
+
+
+def test_device_sms_off_cuda_is_an_h200():
+    # The interpreter (CPU tensors) chooses configs as for the GPU the kernels are meant for.
+    assert device_sms(torch.device("cpu")) == H100_SMS == 132
+
+
+@pytest.mark.gpu
+def test_gpu_device_sms_matches_the_device():
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    assert device_sms(torch.device("cuda")) == props.multi_processor_count
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -449,13 +449,13 @@ def test_gpu_default_routes_large_1d2d_to_gluon(monkeypatch):
     ``PTXTRAIN_TRITON_GLUON=0`` nor for operands TMA cannot load; all three agree with the
     reference."""
     from ptxtrain.gemm import gluon
-    from ptxtrain.gemm.heuristics import prefers_gluon
+    from ptxtrain.gemm.heuristics import device_sms, prefers_gluon
 
     m, n, k = 1032, 13560, 640
-    assert prefers_gluon(m, n, k, "1d2d", tg._device_sms(torch.device("cuda")))
+    assert prefers_gluon(m, n, k, "1d2d", device_sms(torch.device("cuda")))
     calls = []
-    real = gluon._launch  # (the route enters the Gluon kernel here)
-    monkeypatch.setattr(gluon, "_launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = gluon.launch_checked  # (the route enters the Gluon kernel here)
+    monkeypatch.setattr(gluon, "launch_checked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, w = _inputs(m, n, k, seed=12, device="cuda")
     qa, qb = _quantize(x, w, "1d2d")
     want = ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
@@ -481,8 +481,8 @@ def test_gpu_column_major_out_beyond_int32_stays_on_triton(monkeypatch):
 
     m, n, k = 65536, 32800, 128  # (N - 1) x M = 2.15e9 > 2^31
     calls = []
-    real = gluon._launch
-    monkeypatch.setattr(gluon, "_launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = gluon.launch_checked
+    monkeypatch.setattr(gluon, "launch_checked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, w = _inputs(m, n, k, seed=19, device="cuda")
     qa, qb = _quantize(x, w, "1d2d")
     out = torch.empty(n, m, device="cuda", dtype=torch.bfloat16).t()  # [M, N], strides (1, M)

@@ -227,12 +227,12 @@ def test_layout_equals_reference(counts):
     """The device-built padded layout equals ptxtrain.moe.ref.grouped_layout_ref (exactly: int
     index vectors), on fresh random counts too."""
     from ptxtrain.moe.ref import grouped_layout_ref
-    from ptxtrain.nn.fp8_grouped import _Layout
+    from ptxtrain.nn.fp8_grouped import HostLayout
 
     g = torch.Generator().manual_seed(len(counts))
     cases = [counts, torch.randint(0, 300, (16,), generator=g).tolist()]
     for c in cases:
-        lay = _Layout(c, 128, torch.device("cpu"))
+        lay = HostLayout(c, 128, torch.device("cpu"))
         rows, m_idx = grouped_layout_ref(torch.tensor(c, dtype=torch.int64), 128)
         assert lay.n == sum(c) and lay.rows == m_idx.numel()
         assert lay.ks == [(v + 127) // 128 * 128 for v in c]

@@ -74,6 +74,23 @@ def test_every_fp8_gemm_of_the_step_is_predicted():
     assert kinds == {"1d2d", "1d1d", "m_grouped", "k_grouped"}
 
 
+def test_modules_report_their_grouped_linears_only_in_fp8():
+    # Before the FP8 conversion the MoE layers run no FP8 grouped linear: nothing to compile.
+    model = build_model(CONFIG, device="cpu", seed=1)
+    layers = [m for m in model.modules() if hasattr(m, "fp8_grouped_linears")]
+    assert layers and all(m.fp8_grouped_linears(4096) == [] for m in layers)
+    assert not prewarm.fp8_kernels(
+        model, 4096, num_sms=132, gemm_backend=lambda *a: "ptx", grouped_ptx=lambda *a: True
+    )
+    # After it: w1, w3, w2 of each layer, on 8 experts x (300 x 2 / 8 = 75 -> 128) padded rows.
+    convert_model_to_fp8_training(model, "deepseek_pow2")
+    for layer in layers:
+        got = layer.fp8_grouped_linears(300)
+        ex = layer.experts
+        assert [w for w, _, _ in got] == [ex.w1, ex.w3, ex.w2]
+        assert {(rows, cfg.pow2_scale) for _, rows, cfg in got} == {(8 * 128, True)}
+
+
 def test_the_backend_choice_and_the_recipe_filter_the_gemms():
     model = _model()
     only_1d2d = prewarm.fp8_kernels(

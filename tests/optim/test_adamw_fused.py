@@ -50,7 +50,7 @@ KERNEL_TOL = {**_CUDA_TOL, torch.float64: (2.0**-49, 1e-8)}
 
 def _interpreted() -> bool:
     """The kernels were decorated under ``TRITON_INTERPRET=1`` with the exact-cast patch."""
-    if not fused_mod.triton_ok():
+    if not adamw_mod._triton_ok():
         return False
     from triton.runtime.interpreter import InterpretedFunction
 

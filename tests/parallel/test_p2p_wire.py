@@ -14,7 +14,7 @@ logs, and check what NCCL needs:
   first), which crashed DualPipe on NCCL before the schedules connected their peers eagerly
   (``P2P.connect``); a DualPipe step without it is checked to be caught.
 
-Before messages carried their own tag (``ptxtrain.parallel._p2p``), DualPipeV on 4 ranks failed
+Before messages carried their own tag (``ptxtrain.parallel.p2p``), DualPipeV on 4 ranks failed
 the first check (a ``tag 0`` activation sent ahead of a ``tag 3`` gradient on the same pair,
 received in the other order), as did the direct two-tag exchange below.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ptxtrain.parallel import DualPipe, DualPipeV, OneFOneB
-from ptxtrain.parallel._p2p import P2P
+from ptxtrain.parallel.p2p import P2P
 from tests._spawn import run_gloo
 from tests.parallel.test_schedules import criterion, make_batch, make_stage
 
@@ -91,7 +91,7 @@ def _crossed_first_ops(log: list, world: int) -> list[str]:
     at its first receive from that peer, and pairs these set-up events of the two ranks in
     order; the k-th events of the two sides must be of opposite kinds (a send meeting a
     receive). Both ranks sending first to each other is what crashed DualPipe on 2 x H200
-    (``ptxtrain.parallel._p2p``). Returns one message per bad pair (empty: all fine).
+    (``ptxtrain.parallel.p2p``). Returns one message per bad pair (empty: all fine).
     """
     logs: list = [None] * world
     dist.all_gather_object(logs, log)

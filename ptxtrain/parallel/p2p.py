@@ -43,9 +43,9 @@
   side's connect-info exchange carries send-side info where the other expects the recv side and
   the first send kernel faults (CUDA error 700 on both ranks; NVIDIA/nccl PR #2407). With
   per-direction groups the first op of each communicator is always a matched send / receive.
-- ``_StageRunner`` runs one stage for one direction of micro-batches: ``forward_chunk`` /
+- ``StageRunner`` runs one stage for one direction of micro-batches: ``forward_chunk`` /
   ``backward_chunk`` in micro-batch order, optionally deferring the weight-grad part (W) to a
-  :class:`WeightGradStore`. Its neighbours are group ranks, or a :class:`_Loopback` when the
+  :class:`WeightGradStore`. Its neighbours are group ranks, or a :class:`Loopback` when the
   neighbouring stage lives on the same rank (DualPipeV's turn at the last rank). With a
   :class:`~ptxtrain.parallel.timeline.Timeline` it records F / B / W / BW / send / recv cells.
 """
@@ -494,7 +494,7 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class _Loopback:
+class Loopback:
     """In-process hand-off between two stages of one rank (no communication).
 
     ``push(tensors, kind)`` / ``pop(kind)`` with kind ``FWD`` (activations, from the earlier stage
@@ -515,11 +515,11 @@ class _Loopback:
 _NO_CELL = contextlib.nullcontext()
 
 
-class _StageRunner:
+class StageRunner:
     """One pipeline stage for one direction of micro-batches.
 
     ``prev`` / ``next`` are the group ranks holding the previous / next stage (None at the ends,
-    a :class:`_Loopback` when that stage is on this rank). The first stage takes
+    a :class:`Loopback` when that stage is on this rank). The first stage takes
     ``input_chunks``; the last one applies ``criterion(*outputs, *labels)``. ``timeline``: an
     optional :class:`~ptxtrain.parallel.timeline.Timeline` whose current step gets the cells.
     """
@@ -554,13 +554,13 @@ class _StageRunner:
         return self.timeline.cell(kind, chunk, self.direction)
 
     def _recv(self, peer, kind: int, chunk: int) -> list[torch.Tensor]:
-        if isinstance(peer, _Loopback):
+        if isinstance(peer, Loopback):
             return peer.pop(kind)
         with self._cell("recv", chunk):
             return self.p2p.recv(peer, self.tag_fwd if kind == FWD else self.tag_bwd)
 
     def _send(self, tensors: Sequence[torch.Tensor], peer, kind: int, chunk: int) -> None:
-        if isinstance(peer, _Loopback):
+        if isinstance(peer, Loopback):
             peer.push(tensors, kind)
             return
         with self._cell("send", chunk):
@@ -738,7 +738,7 @@ def sequential_forward_backward(
     return outputs_f, loss_f
 
 
-def forward_backward(f: _StageRunner, b: _StageRunner, overlap: bool = True) -> None:
+def forward_backward(f: StageRunner, b: StageRunner, overlap: bool = True) -> None:
     """One F&B step: ``f``'s next forward chunk and ``b``'s next backward chunk (B and W).
 
     Without a hook (or with ``overlap=False``) it is ``f.forward_chunk(); b.backward_chunk()``.
