@@ -22,13 +22,8 @@ import pytest
 import torch
 
 from ptxtrain.parallel import DualPipe, DualPipeV
-<<<<<<< HEAD
-from ptxtrain.parallel._p2p import P2P, sequential_forward_backward
-from tests._spawn import run_gloo
-=======
 from ptxtrain.parallel.p2p import P2P, sequential_forward_backward
-from tests.parallel._dist import run_gloo
->>>>>>> s27-d
+from tests._spawn import run_gloo
 from tests.parallel.test_schedules import (
     Block,
     assert_grads,
