@@ -566,7 +566,8 @@ def convert_to_fp8_training(
     config: Fp8LinearConfig | str | None = None,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
-    """Swap every ``nn.Linear`` in ``module`` (recursively, in place) for an :class:`Fp8Linear`.
+    """Swap every ``nn.Linear`` in ``module`` (recursively, in place) for an :class:`Fp8Linear`
+    and switch every module that implements ``enable_fp8(config)`` (the MoE ``Experts``) to FP8.
 
     Each swapped module shares its Parameters with the original (:meth:`Fp8Linear.from_linear`),
     so parameter identity, ``state_dict`` keys and an existing optimizer are unaffected. Modules
@@ -574,14 +575,20 @@ def convert_to_fp8_training(
     ``forward`` is replaced — exclude them with the filter if that matters). A Linear reachable
     under two names becomes one shared Fp8Linear.
 
+    FP8 hook: a module that is not an ``nn.Linear`` but has a callable ``enable_fp8`` attribute
+    (e.g. :class:`ptxtrain.moe.experts.Experts`, whose stacked expert weights are no Linears)
+    is offered to ``module_filter_fn`` like a Linear and, if kept, gets ``enable_fp8(config)``
+    called once. This lets layers above ``ptxtrain.nn`` take part without ``nn`` importing them.
+
     Args:
         module: the model. If it is itself an ``nn.Linear`` it cannot be swapped in place: use the
             returned module (fqn ``""`` for the filter).
         config: an :class:`Fp8LinearConfig`, a recipe name, or None for ``"deepseek"``. With a
             config that runs no GEMM in FP8 (the ``"bf16"`` recipe) nothing is swapped and
             ``module`` is returned unchanged, since such an Fp8Linear would equal ``nn.Linear``.
-        module_filter_fn: ``fn(linear, fqn) -> bool`` called for each candidate Linear with its
-            fully-qualified name (e.g. ``"model.layers.0.self_attn.q_proj"``); False keeps it in
+        module_filter_fn: ``fn(mod, fqn) -> bool`` called for each candidate (a Linear or a
+            module with ``enable_fp8``) with its fully-qualified name (e.g.
+            ``"model.layers.0.self_attn.q_proj"``, ``"layers.3.ffn.experts"``); False keeps it in
             high precision. None converts all.
 
     Returns:
@@ -606,12 +613,15 @@ def convert_to_fp8_training(
         return module
 
     def wanted(mod: nn.Module, fqn: str) -> bool:
-        if not isinstance(mod, nn.Linear) or isinstance(mod, Fp8Linear):
+        if isinstance(mod, Fp8Linear) or not (isinstance(mod, nn.Linear) or _has_fp8_hook(mod)):
             return False
         return module_filter_fn is None or bool(module_filter_fn(mod, fqn))
 
     if isinstance(module, nn.Linear):
         return Fp8Linear.from_linear(module, config) if wanted(module, "") else module
+    hooked: dict[int, tuple[nn.Module, str]] = {}
+    if wanted(module, ""):
+        hooked[id(module)] = (module, "")
 
     # Collect first, then swap, so the traversal never sees a half-converted tree.
     swaps: list[tuple[nn.Module, str, nn.Linear, str]] = []
@@ -626,6 +636,8 @@ def convert_to_fp8_training(
                 swaps.append((parent, name, child, fqn))
             elif id(child) not in seen:
                 seen.add(id(child))
+                if wanted(child, fqn):
+                    hooked[id(child)] = (child, fqn)
                 visit(child, fqn, seen)
 
     visit(module, "", {id(module)})
@@ -636,4 +648,11 @@ def convert_to_fp8_training(
                 Fp8Linear.from_linear(child, config) if wanted(child, fqn) else child
             )
         setattr(parent, name, converted[id(child)])
+    for mod, _ in hooked.values():
+        mod.enable_fp8(config)
     return module
+
+
+def _has_fp8_hook(mod: nn.Module) -> bool:
+    """Whether ``mod`` takes part in :func:`convert_to_fp8_training` through ``enable_fp8``."""
+    return not isinstance(mod, nn.Linear) and callable(getattr(mod, "enable_fp8", None))

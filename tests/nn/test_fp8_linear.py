@@ -830,3 +830,45 @@ def test_input_on_another_device_than_the_weight():
     lin = Fp8Linear(64, 32)
     with pytest.raises(ValueError, match=r"input must be on the weight's device cpu, got meta"):
         lin(torch.randn(4, 64, device="meta"))
+
+
+def _tiny_moe_model():
+    from ptxtrain.model import build_model, get_preset
+
+    cfg = type(get_preset("tiny")).from_dict({**get_preset("tiny").to_dict(), "mtp_depth": 1})
+    return build_model(cfg, dtype=torch.bfloat16, seed=0)
+
+
+def test_convert_to_fp8_training_switches_the_moe_experts():
+    # The generic conversion reaches the routed experts (stacked weights, not Linears) through
+    # their enable_fp8 hook: no model-specific function needed.
+    from ptxtrain.moe.experts import Experts
+
+    model = _tiny_moe_model()
+    linears = {fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert convert_to_fp8_training(model, "deepseek_pow2") is model
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.fp8 and m.fp8_config.pow2_scale for m in experts)
+    mods = dict(model.named_modules())
+    assert linears and all(isinstance(mods[fqn], Fp8Linear) for fqn in linears)
+    x = torch.randint(0, model.config.vocab_size, (2, 16), generator=_gen(90))
+    assert torch.isfinite(model(x).logits.float()).all()  # the FP8 experts run
+
+    # module_filter_fn sees the experts under their fqn and can keep them in high precision.
+    seen = []
+
+    def no_experts(mod, fqn):
+        seen.append(fqn)
+        return not fqn.endswith(".experts")
+
+    model = _tiny_moe_model()
+    convert_to_fp8_training(model, module_filter_fn=no_experts)
+    experts = {fqn for fqn, m in model.named_modules() if isinstance(m, Experts)}
+    assert experts and experts <= set(seen)
+    assert not any(m.fp8 for m in model.modules() if isinstance(m, Experts))
+    assert isinstance(model.layers[1].ffn.shared_experts.w1, Fp8Linear)
+
+    # The "bf16" recipe changes nothing, the experts included.
+    model = _tiny_moe_model()
+    convert_to_fp8_training(model, "bf16")
+    assert not any(m.fp8 for m in model.modules() if isinstance(m, Experts))
