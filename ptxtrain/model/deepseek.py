@@ -28,9 +28,7 @@ experts over a process group (see :mod:`ptxtrain.moe.layer`); everything else st
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -698,32 +696,32 @@ def aggregate_router_stats(stats: list[dict[str, float]], bias_abs_max: float) -
 
 # ---------------------------------------------------------------------------- public helpers
 def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
-    """``module_filter_fn`` for ``convert_to_fp8_training``: True exactly for the FP8 Linears.
+    """``module_filter_fn`` for ``convert_to_fp8_training``: True exactly for the modules that
+    run in FP8.
 
     FP8: every ``nn.Linear`` of MLA (``wq``/``wq_a``/``wq_b``/``wkv_a``/``wkv_b``/``wo``), the dense
-    MLPs, the routed and shared experts (``w1``/``w2``/``w3``) and the MTP projection ``mtp.proj``
-    (the report keeps only the embedding, head, gating, norms and attention core in high
-    precision, and ``proj`` is an ordinary GEMM on normalized inputs).
+    MLPs, the shared experts (``w1``/``w2``/``w3``) and the MTP projection ``mtp.proj`` (the
+    report keeps only the embedding, head, gating, norms and attention core in high precision,
+    and ``proj`` is an ordinary GEMM on normalized inputs), and the routed experts
+    (:class:`~ptxtrain.moe.experts.Experts`, stacked weights switched through their
+    ``enable_fp8`` hook).
     Not FP8: the output ``head`` (also the embedding when tied), anything inside a router, and
-    every module that is not an ``nn.Linear``. The routed experts are not Linears (stacked
-    weights, :class:`~ptxtrain.moe.experts.Experts`): :func:`convert_model_to_fp8_training` turns
-    their ``fp8`` switch on.
+    every other module.
     """
-    if not isinstance(module, nn.Linear):
+    if not isinstance(module, nn.Linear | Experts):
         return False
     parts = fqn.split(".")
     return parts[-1] != "head" and "router" not in parts
 
 
 def convert_model_to_fp8_training(model: nn.Module, config=None) -> nn.Module:
-    """Switch a model to FP8 training in place (DeepSeek-V3 report §3.3; docs/design.md §1).
+    """Switch a model to FP8 training in place (DeepSeek-V3 report §3.3; docs/design.md §1):
+    :func:`ptxtrain.nn.convert_to_fp8_training` with :func:`fp8_module_filter`.
 
-    Swaps the Linears :func:`fp8_module_filter` selects for ``Fp8Linear`` (through
-    :func:`ptxtrain.nn.convert_to_fp8_training`) and sets ``fp8 = True`` on every
-    :class:`~ptxtrain.moe.experts.Experts` module, whose projections then run through
-    ``ptxtrain.nn.fp8_grouped.fp8_grouped_linear`` (the same 1x128 / 128x128 recipe; if that
-    module is missing from the installation the experts stay in high precision, with a
-    ``RuntimeWarning``). Parameters are shared, not copied: an existing optimizer is unaffected.
+    Swaps the Linears the filter selects for ``Fp8Linear`` and switches every
+    :class:`~ptxtrain.moe.experts.Experts` module to FP8 (``fp8 = True``: its projections run
+    through ``ptxtrain.nn.fp8_grouped.fp8_grouped_linear``, the same 1x128 / 128x128 recipe).
+    Parameters are shared, not copied: an existing optimizer is unaffected.
 
     Args:
         model: a :class:`DeepSeekV3` (or any module holding such parts).
@@ -741,20 +739,7 @@ def convert_model_to_fp8_training(model: nn.Module, config=None) -> nn.Module:
 
     if config is None or isinstance(config, str):
         config = Fp8LinearConfig.from_recipe_name(config or "deepseek")
-    convert_to_fp8_training(model, config, module_filter_fn=fp8_module_filter)
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
-    if experts and isinstance(config, Fp8LinearConfig) and config.any_fp8:
-        if importlib.util.find_spec("ptxtrain.nn.fp8_grouped") is None:
-            warnings.warn(
-                "ptxtrain.nn.fp8_grouped is not available: the routed experts stay in high "
-                "precision (only the Linear layers run in FP8)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        else:
-            for m in experts:
-                m.fp8, m.fp8_config = True, config
-    return model
+    return convert_to_fp8_training(model, config, module_filter_fn=fp8_module_filter)
 
 
 @torch.no_grad()

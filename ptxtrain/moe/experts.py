@@ -12,8 +12,9 @@ Two paths:
   same operations as a ``ModuleList`` of ``nn.Linear`` experts. Every expert runs, even on 0
   rows, so every weight gets a (possibly zero) gradient and optimizers / gradient reductions
   see the same parameter set every step.
-- FP8 (``fp8 = True``, set by :func:`ptxtrain.model.deepseek.convert_model_to_fp8_training`):
-  the three projections run through ``ptxtrain.nn.fp8_grouped.fp8_grouped_linear`` (DeepSeek-V3's
+- FP8 (``fp8 = True``, set through :meth:`Experts.enable_fp8` by
+  :func:`ptxtrain.nn.convert_to_fp8_training`): the three projections run through
+  ``ptxtrain.nn.fp8_grouped.fp8_grouped_linear`` (DeepSeek-V3's
   1x128 activation / 128x128 weight FP8 recipe, report §3.3; grouped GEMMs on GPU), with one
   padded layout per call, x quantized once for w1 and w3, and each weight's quantization kept
   until the weight changes (``fp8_config.cache_weight_fp8``); bit-identical to three
@@ -84,6 +85,11 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
         if not self.w1.is_meta:
             self.reset_parameters()
+
+    def enable_fp8(self, config) -> None:
+        """Run the projections in FP8 with ``config`` (an ``Fp8LinearConfig`` or recipe name):
+        the hook :func:`ptxtrain.nn.convert_to_fp8_training` calls."""
+        self.fp8, self.fp8_config = True, config
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default initialization for each expert's three projections."""

@@ -26,6 +26,7 @@ from ptxtrain.nn.fp8_linear import (
     Fp8LinearConfig,
     convert_to_fp8_training,
     invalidate_fp8_weight_caches,
+    register_fp8_cache_hooks,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "convert_to_fp8_training",
     "fp8_grouped_linear",
     "invalidate_fp8_weight_caches",
+    "register_fp8_cache_hooks",
 ]

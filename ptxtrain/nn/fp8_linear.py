@@ -19,7 +19,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ptxtrain import _backend, gemm, quant
 from ptxtrain._checks import HP_DTYPES, check_tensor
@@ -63,6 +62,7 @@ class Fp8LinearConfig:
     recipe_name: str = "custom"
     # Keep the weight's 128x128 quantization between calls and reuse it until the weight changes
     # (its storage or in-place version counter): micro-batches of one step quantize W once.
+    # torch's fused optimizers do not bump the version: see register_fp8_cache_hooks.
     # Costs one FP8 byte per weight element (+ scales) held between steps, two with dgrad on
     # (Wᵀ's quantization is cached beside W's, so backward does no transpose).
     cache_weight_fp8: bool = True
@@ -128,30 +128,50 @@ class Fp8LinearConfig:
         return bool(self.fp8_gemms)
 
 
-# Optimizer steps taken in this process (any torch.optim.Optimizer, through torch's global
-# step post-hook). Part of the cached weight quantizations' keys: torch's fused optimizers
-# (``Adam(fused=True)`` etc.) update parameters in place without bumping their version counter,
-# so the version alone would let a stale FP8 weight outlive the step.
-_optimizer_steps = 0
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
+# Bumped by :func:`invalidate_fp8_weight_caches`: part of every cached weight quantization's key,
+# for weight changes the version counter does not show (e.g. a replayed CUDA graph).
+_cache_generation = 0
 
 
 def invalidate_fp8_weight_caches() -> None:
-    """Mark every cached FP8 weight quantization stale, as an optimizer step does.
+    """Mark every cached FP8 weight quantization stale.
 
-    For code that changes weights without calling an optimizer's ``step()``: a replayed CUDA
-    graph that holds the optimizer update (the Python side of ``step()`` does not run on
-    replay), or an in-place write through ``weight.data``. The next forward of each
-    :class:`Fp8Linear` (and FP8 ``Experts``) quantizes its weight again.
+    For code that changes weights without bumping their version counter and outside an
+    optimizer :func:`register_fp8_cache_hooks` covers: a replayed CUDA graph that holds the
+    optimizer update (the Python side of ``step()`` does not run on replay), or an in-place
+    write through ``weight.data``. The next forward of each :class:`Fp8Linear` (and FP8
+    ``Experts``) quantizes its weight again.
     """
-    _count_optimizer_step(None, (), {})
+    global _cache_generation
+    _cache_generation += 1
+
+
+def register_fp8_cache_hooks(optimizer: torch.optim.Optimizer):
+    """Make ``optimizer``'s steps drop the cached FP8 weight quantizations of its parameters.
+
+    Needed only for optimizers that write parameters without bumping their version counter:
+    torch's fused ones (``torch.optim.AdamW(fused=True)``, ``Adam(fused=True)``,
+    ``SGD(fused=True)``), or any custom kernel writing through ``data_ptr()``. torch's
+    for-loop and foreach paths (the defaults) bump it, and :class:`ptxtrain.optim.AdamW` does so
+    itself. Registers a step post-hook on this optimizer only (``register_step_post_hook``)
+    that bumps the version of every parameter in its param groups.
+
+    Returns:
+        The hook's handle (``.remove()`` takes it off).
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+
+    def bump_versions(opt, args, kwargs) -> None:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        torch.autograd.graph.increment_version(params)
+
+    return optimizer.register_step_post_hook(bump_versions)
 
 
 def weight_cache_key(w: torch.Tensor, cfg: Fp8LinearConfig) -> tuple | None:
@@ -159,14 +179,15 @@ def weight_cache_key(w: torch.Tensor, cfg: Fp8LinearConfig) -> tuple | None:
     not be cached (``cfg.cache_weight_fp8`` off, no FP8 GEMM reads W, or an inference tensor,
     which keeps no version counter). Used by :class:`Fp8Linear` and ``moe.Experts``.
 
-    The key is the weight's storage address, in-place version counter, the process's optimizer
-    step count, shape, dtype, device and the config's scale rule and dgrad flag (the cached
-    entry holds Wᵀ's quantization only with dgrad). An optimizer's in-place update (and
-    ``load_state_dict``'s copy) bumps the version; torch's fused optimizers (``Adam(fused=True)``
-    etc.) do not, but count as a step; assigning new data (``weight.data = ...``) changes the
-    address, which cannot be the old one while the cache holds an alias of the old storage. So a
-    stale copy is never used. (In-place writes through ``weight.data`` outside an optimizer step
-    are not seen: don't combine them with the cache.)
+    The key is the weight's storage address, in-place version counter, the count of
+    :func:`invalidate_fp8_weight_caches` calls, shape, dtype, device and the config's scale rule
+    and dgrad flag (the cached entry holds Wᵀ's quantization only with dgrad). An optimizer's
+    in-place update (torch's for-loop and foreach paths, :class:`ptxtrain.optim.AdamW` on every
+    path) and ``load_state_dict``'s copy bump the version; torch's fused optimizers do not
+    unless :func:`register_fp8_cache_hooks` was called on them. Assigning new data
+    (``weight.data = ...``) changes the address, which cannot be the old one while the cache
+    holds an alias of the old storage. (In-place writes through ``weight.data`` are not seen:
+    call :func:`invalidate_fp8_weight_caches` after them.)
     """
     if not cfg.cache_weight_fp8 or not (cfg.fprop or cfg.dgrad):
         return None
@@ -175,7 +196,7 @@ def weight_cache_key(w: torch.Tensor, cfg: Fp8LinearConfig) -> tuple | None:
     except RuntimeError:
         return None
     return (
-        w.data_ptr(), version, _optimizer_steps, tuple(w.shape), w.dtype, w.device,
+        w.data_ptr(), version, _cache_generation, tuple(w.shape), w.dtype, w.device,
         cfg.pow2_scale, cfg.dgrad,
     )  # fmt: skip
 
@@ -434,6 +455,14 @@ class Fp8Linear(nn.Linear):
     in the weight spoil the outputs reading the 128x128 block alike. They propagate, never turn
     into finite numbers. (In a GEMM configured off they follow ordinary matmul rules instead.)
 
+    Cached weight quantization (``config.cache_weight_fp8``, on by default): W's 128x128
+    quantization is kept until W's version counter changes (:func:`weight_cache_key`).
+    torch's for-loop and foreach optimizers and :class:`ptxtrain.optim.AdamW` bump it at each
+    step; torch's fused optimizers (``torch.optim.AdamW(fused=True)`` etc.) do not: call
+    :func:`register_fp8_cache_hooks` on such an optimizer once, or the forward after a step
+    reuses the old weights' quantization. After writing W through ``.data`` or replaying a CUDA
+    graph that updates it, call :func:`invalidate_fp8_weight_caches`.
+
     Raises (from forward):
         TypeError: input is not a tensor of dtype float32 / bfloat16 / float16.
         ValueError: input is 0-D, its last dimension is not ``in_features``, or it is not on
@@ -546,7 +575,8 @@ def convert_to_fp8_training(
     config: Fp8LinearConfig | str | None = None,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
-    """Swap every ``nn.Linear`` in ``module`` (recursively, in place) for an :class:`Fp8Linear`.
+    """Swap every ``nn.Linear`` in ``module`` (recursively, in place) for an :class:`Fp8Linear`
+    and switch every module that implements ``enable_fp8(config)`` (the MoE ``Experts``) to FP8.
 
     Each swapped module shares its Parameters with the original (:meth:`Fp8Linear.from_linear`),
     so parameter identity, ``state_dict`` keys and an existing optimizer are unaffected. Modules
@@ -554,14 +584,20 @@ def convert_to_fp8_training(
     ``forward`` is replaced — exclude them with the filter if that matters). A Linear reachable
     under two names becomes one shared Fp8Linear.
 
+    FP8 hook: a module that is not an ``nn.Linear`` but has a callable ``enable_fp8`` attribute
+    (e.g. :class:`ptxtrain.moe.experts.Experts`, whose stacked expert weights are no Linears)
+    is offered to ``module_filter_fn`` like a Linear and, if kept, gets ``enable_fp8(config)``
+    called once. This lets layers above ``ptxtrain.nn`` take part without ``nn`` importing them.
+
     Args:
         module: the model. If it is itself an ``nn.Linear`` it cannot be swapped in place: use the
             returned module (fqn ``""`` for the filter).
         config: an :class:`Fp8LinearConfig`, a recipe name, or None for ``"deepseek"``. With a
             config that runs no GEMM in FP8 (the ``"bf16"`` recipe) nothing is swapped and
             ``module`` is returned unchanged, since such an Fp8Linear would equal ``nn.Linear``.
-        module_filter_fn: ``fn(linear, fqn) -> bool`` called for each candidate Linear with its
-            fully-qualified name (e.g. ``"model.layers.0.self_attn.q_proj"``); False keeps it in
+        module_filter_fn: ``fn(mod, fqn) -> bool`` called for each candidate (a Linear or a
+            module with ``enable_fp8``) with its fully-qualified name (e.g.
+            ``"model.layers.0.self_attn.q_proj"``, ``"layers.3.ffn.experts"``); False keeps it in
             high precision. None converts all.
 
     Returns:
@@ -586,12 +622,15 @@ def convert_to_fp8_training(
         return module
 
     def wanted(mod: nn.Module, fqn: str) -> bool:
-        if not isinstance(mod, nn.Linear) or isinstance(mod, Fp8Linear):
+        if isinstance(mod, Fp8Linear) or not (isinstance(mod, nn.Linear) or _has_fp8_hook(mod)):
             return False
         return module_filter_fn is None or bool(module_filter_fn(mod, fqn))
 
     if isinstance(module, nn.Linear):
         return Fp8Linear.from_linear(module, config) if wanted(module, "") else module
+    hooked: dict[int, tuple[nn.Module, str]] = {}
+    if wanted(module, ""):
+        hooked[id(module)] = (module, "")
 
     # Collect first, then swap, so the traversal never sees a half-converted tree.
     swaps: list[tuple[nn.Module, str, nn.Linear, str]] = []
@@ -606,6 +645,8 @@ def convert_to_fp8_training(
                 swaps.append((parent, name, child, fqn))
             elif id(child) not in seen:
                 seen.add(id(child))
+                if wanted(child, fqn):
+                    hooked[id(child)] = (child, fqn)
                 visit(child, fqn, seen)
 
     visit(module, "", {id(module)})
@@ -616,4 +657,11 @@ def convert_to_fp8_training(
                 Fp8Linear.from_linear(child, config) if wanted(child, fqn) else child
             )
         setattr(parent, name, converted[id(child)])
+    for mod, _ in hooked.values():
+        mod.enable_fp8(config)
     return module
+
+
+def _has_fp8_hook(mod: nn.Module) -> bool:
+    """Whether ``mod`` takes part in :func:`convert_to_fp8_training` through ``enable_fp8``."""
+    return not isinstance(mod, nn.Linear) and callable(getattr(mod, "enable_fp8", None))

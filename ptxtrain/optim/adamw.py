@@ -90,8 +90,18 @@ Design note (DeepSeek-V3 report §3.3 "Low-Precision Storage and Communication";
   (a pass over the gradients saved; :meth:`AdamW.grad_for` applies it first, so it still returns
   the gradient ``step`` will use). ``clip_grad_norm_`` + ``step`` therefore capture into one CUDA
   graph; hyper-parameter changes reach a graph through :meth:`AdamW.set_lr`, called between
-  replays. The host work per step left is one ``p.grad is None`` check per fused parameter (to
-  fold a gradient set by hand) and a comparison of each group's hyper-parameters.
+  replays. The host work per step left is one ``p.grad`` type check per fused parameter (to
+  fold a gradient set by hand), a comparison of each group's hyper-parameters, and one
+  version-counter bump over the fused parameters (the kernels write them through pointers;
+  the bump is what tells cached FP8 weight quantizations that the weights changed).
+* **Why ``p.grad`` holds a stand-in.** The FP32 buffers replace ``p.grad``, so code that reads
+  ``p.grad`` would see no gradient: ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``
+  would clip nothing and return 0. A BF16 ``p.grad`` cannot view an FP32 buffer, and a BF16
+  copy costs 2 bytes per parameter; so ``p.grad`` holds a storage-less
+  :class:`GradInBuffer` whose every operation raises, naming :meth:`AdamW.clip_grad_norm_` and
+  :meth:`AdamW.grad_for`. A tensor hook on each parameter removes it before autograd
+  accumulates the next gradient (Megatron keeps ``p.grad`` None beside its ``main_grad`` and
+  relies on its own clipping function instead).
 * **Reference and tolerances.** On the CPU, ``fused=True`` runs the torch reference of the fused
   update: the per-tensor update on each parameter's views of the flat buffers, driven by the
   same device tables. It is bitwise the per-tensor path. The kernels (on the GPU, or in the
@@ -115,7 +125,7 @@ import torch
 from ptxtrain.optim import fused as _fused
 from ptxtrain.optim.fused import Bucket, DeviceTable, Slot
 
-__all__ = ["AdamW", "grad_ready", "mark_grad_ready", "optimizer_state_bytes"]
+__all__ = ["AdamW", "GradInBuffer", "grad_ready", "mark_grad_ready", "optimizer_state_bytes"]
 
 # Parameter dtypes narrower than FP32: these get an FP32 master copy and FP32 gradient buffers.
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -292,6 +302,44 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class GradInBuffer(torch.Tensor):
+    """What ``p.grad`` holds while :class:`AdamW` keeps ``p``'s gradient in its FP32 buffer.
+
+    A storage-less tensor of ``p``'s shape, dtype and device on which every operation raises a
+    RuntimeError that says where the gradient is. It makes code that reads ``p.grad`` for such
+    a parameter fail loudly instead of seeing no gradient: ``torch.nn.utils.clip_grad_norm_``
+    would otherwise skip every such parameter and clip nothing (return 0). The owning AdamW
+    removes it before autograd accumulates a new gradient, and on ``zero_grad``.
+    """
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> GradInBuffer:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(
+            f"{func}: this parameter's gradient is held in ptxtrain.optim.AdamW's FP32 buffer, "
+            "not in p.grad; clip with optimizer.clip_grad_norm_(max_norm) instead of "
+            "torch.nn.utils.clip_grad_norm_, read it with optimizer.grad_for(p), or build the "
+            "AdamW with fp32_grads=False to keep gradients in p.grad"
+        )
+
+    def __repr__(self) -> str:
+        return f"GradInBuffer(shape={tuple(self.shape)}, dtype={self.dtype}: see AdamW.grad_for)"
+
+    def __deepcopy__(self, memo) -> None:
+        return None  # a copied parameter has no gradient (the buffer is not copied)
+
+
+def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.grad`` unless it is a :class:`GradInBuffer` stand-in (then None)."""
+    g = p.grad
+    return None if isinstance(g, GradInBuffer) else g
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with BF16 moments and FP32 master weights and gradients.
 
@@ -314,14 +362,16 @@ class AdamW(torch.optim.Optimizer):
 
     FP32 gradients (``fp32_grads=True``): at construction, every BF16/FP16 parameter that
     requires grad gets a ``register_post_accumulate_grad_hook``. After autograd has accumulated
-    ``p.grad``, the hook adds it (upcast) into an FP32 buffer held by the optimizer and sets
-    ``p.grad = None``. Summing over micro-batches therefore happens in FP32, and only the FP32
-    buffer stays in memory. Consequences:
+    ``p.grad``, the hook adds it (upcast) into an FP32 buffer held by the optimizer and puts a
+    :class:`GradInBuffer` stand-in (no storage) in ``p.grad``. Summing over micro-batches
+    therefore happens in FP32, and only the FP32 buffer stays in memory. Consequences:
 
     * Build the optimizer **before** the first backward whose gradients it should see.
-    * After backward, ``p.grad`` of those parameters is ``None``. Read gradients with
-      :meth:`grad_for`, and clip with :meth:`clip_grad_norm_` instead of
-      ``torch.nn.utils.clip_grad_norm_``, which would skip them.
+    * After backward, ``p.grad`` of those parameters is the stand-in, on which every operation
+      raises a RuntimeError: ``torch.nn.utils.clip_grad_norm_`` over them raises instead of
+      clipping nothing. Read gradients with :meth:`grad_for`, and clip with
+      :meth:`clip_grad_norm_`. ``model.zero_grad(set_to_none=False)`` raises too; use
+      :meth:`zero_grad`.
     * :meth:`zero_grad` frees the buffers (``set_to_none=True``) or zeroes them.
     * A ``p.grad`` set by hand is folded into the buffer by :meth:`step`, :meth:`grad_for` and
       :meth:`clip_grad_norm_`.
@@ -356,8 +406,9 @@ class AdamW(torch.optim.Optimizer):
     CUDA graphs: capture ``clip_grad_norm_`` and ``step`` after a few eager steps (Triton
     compiles at the first launch), then per step, eagerly: ``zero_grad()``, backward (the
     hooks fill the buffers and flags), :meth:`set_lr`; then ``graph.replay()``. Host-side
-    effects of ``step`` happen at capture only: torch's step hooks (``ptxtrain.nn`` counts steps
-    through one to invalidate cached FP8 weight quantizations, so under graphs turn
+    effects of ``step`` happen at capture only: torch's step hooks, the version bump that
+    invalidates cached FP8 weight quantizations (after each replay call
+    :func:`ptxtrain.nn.invalidate_fp8_weight_caches`, as ``ptxtrain.train.step`` does, or turn
     ``cache_weight_fp8`` off) and :meth:`grad_for`'s knowledge of a pending clip coefficient
     (after a replay it returns the buffer without the coefficient the replayed step used).
 
@@ -451,6 +502,8 @@ class AdamW(torch.optim.Optimizer):
         # so never part of state_dict().
         self._main_grads: dict[torch.Tensor, torch.Tensor] = {}
         self._hook_handles: dict[torch.Tensor, Any] = {}
+        self._pre_hook_handles: dict[torch.Tensor, Any] = {}
+        self._stand_ins: dict[torch.Tensor, GradInBuffer] = {}
         # The fused path: flat buffers per (group, device, dtype), per-device tables, where each
         # fused parameter lives, each group's other parameters, and the order clipping walks.
         self.fused = fused
@@ -460,6 +513,7 @@ class AdamW(torch.optim.Optimizer):
         self._unfused: list[list[torch.Tensor]] = []
         self._norm_plan: list[torch.Tensor | Bucket | Slot] = []
         self._scale_pending = False  # a clip coefficient not yet multiplied into the buffers
+        self._fused_params: list[torch.Tensor] = []
         self._fused_block, self._fused_warps = _FUSED_BLOCK, _FUSED_WARPS
         # Filled by add_param_group, which torch.optim.Optimizer.__init__ calls once per group.
         super().__init__(params, defaults)
@@ -555,6 +609,7 @@ class AdamW(torch.optim.Optimizer):
                 if table.exposed[i]:
                     self.state[q]["step"] = table.steps[i]
         self._unfused.append([p for p in group["params"] if p not in self._slots])
+        self._fused_params = list(self._slots)
         self._norm_plan = self._make_norm_plan()
 
     def _make_norm_plan(self) -> list[torch.Tensor | Bucket | Slot]:
@@ -584,7 +639,17 @@ class AdamW(torch.optim.Optimizer):
             if opt is not None and getattr(param, _OWNER_ATTR, None) == token:
                 opt._absorb_grad(param)
 
+        def clear_stand_in(grad: torch.Tensor | None) -> torch.Tensor | None:
+            # Runs before autograd accumulates into p.grad, which must not meet the stand-in
+            # (None: a layer that wrote main_grad itself returned no gradient; nothing comes).
+            if grad is not None and isinstance(p_ref().grad, GradInBuffer):
+                p_ref().grad = None
+            return grad
+
+        p_ref = weakref.ref(p)
         setattr(p, _OWNER_ATTR, token)
+        self._stand_ins[p] = GradInBuffer(p)
+        self._pre_hook_handles[p] = p.register_hook(clear_stand_in)
         self._hook_handles[p] = p.register_post_accumulate_grad_hook(hook)
 
     def _owns(self, p: torch.Tensor) -> bool:
@@ -592,8 +657,9 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _absorb_grad(self, p: torch.Tensor) -> None:
-        """Add ``p.grad`` (upcast) into the FP32 buffer of ``p`` and free ``p.grad``."""
-        g = p.grad
+        """Add ``p.grad`` (upcast) into the FP32 buffer of ``p`` and leave the
+        :class:`GradInBuffer` stand-in in ``p.grad``."""
+        g = _own_grad(p)
         if g is None:
             return
         if g.is_sparse:
@@ -609,14 +675,24 @@ class AdamW(torch.optim.Optimizer):
             else:  # the first gradient since zero_grad: the buffer holds stale values
                 buf.copy_(g)
                 table.set_ready(slot.table_index)
-            p.grad = None
+            p.grad = self._stand_in(p)
             return
         buf = self._main_grads.get(p)
         if buf is None:
             self._main_grads[p] = g.to(torch.float32, copy=True)
         else:
             buf.add_(g)  # FP32 += BF16: the BF16 value converts exactly, the sum rounds in FP32
-        p.grad = None
+        p.grad = self._stand_in(p)
+
+    def _stand_in(self, p: torch.Tensor) -> GradInBuffer | None:
+        """The :class:`GradInBuffer` ``p.grad`` holds while the gradient is in the buffer (None
+        when the hooks are removed: nothing would clear it before the next accumulation)."""
+        return self._stand_ins.get(p)
+
+    def _clear_stand_ins(self) -> None:
+        for p in self._stand_ins:
+            if isinstance(p.grad, GradInBuffer):
+                p.grad = None
 
     def remove_hooks(self) -> None:
         """Remove the FP32-gradient hooks. Later backward passes leave gradients in ``p.grad``.
@@ -625,9 +701,13 @@ class AdamW(torch.optim.Optimizer):
         """
         for p, handle in self._hook_handles.items():
             handle.remove()
+            self._pre_hook_handles[p].remove()
             if getattr(p, _OWNER_ATTR, None) == id(self):
                 delattr(p, _OWNER_ATTR)
         self._hook_handles.clear()
+        self._pre_hook_handles.clear()
+        self._clear_stand_ins()
+        self._stand_ins.clear()
 
     def _use_foreach(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` take the multi-tensor path (see ``foreach``)."""
@@ -648,11 +728,11 @@ class AdamW(torch.optim.Optimizer):
         """
         slot = self._slots.get(p)
         if slot is None:
-            if self._owns(p) and p.grad is not None:
+            if self._owns(p) and _own_grad(p) is not None:
                 self._absorb_grad(p)
             buf = self._main_grads.get(p)
-            return buf if buf is not None else p.grad
-        if p.grad is not None:
+            return buf if buf is not None else _own_grad(p)
+        if _own_grad(p) is not None:
             self._absorb_grad(p)
         if self._scale_pending:
             self._apply_pending_scale()
@@ -665,7 +745,7 @@ class AdamW(torch.optim.Optimizer):
         slot = self._slots.get(p)
         if slot is None:
             return self.grad_for(p) is not None
-        return p.grad is not None or slot.bucket.table.ready[slot.table_index]
+        return _own_grad(p) is not None or slot.bucket.table.ready[slot.table_index]
 
     def mark_grad_ready(self, p: torch.Tensor) -> None:
         """Declare that ``p.main_grad`` holds ``p``'s gradient for this step.
@@ -695,6 +775,8 @@ class AdamW(torch.optim.Optimizer):
                 "AdamW's flat buffers (only fused parameters have p.main_grad)"
             )
         slot.bucket.table.set_ready(slot.table_index)
+        if p.grad is None and self._owns(p):
+            p.grad = self._stand_in(p)
 
     def set_lr(self, lr: float, group: int | None = None) -> None:
         """Set the learning rate of param group ``group`` (default: every group).
@@ -737,7 +819,7 @@ class AdamW(torch.optim.Optimizer):
     def _fold_fused_grads(self) -> None:
         """Fold a ``p.grad`` set by hand on a fused parameter into its buffer (after backward
         the hooks have already moved every gradient: this is one attribute read each)."""
-        for p in [p for p in self._slots if p.grad is not None]:
+        for p in [p for p in self._slots if _own_grad(p) is not None]:
             self._absorb_grad(p)
 
     @torch.no_grad()
@@ -756,6 +838,7 @@ class AdamW(torch.optim.Optimizer):
         are never freed: ``set_to_none=True`` marks their gradients absent (one launch per
         device, no memset), ``False`` zeroes them. Either drops a pending clip coefficient.
         """
+        self._clear_stand_ins()
         super().zero_grad(set_to_none=set_to_none)
         if set_to_none:
             self._main_grads.clear()
@@ -987,6 +1070,9 @@ class AdamW(torch.optim.Optimizer):
         for table in self._tables.values():
             if table.n_exposed < len(table.params):
                 self._expose_state(table)
+        # The kernels write the weights through pointers, unseen by the version counters that
+        # key the cached FP8 weight quantizations (ptxtrain.nn.weight_cache_key): bump them.
+        torch.autograd.graph.increment_version(self._fused_params)
 
     def _update_reference(self, bucket: Bucket) -> None:
         """The torch reference of the fused update: the per-tensor update on each flagged
@@ -1334,7 +1420,7 @@ def optimizer_state_bytes(
     for p in chosen:
         numel += p.numel()
         out["param"] += _nbytes(p)
-        for g in (p.grad, main_grads.get(p)):
+        for g in (_own_grad(p), main_grads.get(p)):
             if g is not None:
                 out["grad"] += _nbytes(g)
         for key, value in optimizer.state.get(p, {}).items():

@@ -22,6 +22,7 @@ from ptxtrain.model import (
 )
 from ptxtrain.model.deepseek import RMSNorm, _apply_rope, _rope_freqs
 from ptxtrain.moe import MoE, Router
+from ptxtrain.moe.experts import Experts
 
 TINY = get_preset("tiny")
 
@@ -432,7 +433,8 @@ def test_fp8_module_filter_selects_the_projection_linears():
         model = DeepSeekV3(TINY)
     chosen = {fqn for fqn, m in model.named_modules() if fp8_module_filter(m, fqn)}
     linears = {fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
-    assert chosen == linears - {"head"}
+    experts = {fqn for fqn, m in model.named_modules() if isinstance(m, Experts)}
+    assert experts and chosen == (linears - {"head"}) | experts  # experts: their enable_fp8
     for fqn in (
         "layers.0.attn.wq_a",
         "layers.0.attn.wkv_b",
@@ -449,7 +451,6 @@ def test_fp8_module_filter_selects_the_projection_linears():
         "norm",
         "layers.1.ffn.router",
         "layers.1.attn.kv_norm",
-        "layers.1.ffn.experts",  # stacked weights: FP8 through Experts.fp8, not the Linear swap
     ):
         assert not fp8_module_filter(modules[fqn], fqn), fqn
     assert isinstance(modules["layers.1.ffn.router"], Router)

@@ -12,7 +12,13 @@ from torch import nn
 import ptxtrain.gemm
 import ptxtrain.quant
 from ptxtrain.gemm import ref as gemm_ref
-from ptxtrain.nn import RECIPES, Fp8Linear, Fp8LinearConfig, convert_to_fp8_training
+from ptxtrain.nn import (
+    RECIPES,
+    Fp8Linear,
+    Fp8LinearConfig,
+    convert_to_fp8_training,
+    register_fp8_cache_hooks,
+)
 from ptxtrain.quant import ref as quant_ref
 from ptxtrain.testing import assert_bitwise_equal, sqnr_db
 from ptxtrain.testing.shapes import AWKWARD_M, AWKWARD_NK, dense_shapes_cpu
@@ -700,20 +706,105 @@ def test_mn_major_scales_give_bitwise_the_same_linear(m, n, k, monkeypatch):
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
-def test_weight_quantization_cache_sees_fused_optimizer_steps(opt_cls):
+def test_weight_quantization_cache_sees_fused_optimizer_steps_with_the_hooks(opt_cls):
     # torch's fused optimizers update the Parameter in place without bumping its version
-    # counter (and keep its address): the cache must still drop the old quantization.
+    # counter (and keep its address): register_fp8_cache_hooks makes their steps drop it.
     torch.manual_seed(5)
     lin = Fp8Linear(256, 128, bias=False)
     uncached = Fp8Linear.from_linear(lin, dataclasses.replace(lin.config, cache_weight_fp8=False))
     opt = opt_cls(lin.parameters(), lr=0.1, fused=True)
+    handle = register_fp8_cache_hooks(opt)
     x = torch.randn(32, 256, generator=_gen(50))
     lin(x).square().sum().backward()
-    version, before = lin.weight._version, lin.weight.detach().clone()
+    before, version = lin.weight.detach().clone(), lin.weight._version
     opt.step()
     assert not torch.equal(lin.weight.detach(), before)  # the step changed W ...
-    assert lin.weight._version == version  # ... invisibly to the version counter
+    assert lin.weight._version > version  # ... and the hook told the version counter
     assert_bitwise_equal(lin(x), uncached(x), "forward after a fused optimizer step")
+    handle.remove()
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer"):
+        register_fp8_cache_hooks(lin)
+
+
+def test_import_registers_no_global_optimizer_hook():
+    # Importing ptxtrain must leave every torch optimizer alone (no global step hooks).
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.optim.optimizer as o, ptxtrain, ptxtrain.nn, ptxtrain.model; "
+        "print(len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "0"], out
+
+
+def _ptxtrain_adamw(params):
+    from ptxtrain.optim import AdamW
+
+    return AdamW(params, lr=0.05)
+
+
+def _ptxtrain_adamw_fused(params):
+    from ptxtrain.optim import AdamW
+
+    return AdamW(params, lr=0.05, fused=True)  # CPU: the torch reference of the Triton update
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=0.05, foreach=True),
+        lambda ps: torch.optim.AdamW(ps, lr=0.05, foreach=False),
+        _ptxtrain_adamw,
+        _ptxtrain_adamw_fused,
+    ],
+    ids=["torch-foreach", "torch-for-loop", "ptxtrain", "ptxtrain-fused"],
+)
+def test_weight_quantization_cache_requantizes_after_each_step(make_opt):
+    # With no hook registered: the optimizers that bump the version counter (torch's for-loop
+    # and foreach paths) or do so themselves (ptxtrain's AdamW, whose fused kernels write
+    # through pointers) make every forward after a step quantize the new W afresh.
+    torch.manual_seed(7)
+    lin = Fp8Linear(384, 256, bias=True, dtype=torch.bfloat16)
+    uncached = Fp8Linear.from_linear(lin, dataclasses.replace(lin.config, cache_weight_fp8=False))
+    _check_requantized_each_step(lin, uncached, make_opt(lin.parameters()), 3, 70)
+
+
+def _check_requantized_each_step(lin, uncached, opt, steps, seed):
+    """Train ``lin`` ``steps`` steps; each forward must equal the uncached layer's bitwise."""
+    for step in range(steps):
+        x = torch.randn(48, lin.in_features, generator=_gen(seed + step)).bfloat16()
+        y = lin(x)
+        assert_bitwise_equal(y, uncached(x), f"forward at step {step}")
+        y.float().square().mean().backward()
+        before = lin.weight.detach().clone()
+        opt.step()
+        opt.zero_grad()
+        assert not torch.equal(lin.weight.detach(), before), "the step must change W"
+
+
+def test_weight_quantization_cache_after_ptxtrain_adamw_triton_kernels(monkeypatch):
+    # The fused AdamW's Triton kernels write W through pointers (no version bump by torch):
+    # AdamW bumps the version itself, so the forward after each step quantizes the new W.
+    from ptxtrain.optim import AdamW, adamw, fused
+
+    if not fused.triton_ok():
+        pytest.skip("needs Triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from ptxtrain.optim import triton as kernels
+
+    if not isinstance(kernels._adamw_update_kernel, InterpretedFunction):
+        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)")
+    monkeypatch.setattr(fused, "default_impl", lambda device: "triton")
+    monkeypatch.setattr(adamw, "_FUSED_BLOCK", 1024)  # fewer interpreted programs
+    torch.manual_seed(8)
+    lin = Fp8Linear(256, 128, bias=False, dtype=torch.bfloat16)
+    uncached = Fp8Linear.from_linear(lin, dataclasses.replace(lin.config, cache_weight_fp8=False))
+    opt = AdamW(lin.parameters(), lr=0.05, fused=True)
+    assert {b.table.impl for b in opt._buckets} == {"triton"}
+    _check_requantized_each_step(lin, uncached, opt, 2, 80)
 
 
 def test_weight_quantization_cache_follows_a_config_change():
@@ -739,3 +830,45 @@ def test_input_on_another_device_than_the_weight():
     lin = Fp8Linear(64, 32)
     with pytest.raises(ValueError, match=r"input must be on the weight's device cpu, got meta"):
         lin(torch.randn(4, 64, device="meta"))
+
+
+def _tiny_moe_model():
+    from ptxtrain.model import build_model, get_preset
+
+    cfg = type(get_preset("tiny")).from_dict({**get_preset("tiny").to_dict(), "mtp_depth": 1})
+    return build_model(cfg, dtype=torch.bfloat16, seed=0)
+
+
+def test_convert_to_fp8_training_switches_the_moe_experts():
+    # The generic conversion reaches the routed experts (stacked weights, not Linears) through
+    # their enable_fp8 hook: no model-specific function needed.
+    from ptxtrain.moe.experts import Experts
+
+    model = _tiny_moe_model()
+    linears = {fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert convert_to_fp8_training(model, "deepseek_pow2") is model
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.fp8 and m.fp8_config.pow2_scale for m in experts)
+    mods = dict(model.named_modules())
+    assert linears and all(isinstance(mods[fqn], Fp8Linear) for fqn in linears)
+    x = torch.randint(0, model.config.vocab_size, (2, 16), generator=_gen(90))
+    assert torch.isfinite(model(x).logits.float()).all()  # the FP8 experts run
+
+    # module_filter_fn sees the experts under their fqn and can keep them in high precision.
+    seen = []
+
+    def no_experts(mod, fqn):
+        seen.append(fqn)
+        return not fqn.endswith(".experts")
+
+    model = _tiny_moe_model()
+    convert_to_fp8_training(model, module_filter_fn=no_experts)
+    experts = {fqn for fqn, m in model.named_modules() if isinstance(m, Experts)}
+    assert experts and experts <= set(seen)
+    assert not any(m.fp8 for m in model.modules() if isinstance(m, Experts))
+    assert isinstance(model.layers[1].ffn.shared_experts.w1, Fp8Linear)
+
+    # The "bf16" recipe changes nothing, the experts included.
+    model = _tiny_moe_model()
+    convert_to_fp8_training(model, "bf16")
+    assert not any(m.fp8 for m in model.modules() if isinstance(m, Experts))

@@ -12,7 +12,7 @@ from ptxtrain.gemm import ref as gemm_ref
 from ptxtrain.moe import Experts
 from ptxtrain.moe.grouped_layout import build_grouped_layout, scatter_to_layout
 from ptxtrain.nn import Fp8Linear
-from ptxtrain.optim import AdamW, grad_ready
+from ptxtrain.optim import AdamW, GradInBuffer, grad_ready
 from ptxtrain.quant.ref import per_token_cast_to_fp8_t
 
 
@@ -37,7 +37,7 @@ def test_fp8_linear_writes_then_adds_into_main_grad():
     for x, g in zip(xs, gs, strict=True):
         lin(x).backward(g)
         want += _wgrad(g, x.detach())
-        assert w.grad is None and grad_ready(w)
+        assert isinstance(w.grad, GradInBuffer) and grad_ready(w)
     # The GEMM adds in FP32 (the reference: dequantize, FP32 matmul, add): the same two terms
     # summed in the same order, so the buffer holds exactly their sum.
     assert torch.equal(w.main_grad, want)
@@ -66,7 +66,7 @@ def test_fp8_experts_write_into_main_grad():
         mod.forward_layout(scatter_to_layout(x, lay), lay).backward(g)
     for name in ("w1", "w2", "w3"):
         fused_w, plain_w = getattr(experts, name), getattr(plain, name)
-        assert fused_w.grad is None and grad_ready(fused_w)
+        assert isinstance(fused_w.grad, GradInBuffer) and grad_ready(fused_w)
         # autograd's gradient is the same FP32 GEMM result rounded to the weight's BF16
         assert torch.equal(fused_w.main_grad.bfloat16(), plain_w.grad), name
     opt.zero_grad()

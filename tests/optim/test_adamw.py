@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from ptxtrain.optim import AdamW, optimizer_state_bytes
+from ptxtrain.optim import AdamW, GradInBuffer, optimizer_state_bytes
 from ptxtrain.testing.numeric import assert_bitwise_equal, calc_diff
 
 BETAS = (0.9, 0.95)
@@ -140,7 +140,7 @@ def test_step_uses_fp32_grad_and_master_like_torch_fp32():
         x, y = _microbatch(step)
         (model(x.bfloat16()).float() - y).pow(2).mean().backward()
         for p, q in zip(model.parameters(), ref):
-            assert p.grad is None  # the hook moved it into the FP32 buffer
+            assert isinstance(p.grad, GradInBuffer)  # the hook moved it into the FP32 buffer
             q.grad = opt.grad_for(p).clone()
         opt.step()
         ref_opt.step()
@@ -187,7 +187,7 @@ def test_fp32_grad_accumulation_over_two_microbatches_is_fp32_sum():
     loss_of(x1, y1).backward()
     lost_in_bf16 = False
     for i, p in enumerate(params):
-        assert p.grad is None, f"param {i}: the hook must free the BF16 grad"
+        assert isinstance(p.grad, GradInBuffer), f"param {i}: the hook must free the BF16 grad"
         buf = opt.grad_for(p)
         assert buf.dtype == torch.float32 and buf.shape == p.shape
         expected = g0[i].float() + g1[i].float()
@@ -229,7 +229,7 @@ def test_hand_set_grad_is_folded_into_fp32_buffer():
     extra = torch.randn(w.shape, generator=_gen(61)).bfloat16()
     w.grad = extra.clone()
     assert_bitwise_equal(opt.grad_for(w), before + extra.float(), name="folded grad")
-    assert w.grad is None
+    assert isinstance(w.grad, GradInBuffer)
 
 
 def test_generator_groups_add_param_group_and_closure():
@@ -249,7 +249,8 @@ def test_generator_groups_add_param_group_and_closure():
     loss = opt.step(closure)
     assert loss is not None and loss.requires_grad  # computed under enable_grad
     for i, p in enumerate((*model.parameters(), *head.parameters())):
-        assert p.grad is None and opt.grad_for(p).dtype == torch.float32, f"param {i} not hooked"
+        hooked = isinstance(p.grad, GradInBuffer) and opt.grad_for(p).dtype == torch.float32
+        assert hooked, f"param {i} not hooked"
         assert not torch.equal(p.detach(), before[i]), f"param {i} was not updated"
         assert "master" in opt.state[p]
 
@@ -401,7 +402,7 @@ def test_state_bytes_bf16_model_is_14_bytes_per_param():
     got = opt.state_bytes()
     expected = {
         "param": 2 * n,  # BF16 working weights
-        "grad": 4 * n,  # FP32 gradient buffers (p.grad is None)
+        "grad": 4 * n,  # FP32 gradient buffers (p.grad holds a storage-less stand-in)
         "master": 4 * n,
         "exp_avg": 2 * n,
         "exp_avg_sq": 2 * n,
@@ -516,3 +517,44 @@ def test_parameter_given_twice_raises():
     opt = AdamW([p])
     with pytest.raises(ValueError):
         opt.add_param_group({"params": [p]})
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_torch_clip_grad_norm_raises_instead_of_clipping_nothing(fused):
+    # The gradients live in the FP32 buffers: torch.nn.utils.clip_grad_norm_ over the model's
+    # parameters would see none, clip nothing and return 0. It must raise, naming the fix.
+    model = _linear(90, torch.bfloat16)
+    opt = AdamW(model.parameters(), lr=1e-2, fused=fused)
+    for micro in range(2):  # a second micro-batch accumulates past the stand-in
+        x, y = _microbatch(91 + micro)
+        (model(x.bfloat16()).float() - y).pow(2).mean().backward()
+    for foreach in (None, True, False):
+        with pytest.raises(RuntimeError, match=r"optimizer\.clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)
+    assert "grad_for" in repr(model.weight.grad)
+    with pytest.raises(RuntimeError, match="FP32 buffer"):
+        model.zero_grad(set_to_none=False)
+    # The optimizer's own clipping gives torch's answer on the FP32 gradients.
+    stand_ins = [torch.zeros_like(opt.grad_for(p)) for p in model.parameters()]
+    for t, p in zip(stand_ins, model.parameters()):
+        t.grad = opt.grad_for(p).clone()
+    want = torch.nn.utils.clip_grad_norm_(stand_ins, 1.0, foreach=False)
+    assert float(want) > 1.0  # the clip is active, so a no-op would show
+    assert torch.equal(opt.clip_grad_norm_(1.0), want)
+    for t, p in zip(stand_ins, model.parameters()):
+        assert torch.equal(opt.grad_for(p), t.grad)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is None for p in model.parameters())
+    assert copy.deepcopy(model).weight.grad is None
+
+
+def test_torch_clip_grad_norm_works_without_fp32_grads():
+    # fp32_grads=False keeps autograd's p.grad: torch's clipping sees and scales it.
+    model = _linear(92, torch.bfloat16)
+    opt = AdamW(model.parameters(), lr=1e-2, fp32_grads=False)
+    x, y = _microbatch(93)
+    (model(x.bfloat16()).float() - y).pow(2).mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    assert float(norm) > 1e-3  # real gradients, well above the clip threshold
+    assert opt.grad_for(model.weight) is model.weight.grad

@@ -18,7 +18,7 @@ import torch
 
 import ptxtrain.optim.adamw as adamw_mod
 import ptxtrain.optim.fused as fused_mod
-from ptxtrain.optim import AdamW, grad_ready, mark_grad_ready
+from ptxtrain.optim import AdamW, GradInBuffer, grad_ready, mark_grad_ready
 from ptxtrain.optim.fused import ALIGN
 from ptxtrain.testing.numeric import assert_bitwise_equal
 from ptxtrain.train.checkpoint import load_checkpoint, save_checkpoint
@@ -149,7 +149,7 @@ def test_fused_microbatches_and_hooks_match_per_tensor():
     for model in (model_a, model_b):
         (model(x.bfloat16()).float() - y).pow(2).mean().backward()
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):
-        assert pb.grad is None, "the hook moves every fused gradient, FP32 ones too"
+        assert isinstance(pb.grad, GradInBuffer), "the hook moves every fused gradient, FP32 too"
         assert opt_b.grad_for(pb) is pb.main_grad
         assert_bitwise_equal(pb.main_grad, opt_a.grad_for(pa).float(), name="FP32 gradient")
 
@@ -237,7 +237,8 @@ def test_main_grad_written_by_a_layer_and_mark_grad_ready():
                     continue  # no gradient for this parameter in this step: skipped
                 # Accumulated as autograd would: hooked BF16 p.grad is folded (and freed) by
                 # grad_for, the unhooked FP32 p.grad sums in place.
-                pa.grad = grad.clone() if pa.grad is None else pa.grad + grad
+                held = pa.grad is None or isinstance(pa.grad, GradInBuffer)
+                pa.grad = grad.clone() if held else pa.grad + grad
                 opt_a.grad_for(pa)
                 # What a wgrad GEMM with D = beta·D + dW does (beta 0 on fresh buffers).
                 assert grad_ready(pb) == (micro == 1)
