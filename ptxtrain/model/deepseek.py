@@ -43,6 +43,8 @@ from ptxtrain.moe.dispatch import _DEFAULT_NVL_BYTES, Buffer
 from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.layer import MLP, MoE
 from ptxtrain.moe.router import Router, load_stats
+from ptxtrain.nn.functional import apply_rope_ref as _apply_rope  # noqa: F401 (tests)
+from ptxtrain.nn.functional import mla_qk, rms_norm
 from ptxtrain.nn.recompute import check_recompute, recompute
 
 __all__ = [
@@ -65,7 +67,13 @@ IGNORE_INDEX = -100  # label value that cross-entropy skips (padding)
 # ---------------------------------------------------------------------------- building blocks
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x²) + eps) · weight``, computed in fp32 (fp64 for fp64 input), output in
-    ``x``'s dtype."""
+    ``x``'s dtype: :func:`ptxtrain.nn.functional.rms_norm` (one Triton kernel each way on CUDA).
+
+    ``kernels``: ``"auto"`` (default), ``"ref"`` or ``"triton"``, as in
+    :func:`~ptxtrain.nn.functional.use_fused_kernels`; a settable attribute.
+    """
+
+    kernels = "auto"
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -73,9 +81,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = torch.promote_types(x.dtype, torch.float32)
-        y = F.rms_norm(x.to(acc), (x.shape[-1],), self.weight.to(acc), self.eps)
-        return y.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, kernels=self.kernels)
 
 
 def _rope_freqs(seq_len: int, rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
@@ -86,17 +92,6 @@ def _rope_freqs(seq_len: int, rope_dim: int, theta: float, device: torch.device)
     )
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.polar(torch.ones_like(angles), angles)
-
-
-def _apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs ``(x[2j], x[2j+1])`` of ``x [B, T, H, R]`` by ``freqs [T, R/2]``
-    (one complex multiply); fp32 (complex64) math, ``x``'s dtype out."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    xc = torch.view_as_complex(
-        x.to(acc, memory_format=torch.contiguous_format).unflatten(-1, (-1, 2))
-    )  # [B, T, H, R/2]
-    out = torch.view_as_real(xc * freqs.to(xc.dtype)[:, None, :]).flatten(-2)  # [B, T, H, R]
-    return out.to(x.dtype)
 
 
 class MLA(nn.Module):
@@ -111,6 +106,7 @@ class MLA(nn.Module):
     """
 
     recompute = "none"  # see the class docstring
+    kernels = "auto"  # mla_qk's kernels (ptxtrain.nn.functional.use_fused_kernels)
 
     def __init__(self, cfg: DeepSeekV3Config) -> None:
         super().__init__()
@@ -144,17 +140,15 @@ class MLA(nn.Module):
             q = self.wq(x)
         else:  # the up-projection and its norm: recomputed in backward under "selective"
             q = recompute(self._q_up, self.wq_a(x), enabled=selective)
-        q = q.view(b, t, h, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [B, T, H, nope|rope]
-        q = torch.cat((q_nope, _apply_rope(q_pe, freqs)), dim=-1)  # [B, T, H, nope+rope]
+        q = q.view(b, t, h, self.nope_dim + self.rope_dim)  # [B, T, H, nope|rope]
 
         kv = self.wkv_a(x)  # [B, T, kv_lora + rope]
-        kv_c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_pe = _apply_rope(k_pe.unsqueeze(2), freqs)  # [B, T, 1, rope], shared by all heads
+        kv_c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # k_pe: one per token
         kv = recompute(self._kv_up, kv_c, enabled=selective)
-        kv = kv.view(b, t, h, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, T, H, nope|v]
-        k = torch.cat((k_nope, k_pe.expand(b, t, h, self.rope_dim)), dim=-1)  # [B, T, H, qk]
+        kv = kv.view(b, t, h, self.nope_dim + self.v_dim)  # [B, T, H, nope|v]
+        # q with its rope part rotated, k = [k_nope | rotated k_pe on every head] ([B, T, H, qk]),
+        # v = kv[..., nope:] (a view)
+        q, k, v = mla_qk(q, kv, k_pe, freqs, kernels=self.kernels)
 
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),

@@ -38,6 +38,7 @@ from ptxtrain._checks import HP_DTYPES, check_positive_int, check_tensor
 from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT
 from ptxtrain.nn import fp8_grouped as fg
 from ptxtrain.nn.fp8_linear import resolve_config, weight_cache_key
+from ptxtrain.nn.functional import swiglu
 
 __all__ = ["Experts"]
 
@@ -160,13 +161,13 @@ class Experts(nn.Module):
             )
         run = fg.fp8_grouped_apply
         q = self._quantized_weight
-        h = F.silu(run(x, self.w1, layout, counts, cfg, q("w1", cfg), x_q))
-        h = h * run(x, self.w3, layout, counts, cfg, q("w3", cfg), x_q)
+        h = run(x, self.w1, layout, counts, cfg, q("w1", cfg), x_q)
+        h = swiglu(h, run(x, self.w3, layout, counts, cfg, q("w3", cfg), x_q))
         return run(h, self.w2, layout, counts, cfg, q("w2", cfg))  # [N, D]
 
     def _forward_fp8_calls(self, x, counts, cfg) -> torch.Tensor:
-        h = F.silu(fg.fp8_grouped_linear(x, self.w1, counts, config=cfg))  # [N, I]
-        h = h * fg.fp8_grouped_linear(x, self.w3, counts, config=cfg)
+        h = fg.fp8_grouped_linear(x, self.w1, counts, config=cfg)  # [N, I]
+        h = swiglu(h, fg.fp8_grouped_linear(x, self.w3, counts, config=cfg))
         return fg.fp8_grouped_linear(h, self.w2, counts, config=cfg)  # [N, D]
 
     def _quantized_weight(self, name: str, cfg) -> tuple | None:
@@ -249,8 +250,8 @@ class Experts(nn.Module):
         """BF16 experts through ``torch._grouped_mm`` (offsets on the device; CUDA only)."""
         offs = layout.ends
         mm = torch._grouped_mm
-        h = F.silu(mm(x, self.w1.transpose(1, 2), offs=offs))  # [R, I]
-        h = h * mm(x, self.w3.transpose(1, 2), offs=offs)
+        h = mm(x, self.w1.transpose(1, 2), offs=offs)  # [R, I]
+        h = swiglu(h, mm(x, self.w3.transpose(1, 2), offs=offs))
         return mm(h, self.w2.transpose(1, 2), offs=offs)  # [R, D]
 
     def _forward_loop(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -263,7 +264,7 @@ class Experts(nn.Module):
         used = sum(sizes)
         outs = []
         for e, rows in enumerate(x[:used].split(sizes)):  # [n_e, D] each
-            h = F.silu(F.linear(rows, w1s[e])) * F.linear(rows, w3s[e])  # [n_e, I]
+            h = swiglu(F.linear(rows, w1s[e]), F.linear(rows, w3s[e]))  # [n_e, I]
             outs.append(F.linear(h, w2s[e]))  # [n_e, D]
         if used < x.shape[0]:
             outs.append(x.new_zeros(x.shape[0] - used, self.dim, dtype=outs[0].dtype))

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ptxtrain._checks import ceil_div, check_tensor
@@ -86,6 +85,7 @@ from ptxtrain.moe.grouped_layout import (
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.moe.router import Router
 from ptxtrain.nn.fp8_linear import Fp8LinearConfig, resolve_config
+from ptxtrain.nn.functional import swiglu
 
 __all__ = ["MLP", "MoE"]
 
@@ -113,7 +113,11 @@ class MLP(nn.Module):
     """SwiGLU MLP ``w2(silu(w1 x) ⊙ w3 x)``: a dense FFN, one routed expert, or the shared experts.
 
     ``w1`` (gate) and ``w3`` (up) are ``[inter_dim, dim]``, ``w2`` (down) is ``[dim, inter_dim]``.
+    ``kernels``: the gate's, as in :func:`ptxtrain.nn.functional.use_fused_kernels` (a settable
+    attribute, ``"auto"`` by default).
     """
+
+    kernels = "auto"
 
     def __init__(self, dim: int, inter_dim: int) -> None:
         super().__init__()
@@ -122,8 +126,9 @@ class MLP(nn.Module):
         self.w3 = nn.Linear(dim, inter_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., dim] -> [..., dim]`` in ``x``'s dtype."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        """``x [..., dim] -> [..., dim]`` in ``x``'s dtype (the gate through
+        :func:`ptxtrain.nn.functional.swiglu`)."""
+        return self.w2(swiglu(self.w1(x), self.w3(x), kernels=self.kernels))
 
 
 class MoE(nn.Module):

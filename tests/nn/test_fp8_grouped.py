@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ptxtrain.nn import Fp8Linear, Fp8LinearConfig
 from ptxtrain.nn.fp8_grouped import fp8_grouped_linear
+from ptxtrain.nn.functional import swiglu
 from ptxtrain.testing import assert_bitwise_equal, calc_diff, sqnr_db
 from ptxtrain.testing.shapes import DSV3_DENSE_NK
 
@@ -372,8 +373,8 @@ def _experts_by_calls(ex, x, counts, dy):
     x = x.detach().clone().requires_grad_()
     ws = [getattr(ex, n).detach().clone().requires_grad_() for n in ("w1", "w3", "w2")]
     cfg = ex.fp8_config
-    h = F.silu(fp8_grouped_linear(x, ws[0], counts, config=cfg))
-    h = h * fp8_grouped_linear(x, ws[1], counts, config=cfg)
+    h = fp8_grouped_linear(x, ws[0], counts, config=cfg)
+    h = swiglu(h, fp8_grouped_linear(x, ws[1], counts, config=cfg))  # the experts' gate
     y = fp8_grouped_linear(h, ws[2], counts, config=cfg)
     y.backward(dy)
     return [y.detach(), x.grad] + [w.grad for w in ws]
