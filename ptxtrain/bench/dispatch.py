@@ -88,7 +88,7 @@ def nvl_bytes(tokens: int, hidden: int, topk: int) -> int:
     """``num_nvl_bytes`` for the benchmark: every rank may receive all tokens of every rank, in
     the larger of a BF16 combine row and a packed BF16 dispatch row (x + fp32 weights + int64
     ``topk_idx`` + int64 token index)."""
-    from ptxtrain.moe.dispatch import Buffer
+    from ptxtrain.ep.buffer import Buffer
 
     world = dist.get_world_size()
     return Buffer.nvl_bytes_hint(tokens, 2 * hidden + 12 * topk + 8, world)
@@ -161,7 +161,7 @@ def make_inputs(tokens: int, hidden: int, experts: int, topk: int, seed: int) ->
 def time_buffer(buf, inputs: dict, repeats: int, warmup: int) -> list[dict]:
     """Times the four operations of ``_OPS`` on ``buf``; one row per op with every rank's median
     µs and GB/s (collective: every rank calls it with its own inputs)."""
-    from ptxtrain.moe.dispatch import _dispatch_rows, _move
+    from ptxtrain.ep.buffer import _dispatch_rows, _move
 
     world = dist.get_world_size()
     x_fp8, topk_idx, topk_w = inputs["x_fp8"], inputs["topk_idx"], inputs["topk_w"]
@@ -273,7 +273,7 @@ def bench_dispatch(
     Raises:
         ValueError: bad sizes; RuntimeError: no process group / CUDA.
     """
-    from ptxtrain.moe.dispatch import Buffer
+    from ptxtrain.ep.buffer import Buffer
 
     if not dist.is_initialized() or not torch.cuda.is_available():
         raise RuntimeError("bench dispatch needs CUDA and torch.distributed (run it with torchrun)")

@@ -41,7 +41,7 @@ optimizer state; with the same pipeline the resumed losses are bitwise those of 
 Expert parallelism (``ep > 1``, one process per rank under ``torchrun``; DeepSeek-V3 report
 §3.2.2): every rank builds the same full model (same seed), then keeps ``1/ep`` of every MoE
 layer's routed experts (:meth:`~ptxtrain.model.DeepSeekV3.enable_expert_parallel`); tokens reach
-their experts through :class:`ptxtrain.moe.Buffer` dispatch/combine. The ranks are also data
+their experts through :class:`ptxtrain.ep.Buffer` dispatch/combine. The ranks are also data
 parallel: rank ``r`` trains on sequences ``[r·B/ep, (r+1)·B/ep)`` of the step's batch, so the
 global batch is the single-process one. After backward the replicated parameters' gradients are
 averaged over the ranks and the expert gradients (which already sum every rank's tokens) are
@@ -106,7 +106,7 @@ PRECISIONS = ("bf16", "fp8")
 # Fp8Linear recipes --fp8-recipe takes (ptxtrain.nn.RECIPES without "bf16", which runs no FP8).
 FP8_RECIPES = ("deepseek", "deepseek_pow2", "deepseek_wgrad_bf16")
 DEVICES = ("auto", "cpu", "cuda")
-EP_BACKENDS = ("all_to_all", "nvlink")  # ptxtrain.moe.Buffer backends (--ep-backend)
+EP_BACKENDS = ("all_to_all", "nvlink")  # ptxtrain.ep.Buffer backends (--ep-backend)
 PP_OVERLAP_ENV = "PTXTRAIN_PP_OVERLAP"  # read by ptxtrain.train.pipeline.PipelineRunner
 # TrainArgs fields that shape the training trajectory: a resumed run must match them exactly.
 TRAJECTORY_FIELDS = (

@@ -36,7 +36,7 @@ copy). The call is host-bound (every torch op costs host time and, after the syn
 waits for each), so on CUDA the whole send layout is ONE Triton launch, the payload is packed
 and unpacked with one launch each, the received rows' local ids / weights / source index and
 rank come from one launch (``recv_tail``) and combine sums with one launch over a slot table
-(:mod:`ptxtrain.moe.layout`; CPU tensors take its torch twins, bit-identical). What needs no
+(:mod:`ptxtrain.ep.layout`; CPU tensors take its torch twins, bit-identical). What needs no
 host-side count (the send / receive offsets; with nvlink, the packing) is queued before the
 sync, so that the host's launches after it are few: behind queued work on two H200s a
 dispatch adds 0.56x (nvlink) / 0.74x (all_to_all) of the GPU time it adds with all of it
@@ -55,7 +55,7 @@ Backends. ``"all_to_all"`` (default; the only one on CPU) moves everything with
 ``all_to_all_single``. ``"nvlink"`` (one node of NVLink-connected GPUs, NCCL group) keeps the
 count exchange above but moves the payload message (and the combine rows and the autograd
 counterparts) with a JIT kernel writing straight into the peers' symmetric-memory buffers on
-``num_sms`` SMs (:mod:`ptxtrain.moe.nvlink` has its design note); it needs only the send and
+``num_sms`` SMs (:mod:`ptxtrain.ep.nvlink` has its design note); it needs only the send and
 receive offsets (prefix sums of the counts, built on the device in two launches and cached in
 the handle): the kernel derives each row's peer and place from them. The receive
 order, the handle and the sums are the same, so both backends give bit-identical results.
@@ -81,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from ptxtrain._checks import ceil_div, check_positive_int, check_shape, check_tensor
-from ptxtrain.moe.layout import (
+from ptxtrain.ep.layout import (
     combine_sum,
     pack_rows,
     recv_tail,
@@ -90,15 +90,15 @@ from ptxtrain.moe.layout import (
     triton_usable,
     unpack_rows,
 )
-from ptxtrain.moe.nvlink import DEFAULT_PIPELINE, DEFAULT_SEND_SMS
+from ptxtrain.ep.nvlink import DEFAULT_PIPELINE, DEFAULT_SEND_SMS
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE
 
 __all__ = ["Buffer", "DispatchHandle", "EventOverlap", "get_dispatch_layout"]
 
 _X_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
 _W_DTYPES = (torch.float32, torch.float64)
-_BACKENDS = ("all_to_all", "nvlink")
-_DEFAULT_NVL_BYTES = 1 << 30
+BACKENDS = ("all_to_all", "nvlink")
+DEFAULT_NVL_BYTES = 1 << 30
 # Experts per rank that a dispatch's count message has room for. The message goes out padded
 # to this fixed width (5 + it int64 columns per peer), so ranks that disagree on num_experts
 # still exchange messages of one size and the signature check raises on every rank, instead of
@@ -183,7 +183,7 @@ class DispatchHandle:
         hidden: ``H`` of the dispatched rows (the same on every rank, checked by the dispatch),
             which ``combine`` requires of its rows too.
         timeout_s: the buffer's ``timeout_s`` (bounds the gloo exchanges).
-        transport: the :class:`ptxtrain.moe.nvlink.NvlinkTransport` moving the payload rows,
+        transport: the :class:`ptxtrain.ep.nvlink.NvlinkTransport` moving the payload rows,
             or ``None`` for ``all_to_all_single``.
     """
 
@@ -294,7 +294,7 @@ def _pack(parts: list[torch.Tensor], width: int, rows: torch.Tensor | None) -> t
 
     ``rows`` (int64) selects and orders the rows (``None``: all). Bytes past the parts (padding
     to ``width``) are left uninitialized: they travel but are never read. One Triton launch on
-    CUDA (:func:`ptxtrain.moe.layout.pack_rows`).
+    CUDA (:func:`ptxtrain.ep.layout.pack_rows`).
     """
     if len(parts) == 1 and _row_bytes(parts[0]) == width:  # nothing to pack: no copy
         v = _as_bytes(parts[0])
@@ -364,7 +364,7 @@ def _move(
 def _combine_sum(back: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Sent-order rows ``[S, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation):
     one Triton launch over the handle's slot table where the layout kernel built one, else
-    ``index_add`` (:mod:`ptxtrain.moe.layout`)."""
+    ``index_add`` (:mod:`ptxtrain.ep.layout`)."""
     if "slot" in handle._nvl_index and triton_usable(back):
         return combine_sum(back, handle._nvl_index["slot"][0])
     return torch_combine_sum(back, handle.send_src_idx, handle.num_tokens)
@@ -379,7 +379,7 @@ def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Received rows ``[N, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation).
 
     The nvlink backend's split kernel sums bf16 rows as they arrive (``combine_sum`` of
-    :class:`ptxtrain.moe.nvlink.NvlinkTransport`: no copy-out of the received rows), with the
+    :class:`ptxtrain.ep.nvlink.NvlinkTransport`: no copy-out of the received rows), with the
     same order and rounding as the copy-then-sum path it replaces."""
     transport = handle.transport
     fused = getattr(transport, "can_combine_sum", None)
@@ -512,7 +512,7 @@ class _DispatchFn(torch.autograd.Function):
 
 
 class _RecvTailFn(torch.autograd.Function):
-    """:func:`ptxtrain.moe.layout.recv_tail` with the gate weights' gradient: it flows back to
+    """:func:`ptxtrain.ep.layout.recv_tail` with the gate weights' gradient: it flows back to
     the received weights where the expert is local (``recv_topk_idx >= 0``), as through the
     ``torch.where`` of the twin."""
 
@@ -553,7 +553,7 @@ class Buffer:
         backend: ``"all_to_all"`` — ``torch.distributed.all_to_all_single`` (NCCL on GPUs, gloo
             on CPU; any world size); ``"nvlink"`` — payload rows moved by a JIT kernel through
             PyTorch symmetric memory (NCCL group of the GPUs of one node, one GPU per rank, the
-            current CUDA device being this rank's; :mod:`ptxtrain.moe.nvlink`).
+            current CUDA device being this rank's; :mod:`ptxtrain.ep.nvlink`).
         num_sms: thread blocks (one per SM) of the nvlink kernel, at most the device's SM count
             (ignored by ``"all_to_all"``, still validated). DeepEP's README uses 24.
         num_nvl_bytes: bytes of each rank's nvlink receive buffer (default 1 GiB). A dispatch or
@@ -567,11 +567,11 @@ class Buffer:
         nvl_threads / nvl_unroll / nvl_pipeline: the nvlink kernel's tuning knobs, threads per
             block (a multiple of 32, at most 1024), 16-byte loads in flight per lane (1, 2, 4 or
             8) and the per-block-flag pipelined variant (bool, default on); validated for every
-            backend, used by ``"nvlink"`` (:func:`ptxtrain.moe.nvlink.compile_kernel`).
+            backend, used by ``"nvlink"`` (:func:`ptxtrain.ep.nvlink.compile_kernel`).
         nvl_send_sms: the split variant's sender SMs out of ``num_sms`` (the rest copy out;
             default ``None``: half, or no split with ``nvl_pipeline=False``; 0: no split,
             ``nvl_pipeline`` picks the variant;
-            :class:`ptxtrain.moe.nvlink.NvlinkTransport`).
+            :class:`ptxtrain.ep.nvlink.NvlinkTransport`).
 
     Every rank of the group must construct the buffer with the same arguments and call
     ``dispatch`` / ``combine`` (and their backward passes) in the same order, as with any
@@ -593,7 +593,7 @@ class Buffer:
         group: dist.ProcessGroup | None = None,
         backend: str = "all_to_all",
         num_sms: int = 24,
-        num_nvl_bytes: int = _DEFAULT_NVL_BYTES,
+        num_nvl_bytes: int = DEFAULT_NVL_BYTES,
         *,
         aggressive_ptx: bool = False,
         timeout_s: float = 30.0,
@@ -602,8 +602,8 @@ class Buffer:
         nvl_pipeline: bool = DEFAULT_PIPELINE,
         nvl_send_sms: int | None = DEFAULT_SEND_SMS,
     ):
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         check_positive_int("num_sms", num_sms)
         check_positive_int("num_nvl_bytes", num_nvl_bytes)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
@@ -611,7 +611,7 @@ class Buffer:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
-        from ptxtrain.moe.nvlink import check_knobs, check_send_sms
+        from ptxtrain.ep.nvlink import check_knobs, check_send_sms
 
         check_knobs(nvl_threads, nvl_unroll)
         check_send_sms(nvl_send_sms, num_sms)
@@ -637,7 +637,7 @@ class Buffer:
             ).multi_processor_count
             if num_sms > n_sm:
                 raise ValueError(f"num_sms must be <= the device's {n_sm} SMs, got {num_sms}")
-            from ptxtrain.moe.nvlink import NvlinkTransport
+            from ptxtrain.ep.nvlink import NvlinkTransport
 
             self._transport = NvlinkTransport(
                 group,
@@ -796,7 +796,7 @@ class Buffer:
         outs = _DispatchFn.apply(handle, packed, *parts)
         recv_w, recv_global, recv_src = outs[-3:]
         recv_x = (outs[0].view(FP8_DTYPE), outs[1]) if fp8 else outs[0]
-        # One launch on CUDA (ptxtrain.moe.layout.recv_tail): local ids and weights, the source
+        # One launch on CUDA (ptxtrain.ep.layout.recv_tail): local ids and weights, the source
         # token index and source rank of every received row.
         recv_topk_idx, recv_topk_weights, recv_src_idx, recv_src_rank = _RecvTailFn.apply(
             recv_w, recv_global, recv_src, handle._nvl_index["off"][1], self.rank,

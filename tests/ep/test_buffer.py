@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptxtrain.moe.dispatch import Buffer, DispatchHandle, EventOverlap, get_dispatch_layout
+from ptxtrain.ep.buffer import Buffer, DispatchHandle, EventOverlap, get_dispatch_layout
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.quant.ref import per_token_cast_to_fp8
 from tests.moe._dist import run_gloo
 
 
 def _interpreted() -> bool:
-    import ptxtrain.moe.layout as lay
+    import ptxtrain.ep.layout as lay
 
     if lay.triton is None:
         return False
@@ -390,10 +390,10 @@ def _check_message_counts(rank, world, num_experts):
 
 
 def _use_triton_kernels() -> bool:
-    """Spawned ranks: run ptxtrain.moe.layout's kernels on CPU tensors when they can be
+    """Spawned ranks: run ptxtrain.ep.layout's kernels on CPU tensors when they can be
     interpreted (TRITON_INTERPRET=1 is inherited; the exact-cast patch is applied here, since
     conftest does not run in the children)."""
-    import ptxtrain.moe.layout as lay
+    import ptxtrain.ep.layout as lay
 
     if not _interpreted():
         return False
@@ -451,7 +451,7 @@ def _run_checks(buf, rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_combine_gloo(world, triton_kernels):
     """Every check on the torch path and on the Triton path (layout, packing, combine sum of
-    ptxtrain.moe.layout, interpreted on the CPU): the same expected results, bit for bit."""
+    ptxtrain.ep.layout, interpreted on the CPU): the same expected results, bit for bit."""
     if triton_kernels and not _INTERPRETED:
         pytest.skip("needs Triton with TRITON_INTERPRET=1 (the kernels run on CPU tensors)")
     run_gloo(_worker, world, triton_kernels, timeout=120.0)
@@ -529,7 +529,7 @@ def test_signature_description_does_not_misread_other_widths():
     """A peer with another num_experts sends count rows of another width (5 + E / ranks), so the
     two columns read as its signature are arbitrary: they are described as such, not decoded
     into numbers that look like a real hidden size or k."""
-    from ptxtrain.moe.dispatch import _describe_signature, _encode_signature
+    from ptxtrain.ep.buffer import _describe_signature, _encode_signature
 
     real = _encode_signature((7168, 256, 8, 1, torch.float32))
     assert _describe_signature(real).startswith("hidden=7168, num_experts=256, k=8, ")

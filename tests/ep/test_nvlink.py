@@ -1,13 +1,13 @@
-"""The nvlink backend of ``ptxtrain.moe.Buffer``: its kernel's NVRTC build (CPU) and, on 2+ GPUs,
+"""The nvlink backend of ``ptxtrain.ep.Buffer``: its kernel's NVRTC build (CPU) and, on 2+ GPUs,
 bit-exact agreement with the ``all_to_all`` backend (default and pipelined kernels, other knobs),
 stale reads, one host sync per dispatch and none per combine, async mode, capacity, timeouts.
 
 GPU tests (``multigpu``) spawn 2, 4 and 8 NCCL processes (as many GPUs as are visible), one GPU
 each:
 
-    python -m pytest tests/moe/test_nvlink.py -m multigpu
+    python -m pytest tests/ep/test_nvlink.py -m multigpu
     # or, under torchrun (from the repository root):
-    torchrun --nproc-per-node 2 -m tests.moe.test_nvlink
+    torchrun --nproc-per-node 2 -m tests.ep.test_nvlink
 
 Inputs follow DeepEP's test method (its tests/test_intranode.py), reusing ``test_dispatch``'s
 rank-encoded scenarios (uneven and skewed loads, a rank with no tokens, a rank receiving
@@ -25,9 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptxtrain.jit import nvrtc_available
-from ptxtrain.moe.dispatch import Buffer, EventOverlap
-from ptxtrain.moe.nvlink import (
+from ptxtrain.ep.buffer import Buffer, EventOverlap
+from ptxtrain.ep.nvlink import (
     DEFAULT_THREADS,
     DEFAULT_UNROLL,
     KERNEL_NAME,
@@ -36,9 +35,10 @@ from ptxtrain.moe.nvlink import (
     compile_kernel,
     kernel_source,
 )
+from ptxtrain.jit import nvrtc_available
 from ptxtrain.quant.ref import per_token_cast_to_fp8
+from tests.ep.test_buffer import _check_exact, _expected, _scenario
 from tests.moe._dist import init_nccl, run_dist
-from tests.moe.test_dispatch import _check_exact, _expected, _scenario
 
 NC_LOAD = "ld.global.nc.L1::no_allocate.L2::256B"
 
@@ -402,7 +402,7 @@ def test_nvlink_matches_all_to_all(world):
     run_dist(_gpu_worker, world, timeout=600.0, backend="nccl")
 
 
-if __name__ == "__main__":  # torchrun --nproc-per-node N -m tests.moe.test_nvlink
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m tests.ep.test_nvlink
     init_nccl(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     try:
         _gpu_worker(dist.get_rank(), dist.get_world_size())

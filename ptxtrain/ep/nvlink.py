@@ -1,4 +1,4 @@
-"""The NVLink intranode transport of :class:`ptxtrain.moe.dispatch.Buffer` (``backend="nvlink"``).
+"""The NVLink intranode transport of :class:`ptxtrain.ep.buffer.Buffer` (``backend="nvlink"``).
 
 Design note (DeepSeek-V3 report §3.2.2; docs/design.md §3-4; DeepEP's intranode kernels).
 
@@ -124,7 +124,7 @@ them out. Receiver warp ``v`` takes tokens ``t ≡ v (mod (G - S)·warps)``; for
 with ``slot[t][r] = p ≥ 0`` it waits until every sender block of ``r`` has released the round
 holding place ``p - recv_off[r]`` (the lanes poll the blocks' flags and take the minimum, kept
 per warp), then adds the rows in ascending rank order in fp32 from 0 and rounds once to bf16,
-the order of ``ptxtrain.moe.layout.combine_sum``, so the result is bit-identical to the
+the order of ``ptxtrain.ep.layout.combine_sum``, so the result is bit-identical to the
 copy-then-sum path; this rank's own row is read from the input. Senders here send each round to
 every peer (not one peer per turn), so all sources progress together and token order does not
 wait on the last turn. The kernel runs 512 threads per block (the sums' registers, 8 loads in
@@ -792,12 +792,12 @@ class NvlinkTransport:
             send_off / recv_off: ``[R + 1]`` int64 offsets: of ``x``'s rows by destination, and
                 of dispatch's send order by destination (the places the rows come back to).
             slot: ``[T, R]`` int64, token ``t``'s place in dispatch's send order for rank ``r``
-                or ``-1`` (``ptxtrain.moe.layout.send_layout``).
+                or ``-1`` (``ptxtrain.ep.layout.send_layout``).
             num_tokens: ``T``.
 
         Returns:
             ``[T, H]`` bfloat16: ``Σ_r x_r[t]`` in fp32 over the ranks in ascending order,
-            rounded once (bit-identical to :func:`ptxtrain.moe.layout.combine_sum`); zeros for
+            rounded once (bit-identical to :func:`ptxtrain.ep.layout.combine_sum`); zeros for
             a token sent nowhere. Launched on the current stream; the caller checks capacity.
 
         Raises:
