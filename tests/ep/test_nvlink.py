@@ -45,6 +45,25 @@ NC_LOAD = "ld.global.nc.L1::no_allocate.L2::256B"
 # --------------------------------------------------------------------------- CPU: NVRTC build
 
 
+def test_kernel_source_is_the_packaged_cuh():
+    """The kernel's source is the file in the CUDA include tree, which the wheel ships (the
+    package-data globs of pyproject.toml match it), not a copy kept elsewhere."""
+    import fnmatch
+    import tomllib
+
+    from ptxtrain.ep.nvlink import SOURCE_PATH
+    from ptxtrain.jit import INCLUDE_DIR
+
+    assert SOURCE_PATH.parent == INCLUDE_DIR / "ptxtrain" and SOURCE_PATH.suffix == ".cuh"
+    assert kernel_source() == SOURCE_PATH.read_text(encoding="utf-8")
+    assert "#include <ptxtrain/ptx.cuh>" in kernel_source()
+    root = INCLUDE_DIR.parent
+    pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    globs = pyproject["tool"]["setuptools"]["package-data"]["ptxtrain"]
+    rel = SOURCE_PATH.relative_to(root).as_posix()
+    assert any(fnmatch.fnmatch(rel, g) for g in globs), (rel, globs)
+
+
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-bindings) missing")
 def test_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path))

@@ -90,9 +90,7 @@ def _argument_errors(rank: int, world: int) -> None:
     sub = dist.new_group(list(range(world)))  # the same ranks, another group object
     buf = Buffer()
     # Layer level: a non-Buffer, a Buffer of another group (either way round).
-    with pytest.raises(
-        TypeError, match=r"buffer must be a ptxtrain\.ep\.Buffer or None, got dict"
-    ):
+    with pytest.raises(TypeError, match=r"buffer must be a ptxtrain\.ep\.Buffer or None, got dict"):
         MoE(32, 16, 8, 2).enable_expert_parallel(buffer={})
     with pytest.raises(ValueError, match=r"buffer\.group must be the expert-parallel group"):
         MoE(32, 16, 8, 2).enable_expert_parallel(sub, buffer=buf)
