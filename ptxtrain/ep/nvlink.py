@@ -163,6 +163,7 @@ __all__ = [
     "UNROLLS",
     "NvlinkTransport",
     "check_knobs",
+    "check_round_rows",
     "check_send_sms",
     "compile_kernel",
     "flag_bytes",
@@ -201,21 +202,30 @@ def kernel_source() -> str:
     return SOURCE_PATH.read_text(encoding="utf-8")
 
 
-def check_knobs(threads: object, unroll: object) -> tuple[int, int]:
+def check_knobs(threads: object, unroll: object, prefix: str = "") -> tuple[int, int]:
     """Validates the kernel's tuning knobs; returns ``(threads, unroll)``.
 
     Raises TypeError (not ints) or ValueError (``threads`` not a multiple of 32 in
-    ``[32, 1024]``; ``unroll`` not in ``UNROLLS``), the message naming the argument.
+    ``[32, 1024]``; ``unroll`` not in ``UNROLLS``), the message naming the argument
+    (``prefix + "threads"``, e.g. ``nvl_threads`` for :class:`ptxtrain.ep.Config`).
     """
     from ptxtrain._checks import check_positive_int
 
-    check_positive_int("threads", threads)
-    check_positive_int("unroll", unroll)
+    check_positive_int(f"{prefix}threads", threads)
+    check_positive_int(f"{prefix}unroll", unroll)
     if threads % 32 or threads > 1024:
-        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+        raise ValueError(f"{prefix}threads must be a multiple of 32 in [32, 1024], got {threads}")
     if unroll not in UNROLLS:
-        raise ValueError(f"unroll must be one of {UNROLLS}, got {unroll}")
+        raise ValueError(f"{prefix}unroll must be one of {UNROLLS}, got {unroll}")
     return threads, unroll
+
+
+def check_round_rows(round_rows: object, name: str = "round_rows") -> int:
+    """Validates the split variant's rows per sender warp between two progress releases: an
+    int in ``[1, 64]``; raises ValueError naming ``name`` otherwise."""
+    if isinstance(round_rows, bool) or not isinstance(round_rows, int) or not 1 <= round_rows <= 64:
+        raise ValueError(f"{name} must be an int in [1, 64], got {round_rows!r}")
+    return round_rows
 
 
 def compile_kernel(
@@ -250,8 +260,7 @@ def compile_kernel(
     for name, value in (("pipeline", pipeline), ("split", split), ("combine", combine)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
-    if isinstance(round_rows, bool) or not isinstance(round_rows, int) or not 1 <= round_rows <= 64:
-        raise ValueError(f"round_rows must be an int in [1, 64], got {round_rows!r}")
+    check_round_rows(round_rows)
     if combine and not split:
         raise ValueError("combine=True needs split=True (the fused combine is a split variant)")
     mode = 2 if split else int(pipeline)
@@ -283,16 +292,17 @@ def _check_indices(device: torch.device, **tensors) -> None:
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
-def check_send_sms(send_sms: object, num_sms: int) -> int:
+def check_send_sms(send_sms: object, num_sms: int, name: str = "send_sms") -> int:
     """Validates the split variant's sender SMs: 0 (no split) or in ``[1, num_sms - 1]``;
-    ``None`` is the default, ``num_sms // 2`` (0 for a single SM). Returns the count."""
+    ``None`` is the default, ``num_sms // 2`` (0 for a single SM). Returns the count; the
+    errors name ``name``."""
     if send_sms is None:
         return num_sms // 2
     if isinstance(send_sms, bool) or not isinstance(send_sms, int):
-        raise TypeError(f"send_sms must be an int, got {send_sms!r}")
+        raise TypeError(f"{name} must be an int, got {send_sms!r}")
     if send_sms and not 0 < send_sms < num_sms:
         raise ValueError(
-            f"send_sms must be 0 (no split) or in [1, num_sms - 1 = {num_sms - 1}], got {send_sms}"
+            f"{name} must be 0 (no split) or in [1, num_sms - 1 = {num_sms - 1}], got {send_sms}"
         )
     return send_sms
 

@@ -193,7 +193,7 @@ class _Fp8RecvFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv):
-        grad_x = ctx.buffer.combine(grad_recv.contiguous(), ctx.handle)  # [T, D], collective
+        grad_x = ctx.buffer.combine(grad_recv.contiguous(), ctx.handle)[0]  # [T, D], collective
         return grad_x, None, None, None, None
 
 
@@ -308,8 +308,8 @@ def dispatch_fp8(
     from ptxtrain.quant import per_token_cast_to_fp8
 
     x_fp8, sf = per_token_cast_to_fp8(x.detach())  # [T, D] e4m3, [T, ⌈D/128⌉] fp32
-    (recv_fp8, recv_sf), recv_idx, recv_w, counts, handle = buffer.dispatch(
-        (x_fp8, sf), topk_idx, topk_weights, num_experts
+    (recv_fp8, recv_sf), recv_idx, recv_w, counts, handle, event = buffer.dispatch(
+        (x_fp8, sf), topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts
     )
     recv_x = _Fp8RecvFn.apply(x, recv_fp8, recv_sf, buffer, handle)  # [N, D]
-    return recv_x, recv_idx, recv_w, counts, handle
+    return recv_x, recv_idx, recv_w, counts, handle, event

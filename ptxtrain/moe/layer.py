@@ -324,8 +324,10 @@ class MoE(nn.Module):
         if fp8:
             dispatched = dispatch_fp8(buffer, x, topk_idx, topk_weights, self.n_routed_experts)
         else:
-            dispatched = buffer.dispatch(x, topk_idx, topk_weights, self.n_routed_experts)
-        recv_x, recv_idx, recv_w, _, handle = dispatched
+            dispatched = buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=self.n_routed_experts
+            )
+        recv_x, recv_idx, recv_w, _, handle, _ = dispatched
         # recv_x [M, D] in x's dtype, recv_idx [M, k] local ids or -1, recv_w [M, k] (0 where -1)
         # Slots of other ranks' experts go to a spill expert n_local, sorted last and dropped.
         spill_idx = torch.where(recv_idx >= 0, recv_idx, n_local)  # [M, k]
@@ -334,4 +336,4 @@ class MoE(nn.Module):
         y_valid = self.experts(x_perm[:n_valid], counts[:n_local])  # [n_valid, D]
         y_perm = torch.cat([y_valid, y_valid.new_zeros(x_perm.shape[0] - n_valid, self.dim)])
         y_recv = unpermute(y_perm, sorted_slots, recv_w)  # [M, D], weight 0 on spill slots
-        return buffer.combine(y_recv, handle)  # [N, D]
+        return buffer.combine(y_recv, handle)[0]  # [N, D]
