@@ -62,8 +62,9 @@ order, the handle and the sums are the same, so both backends give bit-identical
 
 Async mode (DeepEP's ``async_finish``): ``dispatch(..., async_finish=True)`` and
 ``combine(..., async_finish=True)`` run on a side CUDA stream (after waiting for the current
-stream) and return an :class:`EventOverlap` as an extra last result; call its
-``current_stream_wait()`` before using the outputs on the current stream. Inputs are
+stream); the :class:`EventOverlap` they return last (always: an already complete one without
+``async_finish``) then has a ``current_stream_wait()`` to call before using the outputs on the
+current stream. Inputs are
 ``record_stream``-ed on the side stream and outputs (and the handle's tensors) on the current
 stream, so the caching allocator never hands their memory out early. On CPU the same API works
 and the event is already complete. (The layout exchange still needs a host sync for the counts,
