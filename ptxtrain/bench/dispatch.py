@@ -88,7 +88,7 @@ def nvl_bytes(tokens: int, hidden: int, topk: int) -> int:
     """``num_nvl_bytes`` for the benchmark: every rank may receive all tokens of every rank, in
     the larger of a BF16 combine row and a packed BF16 dispatch row (x + fp32 weights + int64
     ``topk_idx`` + int64 token index)."""
-    from ptxtrain.moe.dispatch import Buffer
+    from ptxtrain.ep.buffer import Buffer
 
     world = dist.get_world_size()
     return Buffer.nvl_bytes_hint(tokens, 2 * hidden + 12 * topk + 8, world)
@@ -158,15 +158,23 @@ def make_inputs(tokens: int, hidden: int, experts: int, topk: int, seed: int) ->
     )
 
 
+def _dispatch_kwargs(inputs: dict) -> dict:
+    """The keyword arguments of ``Buffer.dispatch`` for the inputs of :func:`make_inputs`."""
+    return dict(
+        topk_idx=inputs["topk_idx"], topk_weights=inputs["topk_w"], num_experts=inputs["experts"]
+    )
+
+
 def time_buffer(buf, inputs: dict, repeats: int, warmup: int) -> list[dict]:
     """Times the four operations of ``_OPS`` on ``buf``; one row per op with every rank's median
     µs and GB/s (collective: every rank calls it with its own inputs)."""
-    from ptxtrain.moe.dispatch import _dispatch_rows, _move
+    from ptxtrain.ep.buffer import dispatch_rows, move_rows
 
     world = dist.get_world_size()
-    x_fp8, topk_idx, topk_w = inputs["x_fp8"], inputs["topk_idx"], inputs["topk_w"]
-    experts, hidden = inputs["experts"], inputs["hidden"]
-    _, _, _, _, handle = buf.dispatch(x_fp8, topk_idx, topk_w, experts)
+    x_fp8, topk_idx = inputs["x_fp8"], inputs["topk_idx"]
+    hidden = inputs["hidden"]
+    kw = _dispatch_kwargs(inputs)
+    handle = buf.dispatch(x_fp8, **kw)[4]
     n_recv = handle.num_recv_tokens
     dev = topk_idx.device
     y = torch.randn(n_recv, hidden, generator=inputs["generator"], device=dev).bfloat16()
@@ -174,10 +182,10 @@ def time_buffer(buf, inputs: dict, repeats: int, warmup: int) -> list[dict]:
         [x_fp8[0].view(torch.uint8), x_fp8[1].view(torch.uint8)], dim=1
     )  # the FP8 rows + scales alone (the full call also packs weights, topk_idx, token index)
     fns = {
-        "dispatch": lambda: buf.dispatch(x_fp8, topk_idx, topk_w, experts),
-        "dispatch_payload": lambda: _dispatch_rows(packed, handle),
-        "combine": lambda: buf.combine(y, handle),
-        "combine_payload": lambda: _move([y], handle, combine=True),
+        "dispatch": lambda: buf.dispatch(x_fp8, **kw),
+        "dispatch_payload": lambda: dispatch_rows(packed, handle),
+        "combine": lambda: buf.combine(y, handle)[0],
+        "combine_payload": lambda: move_rows([y], handle, combine=True),
     }
     rows = []
     for op, fn in fns.items():
@@ -211,16 +219,16 @@ def profile_buffer(buf, inputs: dict, calls: int = 5, rows: int = 25) -> dict[st
     """
     from torch.profiler import ProfilerActivity, profile
 
-    x_fp8, topk_idx, topk_w = inputs["x_fp8"], inputs["topk_idx"], inputs["topk_w"]
-    experts = inputs["experts"]
+    x_fp8, topk_idx = inputs["x_fp8"], inputs["topk_idx"]
+    kw = _dispatch_kwargs(inputs)
     cuda = topk_idx.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    *_, handle = buf.dispatch(x_fp8, topk_idx, topk_w, experts)
+    handle = buf.dispatch(x_fp8, **kw)[4]
     y = torch.ones(handle.num_recv_tokens, inputs["hidden"], device=topk_idx.device)
     y = y.to(torch.bfloat16)
     ops = {
-        "dispatch": lambda: buf.dispatch(x_fp8, topk_idx, topk_w, experts),
-        "combine": lambda: buf.combine(y, handle),
+        "dispatch": lambda: buf.dispatch(x_fp8, **kw),
+        "combine": lambda: buf.combine(y, handle)[0],
     }
     tables: dict[str, str] = {}
     for op, fn in ops.items():
@@ -273,7 +281,7 @@ def bench_dispatch(
     Raises:
         ValueError: bad sizes; RuntimeError: no process group / CUDA.
     """
-    from ptxtrain.moe.dispatch import Buffer
+    from ptxtrain.ep import Buffer, Config
 
     if not dist.is_initialized() or not torch.cuda.is_available():
         raise RuntimeError("bench dispatch needs CUDA and torch.distributed (run it with torchrun)")
@@ -289,10 +297,12 @@ def bench_dispatch(
     skipped = {}
     why = _nvlink_possible()
     if why is None:
-        nvl = dict(num_sms=num_sms, num_nvl_bytes=nvl_bytes(tokens, hidden, topk))
-        backends["nvlink"] = nvl  # the default kernel: the split variant
+        nvl_bytes_ = nvl_bytes(tokens, hidden, topk)
+        # the default kernel: the split variant
+        backends["nvlink"] = dict(num_nvl_bytes=nvl_bytes_, config=Config(num_sms))
         # the pipelined variant without the sender / receiver split, for comparison
-        backends["nvlink:pipelined"] = dict(nvl, nvl_send_sms=0)
+        pipelined = Config(num_sms, nvl_send_sms=0)
+        backends["nvlink:pipelined"] = dict(num_nvl_bytes=nvl_bytes_, config=pipelined)
     else:
         skipped["nvlink"] = why
     rows = []
@@ -300,7 +310,8 @@ def bench_dispatch(
     for name, kw in backends.items():
         buf = Buffer(backend=name.split(":")[0], **kw)
         for row in time_buffer(buf, inputs, repeats, warmup):
-            rows.append({"backend": name, "num_sms": kw.get("num_sms"), **row})
+            num_sms = kw["config"].num_sms if "config" in kw else None
+            rows.append({"backend": name, "num_sms": num_sms, **row})
         if profile:
             profiles[name] = profile_buffer(buf, inputs)
         if name.startswith("nvlink"):

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptxtrain._checks import check_positive_int, check_tensor
+from ptxtrain.ep.buffer import BACKENDS as EP_BACKENDS
+from ptxtrain.ep.buffer import DEFAULT_NVL_BYTES, Buffer
 from ptxtrain.model.config import DeepSeekV3Config
-from ptxtrain.moe.dispatch import _BACKENDS as _EP_BACKENDS
-from ptxtrain.moe.dispatch import _DEFAULT_NVL_BYTES, Buffer
 from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.layer import MLP, MoE
 from ptxtrain.moe.router import Router, load_stats
@@ -514,7 +514,7 @@ class DeepSeekV3(nn.Module):
         block's included): slices of the full model, so build the full model identically on
         every rank first (same seed), then call this, then build the optimizer. Each rank then
         runs the whole model on its own tokens; the MoE layers exchange tokens through ONE
-        :class:`~ptxtrain.moe.Buffer` shared by every layer (``self.ep_buffer``; forward and
+        :class:`~ptxtrain.ep.Buffer` shared by every layer (``self.ep_buffer``; forward and
         backward are collectives over ``group``). Sharing is safe while the layers' calls run
         one at a time on one CUDA stream (see :mod:`ptxtrain.moe.layer`): not with the pipeline
         schedules' F&B overlap on two streams (``PTXTRAIN_PP_OVERLAP=1``) and ``"nvlink"``.
@@ -527,7 +527,7 @@ class DeepSeekV3(nn.Module):
         Args:
             group: the expert-parallel process group; ``None`` = the default group.
             backend: the Buffer's backend, ``"all_to_all"`` (default; any process group) or
-                ``"nvlink"`` (an NCCL group of the GPUs of one node; :mod:`ptxtrain.moe.nvlink`).
+                ``"nvlink"`` (an NCCL group of the GPUs of one node; :mod:`ptxtrain.ep.nvlink`).
             max_tokens: ``"nvlink"``: the most tokens one rank passes through the model in one
                 forward (``B·T`` of its largest batch, sampling included), which sizes the buffer
                 (:func:`ep_nvl_bytes`); ``None``: the Buffer's default (1 GiB). Ignored by
@@ -545,8 +545,8 @@ class DeepSeekV3(nn.Module):
         """
         if self.ep_group is not None:
             raise ValueError("expert parallelism is already enabled on this model")
-        if backend not in _EP_BACKENDS:
-            raise ValueError(f"backend must be one of {_EP_BACKENDS}, got {backend!r}")
+        if backend not in EP_BACKENDS:
+            raise ValueError(f"backend must be one of {EP_BACKENDS}, got {backend!r}")
         if max_tokens is not None:
             check_positive_int("max_tokens", max_tokens)
         if not dist.is_available() or not dist.is_initialized():
@@ -627,8 +627,8 @@ def ep_nvl_bytes(
     num_ranks: int,
     dtype: torch.dtype = torch.bfloat16,
 ) -> int:
-    """``num_nvl_bytes`` of the nvlink :class:`~ptxtrain.moe.Buffer` shared by a model's MoE
-    layers: :meth:`~ptxtrain.moe.Buffer.nvl_bytes_hint` for the largest message, or the
+    """``num_nvl_bytes`` of the nvlink :class:`~ptxtrain.ep.Buffer` shared by a model's MoE
+    layers: :meth:`~ptxtrain.ep.Buffer.nvl_bytes_hint` for the largest message, or the
     Buffer's default (1 GiB) when that already fits.
 
     Rows per rank pair: a token is sent once to every rank holding one of its experts (not once
@@ -659,7 +659,7 @@ def ep_nvl_bytes(
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     meta = 16 if dtype == torch.float64 else 12  # gate weight + topk_idx per slot
     row = config.dim * dtype.itemsize + meta * config.n_activated_experts + 8  # + token index
-    return max(_DEFAULT_NVL_BYTES, Buffer.nvl_bytes_hint(max_tokens, row, num_ranks))
+    return max(DEFAULT_NVL_BYTES, Buffer.nvl_bytes_hint(max_tokens, row, num_ranks))
 
 
 def _bias_abs_max(routers: list[Router]) -> float:

@@ -22,7 +22,7 @@ Two paths:
 
 Expert parallelism: :meth:`Experts.keep_experts_` cuts the stacks down to a contiguous range of
 experts in place (rank ``r`` of ``R`` keeps ``[r·E/R, (r+1)·E/R)``, the split of
-:class:`ptxtrain.moe.Buffer`); ``num_experts`` stays the global count, ``num_local_experts`` and
+:class:`ptxtrain.ep.Buffer`); ``num_experts`` stays the global count, ``num_local_experts`` and
 ``expert_offset`` say which ones are here.
 """
 

@@ -193,7 +193,7 @@ class _Fp8RecvFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv):
-        grad_x = ctx.buffer.combine(grad_recv.contiguous(), ctx.handle)  # [T, D], collective
+        grad_x = ctx.buffer.combine(grad_recv.contiguous(), ctx.handle)[0]  # [T, D], collective
         return grad_x, None, None, None, None
 
 
@@ -289,27 +289,27 @@ def dispatch_fp8(
     """FP8 expert-parallel dispatch: quantize 1x128, ``buffer.dispatch`` the pair, dequantize.
 
     Args:
-        buffer: the :class:`~ptxtrain.moe.Buffer`.
+        buffer: the :class:`~ptxtrain.ep.Buffer`.
         x: ``[T, D]`` float32 / bfloat16 / float16 tokens (``T`` may be 0).
-        topk_idx / topk_weights / num_experts: as :meth:`~ptxtrain.moe.Buffer.dispatch`.
+        topk_idx / topk_weights / num_experts: as :meth:`~ptxtrain.ep.Buffer.dispatch`.
 
     Returns:
-        As :meth:`~ptxtrain.moe.Buffer.dispatch`, except ``recv_x``: ``[N, D]`` in ``x``'s dtype,
+        As :meth:`~ptxtrain.ep.Buffer.dispatch`, except ``recv_x``: ``[N, D]`` in ``x``'s dtype,
         the received rows dequantized (each the 1x128 FP8 quantization of its source token).
         Differentiable w.r.t. ``x`` (backward: ``buffer.combine`` of the gradient in ``x``'s
         dtype, a collective) and ``topk_weights`` (``Buffer``'s own backward).
 
     Raises:
         TypeError / ValueError: as :func:`ptxtrain.quant.per_token_cast_to_fp8` and
-            :meth:`~ptxtrain.moe.Buffer.dispatch`.
+            :meth:`~ptxtrain.ep.Buffer.dispatch`.
 
     Source: DeepSeek-V3 report §3.3 (FP8 dispatch, BF16 combine); docs/design.md §4.
     """
     from ptxtrain.quant import per_token_cast_to_fp8
 
     x_fp8, sf = per_token_cast_to_fp8(x.detach())  # [T, D] e4m3, [T, ⌈D/128⌉] fp32
-    (recv_fp8, recv_sf), recv_idx, recv_w, counts, handle = buffer.dispatch(
-        (x_fp8, sf), topk_idx, topk_weights, num_experts
+    (recv_fp8, recv_sf), recv_idx, recv_w, counts, handle, event = buffer.dispatch(
+        (x_fp8, sf), topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts
     )
     recv_x = _Fp8RecvFn.apply(x, recv_fp8, recv_sf, buffer, handle)  # [N, D]
-    return recv_x, recv_idx, recv_w, counts, handle
+    return recv_x, recv_idx, recv_w, counts, handle, event

@@ -28,18 +28,18 @@ input and weight, the selection does not); the backward sums run in fp32 in a fi
 
 Expert parallelism (:meth:`MoE.enable_expert_parallel`, report §3.2.2 / docs/design.md §4): with a
 group of ``R`` ranks, rank ``r`` keeps experts ``[r·E/R, (r+1)·E/R)`` only. Every rank routes its
-own tokens over all ``E`` experts, :meth:`ptxtrain.moe.Buffer.dispatch` sends each token once to
+own tokens over all ``E`` experts, :meth:`ptxtrain.ep.Buffer.dispatch` sends each token once to
 every rank holding one of its experts, the receiver permutes the received rows by local expert
 (slots for other ranks' experts are dropped), runs its local experts, un-permutes with the received
-gate weights (fp32 accumulation) and :meth:`~ptxtrain.moe.Buffer.combine` sums the partial outputs
+gate weights (fp32 accumulation) and :meth:`~ptxtrain.ep.Buffer.combine` sums the partial outputs
 back at the source token (fp32 accumulation). Forward and backward are collectives: every rank of
 the group must run every MoE forward and backward in the same order. The router keeps counting its
 own rank's tokens; all-reduce ``router.expert_counts`` over the data-parallel group before
 ``update_bias`` (:meth:`MoE.sync_expert_counts`, or the model's ``update_router_biases``). The
-layers of a model share ONE :class:`~ptxtrain.moe.Buffer`
+layers of a model share ONE :class:`~ptxtrain.ep.Buffer`
 (:meth:`ptxtrain.model.DeepSeekV3.enable_expert_parallel` passes it to every layer): nothing of a
 dispatch is kept on the buffer until its combine (the layout, cached indices and slot table live in
-the call's :class:`~ptxtrain.moe.DispatchHandle`; the nvlink transport's buffer holds rows only
+the call's :class:`~ptxtrain.ep.DispatchHandle`; the nvlink transport's buffer holds rows only
 within one kernel launch), so layer after layer, forward and backward, may use it, provided the
 calls run one at a time (one CUDA stream; not with ``PTXTRAIN_PP_OVERLAP=1`` on ``"nvlink"``).
 
@@ -66,8 +66,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ptxtrain._checks import ceil_div, check_tensor
+from ptxtrain.ep.buffer import Buffer
 from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT
-from ptxtrain.moe.dispatch import Buffer
 from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.fused import (
     KERNEL_CHOICES,
@@ -235,7 +235,7 @@ class MoE(nn.Module):
     def enable_expert_parallel(
         self, group: dist.ProcessGroup | None = None, buffer: Buffer | None = None
     ) -> None:
-        """Keep only this rank's experts and route tokens through a :class:`~ptxtrain.moe.Buffer`.
+        """Keep only this rank's experts and route tokens through a :class:`~ptxtrain.ep.Buffer`.
 
         Rank ``r`` of the ``R`` ranks of ``group`` keeps experts ``[r·E/R, (r+1)·E/R)`` (copies of
         the slices of the full stacks, so build every rank's layer identically first, then call
@@ -243,16 +243,16 @@ class MoE(nn.Module):
 
         Args:
             group: the expert-parallel process group; ``None`` = the default group.
-            buffer: an existing :class:`~ptxtrain.moe.Buffer` over ``group`` to use, typically one
+            buffer: an existing :class:`~ptxtrain.ep.Buffer` over ``group`` to use, typically one
                 shared by every MoE layer of a model (an ``"nvlink"`` buffer holds ``num_nvl_bytes``
                 of symmetric memory, 1 GiB by default: one per layer does not fit). Sharing is
                 safe as long as the layers' dispatch / combine (and their backward passes) run one
                 at a time on one CUDA stream, as with any collective (every rank in the same
-                order): all per-call state lives in the :class:`~ptxtrain.moe.DispatchHandle`.
+                order): all per-call state lives in the :class:`~ptxtrain.ep.DispatchHandle`.
                 ``None`` (default): a new ``Buffer(group)`` (``"all_to_all"``) for this layer.
 
         Raises:
-            TypeError: ``buffer`` is not a :class:`~ptxtrain.moe.Buffer`.
+            TypeError: ``buffer`` is not a :class:`~ptxtrain.ep.Buffer`.
             ValueError: no initialized process group, ``E`` not a multiple of ``R``, expert
                 parallelism already on, or ``buffer.group`` is not ``group`` (``None`` and the
                 default group count as the same).
@@ -263,7 +263,7 @@ class MoE(nn.Module):
             buffer = Buffer(group)  # raises without an initialized process group
         elif not isinstance(buffer, Buffer):
             raise TypeError(
-                f"buffer must be a ptxtrain.moe.Buffer or None, got {type(buffer).__name__}"
+                f"buffer must be a ptxtrain.ep.Buffer or None, got {type(buffer).__name__}"
             )
         elif not _same_group(buffer.group, group):
             raise ValueError(
@@ -350,8 +350,10 @@ class MoE(nn.Module):
         if fp8:
             dispatched = dispatch_fp8(buffer, x, topk_idx, topk_weights, self.n_routed_experts)
         else:
-            dispatched = buffer.dispatch(x, topk_idx, topk_weights, self.n_routed_experts)
-        recv_x, recv_idx, recv_w, _, handle = dispatched
+            dispatched = buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=self.n_routed_experts
+            )
+        recv_x, recv_idx, recv_w, _, handle, _ = dispatched
         # recv_x [M, D] in x's dtype, recv_idx [M, k] local ids or -1, recv_w [M, k] (0 where -1)
         # Slots of other ranks' experts go to a spill expert n_local, sorted last and dropped.
         spill_idx = torch.where(recv_idx >= 0, recv_idx, n_local)  # [M, k]
@@ -360,4 +362,4 @@ class MoE(nn.Module):
         y_valid = self.experts(x_perm[:n_valid], counts[:n_local])  # [n_valid, D]
         y_perm = torch.cat([y_valid, y_valid.new_zeros(x_perm.shape[0] - n_valid, self.dim)])
         y_recv = unpermute(y_perm, sorted_slots, recv_w)  # [M, D], weight 0 on spill slots
-        return buffer.combine(y_recv, handle)  # [N, D]
+        return buffer.combine(y_recv, handle)[0]  # [N, D]

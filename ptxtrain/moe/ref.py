@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from ptxtrain.ep.layout import count_per_expert  # the EP layout's counter, shared
 from ptxtrain.quant.ref import per_token_cast_to_fp8
 
 __all__ = [
@@ -221,19 +222,6 @@ def seq_balance_loss_ref(
     counts.scatter_add_(1, seq_of, torch.ones_like(seq_of, dtype=scores.dtype))
     f = counts * (n_experts / (k * seq_len))  # [B, E] f_i
     return alpha * (f * p).sum(-1).mean()
-
-
-def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many entries of ``expert_ids`` (any shape, int64) name each expert: ``[E]`` int64.
-
-    ``torch.bincount(ids, minlength=E)`` for ids in ``[0, E)``, without its host sync (on CUDA
-    bincount reads the maximum back to size its output: a stall in every MoE layer's forward).
-    Ids outside ``[0, E)`` are not counted.
-    """
-    flat = expert_ids.reshape(-1)
-    spill = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    return counts.scatter_add_(0, spill, torch.ones_like(spill))[:num_experts]
 
 
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:

@@ -41,6 +41,7 @@ from ptxtrain.parallel.p2p import (
     check_overlap_hooks,
     check_step_args,
     check_two_stages,
+    check_upstream_args,
     connect_once,
     forward_backward,
     module_device,
@@ -56,7 +57,11 @@ class DualPipeV(PairGroupsMixin, nn.Module):
             each takes the previous stage's outputs (tensor or tuple of tensors) as positional
             arguments and returns a tensor or a tuple of tensors. Stage R-1's outputs feed stage
             R on the same rank.
+        batch_dim: the dimension the inputs and labels are split along into micro-batches:
+            0 (the only one ptxtrain's schedules split along; upstream's second argument).
         process_group: the pipeline's process group (default: the world); any size R >= 1.
+        rank_mapping: None or the identity list: group rank ``i`` is pipeline rank ``i`` (build
+            the group in pipeline order); upstream's other permutations are refused.
         p2p_groups: ``{(src, dst): group}`` of global ranks from
             :func:`~ptxtrain.parallel.p2p.directional_groups` over this pipeline's
             :meth:`peers` (one NCCL communicator per direction, so crossed large sends cannot
@@ -66,7 +71,9 @@ class DualPipeV(PairGroupsMixin, nn.Module):
             when their class defines one; False: forward then backward.
 
     Raises:
-        ValueError: ``modules`` does not hold exactly two modules.
+        ValueError: ``modules`` does not hold exactly two modules; ``batch_dim`` not 0;
+            ``rank_mapping`` not a permutation of the group's ranks.
+        NotImplementedError: ``rank_mapping`` a permutation other than the identity.
         TypeError: an entry of ``modules`` is not an ``nn.Module``, or its class defines
             ``overlapped_forward_backward`` other than as a classmethod / staticmethod.
     """
@@ -74,12 +81,15 @@ class DualPipeV(PairGroupsMixin, nn.Module):
     def __init__(
         self,
         modules: Sequence[nn.Module],
+        batch_dim: int = 0,
         process_group: dist.ProcessGroup | None = None,
+        rank_mapping: Sequence[int] | None = None,
         *,
         overlap: bool = True,
         p2p_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
     ):
         super().__init__()
+        check_upstream_args(batch_dim, rank_mapping, process_group)
         self.module = check_two_stages(modules, "(stage_r, stage_2R-1-r)")
         check_overlap_hooks(self.module)
         self.group = process_group
@@ -90,7 +100,7 @@ class DualPipeV(PairGroupsMixin, nn.Module):
     def step(
         self,
         *inputs: torch.Tensor,
-        num_chunks: int,
+        num_chunks: int = 0,
         criterion: Callable | None = None,
         labels: Sequence[torch.Tensor] = (),
         return_outputs: bool = False,

@@ -438,6 +438,42 @@ def check_two_stages(modules: object, layout: str) -> nn.ModuleList:
     return nn.ModuleList(modules)
 
 
+def check_upstream_args(batch_dim: object, rank_mapping: object, group) -> None:
+    """DualPipe's ``batch_dim`` and ``rank_mapping`` (deepseek-ai/DualPipe's constructor), as far
+    as ptxtrain's schedules take them: micro-batches are split along dim 0, and group rank ``i``
+    is pipeline rank ``i``.
+
+    Raises:
+        TypeError: ``batch_dim`` not an int; ``rank_mapping`` not None or a list / tuple of ints.
+        ValueError: ``batch_dim`` other than 0; ``rank_mapping`` not a permutation of the group's
+            ranks (checked when the default group is initialized).
+        NotImplementedError: ``rank_mapping`` another permutation than the identity.
+    """
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int):
+        raise TypeError(f"batch_dim must be an int, got {type(batch_dim).__name__}")
+    if batch_dim != 0:
+        raise ValueError(
+            f"batch_dim must be 0 (ptxtrain's schedules split micro-batches along dim 0), "
+            f"got {batch_dim}"
+        )
+    if rank_mapping is None:
+        return
+    if not isinstance(rank_mapping, (list, tuple)) or not all(
+        isinstance(r, int) and not isinstance(r, bool) for r in rank_mapping
+    ):
+        raise TypeError(f"rank_mapping must be None or a list of ints, got {rank_mapping!r}")
+    world = dist.get_world_size(group) if dist.is_initialized() else len(rank_mapping)
+    if sorted(rank_mapping) != list(range(world)):
+        raise ValueError(
+            f"rank_mapping must be a permutation of the {world} group ranks, got {rank_mapping}"
+        )
+    if list(rank_mapping) != list(range(world)):
+        raise NotImplementedError(
+            f"rank_mapping must be None or the identity: group rank i is pipeline rank i in "
+            f"ptxtrain's schedules (build the process group in pipeline order), got {rank_mapping}"
+        )
+
+
 def check_step_args(
     schedule: str,
     inputs: Sequence[object],

@@ -123,7 +123,7 @@ def build_schedule(
             raise ValueError(f"1f1b takes one stage module per rank, got {len(modules)}")
         return OneFOneB(modules[0], process_group, p2p_groups=p2p_groups)
     cls = DualPipe if schedule == "dualpipe" else DualPipeV
-    return cls(list(modules), process_group, overlap=overlap, p2p_groups=p2p_groups)
+    return cls(list(modules), process_group=process_group, overlap=overlap, p2p_groups=p2p_groups)
 
 
 def p2p_pairs(schedule: str, ranks: Sequence[int]) -> list[tuple[int, int]]:

@@ -72,7 +72,7 @@ from .strategy import PP_OVERLAP_ENV, ParallelStrategy
 PRECISIONS = ("bf16", "fp8")
 # Fp8Linear recipes --fp8-recipe takes (ptxtrain.nn.RECIPES without "bf16", which runs no FP8).
 FP8_RECIPES = ("deepseek", "deepseek_pow2", "deepseek_wgrad_bf16")
-EP_BACKENDS = ("all_to_all", "nvlink")  # ptxtrain.moe.Buffer backends (--ep-backend)
+EP_BACKENDS = ("all_to_all", "nvlink")  # ptxtrain.ep.Buffer backends (--ep-backend)
 # TrainArgs fields that shape the training trajectory: a resumed run must match them exactly.
 TRAJECTORY_FIELDS = (
     "preset",

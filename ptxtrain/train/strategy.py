@@ -19,7 +19,7 @@ optimizer state; with the same pipeline the resumed losses are bitwise those of 
 Expert parallelism (``ep > 1``, one process per rank under ``torchrun``; DeepSeek-V3 report
 §3.2.2): every rank builds the same full model (same seed), then keeps ``1/ep`` of every MoE
 layer's routed experts (:meth:`~ptxtrain.model.DeepSeekV3.enable_expert_parallel`); tokens reach
-their experts through :class:`ptxtrain.moe.Buffer` dispatch/combine. The ranks are also data
+their experts through :class:`ptxtrain.ep.Buffer` dispatch/combine. The ranks are also data
 parallel: rank ``r`` trains on sequences ``[r·B/ep, (r+1)·B/ep)`` of the step's batch, so the
 global batch is the single-process one. After backward the replicated parameters' gradients are
 averaged over the ranks and the expert gradients (which already sum every rank's tokens) are

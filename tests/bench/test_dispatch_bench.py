@@ -69,7 +69,7 @@ def _profile_worker(rank: int, world: int, out: str) -> None:
     import torch
 
     from ptxtrain.bench.dispatch import profile_buffer
-    from ptxtrain.moe.dispatch import Buffer
+    from ptxtrain.ep.buffer import Buffer
     from ptxtrain.quant.ref import per_token_cast_to_fp8
 
     g = torch.Generator().manual_seed(rank)

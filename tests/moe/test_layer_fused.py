@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from ptxtrain.ep.buffer import Buffer
 from ptxtrain.moe import MoE, fused
-from ptxtrain.moe.dispatch import Buffer
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.quant.ref import FP8_DTYPE
 from ptxtrain.testing import assert_bitwise_equal

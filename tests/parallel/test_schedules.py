@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptxtrain.parallel import DualPipe, OneFOneB
+from ptxtrain.parallel import DualPipe, DualPipeV, OneFOneB
 from tests._spawn import run_gloo
 
 DIM = 16
@@ -211,3 +211,32 @@ def test_p2p_pairs():
     # A pipeline of a PP x EP layout (ep = 2, ep_rank 1): group ranks map to global ranks.
     assert p2p_pairs("dualpipe", [1, 3, 5, 7]) == [(1, 3), (1, 7), (3, 5), (5, 7)]
     assert p2p_pairs("1f1b", [4]) == []
+
+
+@pytest.mark.parametrize("cls", [DualPipe, DualPipeV])
+def test_constructor_follows_upstream_dualpipe(cls):
+    """deepseek-ai/DualPipe's order: (modules, batch_dim, process_group, rank_mapping), then
+    ptxtrain's keyword-only extras; step's keywords as upstream's."""
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    assert list(params)[:4] == ["modules", "batch_dim", "process_group", "rank_mapping"]
+    assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in ("overlap", "p2p_groups"))
+    step = inspect.signature(cls.step).parameters
+    assert [step[n].default for n in ("num_chunks", "criterion", "return_outputs")] == [
+        0, None, False
+    ]  # fmt: skip
+    stages = (nn.Linear(4, 4), nn.Linear(4, 4))
+    cls(stages, 0, None, [0, 1])  # the identity mapping is what ptxtrain does
+    bad = [
+        (ValueError, "batch_dim", dict(batch_dim=1)),
+        (TypeError, "batch_dim", dict(batch_dim=None)),
+        (NotImplementedError, "rank_mapping", dict(rank_mapping=[1, 0])),
+        (ValueError, "permutation", dict(rank_mapping=[0, 2])),
+        (TypeError, "rank_mapping", dict(rank_mapping="01")),
+    ]
+    for exc, word, kw in bad:
+        with pytest.raises(exc, match=word):
+            cls(stages, **kw)
+    with pytest.raises(TypeError, match="positional"):  # overlap is keyword-only
+        cls(stages, 0, None, None, False)

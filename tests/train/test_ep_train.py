@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, root: str) -> None:
     )
     # The shared Buffer's errors are checked before each optimizer step (nvlink reports a timed
     # out wait only then): a Buffer that reports one stops the run before the first step.
-    from ptxtrain.moe.dispatch import Buffer
+    from ptxtrain.ep.buffer import Buffer
 
     def failing_check(self) -> None:
         raise RuntimeError("a peer timed out (test)")

@@ -1,13 +1,13 @@
-"""The nvlink backend of ``ptxtrain.moe.Buffer``: its kernel's NVRTC build (CPU) and, on 2+ GPUs,
+"""The nvlink backend of ``ptxtrain.ep.Buffer``: its kernel's NVRTC build (CPU) and, on 2+ GPUs,
 bit-exact agreement with the ``all_to_all`` backend (default and pipelined kernels, other knobs),
 stale reads, one host sync per dispatch and none per combine, async mode, capacity, timeouts.
 
 GPU tests (``multigpu``) spawn 2, 4 and 8 NCCL processes (as many GPUs as are visible), one GPU
 each:
 
-    python -m pytest tests/moe/test_nvlink.py -m multigpu
+    python -m pytest tests/ep/test_nvlink.py -m multigpu
     # or, under torchrun (from the repository root):
-    torchrun --nproc-per-node 2 -m tests.moe.test_nvlink
+    torchrun --nproc-per-node 2 -m tests.ep.test_nvlink
 
 Inputs follow DeepEP's test method (its tests/test_intranode.py), reusing ``test_dispatch``'s
 rank-encoded scenarios (uneven and skewed loads, a rank with no tokens, a rank receiving
@@ -16,7 +16,6 @@ nothing, a rank sending nothing, several experts of a token on one rank).
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 import warnings
@@ -25,9 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptxtrain.jit import nvrtc_available
-from ptxtrain.moe.dispatch import Buffer, EventOverlap
-from ptxtrain.moe.nvlink import (
+from ptxtrain.ep import Buffer, Config, EventOverlap
+from ptxtrain.ep.nvlink import (
     DEFAULT_THREADS,
     DEFAULT_UNROLL,
     KERNEL_NAME,
@@ -36,13 +34,33 @@ from ptxtrain.moe.nvlink import (
     compile_kernel,
     kernel_source,
 )
+from ptxtrain.jit import nvrtc_available
 from ptxtrain.quant.ref import per_token_cast_to_fp8
 from tests._spawn import init_nccl, run_dist
-from tests.moe.test_dispatch import _check_exact, _expected, _scenario
+from tests.ep.test_buffer import _check_exact, _expected, _scenario
 
 NC_LOAD = "ld.global.nc.L1::no_allocate.L2::256B"
 
 # --------------------------------------------------------------------------- CPU: NVRTC build
+
+
+def test_kernel_source_is_the_packaged_cuh():
+    """The kernel's source is the file in the CUDA include tree, which the wheel ships (the
+    package-data globs of pyproject.toml match it), not a copy kept elsewhere."""
+    import fnmatch
+    import tomllib
+
+    from ptxtrain.ep.nvlink import SOURCE_PATH
+    from ptxtrain.jit import INCLUDE_DIR
+
+    assert SOURCE_PATH.parent == INCLUDE_DIR / "ptxtrain" and SOURCE_PATH.suffix == ".cuh"
+    assert kernel_source() == SOURCE_PATH.read_text(encoding="utf-8")
+    assert "#include <ptxtrain/ptx.cuh>" in kernel_source()
+    root = INCLUDE_DIR.parent
+    pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    globs = pyproject["tool"]["setuptools"]["package-data"]["ptxtrain"]
+    rel = SOURCE_PATH.relative_to(root).as_posix()
+    assert any(fnmatch.fnmatch(rel, g) for g in globs), (rel, globs)
 
 
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (cuda-bindings) missing")
@@ -103,8 +121,7 @@ def test_kernel_knobs_compile(tmp_path, monkeypatch):
     assert check_send_sms(0, 24) == 0 and check_send_sms(23, 24) == 23
     assert check_send_sms(None, 24) == 12 and check_send_sms(None, 1) == 0  # the default
     # Buffer's defaults are the kernel's (one tuned value).
-    assert inspect.signature(Buffer).parameters["nvl_threads"].default == DEFAULT_THREADS
-    assert inspect.signature(Buffer).parameters["nvl_unroll"].default == DEFAULT_UNROLL
+    assert (Config().nvl_threads, Config().nvl_unroll) == (DEFAULT_THREADS, DEFAULT_UNROLL)
     bad = [
         (500, 4, ValueError, "threads"),
         (2048, 4, ValueError, "threads"),
@@ -147,8 +164,8 @@ def _compare(ref, buf, rank, world, seed, tokens, hidden, k, num_experts, *, fp8
     idx, w = _cuda(idxs[rank]), _cuda(ws[rank])
     if fp8:
         q = [per_token_cast_to_fp8(x * 10) for x in xs]
-        want = ref.dispatch(_cuda(q[rank]), idx, w, num_experts)
-        got = buf.dispatch(_cuda(q[rank]), idx, w, num_experts)
+        want = ref.dispatch(_cuda(q[rank]), topk_idx=idx, topk_weights=w, num_experts=num_experts)
+        got = buf.dispatch(_cuda(q[rank]), topk_idx=idx, topk_weights=w, num_experts=num_experts)
         _same_outputs("fp8 dispatch", got, want)
         exp_q, *_ = _expected(rank, world, num_experts, [a for a, _ in q], idxs, ws)
         _check_exact("fp8 recv vs expected", got[0][0].cpu(), exp_q)
@@ -158,12 +175,12 @@ def _compare(ref, buf, rank, world, seed, tokens, hidden, k, num_experts, *, fp8
     for b in (ref, buf):
         x = _cuda(xs[rank]).requires_grad_()
         wr = w.clone().requires_grad_()
-        res = b.dispatch(x, idx, wr, num_experts)
+        res = b.dispatch(x, topk_idx=idx, topk_weights=wr, num_experts=num_experts)
         _check_exact("fp32 recv vs expected", res[0].detach().cpu(), exp_x)
         g = torch.Generator(device="cuda").manual_seed(seed + rank)
         y_rows = res[0].bfloat16() * torch.rand(res[0].shape, generator=g, device="cuda")
         y_rows = y_rows.bfloat16()
-        combined = b.combine(y_rows, res[4])
+        combined = b.combine(y_rows, res[4])[0]
         go = torch.randn(combined.shape, generator=g, device="cuda").bfloat16()
         ((combined.float() * go.float()).sum() + res[2].sum()).backward()
         outs.append((res, combined))
@@ -201,14 +218,17 @@ def _check_stale_reads(ref, buf, rank, world, iters=24):
             w = torch.rand(tokens, 4, generator=g, device="cuda")
         x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
         x[:, 0], x[:, 1] = rank, it
-        want = ref.dispatch(x, idx, w, e)
-        got = buf.dispatch(x, idx, w, e)
+        want = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e)
+        got = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e)
         assert torch.equal(got[0], want[0]), f"iteration {it}: stale or wrong recv_x"
         assert torch.equal(got[2], want[2]), f"iteration {it}: stale or wrong weights"
         y = torch.randn(got[0].shape, generator=g, device="cuda").bfloat16()
-        assert torch.equal(buf.combine(y, got[4]), ref.combine(y, want[4])), f"iteration {it}"
+        assert torch.equal(buf.combine(y, got[4])[0], ref.combine(y, want[4])[0]), f"iteration {it}"
         q = per_token_cast_to_fp8(x.float())
-        fg, fw = buf.dispatch(q, idx, w, e), ref.dispatch(q, idx, w, e)
+        fg, fw = (
+            buf.dispatch(q, topk_idx=idx, topk_weights=w, num_experts=e),
+            ref.dispatch(q, topk_idx=idx, topk_weights=w, num_experts=e),
+        )
         assert torch.equal(fg[0][0].view(torch.uint8), fw[0][0].view(torch.uint8)), it
         assert torch.equal(fg[0][1], fw[0][1]), f"iteration {it}: fp8 scales"
 
@@ -219,7 +239,7 @@ def _check_epoch_restart(ref, rank, world):
     dispatches and a combine) crosses many restarts, and every output must still match the
     all_to_all backend's."""
     for knobs in ({}, dict(nvl_pipeline=False, nvl_send_sms=0)):
-        buf = Buffer(backend="nvlink", num_sms=24, num_nvl_bytes=64 << 20, **knobs)
+        buf = Buffer(num_nvl_bytes=64 << 20, backend="nvlink", config=Config(24, **knobs))
         t = buf._transport
         t.epoch_limit = 5
         _check_stale_reads(ref, buf, rank, world, iters=12)
@@ -234,9 +254,9 @@ def _check_async(ref, buf, rank, world):
     idx = torch.rand(1024, e, generator=g, device="cuda").topk(4, dim=1).indices
     w = torch.rand(1024, 4, generator=g, device="cuda")
     x = torch.randn(1024, hidden, generator=g, device="cuda").bfloat16()
-    want = ref.dispatch(x, idx, w, e)
+    want = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e)
     a = torch.randn(4096, 4096, device="cuda", generator=g)
-    *got, event = buf.dispatch(x, idx, w, e, async_finish=True)
+    *got, event = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, async_finish=True)
     assert isinstance(event, EventOverlap)
     c = a @ a  # compute on the current stream while the side stream communicates
     del x  # the side stream still reads it: record_stream keeps its memory reserved
@@ -244,10 +264,10 @@ def _check_async(ref, buf, rank, world):
     event.current_stream_wait()
     _same_outputs("async dispatch", got, want)
     y = torch.randn(got[0].shape, generator=g, device="cuda").bfloat16()
-    out, event = buf.combine(y, got[4], async_finish=True)
+    out, _, event = buf.combine(y, got[4], async_finish=True)
     c = c @ a
     event.current_stream_wait()
-    assert torch.equal(out, ref.combine(y, want[4])), "async combine"
+    assert torch.equal(out, ref.combine(y, want[4])[0]), "async combine"
     assert torch.isfinite(c).all() and junk.sum() > 0
 
 
@@ -255,13 +275,24 @@ def _check_capacity(rank, world):
     # Dispatch rows: 16 fp32 values (64 B) + top-2 weights, topk_idx and the token index
     # (12·2 + 8 B) = 96 B: 4 rows per peer fit.
     row = 16 * 4 + 12 * 2 + 8
-    small = Buffer(backend="nvlink", num_sms=2, num_nvl_bytes=Buffer.nvl_bytes_hint(4, row, world))
+    hint = Buffer.nvl_bytes_hint(4, row, world)
+    small = Buffer(num_nvl_bytes=hint, backend="nvlink", config=Config(2))
     xs, idxs, ws = _scenario(world, 30, [12] * world, 16, 2, 3 * world)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        small.dispatch(_cuda(xs[rank]), _cuda(idxs[rank]), _cuda(ws[rank]), 3 * world)
+        small.dispatch(
+            _cuda(xs[rank]),
+            topk_idx=_cuda(idxs[rank]),
+            topk_weights=_cuda(ws[rank]),
+            num_experts=3 * world,
+        )
     # Raised on every rank before any launch: the buffer is still usable.
     xs, idxs, ws = _scenario(world, 31, [3] * world, 16, 2, 3 * world)
-    got = small.dispatch(_cuda(xs[rank]), _cuda(idxs[rank]), _cuda(ws[rank]), 3 * world)
+    got = small.dispatch(
+        _cuda(xs[rank]),
+        topk_idx=_cuda(idxs[rank]),
+        topk_weights=_cuda(ws[rank]),
+        num_experts=3 * world,
+    )
     exp_x, *_ = _expected(rank, world, 3 * world, xs, idxs, ws)
     _check_exact("after overflow", got[0].cpu(), exp_x)
 
@@ -274,15 +305,15 @@ def _check_host_syncs(buf, rank, world):
     w = torch.rand(256, 4, generator=g, device="cuda")
     x = torch.randn(256, 512, generator=g, device="cuda").bfloat16()
     q = per_token_cast_to_fp8(x.float())
-    buf.dispatch(q, idx, w, e)  # warm-up
+    buf.dispatch(q, topk_idx=idx, topk_weights=w, num_experts=e)  # warm-up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            res = buf.dispatch(q, idx, w, e)
+            res = buf.dispatch(q, topk_idx=idx, topk_weights=w, num_experts=e)
             n_dispatch = len(caught)
-            buf.combine(res[0][0].float().bfloat16(), res[4])
+            buf.combine(res[0][0].float().bfloat16(), res[4])[0]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = ["synchroniz" in str(c.message) for c in caught]  # other warnings do not count
@@ -293,12 +324,10 @@ def _check_host_syncs(buf, rank, world):
 
 def _check_timeout(rank, world, pipeline, send_sms=0):
     buf = Buffer(
-        backend="nvlink",
-        num_sms=2,
         num_nvl_bytes=1 << 16,
+        backend="nvlink",
+        config=Config(2, nvl_pipeline=pipeline, nvl_send_sms=send_sms),
         timeout_s=0.5,
-        nvl_pipeline=pipeline,
-        nvl_send_sms=send_sms,
     )
     if rank == 0:  # the peers never take part: the kernel must give up, and the host raise
         t = buf._transport
@@ -318,7 +347,7 @@ def _check_timeout_with_rows(rank, world):
     """Rank 0 alone exchanges real rows with rank 1 (split variant, 24 SMs, 4096 rows each
     way): its receivers wait for rows that never come. The launch must give up after about one
     timeout (a timed-out wait makes the later waits of the launch give up), not one per row."""
-    buf = Buffer(backend="nvlink", num_sms=24, num_nvl_bytes=64 << 20, timeout_s=0.5)
+    buf = Buffer(num_nvl_bytes=64 << 20, backend="nvlink", config=Config(24), timeout_s=0.5)
     if rank == 0:
         t = buf._transport
         n = 4096
@@ -345,9 +374,14 @@ def _check_other_num_experts(ref, buf, rank: int, world: int) -> None:
     w = torch.rand(6, 2, generator=g).cuda()
     for b in (ref, buf):
         with pytest.raises(ValueError, match="num_experts"):
-            b.dispatch(x, idx, w, 4 * n_exp if rank == world - 1 else n_exp)
-        recv_ref = ref.dispatch(x, idx, w, n_exp)[0]
-        recv = b.dispatch(x, idx, w, n_exp)[0]
+            b.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=w,
+                num_experts=4 * n_exp if rank == world - 1 else n_exp,
+            )
+        recv_ref = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=n_exp)[0]
+        recv = b.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=n_exp)[0]
         assert torch.equal(recv, recv_ref)
     dist.barrier()
 
@@ -355,7 +389,7 @@ def _check_other_num_experts(ref, buf, rank: int, world: int) -> None:
 def _gpu_worker(rank: int, world: int) -> None:
     ref = Buffer(backend="all_to_all")
     with pytest.raises(ValueError, match="num_sms"):
-        Buffer(backend="nvlink", num_sms=10_000)
+        Buffer(backend="nvlink", config=Config(10_000))
     # Default knobs (the split variant, 12 + 12 SMs; at 1 SM the pipelined kernel), the
     # pipelined and barrier kernels, and other knobs (1 SM: one block per rank).
     configs = [(1, False, {}), (24, False, {}), (24, True, {})]
@@ -367,11 +401,10 @@ def _gpu_worker(rank: int, world: int) -> None:
     configs += [(2, False, dict(nvl_send_sms=1)), (24, False, dict(nvl_send_sms=8))]
     for num_sms, aggressive, knobs in configs:
         buf = Buffer(
-            backend="nvlink",
-            num_sms=num_sms,
             num_nvl_bytes=64 << 20,
+            backend="nvlink",
+            config=Config(num_sms, **knobs),
             aggressive_ptx=aggressive,
-            **knobs,
         )
         _check_scenarios(ref, buf, rank, world)
         _check_stale_reads(ref, buf, rank, world)
@@ -402,7 +435,7 @@ def test_nvlink_matches_all_to_all(world):
     run_dist(_gpu_worker, world, timeout=600.0, backend="nccl")
 
 
-if __name__ == "__main__":  # torchrun --nproc-per-node N -m tests.moe.test_nvlink
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m tests.ep.test_nvlink
     init_nccl(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     try:
         _gpu_worker(dist.get_rank(), dist.get_world_size())

@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptxtrain.moe.dispatch import Buffer, DispatchHandle, EventOverlap, get_dispatch_layout
+from ptxtrain.ep import Buffer, Config, DispatchHandle, EventOverlap, get_dispatch_layout
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.quant.ref import per_token_cast_to_fp8
 from tests._spawn import run_gloo
 
 
 def _interpreted() -> bool:
-    import ptxtrain.moe.layout as lay
+    import ptxtrain.ep.layout as lay
 
     if lay.triton is None:
         return False
@@ -138,7 +138,7 @@ def _check_validation(buf, rank):
         with pytest.raises(ValueError, match="backend"):
             Buffer(backend="nvlink")  # no CUDA here
     with pytest.raises(TypeError, match="handle"):
-        buf.combine(x, handle=None)
+        buf.combine(x, handle=None)[0]
     # Ranks disagreeing on the row layout: raised on every rank before the payload moves (the
     # rows were cut short or misread; same row bytes: bf16 [., 16] = fp32 [., 8] read as bf16).
     g = torch.Generator().manual_seed(40 + rank)
@@ -151,23 +151,28 @@ def _check_validation(buf, rank):
     ]
     for word, xx, ww in mismatches:
         with pytest.raises(ValueError, match=word):
-            buf.dispatch(xx, idx, ww, n_exp)
+            buf.dispatch(xx, topk_idx=idx, topk_weights=ww, num_experts=n_exp)
     with pytest.raises(ValueError, match="k=3"):  # a wider topk_idx on one rank
-        buf.dispatch(x, idx[:, [0, 1, 1]] if odd else idx, w[:, [0, 1, 1]] if odd else w, n_exp)
+        buf.dispatch(
+            x,
+            topk_idx=idx[:, [0, 1, 1]] if odd else idx,
+            topk_weights=w[:, [0, 1, 1]] if odd else w,
+            num_experts=n_exp,
+        )
     # Another num_experts on one rank: its count message has another number of columns, padded
     # to the same width for the exchange, so every rank raises (unpadded, gloo aborts the process).
     with pytest.raises(ValueError, match="num_experts"):
-        buf.dispatch(x, idx, w, 2 * n_exp if odd else n_exp)
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=2 * n_exp if odd else n_exp)
     with pytest.raises(ValueError, match="at most 1024 per rank"):  # before any communication
-        buf.dispatch(x, idx, w, 1025 * buf.num_ranks)
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=1025 * buf.num_ranks)
     # combine's rows must have the dispatch's hidden size (then every rank's agree): raised
     # locally, before any communication, on the rank that differs.
-    recv_x, _, _, _, handle = buf.dispatch(x, idx, w, n_exp)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=n_exp)
     assert handle.hidden == 8
     if odd:
         with pytest.raises(ValueError, match="hidden size 8"):
-            buf.combine(torch.cat([recv_x, recv_x[:, :4]], 1), handle)
-    buf.combine(recv_x, handle)  # every rank, so the group stays in step
+            buf.combine(torch.cat([recv_x, recv_x[:, :4]], 1), handle)[0]
+    buf.combine(recv_x, handle)[0]  # every rank, so the group stays in step
 
 
 def _check_layout_and_dispatch(buf, rank, world, seed, tokens, k, num_experts, **kw):
@@ -187,8 +192,8 @@ def _check_layout_and_dispatch(buf, rank, world, seed, tokens, k, num_experts, *
     want_exp = torch.tensor([(idxs[rank] == e).sum() for e in range(num_experts)])
     _check_exact("num_tokens_per_expert", n_exp, want_exp)
 
-    recv_x, recv_idx, recv_w, counts, handle = buf.dispatch(
-        xs[rank], idxs[rank], ws[rank], num_experts
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        xs[rank], topk_idx=idxs[rank], topk_weights=ws[rank], num_experts=num_experts
     )
     want_x, want_idx, want_w, want_counts, src = _expected(rank, world, num_experts, xs, idxs, ws)
     _check_exact("recv_x", recv_x, want_x)
@@ -207,7 +212,9 @@ def _check_layout_and_dispatch(buf, rank, world, seed, tokens, k, num_experts, *
 def _check_fp8(buf, rank, world, num_experts):
     xs, idxs, ws = _scenario(world, 11, [6, 3, 8, 5][:world], 200, 2, num_experts)
     q = [per_token_cast_to_fp8(x * 10) for x in xs]  # H=200: a tail block, sf [T, 2]
-    (rx, rsf), recv_idx, _, _, _ = buf.dispatch(q[rank], idxs[rank], ws[rank], num_experts)
+    (rx, rsf), recv_idx, _, _, _, _ = buf.dispatch(
+        q[rank], topk_idx=idxs[rank], topk_weights=ws[rank], num_experts=num_experts
+    )
     want_q, want_idx, *_ = _expected(rank, world, num_experts, [a for a, _ in q], idxs, ws)
     want_sf, *_ = _expected(rank, world, num_experts, [b for _, b in q], idxs, ws)
     _check_exact("recv_x_fp8", rx, want_q)
@@ -218,9 +225,11 @@ def _check_fp8(buf, rank, world, num_experts):
 def _check_combine_bf16(buf, rank, world, num_experts):
     xs, idxs, ws = _scenario(world, 12, [7, 4, 9, 6][:world], 24, 3, num_experts)
     x = xs[rank].bfloat16().requires_grad_()
-    recv_x, _, _, _, handle = buf.dispatch(x, idxs[rank], ws[rank], num_experts)
+    recv_x, _, _, _, handle, _ = buf.dispatch(
+        x, topk_idx=idxs[rank], topk_weights=ws[rank], num_experts=num_experts
+    )
     assert recv_x.dtype == torch.bfloat16
-    out = buf.combine(recv_x, handle)
+    out = buf.combine(recv_x, handle)[0]
     n_ranks = handle.is_token_in_rank.sum(1, keepdim=True).float()  # distinct ranks per token
     # ≤4 bf16 copies sum exactly in fp32, then one rounding, as in the reference: exact.
     _check_exact("combine(dispatch(x))", out, (x.detach().float() * n_ranks).bfloat16())
@@ -250,7 +259,9 @@ def _check_moe_end_to_end(buf, rank, world, num_experts):
     ws = [w.double().requires_grad_() for w in ws]
 
     # Distributed: dispatch -> local experts on the receiving side -> weighted sum -> combine.
-    recv_x, recv_idx, recv_w, _, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+    recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+        xs[rank], topk_idx=idxs[rank], topk_weights=ws[rank], num_experts=num_experts
+    )
     per_rank = num_experts // world
     y_recv = torch.zeros_like(recv_x)
     for j in range(recv_idx.shape[1]):
@@ -258,7 +269,7 @@ def _check_moe_end_to_end(buf, rank, world, num_experts):
             hit = (recv_idx[:, j] == e).unsqueeze(1)
             y_e = recv_w[:, j : j + 1] * torch.tanh(recv_x @ experts[rank * per_rank + e])
             y_recv = y_recv + torch.where(hit, y_e, torch.zeros_like(y_e))
-    y = buf.combine(y_recv, handle)
+    y = buf.combine(y_recv, handle)[0]
     (y * grads_out[rank]).sum().backward()
 
     # Single process, all ranks' tokens at once.
@@ -325,8 +336,16 @@ class GlooTransport:
 
 def _check_async(buf, rank, world, num_experts):
     xs, idxs, ws = _scenario(world, 21, [5, 8, 3, 6][:world], 16, 2, num_experts)
-    sync = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
-    *got, event = buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts, async_finish=True)
+    sync = buf.dispatch(
+        xs[rank], topk_idx=idxs[rank], topk_weights=ws[rank], num_experts=num_experts
+    )
+    *got, event = buf.dispatch(
+        xs[rank],
+        topk_idx=idxs[rank],
+        topk_weights=ws[rank],
+        num_experts=num_experts,
+        async_finish=True,
+    )
     assert isinstance(event, EventOverlap) and event.is_complete()
     event.current_stream_wait()
     event.synchronize()
@@ -334,9 +353,84 @@ def _check_async(buf, rank, world, num_experts):
         _check_exact(f"async {name}", a, b)
     assert got[3] == sync[3]
     y = torch.randn(sync[0].shape, generator=torch.Generator().manual_seed(rank))
-    out, event = buf.combine(y, got[4], async_finish=True)
+    out, _, event = buf.combine(y, got[4], async_finish=True)
     assert isinstance(event, EventOverlap) and event.is_complete()
-    _check_exact("async combine", out, buf.combine(y, sync[4]))
+    _check_exact("async combine", out, buf.combine(y, sync[4])[0])
+
+
+def _check_deepep_api(buf, rank, world, num_experts):
+    """DeepEP's call shapes: fixed arities, the layout tensors, expert_alignment, a cached
+    dispatch, combine's topk_weights / bias, and the arguments ptxtrain refuses."""
+    xs, idxs, ws = _scenario(world, 23, [7, 4, 9, 5][:world], 16, 3, num_experts)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    layout = buf.get_dispatch_layout(idx, num_experts)
+    assert len(layout) == 5 and layout[1] is None and isinstance(layout[4], EventOverlap)
+    for got, want in zip(layout[0:1] + layout[2:4], get_dispatch_layout(idx, num_experts, world)):
+        _check_exact("get_dispatch_layout", got, want)
+    per_rank, _, per_expert, in_rank, _ = layout
+    res = buf.dispatch(x, None, per_rank, None, in_rank, per_expert, idx, w)  # positional
+    assert len(res) == 6 and isinstance(res[5], EventOverlap) and res[5].is_complete()
+    plain = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts)
+    for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), res, plain):
+        _check_exact(f"layout-given {name}", a, b)
+    aligned = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts,
+                           expert_alignment=4)[3]  # fmt: skip
+    assert aligned == [-(-c // 4) * 4 for c in res[3]], (aligned, res[3])
+    # A cached dispatch: another tensor of the same tokens along the same layout.
+    kw = dict(topk_idx=idx, topk_weights=w, num_experts=num_experts)
+    handle = res[4]
+    x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank), dtype=x.dtype)
+    cached = buf.dispatch(x2, handle)
+    assert len(cached) == 6 and cached[1:4] == (None, None, []) and cached[4] is handle
+    _check_exact("cached dispatch", cached[0], buf.dispatch(x2, **kw)[0])
+    combined, combined_w, event = buf.combine(res[0], handle, topk_weights=res[2])
+    assert isinstance(event, EventOverlap) and event.is_complete()
+    # Each gate weight lives in exactly one rank's received row (0 elsewhere): its sum is exact.
+    _check_exact("combined_topk_weights", combined_w, torch.where(idx >= 0, w, 0.0))
+    assert buf.combine(res[0], handle)[1] is None
+    bias = torch.randn(combined.shape, generator=torch.Generator().manual_seed(7), dtype=x.dtype)
+    with_bias = buf.combine(res[0], handle, bias=(bias, bias))[0]
+    _check_exact("combine bias", with_bias, combined + bias + bias)
+    # Refused before any communication (the same on every rank).
+    bad = [
+        (TypeError, "handle", lambda: buf.dispatch(x, idx, w)),
+        (
+            NotImplementedError,
+            "num_worst_tokens",
+            lambda: buf.dispatch(x, **kw, num_worst_tokens=8),
+        ),
+        (
+            NotImplementedError,
+            "rdma",
+            lambda: buf.dispatch(x, **kw, num_tokens_per_rdma_rank=per_rank),
+        ),
+        (ValueError, "config", lambda: buf.dispatch(x, **kw, config=Config(8))),
+        (
+            ValueError,
+            "allocate_on_comm_stream",
+            lambda: buf.dispatch(x, **kw, allocate_on_comm_stream=True),
+        ),
+        (ValueError, "expert_alignment", lambda: buf.dispatch(x, **kw, expert_alignment=0)),
+        (ValueError, "num_experts", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w)),
+        (
+            ValueError,
+            "disagrees",
+            lambda: buf.dispatch(x, **kw | dict(num_tokens_per_expert=per_expert[:-1])),
+        ),
+        (
+            ValueError,
+            "is_token_in_rank",
+            lambda: buf.dispatch(x, **kw | dict(is_token_in_rank=in_rank[:, :1])),
+        ),
+        (ValueError, "cached dispatch", lambda: buf.dispatch(x, handle, topk_idx=idx)),
+        (TypeError, "previous_event", lambda: buf.combine(res[0], handle, previous_event=1)),
+        (ValueError, "bias", lambda: buf.combine(res[0], handle, bias=bias[:1])),
+        (ValueError, "topk_weights", lambda: buf.combine(res[0], handle, topk_weights=w[:0])),
+    ]
+    for exc, word, call in bad:
+        with pytest.raises(exc, match=word):
+            call()
+    assert buf.dispatch(x, **kw, config=buf.config)[3] == res[3]  # its own config is accepted
 
 
 def _check_capacity(rank, world, num_experts):
@@ -346,7 +440,7 @@ def _check_capacity(rank, world, num_experts):
     # fp32 rows of 16 values = 64 bytes; 2 rows per peer fit, 12 tokens do not.
     buf._transport = GlooTransport(rank, world, num_nvl_bytes=2 * world * 64)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        buf.dispatch(xs[rank], idxs[rank], ws[rank], num_experts)
+        buf.dispatch(xs[rank], topk_idx=idxs[rank], topk_weights=ws[rank], num_experts=num_experts)
 
 
 def _check_message_counts(rank, world, num_experts):
@@ -369,9 +463,9 @@ def _check_message_counts(rank, world, num_experts):
         dist.all_to_all_single = counting
         try:
             steps = []
-            res = buf.dispatch(x, idxs[rank], w, num_experts)
+            res = buf.dispatch(x, topk_idx=idxs[rank], topk_weights=w, num_experts=num_experts)
             steps.append(len(calls))
-            out = buf.combine(res[0] * 2, res[4])
+            out = buf.combine(res[0] * 2, res[4])[0]
             steps.append(len(calls))
             (out.sum() + res[2].sum()).backward()
             steps.append(len(calls))
@@ -390,10 +484,10 @@ def _check_message_counts(rank, world, num_experts):
 
 
 def _use_triton_kernels() -> bool:
-    """Spawned ranks: run ptxtrain.moe.layout's kernels on CPU tensors when they can be
+    """Spawned ranks: run ptxtrain.ep.layout's kernels on CPU tensors when they can be
     interpreted (TRITON_INTERPRET=1 is inherited; the exact-cast patch is applied here, since
     conftest does not run in the children)."""
-    import ptxtrain.moe.layout as lay
+    import ptxtrain.ep.layout as lay
 
     if not _interpreted():
         return False
@@ -414,6 +508,7 @@ def _worker(rank: int, world: int, triton_kernels: bool) -> None:
     assert (buf.rank, buf.num_ranks) == (rank, world)
     _check_validation(buf, rank)
     _check_async(buf, rank, world, 3 * world)
+    _check_deepep_api(buf, rank, world, 3 * world)
     _check_capacity(rank, world, 3 * world)
     _run_checks(buf, rank, world)
     # The nvlink backend's Python side (handle indices, byte rows, 16-byte padding, autograd)
@@ -451,7 +546,7 @@ def _run_checks(buf, rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_combine_gloo(world, triton_kernels):
     """Every check on the torch path and on the Triton path (layout, packing, combine sum of
-    ptxtrain.moe.layout, interpreted on the CPU): the same expected results, bit for bit."""
+    ptxtrain.ep.layout, interpreted on the CPU): the same expected results, bit for bit."""
     if triton_kernels and not _INTERPRETED:
         pytest.skip("needs Triton with TRITON_INTERPRET=1 (the kernels run on CPU tensors)")
     run_gloo(_worker, world, triton_kernels, timeout=120.0)
@@ -467,7 +562,7 @@ def _absent_peer_worker(rank, world):
     x, idx, w = torch.randn(4, 8), torch.tensor([[0, 3]] * 4), torch.rand(4, 2)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"Buffer.dispatch: .* within timeout_s=2 s"):
-        buf.dispatch(x, idx, w, 4)
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=4)
     # Bounded by timeout_s, not by the process group's (gloo's default: 30 min).
     assert time.monotonic() - start < 7.0
 
@@ -500,20 +595,21 @@ def test_buffer_argument_validation_single_process():
     # Checked before the process group: no init needed.
     bad = [
         (ValueError, "backend", dict(backend="nccl")),
-        (ValueError, "num_sms", dict(num_sms=0)),
-        (TypeError, "num_sms", dict(num_sms=2.0)),
         (ValueError, "num_nvl_bytes", dict(num_nvl_bytes=-1)),
         (TypeError, "num_nvl_bytes", dict(num_nvl_bytes="1G")),
         (ValueError, "timeout_s", dict(timeout_s=0.0)),
         (TypeError, "timeout_s", dict(timeout_s=True)),
-        (ValueError, "threads", dict(nvl_threads=100)),
-        (TypeError, "threads", dict(nvl_threads=None)),
-        (ValueError, "unroll", dict(nvl_unroll=3)),
-        (TypeError, "pipeline", dict(nvl_pipeline=1)),
+        (NotImplementedError, "num_rdma_bytes", dict(num_rdma_bytes=1 << 20)),
+        (TypeError, "num_rdma_bytes", dict(num_rdma_bytes=None)),
+        (NotImplementedError, "low_latency_mode", dict(low_latency_mode=True)),
+        (ValueError, "num_qps_per_rank", dict(num_qps_per_rank=0)),
+        (TypeError, "config", dict(config=dict(num_sms=24))),
     ]
     for exc, word, kw in bad:
         with pytest.raises(exc, match=word):
             Buffer(**kw)
+    with pytest.raises(TypeError, match="positional"):  # ptxtrain's extras are keyword-only
+        Buffer(None, 1 << 20, 0, False, 24, "nvlink")
     if not dist.is_initialized():
         with pytest.raises(ValueError, match="init_process_group"):
             Buffer()
@@ -525,11 +621,69 @@ def test_buffer_argument_validation_single_process():
     assert EventOverlap().is_complete()  # CPU: nothing to wait for
 
 
+def test_config_validates_and_names_each_knob():
+    bad = [
+        (ValueError, "num_sms", dict(num_sms=0)),
+        (TypeError, "num_sms", dict(num_sms=2.0)),
+        (ValueError, "nvl_threads", dict(nvl_threads=100)),
+        (TypeError, "nvl_threads", dict(nvl_threads=None)),
+        (ValueError, "nvl_unroll", dict(nvl_unroll=3)),
+        (TypeError, "nvl_pipeline", dict(nvl_pipeline=1)),
+        (ValueError, "nvl_send_sms", dict(num_sms=8, nvl_send_sms=8)),
+        (ValueError, "nvl_round_rows", dict(nvl_round_rows=65)),
+    ]
+    for exc, word, kw in bad:
+        with pytest.raises(exc, match=word):
+            Config(**kw)
+    with pytest.raises(TypeError):  # DeepEP's chunk sizes have no counterpart: not positional
+        Config(24, 6, 256)
+    assert Config(16, nvl_send_sms=4) == Config(16, nvl_send_sms=4) != Config(16)
+
+
+def test_default_configs_follow_set_num_sms():
+    before = Buffer.num_sms
+    try:
+        assert Buffer.get_dispatch_config(2) == Buffer.get_combine_config(8) == Config(before)
+        Buffer.set_num_sms(20)
+        assert Buffer.get_dispatch_config(4).num_sms == 20
+        with pytest.raises(ValueError, match="new_num_sms"):
+            Buffer.set_num_sms(0)
+        with pytest.raises(ValueError, match="num_ranks"):
+            Buffer.get_dispatch_config(0)
+    finally:
+        Buffer.set_num_sms(before)
+
+
+def test_signatures_follow_deepep():
+    """Positional order and names of DeepEP's Buffer (the arguments a port passes positionally)."""
+    import inspect
+
+    def names(fn):
+        return list(inspect.signature(fn).parameters)
+
+    assert names(Buffer)[:5] == [
+        "group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank"
+    ]  # fmt: skip
+    assert names(Buffer.dispatch)[1:15] == [
+        "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
+        "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment",
+        "num_worst_tokens", "config", "previous_event", "async_finish",
+        "allocate_on_comm_stream",
+    ]  # fmt: skip
+    assert names(Buffer.combine)[1:] == [
+        "x", "handle", "topk_weights", "bias", "config", "previous_event", "async_finish",
+        "allocate_on_comm_stream",
+    ]  # fmt: skip
+    assert names(Buffer.get_dispatch_layout)[1:] == [
+        "topk_idx", "num_experts", "previous_event", "async_finish", "allocate_on_comm_stream"
+    ]  # fmt: skip
+
+
 def test_signature_description_does_not_misread_other_widths():
     """A peer with another num_experts sends count rows of another width (5 + E / ranks), so the
     two columns read as its signature are arbitrary: they are described as such, not decoded
     into numbers that look like a real hidden size or k."""
-    from ptxtrain.moe.dispatch import _describe_signature, _encode_signature
+    from ptxtrain.ep.buffer import _describe_signature, _encode_signature
 
     real = _encode_signature((7168, 256, 8, 1, torch.float32))
     assert _describe_signature(real).startswith("hidden=7168, num_experts=256, k=8, ")

@@ -1,4 +1,4 @@
-"""Few-launch helpers of :mod:`ptxtrain.moe.dispatch`: the send layout, row packing and the
+"""Few-launch helpers of :mod:`ptxtrain.ep.buffer`: the send layout, row packing and the
 combine sum, each one Triton kernel with a ``torch_*`` twin (bit-identical results).
 
 Design note (docs/design.md §4; why: a dispatch is host-bound, ~10-20 µs of host time per torch op).
@@ -47,8 +47,6 @@ import math
 
 import torch
 
-from ptxtrain.moe.ref import count_per_expert
-
 try:
     import triton
     import triton.language as tl
@@ -57,6 +55,7 @@ except ImportError:  # pragma: no cover - CPU installs without Triton use the to
 
 __all__ = [
     "combine_sum",
+    "count_per_expert",
     "pack_rows",
     "recv_tail",
     "send_layout",
@@ -68,6 +67,19 @@ __all__ = [
     "triton_usable",
     "unpack_rows",
 ]
+
+
+def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of ``expert_ids`` (any shape, int64) name each expert: ``[E]`` int64.
+
+    ``torch.bincount(ids, minlength=E)`` for ids in ``[0, E)``, without its host sync (on CUDA
+    bincount reads the maximum back to size its output: a stall in every MoE layer's forward).
+    Ids outside ``[0, E)`` are not counted.
+    """
+    flat = expert_ids.reshape(-1)
+    spill = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, spill, torch.ones_like(spill))[:num_experts]
 
 
 def _pow2(n: int) -> int:
@@ -315,7 +327,7 @@ def send_layout(
         num_experts / num_ranks: ``E`` and ``R`` (``E % R == 0``; validated by the caller).
         use_triton: ``None`` = the Triton kernel where :func:`triton_usable`, else torch.
         extra: up to two int64 values appended as columns to every row of the count message
-            (:class:`ptxtrain.moe.Buffer` sends the call's signature there).
+            (:class:`ptxtrain.ep.Buffer` sends the call's signature there).
 
     Returns:
         ``is_token_in_rank [T, R]`` bool; ``counts [2, R, 3 + E/R + len(extra)]`` int64 whose

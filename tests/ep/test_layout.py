@@ -1,4 +1,4 @@
-"""ptxtrain.moe.layout: the Triton kernels against their torch twins, bit for bit.
+"""ptxtrain.ep.layout: the Triton kernels against their torch twins, bit for bit.
 
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` (tests/conftest.py sets it and applies
 the exact-cast patch). Integer outputs (layout) and byte copies (packing) must be identical; the
@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-import ptxtrain.moe.layout as lay
+import ptxtrain.ep.layout as lay
 from ptxtrain.testing import assert_bitwise_equal
 from ptxtrain.testing.triton_interp import patch_applied
 

@@ -36,7 +36,7 @@ copy). The call is host-bound (every torch op costs host time and, after the syn
 waits for each), so on CUDA the whole send layout is ONE Triton launch, the payload is packed
 and unpacked with one launch each, the received rows' local ids / weights / source index and
 rank come from one launch (``recv_tail``) and combine sums with one launch over a slot table
-(:mod:`ptxtrain.moe.layout`; CPU tensors take its torch twins, bit-identical). What needs no
+(:mod:`ptxtrain.ep.layout`; CPU tensors take its torch twins, bit-identical). What needs no
 host-side count (the send / receive offsets; with nvlink, the packing) is queued before the
 sync, so that the host's launches after it are few: behind queued work on two H200s a
 dispatch adds 0.56x (nvlink) / 0.74x (all_to_all) of the GPU time it adds with all of it
@@ -55,15 +55,16 @@ Backends. ``"all_to_all"`` (default; the only one on CPU) moves everything with
 ``all_to_all_single``. ``"nvlink"`` (one node of NVLink-connected GPUs, NCCL group) keeps the
 count exchange above but moves the payload message (and the combine rows and the autograd
 counterparts) with a JIT kernel writing straight into the peers' symmetric-memory buffers on
-``num_sms`` SMs (:mod:`ptxtrain.moe.nvlink` has its design note); it needs only the send and
+``num_sms`` SMs (:mod:`ptxtrain.ep.nvlink` has its design note); it needs only the send and
 receive offsets (prefix sums of the counts, built on the device in two launches and cached in
 the handle): the kernel derives each row's peer and place from them. The receive
 order, the handle and the sums are the same, so both backends give bit-identical results.
 
 Async mode (DeepEP's ``async_finish``): ``dispatch(..., async_finish=True)`` and
 ``combine(..., async_finish=True)`` run on a side CUDA stream (after waiting for the current
-stream) and return an :class:`EventOverlap` as an extra last result; call its
-``current_stream_wait()`` before using the outputs on the current stream. Inputs are
+stream); the :class:`EventOverlap` they return last (always: an already complete one without
+``async_finish``) then has a ``current_stream_wait()`` to call before using the outputs on the
+current stream. Inputs are
 ``record_stream``-ed on the side stream and outputs (and the handle's tensors) on the current
 stream, so the caching allocator never hands their memory out early. On CPU the same API works
 and the event is already complete. (The layout exchange still needs a host sync for the counts,
@@ -81,7 +82,8 @@ import torch
 import torch.distributed as dist
 
 from ptxtrain._checks import ceil_div, check_positive_int, check_shape, check_tensor
-from ptxtrain.moe.layout import (
+from ptxtrain.ep.config import Config
+from ptxtrain.ep.layout import (
     combine_sum,
     pack_rows,
     recv_tail,
@@ -90,15 +92,23 @@ from ptxtrain.moe.layout import (
     triton_usable,
     unpack_rows,
 )
-from ptxtrain.moe.nvlink import DEFAULT_PIPELINE, DEFAULT_SEND_SMS
 from ptxtrain.quant.ref import BLOCK, FP8_DTYPE
 
-__all__ = ["Buffer", "DispatchHandle", "EventOverlap", "get_dispatch_layout"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_NVL_BYTES",
+    "Buffer",
+    "DispatchHandle",
+    "EventOverlap",
+    "dispatch_rows",
+    "get_dispatch_layout",
+    "move_rows",
+]
 
 _X_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
 _W_DTYPES = (torch.float32, torch.float64)
-_BACKENDS = ("all_to_all", "nvlink")
-_DEFAULT_NVL_BYTES = 1 << 30
+BACKENDS = ("all_to_all", "nvlink")
+DEFAULT_NVL_BYTES = 1 << 30
 # Experts per rank that a dispatch's count message has room for. The message goes out padded
 # to this fixed width (5 + it int64 columns per peer), so ranks that disagree on num_experts
 # still exchange messages of one size and the signature check raises on every rank, instead of
@@ -183,7 +193,7 @@ class DispatchHandle:
         hidden: ``H`` of the dispatched rows (the same on every rank, checked by the dispatch),
             which ``combine`` requires of its rows too.
         timeout_s: the buffer's ``timeout_s`` (bounds the gloo exchanges).
-        transport: the :class:`ptxtrain.moe.nvlink.NvlinkTransport` moving the payload rows,
+        transport: the :class:`ptxtrain.ep.nvlink.NvlinkTransport` moving the payload rows,
             or ``None`` for ``all_to_all_single``.
     """
 
@@ -294,7 +304,7 @@ def _pack(parts: list[torch.Tensor], width: int, rows: torch.Tensor | None) -> t
 
     ``rows`` (int64) selects and orders the rows (``None``: all). Bytes past the parts (padding
     to ``width``) are left uninitialized: they travel but are never read. One Triton launch on
-    CUDA (:func:`ptxtrain.moe.layout.pack_rows`).
+    CUDA (:func:`ptxtrain.ep.layout.pack_rows`).
     """
     if len(parts) == 1 and _row_bytes(parts[0]) == width:  # nothing to pack: no copy
         v = _as_bytes(parts[0])
@@ -332,7 +342,7 @@ def _nvl_row_bytes(width: int) -> int:
     return max(16, ceil_div(width, 16) * 16)
 
 
-def _move(
+def move_rows(
     parts: list[torch.Tensor],
     handle: DispatchHandle,
     combine: bool,
@@ -364,22 +374,22 @@ def _move(
 def _combine_sum(back: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Sent-order rows ``[S, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation):
     one Triton launch over the handle's slot table where the layout kernel built one, else
-    ``index_add`` (:mod:`ptxtrain.moe.layout`)."""
+    ``index_add`` (:mod:`ptxtrain.ep.layout`)."""
     if "slot" in handle._nvl_index and triton_usable(back):
         return combine_sum(back, handle._nvl_index["slot"][0])
     return torch_combine_sum(back, handle.send_src_idx, handle.num_tokens)
 
 
-def _dispatch_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+def dispatch_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Token rows ``[T, ...]`` -> received rows ``[N, ...]`` (no gradient tracking)."""
-    return _move([t], handle, combine=False)[0]
+    return move_rows([t], handle, combine=False)[0]
 
 
 def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Received rows ``[N, ...]`` -> per-token sums ``[T, ...]`` (fp32/fp64 accumulation).
 
     The nvlink backend's split kernel sums bf16 rows as they arrive (``combine_sum`` of
-    :class:`ptxtrain.moe.nvlink.NvlinkTransport`: no copy-out of the received rows), with the
+    :class:`ptxtrain.ep.nvlink.NvlinkTransport`: no copy-out of the received rows), with the
     same order and rounding as the copy-then-sum path it replaces."""
     transport = handle.transport
     fused = getattr(transport, "can_combine_sum", None)
@@ -390,7 +400,7 @@ def _combine_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
             send_row, send_off, recv_off = _nvl_index(handle, combine=True)
             slot = handle._nvl_index["slot"][0]
             return transport.combine_sum(t, send_row, send_off, recv_off, slot, handle.num_tokens)
-    return _combine_sum(_move([t], handle, combine=True)[0], handle)
+    return _combine_sum(move_rows([t], handle, combine=True)[0], handle)
 
 
 # A dispatch's signature, (hidden, num_experts, k, x code, topk_weights dtype) with x code the
@@ -481,7 +491,7 @@ class _DispatchFn(torch.autograd.Function):
     def forward(ctx, handle: DispatchHandle, packed: torch.Tensor | None, *parts: torch.Tensor):
         ctx.handle = handle
         ctx.set_materialize_grads(False)
-        outs = _move(list(parts), handle, combine=False, packed=packed)
+        outs = move_rows(list(parts), handle, combine=False, packed=packed)
         ctx.outs = [(o.shape, o.dtype) for o in outs]
         ctx.device = parts[0].device
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
@@ -505,14 +515,14 @@ class _DispatchFn(torch.autograd.Function):
                 else torch.zeros(ctx.outs[i][0], dtype=ctx.outs[i][1], device=ctx.device)
                 for i in want
             ]
-            back = _move(gs, ctx.handle, combine=True)
+            back = move_rows(gs, ctx.handle, combine=True)
             for i, b in zip(want, back, strict=True):
                 result[i] = _combine_sum(b, ctx.handle)
         return None, None, *result
 
 
 class _RecvTailFn(torch.autograd.Function):
-    """:func:`ptxtrain.moe.layout.recv_tail` with the gate weights' gradient: it flows back to
+    """:func:`ptxtrain.ep.layout.recv_tail` with the gate weights' gradient: it flows back to
     the received weights where the expert is local (``recv_topk_idx >= 0``), as through the
     ``torch.where`` of the twin."""
 
@@ -541,7 +551,127 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _dispatch_rows(grad, ctx.handle), None
+        return dispatch_rows(grad, ctx.handle), None
+
+
+def _check_x(x: object) -> tuple[int, torch.device]:
+    """Validates dispatch's ``x`` (a ``[T, H]`` tensor or the FP8 pair); returns ``(T, device)``."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"x as a tuple must be (x_fp8, sf), got {len(x)} items")
+        x_fp8, sf = x
+        check_tensor("x[0] (x_fp8)", x_fp8, dtypes=(FP8_DTYPE,), ndim=2)
+        check_tensor("x[1] (sf)", sf, dtypes=(torch.float32,), ndim=2)
+        n_tokens, hidden = x_fp8.shape
+        check_shape("x[1] (sf)", sf, (n_tokens, ceil_div(hidden, BLOCK)), "[T, ⌈H/128⌉]")
+        if sf.device != x_fp8.device:
+            raise ValueError(f"sf must be on x_fp8's device {x_fp8.device}, got {sf.device}")
+        return n_tokens, x_fp8.device
+    check_tensor("x", x, dtypes=_X_DTYPES, ndim=2)
+    return x.shape[0], x.device
+
+
+def _require_zero(name: str, value: object, why: str) -> None:
+    """A DeepEP int argument whose feature ptxtrain lacks: TypeError unless an int,
+    NotImplementedError unless 0 (the message names it and says ``why``)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value:
+        raise NotImplementedError(f"{name} must be 0 ({why}), got {value}")
+
+
+def _check_deepep_only_args(num_rdma_bytes, low_latency_mode, num_qps_per_rank) -> None:
+    """DeepEP constructor arguments for what ptxtrain does not have (RDMA, low-latency mode)."""
+    _require_zero("num_rdma_bytes", num_rdma_bytes, "ptxtrain's Buffer is intranode only (no RDMA)")
+    if not isinstance(low_latency_mode, bool):
+        raise TypeError(f"low_latency_mode must be a bool, got {low_latency_mode!r}")
+    if low_latency_mode:
+        raise NotImplementedError(
+            "low_latency_mode=True: ptxtrain's Buffer has no low-latency kernels "
+            "(normal dispatch / combine only)"
+        )
+    check_positive_int("num_qps_per_rank", num_qps_per_rank)
+
+
+def _check_dispatch_extras(num_tokens_per_rdma_rank, num_worst_tokens, expert_alignment) -> None:
+    if num_tokens_per_rdma_rank is not None:
+        raise NotImplementedError(
+            "num_tokens_per_rdma_rank must be None: ptxtrain's Buffer is intranode only (no RDMA)"
+        )
+    _require_zero("num_worst_tokens", num_worst_tokens, "the outputs are sized by the counts")
+    check_positive_int("expert_alignment", expert_alignment)
+
+
+def _resolve_num_experts(num_experts: object, num_tokens_per_expert: object) -> int:
+    """``E`` from the ``num_experts`` keyword or the length of ``num_tokens_per_expert``."""
+    if num_tokens_per_expert is not None:
+        check_tensor("num_tokens_per_expert", num_tokens_per_expert, ndim=1)
+        n = num_tokens_per_expert.shape[0]
+        if num_experts is not None and num_experts != n:
+            raise ValueError(
+                f"num_experts={num_experts} disagrees with num_tokens_per_expert of length {n}"
+            )
+        return n
+    if num_experts is None:
+        raise ValueError(
+            "dispatch needs the number of experts: num_tokens_per_expert (from "
+            "get_dispatch_layout) or num_experts="
+        )
+    return num_experts
+
+
+def _check_layout_shapes(num_tokens_per_rank, is_token_in_rank, topk_idx, num_ranks) -> None:
+    if num_tokens_per_rank is not None:
+        check_tensor("num_tokens_per_rank", num_tokens_per_rank, ndim=1)
+        check_shape("num_tokens_per_rank", num_tokens_per_rank, (num_ranks,), "[R]")
+    if is_token_in_rank is not None:
+        check_tensor("is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), ndim=2)
+        want = (topk_idx.shape[0], num_ranks)
+        check_shape("is_token_in_rank", is_token_in_rank, want, "[T, R]")
+
+
+def _align(counts: list[int], alignment: int) -> list[int]:
+    """Counts rounded up to a multiple of ``alignment`` (DeepEP's ``expert_alignment``)."""
+    return counts if alignment == 1 else [ceil_div(c, alignment) * alignment for c in counts]
+
+
+def _check_bias(bias, x: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, ...]:
+    """combine's ``bias``: None, a tensor or a tuple of up to two, each ``[T, H]`` in ``x``'s
+    dtype on its device; returned as a tuple."""
+    biases = () if bias is None else tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+    if len(biases) > 2:
+        raise ValueError(f"bias must be a tensor or a tuple of at most two, got {len(biases)}")
+    for i, b in enumerate(biases):
+        name = f"bias[{i}]" if isinstance(bias, (tuple, list)) else "bias"
+        check_tensor(name, b, dtypes=(x.dtype,), ndim=2)
+        check_shape(name, b, (handle.num_tokens, handle.hidden), "[T, H]")
+        if b.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {b.device}")
+    return biases
+
+
+def _nvlink_transport(group, config: Config, num_nvl_bytes: int, aggressive_ptx: bool,
+                      timeout_s: float):  # fmt: skip
+    """The :class:`ptxtrain.ep.nvlink.NvlinkTransport` of an ``"nvlink"`` Buffer."""
+    if not torch.cuda.is_available():
+        raise ValueError("backend='nvlink' needs CUDA GPUs; use backend='all_to_all'")
+    n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    if config.num_sms > n_sm:
+        raise ValueError(f"config.num_sms must be <= the device's {n_sm} SMs, got {config.num_sms}")
+    from ptxtrain.ep.nvlink import NvlinkTransport
+
+    return NvlinkTransport(
+        group,
+        config.num_sms,
+        num_nvl_bytes,
+        aggressive_ptx=aggressive_ptx,
+        timeout_s=timeout_s,
+        threads=config.nvl_threads,
+        unroll=config.nvl_unroll,
+        pipeline=config.nvl_pipeline,
+        send_sms=config.nvl_send_sms,
+        round_rows=config.nvl_round_rows,
+    )
 
 
 class Buffer:
@@ -550,106 +680,110 @@ class Buffer:
     Args:
         group: the expert-parallel process group; ``None`` uses the default group, which must be
             initialized (``torch.distributed.init_process_group``).
+        num_nvl_bytes: bytes of each rank's nvlink receive buffer (default 1 GiB; unused by
+            ``"all_to_all"``). A dispatch or combine whose rows from one rank to another exceed
+            ``num_nvl_bytes / (R · row bytes)`` raises ValueError on every rank;
+            :meth:`nvl_bytes_hint` sizes it.
+        num_rdma_bytes: must be 0: ptxtrain's Buffer is intranode (no RDMA).
+        low_latency_mode: must be False: there are no low-latency kernels.
+        num_qps_per_rank: RDMA queue pairs in DeepEP; validated (a positive int), unused.
+
+    Keyword-only (ptxtrain's own):
         backend: ``"all_to_all"`` — ``torch.distributed.all_to_all_single`` (NCCL on GPUs, gloo
             on CPU; any world size); ``"nvlink"`` — payload rows moved by a JIT kernel through
             PyTorch symmetric memory (NCCL group of the GPUs of one node, one GPU per rank, the
-            current CUDA device being this rank's; :mod:`ptxtrain.moe.nvlink`).
-        num_sms: thread blocks (one per SM) of the nvlink kernel, at most the device's SM count
-            (ignored by ``"all_to_all"``, still validated). DeepEP's README uses 24.
-        num_nvl_bytes: bytes of each rank's nvlink receive buffer (default 1 GiB). A dispatch or
-            combine whose rows from one rank to another exceed ``num_nvl_bytes / (R · row
-            bytes)`` raises ValueError on every rank; :meth:`nvl_bytes_hint` sizes it.
+            current CUDA device being this rank's; :mod:`ptxtrain.ep.nvlink`).
+        config: the kernels' :class:`~ptxtrain.ep.Config` (default
+            :meth:`get_dispatch_config`); the nvlink kernel is compiled for it here, so a
+            ``dispatch`` / ``combine`` may only pass this same config.
         aggressive_ptx: compile the nvlink kernel with ``PTXTRAIN_AGGRESSIVE_PTX`` (DeepEP's
             ``ld.global.nc.L1::no_allocate.L2::256B`` loads of peer-written data; default off).
         timeout_s: bound on every flag wait of the nvlink kernel, and on a gloo group on each
             ``all_to_all_single`` of a dispatch / combine (then RuntimeError naming the call, no
             hang). NCCL exchanges keep the group's timeout and NCCL's watchdog.
-        nvl_threads / nvl_unroll / nvl_pipeline: the nvlink kernel's tuning knobs, threads per
-            block (a multiple of 32, at most 1024), 16-byte loads in flight per lane (1, 2, 4 or
-            8) and the per-block-flag pipelined variant (bool, default on); validated for every
-            backend, used by ``"nvlink"`` (:func:`ptxtrain.moe.nvlink.compile_kernel`).
-        nvl_send_sms: the split variant's sender SMs out of ``num_sms`` (the rest copy out;
-            default ``None``: half, or no split with ``nvl_pipeline=False``; 0: no split,
-            ``nvl_pipeline`` picks the variant;
-            :class:`ptxtrain.moe.nvlink.NvlinkTransport`).
 
     Every rank of the group must construct the buffer with the same arguments and call
     ``dispatch`` / ``combine`` (and their backward passes) in the same order, as with any
     collective.
 
     Raises:
-        TypeError: ``num_sms`` / ``num_nvl_bytes`` / ``nvl_threads`` / ``nvl_unroll`` not ints,
-            ``nvl_pipeline`` not a bool, ``timeout_s`` not a number.
-        ValueError: unknown ``backend``, a non-positive ``num_sms`` / ``num_nvl_bytes`` /
-            ``timeout_s``, bad ``nvl_threads`` / ``nvl_unroll``, ``num_sms`` above the
-            device's SM count, ``"nvlink"`` without CUDA, or the default group is not
-            initialized.
+        TypeError: ``num_nvl_bytes`` / ``num_rdma_bytes`` / ``num_qps_per_rank`` not ints,
+            ``low_latency_mode`` not a bool, ``config`` not a Config, ``timeout_s`` not a number.
+        ValueError: unknown ``backend``, a non-positive ``num_nvl_bytes`` / ``num_qps_per_rank``
+            / ``timeout_s``, ``config.num_sms`` above the device's SM count, ``"nvlink"``
+            without CUDA, or the default group is not initialized.
+        NotImplementedError: ``num_rdma_bytes > 0`` or ``low_latency_mode=True``.
 
     Source: DeepEP V1 ``Buffer``; docs/design.md §4.
     """
 
+    #: SMs of the default config (:meth:`set_num_sms`, :meth:`get_dispatch_config`).
+    num_sms: int = 24
+
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
-        backend: str = "all_to_all",
-        num_sms: int = 24,
-        num_nvl_bytes: int = _DEFAULT_NVL_BYTES,
+        num_nvl_bytes: int = DEFAULT_NVL_BYTES,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
         *,
+        backend: str = "all_to_all",
+        config: Config | None = None,
         aggressive_ptx: bool = False,
         timeout_s: float = 30.0,
-        nvl_threads: int = 1024,
-        nvl_unroll: int = 4,
-        nvl_pipeline: bool = DEFAULT_PIPELINE,
-        nvl_send_sms: int | None = DEFAULT_SEND_SMS,
     ):
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        check_positive_int("num_sms", num_sms)
+        _check_deepep_only_args(num_rdma_bytes, low_latency_mode, num_qps_per_rank)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         check_positive_int("num_nvl_bytes", num_nvl_bytes)
+        if config is None:
+            config = self.get_dispatch_config(1)
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a ptxtrain.ep.Config, got {type(config).__name__}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.timeout_s = float(timeout_s)
-        from ptxtrain.moe.nvlink import check_knobs, check_send_sms
-
-        check_knobs(nvl_threads, nvl_unroll)
-        check_send_sms(nvl_send_sms, num_sms)
-        if not isinstance(nvl_pipeline, bool):
-            raise TypeError(f"nvl_pipeline must be a bool, got {nvl_pipeline!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "Buffer needs an initialized torch.distributed process group "
                 "(call torch.distributed.init_process_group first)"
             )
+        self.timeout_s = float(timeout_s)
         self.group = group
         self.backend = backend
-        self.num_sms = num_sms
+        self.config = config
+        self.num_sms = config.num_sms
+        self.num_nvl_bytes = num_nvl_bytes
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self._transport = None
         self._comm_stream: torch.cuda.Stream | None = None
         if backend == "nvlink":
-            if not torch.cuda.is_available():
-                raise ValueError("backend='nvlink' needs CUDA GPUs; use backend='all_to_all'")
-            n_sm = torch.cuda.get_device_properties(
-                torch.cuda.current_device()
-            ).multi_processor_count
-            if num_sms > n_sm:
-                raise ValueError(f"num_sms must be <= the device's {n_sm} SMs, got {num_sms}")
-            from ptxtrain.moe.nvlink import NvlinkTransport
+            self._transport = _nvlink_transport(group, config, num_nvl_bytes, aggressive_ptx,
+                                                timeout_s)  # fmt: skip
 
-            self._transport = NvlinkTransport(
-                group,
-                num_sms,
-                num_nvl_bytes,
-                aggressive_ptx=aggressive_ptx,
-                timeout_s=timeout_s,
-                threads=nvl_threads,
-                unroll=nvl_unroll,
-                pipeline=nvl_pipeline,
-                send_sms=nvl_send_sms,
-            )
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SMs of the default :class:`~ptxtrain.ep.Config` of buffers built afterwards
+        (DeepEP's ``Buffer.set_num_sms``). Raises TypeError / ValueError unless a positive int."""
+        Buffer.num_sms = check_positive_int("new_num_sms", new_num_sms)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The default :class:`~ptxtrain.ep.Config` for ``num_ranks`` ranks: ``Buffer.num_sms``
+        SMs and the nvlink kernel's default knobs (measured best at EP2 / EP4 on H200s; one
+        config serves every group size). Raises TypeError / ValueError unless ``num_ranks`` is
+        a positive int."""
+        check_positive_int("num_ranks", num_ranks)
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """As :meth:`get_dispatch_config`: the nvlink buffer is built for one config, and its
+        combine derives its own launch shape from it (see :mod:`ptxtrain.ep.nvlink`)."""
+        return Buffer.get_dispatch_config(num_ranks)
 
     @staticmethod
     def nvl_bytes_hint(num_max_tokens: int, row_bytes: int, num_ranks: int) -> int:
@@ -685,20 +819,7 @@ class Buffer:
                 f"num_experts must be at most {_MAX_EXPERTS_PER_RANK} per rank (the count "
                 f"message's width) x {self.num_ranks} ranks, got {num_experts}"
             )
-        if isinstance(x, (tuple, list)):
-            if len(x) != 2:
-                raise ValueError(f"x as a tuple must be (x_fp8, sf), got {len(x)} items")
-            x_fp8, sf = x
-            check_tensor("x[0] (x_fp8)", x_fp8, dtypes=(FP8_DTYPE,), ndim=2)
-            check_tensor("x[1] (sf)", sf, dtypes=(torch.float32,), ndim=2)
-            n_tokens, hidden = x_fp8.shape
-            check_shape("x[1] (sf)", sf, (n_tokens, ceil_div(hidden, BLOCK)), "[T, ⌈H/128⌉]")
-            device = x_fp8.device
-            if sf.device != device:
-                raise ValueError(f"sf must be on x_fp8's device {device}, got {sf.device}")
-        else:
-            check_tensor("x", x, dtypes=_X_DTYPES, ndim=2)
-            n_tokens, device = x.shape[0], x.device
+        n_tokens, device = _check_x(x)
         # The id range is checked on the device and reported with the count exchange (no sync).
         check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
         if topk_idx.shape[0] != n_tokens:
@@ -710,26 +831,89 @@ class Buffer:
         for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
             if t.device != device:
                 raise ValueError(f"{name} must be on x's device {device}, got {t.device}")
+        self._check_device(device)
+
+    def _check_device(self, device: torch.device) -> None:
         if self._transport is not None and device != self._transport.device:
             raise ValueError(
                 f"x must be on the nvlink buffer's device {self._transport.device}, got {device}"
             )
 
+    def _check_handle(self, handle: object) -> DispatchHandle:
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
+        if handle.num_ranks != self.num_ranks or handle.rank != self.rank:
+            raise ValueError(
+                f"handle was made on rank {handle.rank} of {handle.num_ranks}, this buffer is "
+                f"rank {self.rank} of {self.num_ranks}"
+            )
+        if handle.transport is not self._transport:
+            raise ValueError("handle was made by another Buffer (different transport)")
+        return handle
+
+    def _check_options(self, config, previous_event, async_finish, allocate_on_comm_stream):
+        """The stream / config arguments shared by dispatch, combine and get_dispatch_layout."""
+        if config is not None and config != self.config:
+            raise ValueError(
+                f"config must be None or the Buffer's own config {self.config} (the nvlink "
+                f"kernel is built for it at construction), got {config!r}; pass other knobs "
+                "to Buffer(..., config=...)"
+            )
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            got = type(previous_event).__name__
+            raise TypeError(f"previous_event must be an EventOverlap or None, got {got}")
+        for name, flag in (("async_finish", async_finish), ("allocate_on_comm_stream",
+                                                             allocate_on_comm_stream)):  # fmt: skip
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if allocate_on_comm_stream and not async_finish:
+            raise ValueError("allocate_on_comm_stream=True needs async_finish=True (as in DeepEP)")
+
     # ------------------------------------------------------------------ public API
     def get_dispatch_layout(
-        self, topk_idx: torch.Tensor, num_experts: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:func:`get_dispatch_layout` over this buffer's group size."""
-        return get_dispatch_layout(topk_idx, num_experts, self.num_ranks)
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple:
+        """:func:`get_dispatch_layout` over this buffer's group size, in DeepEP's shape.
+
+        Returns:
+            ``(num_tokens_per_rank [R] int64, num_tokens_per_rdma_rank (always None: no RDMA),
+            num_tokens_per_expert [E] int64, is_token_in_rank [T, R] bool, event)``, ``event``
+            an :class:`EventOverlap` (already complete unless ``async_finish``).
+
+        Raises: as :func:`get_dispatch_layout`; the stream arguments as :meth:`dispatch`.
+        """
+        self._check_options(None, previous_event, async_finish, allocate_on_comm_stream)
+
+        def run():
+            per_rank, per_expert, in_rank = get_dispatch_layout(topk_idx, num_experts,
+                                                                self.num_ranks)  # fmt: skip
+            return per_rank, None, per_expert, in_rank
+
+        return self._run(run, [topk_idx], previous_event, async_finish)
 
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        num_experts: int,
-        *,
+        handle: DispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
         async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        *,
+        num_experts: int | None = None,
     ) -> tuple:
         """Send every token once to each rank holding at least one of its experts.
 
@@ -737,20 +921,42 @@ class Buffer:
             x: ``[T, H]`` bfloat16 / float32 / float16 / float64 tokens, or the FP8 pair
                 ``(x_fp8 [T, H] float8_e4m3fn, sf [T, ⌈H/128⌉] float32)`` from
                 :func:`ptxtrain.quant.ref.per_token_cast_to_fp8` (sent bit-exact). ``T`` may be 0.
+            handle: ``None``, or the handle of an earlier dispatch to send ``x`` with the same
+                layout again (DeepEP's cached dispatch; then give no ``topk_*`` / layout
+                tensors; high-precision ``x`` only is differentiable, as below).
+            num_tokens_per_rank / is_token_in_rank / num_tokens_per_expert: the layout from
+                :meth:`get_dispatch_layout`, accepted for DeepEP's call shape. The dispatch
+                builds the layout from ``topk_idx`` in the same launch as its count message
+                (no extra launch), so only their shapes are checked (``[R]``, ``[T, R]``,
+                ``[E]``) and ``num_tokens_per_expert`` gives ``E``.
+            num_tokens_per_rdma_rank: must be None (no RDMA).
             topk_idx: ``[T, k]`` int64 global expert ids in ``[0, E)``, or ``-1`` (no expert).
-            topk_weights: ``[T, k]`` float32 / float64 gate weights.
-            num_experts: ``E`` (global), a multiple of the group size.
+            topk_weights: ``[T, k]`` float32 / float64 gate weights (required with ``topk_idx``:
+                they travel with the rows).
+            expert_alignment: ``num_recv_tokens_per_expert_list`` is rounded up to a multiple
+                of it (a positive int; 1: exact counts).
+            num_worst_tokens: must be 0 (outputs are sized by the exchanged counts).
+            config: None or this buffer's :attr:`config`.
+            previous_event: an :class:`EventOverlap` the communication waits for first.
+            async_finish: run on a side CUDA stream (after waiting for the current one);
+                wait on the returned event before using the outputs on the current stream.
+            allocate_on_comm_stream: needs ``async_finish``; the outputs of an async call are
+                always allocated on the side stream and ``record_stream``-ed for the current
+                one, so both values behave the same.
+            num_experts: ``E`` (keyword; ptxtrain's): instead of ``num_tokens_per_expert``,
+                which saves the layout launches; a multiple of the group size.
 
         Returns:
-            ``recv_x``: ``[N, H]`` in ``x``'s dtype (or the pair ``(recv_x_fp8 [N, H],
-            recv_sf [N, ⌈H/128⌉])``), ordered by source rank, then source token index;
-            ``recv_topk_idx [N, k]`` int64 local expert ids (``global - rank·E/R``), ``-1`` where
-            the expert is on another rank or was ``-1``; ``recv_topk_weights [N, k]`` in
-            ``topk_weights``' dtype, 0 where ``recv_topk_idx`` is ``-1``;
-            ``num_recv_tokens_per_expert``: ``E/R`` ints, the rows each local expert gets;
-            ``handle``: the :class:`DispatchHandle` for :meth:`combine`; with
-            ``async_finish=True`` a sixth item, the :class:`EventOverlap` to wait on before
-            using the outputs on the current stream.
+            Always six items: ``recv_x``: ``[N, H]`` in ``x``'s dtype (or the pair
+            ``(recv_x_fp8 [N, H], recv_sf [N, ⌈H/128⌉])``), ordered by source rank, then
+            source token index; ``recv_topk_idx [N, k]`` int64 local expert ids (``global -
+            rank·E/R``), ``-1`` where the expert is on another rank or was ``-1``;
+            ``recv_topk_weights [N, k]`` in ``topk_weights``' dtype, 0 where ``recv_topk_idx``
+            is ``-1``; ``num_recv_tokens_per_expert_list``: ``E/R`` ints, the rows each local
+            expert gets (aligned up to ``expert_alignment``); ``handle``: the
+            :class:`DispatchHandle` for :meth:`combine`; ``event``: an :class:`EventOverlap`
+            (complete unless ``async_finish``). A cached dispatch returns ``(recv_x, None,
+            None, [], handle, event)``.
 
             Differentiable with respect to ``x`` (high-precision path) and ``topk_weights``:
             the backward combines the gradients back to the source tokens (collective: every
@@ -758,26 +964,68 @@ class Buffer:
 
         Raises:
             TypeError: a wrong dtype or a non-tensor argument (the message names it).
-            ValueError: wrong shapes, ids outside ``[-1, E)``, ``E`` not a multiple of the
-                group size or above 1024 experts per rank (the count message's width),
-                tensors on different devices (or not on the nvlink buffer's GPU):
-                raised before any communication, except ids outside ``[-1, E)`` (any rank's)
-                and ranks disagreeing on the hidden size, ``k``, the dtypes of ``x`` /
-                ``topk_weights`` or ``E``, raised on every rank after the count exchange,
-                before the payload moves.
-                ``"nvlink"``: rows from one rank to another over the buffer's capacity (raised
-                on every rank, after the count exchange).
+            ValueError: wrong shapes, missing ``topk_idx`` / ``topk_weights`` / ``E``, ids
+                outside ``[-1, E)``, ``E`` not a multiple of the group size or above 1024
+                experts per rank (the count message's width), tensors on different devices (or
+                not on the nvlink buffer's GPU), another ``config``: raised before any
+                communication, except ids outside ``[-1, E)`` (any rank's) and ranks
+                disagreeing on the hidden size, ``k``, the dtypes of ``x`` / ``topk_weights``
+                or ``E``, raised on every rank after the count exchange, before the payload
+                moves. ``"nvlink"``: rows from one rank to another over the buffer's capacity
+                (raised on every rank, after the count exchange).
+            NotImplementedError: ``num_tokens_per_rdma_rank`` given or ``num_worst_tokens > 0``.
             RuntimeError: ``"nvlink"``: an earlier kernel timed out waiting for a peer.
 
         Source: DeepEP ``Buffer.dispatch``; docs/design.md §4.
         """
+        self._check_options(config, previous_event, async_finish, allocate_on_comm_stream)
+        _check_dispatch_extras(num_tokens_per_rdma_rank, num_worst_tokens, expert_alignment)
+        if handle is not None:
+            if not isinstance(handle, DispatchHandle):
+                raise TypeError(
+                    f"handle must be a DispatchHandle or None, got {type(handle).__name__} "
+                    "(dispatch's second positional argument is handle, as in DeepEP; pass "
+                    "topk_idx= and topk_weights= by keyword)"
+                )
+            layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+            if any(t is not None for t in (*layout, topk_idx, topk_weights)):
+                raise ValueError(
+                    "a cached dispatch (handle given) takes no topk_idx / topk_weights / layout "
+                    "tensors: the handle holds the layout"
+                )
+            return self._cached_dispatch(x, handle, previous_event, async_finish)
+        if topk_idx is None or topk_weights is None:
+            raise ValueError("dispatch needs topk_idx and topk_weights (or a handle)")
+        num_experts = _resolve_num_experts(num_experts, num_tokens_per_expert)
         self._check_dispatch_args(x, topk_idx, topk_weights, num_experts)
-        if not async_finish:
-            return self._dispatch(x, topk_idx, topk_weights, num_experts)
-        inputs = [*_tensors(x), topk_idx, topk_weights]
-        return self._run_async(
-            lambda: self._dispatch(x, topk_idx, topk_weights, num_experts), inputs
-        )
+        _check_layout_shapes(num_tokens_per_rank, is_token_in_rank, topk_idx, self.num_ranks)
+
+        def run():
+            out = self._dispatch(x, topk_idx, topk_weights, num_experts)
+            return (*out[:3], _align(out[3], expert_alignment), out[4])
+
+        return self._run(run, [*_tensors(x), topk_idx, topk_weights], previous_event,
+                         async_finish)  # fmt: skip
+
+    def _cached_dispatch(self, x, handle, previous_event, async_finish) -> tuple:
+        """``x`` sent with an earlier dispatch's layout (:meth:`dispatch` with ``handle``)."""
+        handle = self._check_handle(handle)
+        n_tokens, device = _check_x(x)
+        self._check_device(device)
+        hidden = (x[0] if isinstance(x, (tuple, list)) else x).shape[1]
+        if n_tokens != handle.num_tokens or hidden != handle.hidden:
+            raise ValueError(
+                f"x must be [T={handle.num_tokens}, H={handle.hidden}] like the handle's "
+                f"dispatch, got [{n_tokens}, {hidden}]"
+            )
+
+        def run():
+            if isinstance(x, (tuple, list)):
+                rx, rsf = _DispatchFn.apply(handle, None, x[0].view(torch.uint8), x[1].detach())
+                return (rx.view(FP8_DTYPE), rsf), None, None, [], handle
+            return _DispatchFn.apply(handle, None, x)[0], None, None, [], handle
+
+        return self._run(run, [*_tensors(x), *_tensors(handle)], previous_event, async_finish)
 
     def _dispatch(self, x, topk_idx, topk_weights, num_experts):
         fp8 = isinstance(x, (tuple, list))
@@ -796,7 +1044,7 @@ class Buffer:
         outs = _DispatchFn.apply(handle, packed, *parts)
         recv_w, recv_global, recv_src = outs[-3:]
         recv_x = (outs[0].view(FP8_DTYPE), outs[1]) if fp8 else outs[0]
-        # One launch on CUDA (ptxtrain.moe.layout.recv_tail): local ids and weights, the source
+        # One launch on CUDA (ptxtrain.ep.layout.recv_tail): local ids and weights, the source
         # token index and source rank of every received row.
         recv_topk_idx, recv_topk_weights, recv_src_idx, recv_src_rank = _RecvTailFn.apply(
             recv_w, recv_global, recv_src, handle._nvl_index["off"][1], self.rank,
@@ -806,8 +1054,16 @@ class Buffer:
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle
 
     def combine(
-        self, x: torch.Tensor, handle: DispatchHandle, *, async_finish: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, EventOverlap]:
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple:
         """Send every received row back to its source token and sum the contributions.
 
         A plain sum (the caller applies the gate weights, as in DeepEP): ``combined_x[t] =
@@ -818,32 +1074,35 @@ class Buffer:
             x: ``[N, H]`` bfloat16 / float32 / float16 / float64, rows in the receive order of
                 ``handle`` (``N = handle.num_recv_tokens``).
             handle: the :class:`DispatchHandle` returned by this buffer's :meth:`dispatch`.
-            async_finish: run on a side stream and also return an :class:`EventOverlap`.
+            topk_weights: optional ``[N, k]`` float32 / float64 rows, summed back the same way
+                (one more message), e.g. the received gate weights.
+            bias: optional ``[T, H]`` tensor in ``x``'s dtype, or a tuple of up to two, added
+                to ``combined_x`` (after its sum is rounded to ``x``'s dtype).
+            config / previous_event / async_finish / allocate_on_comm_stream: as
+                :meth:`dispatch`.
 
         Returns:
-            ``combined_x [T, H]`` in ``x``'s dtype (``(combined_x, event)`` with
-            ``async_finish``). Differentiable: the backward dispatches the gradient with the
-            handle (collective).
+            Always three items: ``combined_x [T, H]`` in ``x``'s dtype,
+            ``combined_topk_weights [T, k]`` (None without ``topk_weights``) and an
+            :class:`EventOverlap` (complete unless ``async_finish``). Differentiable: the
+            backward dispatches the gradient with the handle (collective).
 
         Raises:
-            TypeError: ``x`` has a wrong dtype or ``handle`` is not a :class:`DispatchHandle`.
+            TypeError: ``x`` / ``topk_weights`` / ``bias`` has a wrong dtype or ``handle`` is
+                not a :class:`DispatchHandle`.
             ValueError: ``x`` is not ``[N, H]`` with the dispatch's ``H`` (rows of another
                 width would be cut short or misread by the peers; the dispatch checked that
-                every rank has the same ``H``), the handle belongs to another group size or
-                another buffer's backend, or (``"nvlink"``) rows over the buffer's capacity.
-                Every rank must pass ``x`` of the same dtype (not checked: that would cost a
-                message).
+                every rank has the same ``H``), ``topk_weights`` not ``[N, k]`` / ``bias`` not
+                ``[T, H]``, the handle belongs to another group size or another buffer's
+                backend, another ``config``, or (``"nvlink"``) rows over the buffer's capacity.
+                Every rank must pass ``x`` of the same dtype and the same optional arguments
+                (not checked: that would cost a message).
             RuntimeError: ``"nvlink"``: an earlier kernel timed out waiting for a peer.
 
         Source: DeepEP ``Buffer.combine``; docs/design.md §4.
         """
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
-        if handle.num_ranks != self.num_ranks or handle.rank != self.rank:
-            raise ValueError(
-                f"handle was made on rank {handle.rank} of {handle.num_ranks}, this buffer is "
-                f"rank {self.rank} of {self.num_ranks}"
-            )
+        self._check_options(config, previous_event, async_finish, allocate_on_comm_stream)
+        handle = self._check_handle(handle)
         check_tensor("x", x, dtypes=_X_DTYPES, ndim=2)
         if x.shape[0] != handle.num_recv_tokens:
             raise ValueError(
@@ -855,28 +1114,52 @@ class Buffer:
                 f"x must have the dispatched rows' hidden size {handle.hidden} (the same on every "
                 f"rank), got shape {tuple(x.shape)}"
             )
-        if handle.transport is not self._transport:
-            raise ValueError("handle was made by another Buffer (different transport)")
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, dtypes=_W_DTYPES, ndim=2)
+            if topk_weights.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"topk_weights must be [N={x.shape[0]}, k], got {tuple(topk_weights.shape)}"
+                )
+        biases = _check_bias(bias, x, handle)
+
+        def run():
+            out = _CombineFn.apply(x, handle)
+            for b in biases:
+                out = out + b
+            w = None if topk_weights is None else _CombineFn.apply(topk_weights, handle)
+            return out, w
+
         if not async_finish:
-            return _CombineFn.apply(x, handle)
+            return self._run(run, [x], previous_event, False)
         # The handle's index tensors are read on the side stream too: kept from reuse until it
         # is done, even if the caller drops the handle (no autograd context holds it then).
         if handle.transport is not None:
             _nvl_index(handle, combine=True)  # cached on this stream, recorded on the side one
-        return self._run_async(lambda: (_CombineFn.apply(x, handle),), [x, *_tensors(handle)])
+        inputs = [x, *_tensors(handle), *_tensors(topk_weights), *biases]
+        return self._run(run, inputs, previous_event, True)
 
-    def _run_async(self, fn: Callable[[], tuple], inputs: list[torch.Tensor]) -> tuple:
-        """``fn()`` on the side stream; its results plus an :class:`EventOverlap`."""
+    def _run(
+        self,
+        fn: Callable[[], tuple],
+        inputs: list[torch.Tensor],
+        previous_event: EventOverlap | None,
+        async_finish: bool,
+    ) -> tuple:
+        """``fn()``'s results plus an :class:`EventOverlap`: on the current stream, or with
+        ``async_finish`` on the side stream (after the current stream and ``previous_event``)."""
         device = inputs[0].device
-        if device.type != "cuda":
-            out = fn()
-            return (*out, EventOverlap(None)) if len(out) > 1 else (out[0], EventOverlap(None))
+        if not async_finish or device.type != "cuda":
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+            return (*fn(), EventOverlap(None))
         compute = torch.cuda.current_stream(device)
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(device=device)
         comm = self._comm_stream
         comm.wait_stream(compute)
         with torch.cuda.stream(comm):
+            if previous_event is not None:
+                previous_event.current_stream_wait()
             out = fn()
             event = torch.cuda.Event()
             event.record(comm)
@@ -886,7 +1169,7 @@ class Buffer:
         for t in _tensors(out):  # allocated on the side stream, used on the current one
             if t.device.type == "cuda":
                 t.record_stream(compute)
-        return (*out, EventOverlap(event)) if len(out) > 1 else (out[0], EventOverlap(event))
+        return (*out, EventOverlap(event))
 
     # ------------------------------------------------------------------ internals
     def _make_handle(

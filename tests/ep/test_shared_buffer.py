@@ -1,4 +1,4 @@
-"""One ``ptxtrain.moe.Buffer`` shared by every MoE layer of a model (CPU, gloo, 2 ranks).
+"""One ``ptxtrain.ep.Buffer`` shared by every MoE layer of a model (CPU, gloo, 2 ranks).
 
 Oracle: the same model with one Buffer per layer (the behaviour before sharing). A dispatch keeps
 nothing on the Buffer (its layout lives in the handle), so sharing must not change a single bit:
@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from ptxtrain.cli import _train_args_from as train_args_from
 from ptxtrain.cli import build_parser, main
+from ptxtrain.ep import Buffer
 from ptxtrain.model import build_model, get_preset
 from ptxtrain.model.deepseek import ep_nvl_bytes
-from ptxtrain.moe import Buffer
 from ptxtrain.moe.layer import MoE
 from ptxtrain.train import TrainArgs, TrainConfigError, train
 from tests._spawn import run_dist, run_gloo
@@ -90,9 +90,7 @@ def _argument_errors(rank: int, world: int) -> None:
     sub = dist.new_group(list(range(world)))  # the same ranks, another group object
     buf = Buffer()
     # Layer level: a non-Buffer, a Buffer of another group (either way round).
-    with pytest.raises(
-        TypeError, match=r"buffer must be a ptxtrain\.moe\.Buffer or None, got dict"
-    ):
+    with pytest.raises(TypeError, match=r"buffer must be a ptxtrain\.ep\.Buffer or None, got dict"):
         MoE(32, 16, 8, 2).enable_expert_parallel(buffer={})
     with pytest.raises(ValueError, match=r"buffer\.group must be the expert-parallel group"):
         MoE(32, 16, 8, 2).enable_expert_parallel(sub, buffer=buf)
@@ -141,7 +139,7 @@ def _nvlink_worker(rank: int, world: int) -> None:
     nvl.ep_buffer.check_errors()
     for step, ((loss_n, g_n), (loss_a, g_a)) in enumerate(zip(got, want, strict=True)):
         # Both backends deliver the same rows to the same slots and combine in the same order
-        # (tests/moe/test_nvlink.py checks that bit for bit), and the rest of the step runs the
+        # (tests/ep/test_nvlink.py checks that bit for bit), and the rest of the step runs the
         # same kernels on the same inputs: equal to the last bit.
         assert torch.equal(loss_n, loss_a), f"{rank=} {step=}: {loss_n} != {loss_a}"
         assert g_n.keys() == g_a.keys() and any(".experts.w1" in n for n in g_n)
