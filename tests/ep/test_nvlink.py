@@ -9,7 +9,7 @@ each:
     # or, under torchrun (from the repository root):
     torchrun --nproc-per-node 2 -m tests.ep.test_nvlink
 
-Inputs follow DeepEP's test method (its tests/test_intranode.py), reusing ``test_dispatch``'s
+Inputs follow DeepEP's test method (its tests/test_intranode.py), reusing ``test_buffer``'s
 rank-encoded scenarios (uneven and skewed loads, a rank with no tokens, a rank receiving
 nothing, a rank sending nothing, several experts of a token on one rank).
 """
