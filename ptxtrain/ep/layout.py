@@ -523,15 +523,8 @@ def combine_sum(back: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def torch_recv_tail(
-    recv_w: torch.Tensor,
-    recv_global: torch.Tensor,
-    recv_src: torch.Tensor,
-    recv_off: torch.Tensor,
-    rank: int,
-    experts_per_rank: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch twin of :func:`recv_tail`."""
+def torch_recv_tail(recv_w, recv_global, recv_src, recv_off, rank: int, experts_per_rank: int):
+    """Torch twin of :func:`recv_tail` (same arguments and results)."""
     # Local iff the floor quotient is this rank (-1 // E/R = -1 never is).
     local = torch.div(recv_global, experts_per_rank, rounding_mode="floor") == rank
     recv_topk_idx = torch.where(local, recv_global - rank * experts_per_rank, -1)
