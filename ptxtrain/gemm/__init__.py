@@ -127,35 +127,119 @@ def _auto_cuda(kind: str, m: int, n: int, k: int, index: int | None) -> str:
     return "triton" if _backend.triton_usable(device) else "ref"
 
 
+def _output(d: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``d`` (DeepGEMM's positional output) or its keyword spelling ``out``; not both."""
+    if d is not None and out is not None:
+        raise TypeError("give the output once: as d (DeepGEMM's third argument) or as out=")
+    return d if d is not None else out
+
+
+def _check_c(c: torch.Tensor, d: torch.Tensor | None, m: int, n: int) -> None:
+    """``c`` (the accumulator of ``D = C + A·Bᵀ``) must be an fp32 [M, N] tensor beside an fp32
+    ``d``, as in DeepGEMM."""
+    if not isinstance(c, torch.Tensor) or c.dtype != torch.float32 or tuple(c.shape) != (m, n):
+        got = f"{c.dtype} {tuple(c.shape)}" if isinstance(c, torch.Tensor) else type(c).__name__
+        raise ValueError(f"c must be a float32 [M, N] = [{m}, {n}] tensor, got {got}")
+    if d is None or d.dtype != torch.float32 or tuple(d.shape) != (m, n):
+        raise ValueError(f"with c, d must be a float32 [M, N] = [{m}, {n}] tensor (D = C + A·Bᵀ)")
+
+
 def fp8_gemm_nt(
     a: Operand,
     b: Operand,
+    d: torch.Tensor | None = None,
+    c: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """``D = A · Bᵀ``, A scaled per 1x128 tile, B per 128x128 block (1D2D), on the selected
-    backend. Contract, shapes and errors: :func:`ptxtrain.gemm.ref.fp8_gemm_nt`."""
-    m, n, k = ref.validate_1d2d(a, b, out, out_dtype)
+    """``D = C + A · Bᵀ``, A scaled per 1x128 tile, B per 128x128 block (1D2D), on the selected
+    backend, in DeepGEMM's argument order: ``fp8_gemm_nt(a, b, d, c=None)`` writes ``d`` in
+    place and returns it.
+
+    Args:
+        a, b: ``(e4m3 [M, K], fp32 sf)`` and ``(e4m3 [N, K], fp32 sf)``.
+        d: optional [M, N] output (its dtype wins over ``out_dtype``); ``out=`` is the same.
+        c: optional float32 [M, N] accumulator (``d`` must then be float32); ``c`` may be ``d``
+            itself (``D += A·Bᵀ``).
+        out_dtype: torch.bfloat16 or torch.float32 when no output is given.
+
+    Contract, shapes and the other errors: :func:`ptxtrain.gemm.ref.fp8_gemm_nt`.
+
+    Raises:
+        TypeError: both ``d`` and ``out`` given.
+        ValueError: ``c`` not float32 [M, N], or ``c`` without a float32 ``d``.
+
+    Source: DeepGEMM ``fp8_gemm_nt(a, b, d, c=None, ...)``.
+    """
+    d = _output(d, out)
+    m, n, k = ref.validate_1d2d(a, b, d, out_dtype)
+    if c is not None:
+        _check_c(c, d, m, n)
+        acc = c.clone() if c is d else c  # D = C + A·Bᵀ: the product first, then C added
+        product = fp8_gemm_nt(a, b, out_dtype=torch.float32)
+        return torch.add(acc, product, out=d)
     # Validated once here: every backend's ``_fp8_gemm_nt`` is its public function minus checks.
     mod = _backend.load(__name__, select_backend("1d2d", m, n, k, a[0].device))
-    return mod._fp8_gemm_nt(a, b, out, out_dtype)
+    return mod._fp8_gemm_nt(a, b, d, out_dtype)
 
 
 def fp8_gemm_nt_1d1d(
     a: Operand,
     b: Operand,
+    d: torch.Tensor | None = None,
+    c: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``D (+)= A · Bᵀ``, both operands scaled per 1x128 tile (1D1D, wgrad), fp32 (or bf16) out,
-    on the selected backend. Contract, shapes and errors:
-    :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`."""
-    m, n, k = ref.validate_1d1d(a, b, out, accumulate, out_dtype)
+    """``D = C + A · Bᵀ``, both operands scaled per 1x128 tile (1D1D, wgrad), fp32 (or bf16)
+    out, on the selected backend, in DeepGEMM's argument order (``d`` written in place and
+    returned). ``c is d`` (or ``accumulate=True``) adds into ``d`` inside the GEMM; another
+    ``c`` is copied into ``d`` first. Contract, shapes and errors:
+    :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d`; ``c`` / ``d`` / ``out`` as in
+    :func:`fp8_gemm_nt`.
+
+    Source: DeepGEMM ``fp8_gemm_nt`` with 1D1D scaling (``k_grouped`` wgrad's dense case).
+    """
+    d = _output(d, out)
+    accumulate = accumulate or c is not None
+    m, n, k = ref.validate_1d1d(a, b, d, accumulate, out_dtype)
+    if c is not None:
+        _check_c(c, d, m, n)
+        if c is not d:
+            d.copy_(c)
     mod = _backend.load(__name__, select_backend("1d1d", m, n, k, a[0].device))
-    return mod._fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
+    return mod._fp8_gemm_nt_1d1d(a, b, d, accumulate, out_dtype)
 
 
-__all__ = ["BACKENDS", "backends", "fp8_gemm_nt", "fp8_gemm_nt_1d1d", "ptx_wins", "select_backend"]
+# DeepGEMM's grouped GEMMs (the MoE experts'), exported here as DeepGEMM does. They live in
+# ptxtrain.gemm.grouped, which imports Triton: loaded on first use, so ``import ptxtrain.gemm``
+# works on an installation without Triton.
+GROUPED = (
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
+    "k_grouped_fp8_gemm_nt_contiguous",
+)
+
+
+def __getattr__(name: str):
+    if name in GROUPED:
+        from ptxtrain.gemm import grouped
+
+        return getattr(grouped, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "BACKENDS",
+    "backends",
+    "fp8_gemm_nt",
+    "fp8_gemm_nt_1d1d",
+    "k_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
+    "ptx_wins",
+    "select_backend",
+]
