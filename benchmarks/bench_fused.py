@@ -20,7 +20,7 @@ import torch
 
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.model import get_preset
-from ptxtrain.model.deepseek import _rope_freqs
+from ptxtrain.model.deepseek import rope_freqs
 from ptxtrain.nn import functional as fn
 
 
@@ -46,7 +46,7 @@ def _cases(tokens: int, dtype: torch.dtype) -> dict:
     q = leaf(b, seq, c.n_heads, qk)
     kv = leaf(b, seq, c.n_heads, c.qk_nope_head_dim + c.v_head_dim)
     kv_a = leaf(b, seq, c.kv_lora_rank + c.qk_rope_head_dim)
-    freqs = _rope_freqs(seq, c.qk_rope_head_dim, c.rope_theta, torch.device(dev))
+    freqs = rope_freqs(seq, c.qk_rope_head_dim, c.rope_theta, torch.device(dev))
     k_pe = kv_a[..., c.kv_lora_rank :]
     return {
         f"rms_norm D={c.dim}": (lambda k: (fn.rms_norm(norm_x, norm_w, kernels=k),), (norm_x,)),

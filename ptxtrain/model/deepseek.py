@@ -84,7 +84,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, kernels=self.kernels)
 
 
-def _rope_freqs(seq_len: int, rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def rope_freqs(seq_len: int, rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """``e^{i·t·θ_j}`` as complex64 ``[T, rope_dim/2]`` for positions ``0..T-1``, ``θ_j =
     theta^(-2j/rope_dim)`` (recomputed per forward: tiny, and immune to module dtype casts)."""
     inv_freq = theta ** (
@@ -285,7 +285,7 @@ def _check_ids(name: str, ids: object, vocab_size: int, *, allow_ignore: bool) -
     return ids
 
 
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def lm_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean fp32 cross-entropy of ``logits [..., V]`` vs ``targets [...]``, skipping -100."""
     acc = torch.promote_types(logits.dtype, torch.float32)
     return F.cross_entropy(
@@ -382,7 +382,7 @@ class DeepSeekV3(nn.Module):
                     f"labels must have the shape of input_ids {(b, t)}, got {tuple(labels.shape)}"
                 )
 
-        freqs = _rope_freqs(t, cfg.qk_rope_head_dim, cfg.rope_theta, input_ids.device)
+        freqs = rope_freqs(t, cfg.qk_rope_head_dim, cfg.rope_theta, input_ids.device)
         h = self.embed(input_ids)  # [B, T, D]
         aux_terms = []
         full = self.recompute == "full"  # each layer keeps its input only
@@ -395,13 +395,13 @@ class DeepSeekV3(nn.Module):
         if labels is None:
             return out
 
-        out.lm_loss = _cross_entropy(logits, labels)
+        out.lm_loss = lm_cross_entropy(logits, labels)
         if self.mtp is not None and t > 1:
             emb_next = self.embed(input_ids[:, 1:])  # [B, T-1, D] = Emb(t_{i+1})
             h_mtp, aux = self.mtp(h[:, :-1], emb_next, freqs[: t - 1])
             if aux is not None:
                 aux_terms.append(aux)
-            out.mtp_loss = _cross_entropy(self.head(h_mtp), labels[:, 1:])
+            out.mtp_loss = lm_cross_entropy(self.head(h_mtp), labels[:, 1:])
         if aux_terms:
             out.aux_loss = torch.stack(aux_terms).sum()
         loss = out.lm_loss

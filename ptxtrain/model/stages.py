@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ptxtrain.model.deepseek import DeepSeekV3, _cross_entropy, _rope_freqs
+from ptxtrain.model.deepseek import DeepSeekV3, lm_cross_entropy, rope_freqs
 from ptxtrain.parallel.p2p import as_tuple, sequential_forward_backward
 
 # Attribute set on the outputs (and loss) of a forward run by the overlap hook: the CUDA stream
@@ -153,7 +153,7 @@ class DeepSeekV3Stage(nn.Module):
         else:
             h, aux = inputs
         cfg = self.config
-        freqs = _rope_freqs(h.shape[1], cfg.qk_rope_head_dim, cfg.rope_theta, h.device)
+        freqs = rope_freqs(h.shape[1], cfg.qk_rope_head_dim, cfg.rope_theta, h.device)
         for layer in self.layers:
             h, a = layer(h, freqs)
             if a is not None:
@@ -168,7 +168,7 @@ class DeepSeekV3Stage(nn.Module):
         """``(total, lm_loss)``: fp32 ``lm_loss + aux`` and the cross-entropy of ``logits
         [B, T, V]`` against ``labels [B, T]`` (``-100`` ignored), as :class:`DeepSeekV3` computes
         them for one batch."""
-        lm_loss = _cross_entropy(logits, labels)
+        lm_loss = lm_cross_entropy(logits, labels)
         return lm_loss + aux, lm_loss
 
     @classmethod

@@ -48,12 +48,12 @@ from ptxtrain._checks import HP_DTYPES, ceil_div, check_tensor
 from ptxtrain.gemm import ref as gemm_ref
 from ptxtrain.nn.fp8_linear import (
     Fp8LinearConfig,
-    _autocast_off,
-    _save_operands,
-    _saved_operands,
+    autocast_off,
     gemm_out_dtype,
     main_grad_target,
     resolve_config,
+    save_operands,
+    saved_operands,
 )
 
 __all__ = ["fp8_grouped_linear"]
@@ -305,7 +305,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         pow2 = config.pow2_scale
         keep_xt_fp8 = need_dw and config.wgrad
         need_wt = need_dx and config.dgrad
-        with _autocast_off(input_hp.device.type):
+        with autocast_off(input_hp.device.type):
             # -- x in the padded layout [R, K]: 1x128 for fprop, 128x1 (transposed [K, R]) for
             # wgrad; one pass when both. ``input_q`` (from quantize_grouped_input on these very
             # values, shared by projections of one input) supplies the parts it holds.
@@ -339,7 +339,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
             else:
                 y = _hp_grouped_mm(input_hp, weight_hp, layout.host_counts(counts), b_t=True)
 
-        _save_operands(
+        save_operands(
             ctx,
             weight_t=(weight_t_fp8, weight_t_sf) if need_wt else None,
             weight_hp=weight_hp if need_dx else None,
@@ -361,11 +361,11 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         if not (config.dgrad and config.wgrad):  # a high-precision loop walks the experts
             counts = layout.host_counts(counts)
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        saved = _saved_operands(ctx)
+        saved = saved_operands(ctx)
         pow2 = config.pow2_scale
         dy = grad_output  # [N, N_out], y's dtype
         dx = dw = None
-        with _autocast_off(dy.device.type):
+        with autocast_off(dy.device.type):
             fp8_dgrad, fp8_wgrad = need_dx and config.dgrad, need_dw and config.wgrad
             # -- dy in the padded layout: 1x128 along N_out (dgrad), 128x1 transposed (wgrad).
             if fp8_dgrad or fp8_wgrad:

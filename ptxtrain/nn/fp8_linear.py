@@ -280,17 +280,17 @@ def main_grad_target(weight: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
         return None
 
 
-def _autocast_off(device_type: str):
+def autocast_off(device_type: str):
     """Disable autocast around the reference GEMMs (their fp32 matmuls must stay fp32)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
 
 
-def _save_operands(ctx, *, weight_t, weight_hp, input_t, input_hp) -> None:
+def save_operands(ctx, *, weight_t, weight_hp, input_t, input_hp) -> None:
     """Saves for backward the FP8 operands where the Dgrad / Wgrad GEMMs are FP8 (``weight_t``,
     ``input_t``: ``(fp8, sf)`` pairs) and the high-precision tensor only where one is needed
-    without them; :func:`_saved_operands` gives them back by name (shared with
+    without them; :func:`saved_operands` gives them back by name (shared with
     :mod:`ptxtrain.nn.fp8_grouped`)."""
     saved: dict[str, torch.Tensor] = {}
     if weight_t is not None:
@@ -305,8 +305,8 @@ def _save_operands(ctx, *, weight_t, weight_hp, input_t, input_hp) -> None:
     ctx.save_for_backward(*saved.values())
 
 
-def _saved_operands(ctx) -> dict[str, torch.Tensor]:
-    """The tensors :func:`_save_operands` saved, by name."""
+def saved_operands(ctx) -> dict[str, torch.Tensor]:
+    """The tensors :func:`save_operands` saved, by name."""
     return dict(zip(ctx.saved_names, ctx.saved_tensors))
 
 
@@ -327,7 +327,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         pow2 = config.pow2_scale
         keep_xt_fp8 = need_dw and config.wgrad  # 128x1 tiles of x, stored transposed [K, M]
         layout = _sf_layout(input_hp.device)
-        with _autocast_off(input_hp.device.type):
+        with autocast_off(input_hp.device.type):
             # -- quantize x: 1x128 for fprop, 128x1 (transposed) for wgrad; one pass when both.
             input_fp8 = input_sf = input_t_fp8 = input_t_sf = None
             if config.fprop and keep_xt_fp8:
@@ -367,7 +367,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         # -- Save for backward: FP8 data wherever the GEMM is FP8; high precision only where a
         # GEMM was configured off (the weight is a Parameter anyway, so saving it costs nothing).
-        _save_operands(
+        save_operands(
             ctx,
             weight_t=(weight_t_fp8, weight_t_sf) if need_wt else None,
             weight_hp=weight_hp if need_dx else None,
@@ -385,12 +385,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         config = ctx.config
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        saved = _saved_operands(ctx)
+        saved = saved_operands(ctx)
         pow2 = config.pow2_scale
         dy = grad_output  # [M, N], y's dtype (= the activation dtype)
         layout = _sf_layout(dy.device)
         dx = dw = db = None
-        with _autocast_off(dy.device.type):
+        with autocast_off(dy.device.type):
             # -- quantize dy: 1x128 along N for dgrad, 128x1 (transposed [N, M]) for wgrad.
             fp8_dgrad, fp8_wgrad = need_dx and config.dgrad, need_dw and config.wgrad
             if fp8_dgrad and fp8_wgrad:

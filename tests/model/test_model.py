@@ -20,7 +20,7 @@ from ptxtrain.model import (
     generate,
     get_preset,
 )
-from ptxtrain.model.deepseek import RMSNorm, _apply_rope, _rope_freqs
+from ptxtrain.model.deepseek import RMSNorm, _apply_rope, rope_freqs
 from ptxtrain.moe import MoE, Router
 from ptxtrain.moe.experts import Experts
 
@@ -189,7 +189,7 @@ def test_v3_layer_shapes_on_meta():
     assert moe.router.route_scale == 2.5
     # Attention and the shared expert run shape-only on meta.
     x = torch.empty(2, 5, 7168, device="meta", dtype=torch.bfloat16)
-    freqs = _rope_freqs(5, 64, cfg.rope_theta, torch.device("meta"))
+    freqs = rope_freqs(5, 64, cfg.rope_theta, torch.device("meta"))
     assert attn(x, freqs).shape == (2, 5, 7168)
     assert moe.shared_experts(x).shape == (2, 5, 7168)
 
@@ -249,7 +249,7 @@ def test_rope_rotates_interleaved_pairs_and_is_relative():
     gen = torch.Generator().manual_seed(12)
     t, h, r, theta = 9, 3, 8, 50.0
     x = torch.randn(2, t, h, r, generator=gen)
-    got = _apply_rope(x, _rope_freqs(t, r, theta, x.device))
+    got = _apply_rope(x, rope_freqs(t, r, theta, x.device))
     want = torch.empty_like(x, dtype=torch.float64)
     for pos in range(t):
         for j in range(r // 2):
@@ -264,7 +264,7 @@ def test_rope_rotates_interleaved_pairs_and_is_relative():
     q, k = torch.randn(r, generator=gen), torch.randn(r, generator=gen)
     seq_q = q.expand(1, t, 1, r).clone()
     seq_k = k.expand(1, t, 1, r).clone()
-    rq, rk = (_apply_rope(z, _rope_freqs(t, r, theta, x.device))[0, :, 0] for z in (seq_q, seq_k))
+    rq, rk = (_apply_rope(z, rope_freqs(t, r, theta, x.device))[0, :, 0] for z in (seq_q, seq_k))
     torch.testing.assert_close(rq[5] @ rk[2], rq[8] @ rk[5], rtol=1e-5, atol=1e-5)  # fp32 dots
 
 
@@ -327,7 +327,7 @@ def test_mtp_loss_wiring_and_mtp_off():
         h = captured["h"]  # [B, T, D], the main model's last hidden state before its norm
         mtp = model.mtp
         x = mtp.proj(torch.cat((mtp.hnorm(h[:, :-1]), mtp.enorm(model.embed(ids[:, 1:]))), -1))
-        freqs = _rope_freqs(31, TINY.qk_rope_head_dim, TINY.rope_theta, ids.device)
+        freqs = rope_freqs(31, TINY.qk_rope_head_dim, TINY.rope_theta, ids.device)
         x, _ = mtp.block(x, freqs)
         logits = model.head(mtp.norm(x))  # predicts labels[:, t+1] at position t
         want = nn.functional.cross_entropy(logits.reshape(-1, 256), labels[:, 1:].reshape(-1))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ptxtrain.model import build_model, get_preset
-from ptxtrain.model.deepseek import MLA, RMSNorm, _rope_freqs
+from ptxtrain.model.deepseek import MLA, RMSNorm, rope_freqs
 from ptxtrain.moe.layer import MLP
 from ptxtrain.nn import functional as fn
 from ptxtrain.testing import assert_bitwise_equal
@@ -236,7 +236,7 @@ def _mla_case(s: _MLAShape, dtype, device="cpu", seed=0):
     q = _leaf(s.b, s.t, s.h, s.nope + s.rope, dtype=dtype, seed=seed, device=device)
     kv = _leaf(s.b, s.t, s.h, s.nope + s.v, dtype=dtype, seed=seed + 1, device=device)
     kv_a = _leaf(s.b, s.t, s.lora + s.rope, dtype=dtype, seed=seed + 2, device=device)
-    freqs = _rope_freqs(s.t, s.rope, 10000.0, torch.device(device))
+    freqs = rope_freqs(s.t, s.rope, 10000.0, torch.device(device))
     # gradients as SDPA hands them back: [B, H, T, ·] contiguous, seen through a transpose
     grads = [
         _rand(s.b, s.h, s.t, n, dtype=dtype, seed=seed + 3 + i).to(device).transpose(1, 2)
