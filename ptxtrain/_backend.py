@@ -113,3 +113,43 @@ def sm_clock_khz(device: torch.device | int | None = None) -> int:
     index = torch.cuda.current_device() if device is None else device
     props = torch.cuda.get_device_properties(index)
     return int(getattr(props, "clock_rate", 0) or 1_980_000)
+
+
+# How an op with a Triton kernel and a torch reference picks between them (the ``kernels``
+# argument / attribute of the MoE layer and of ptxtrain.nn.functional's fused ops).
+KERNEL_CHOICES = ("auto", "ref", "triton")
+
+
+def use_triton_kernels(kernels: str, x: torch.Tensor) -> bool:
+    """Whether an op with a Triton kernel and a torch reference runs the kernel on input ``x``.
+
+    Args:
+        kernels: ``"auto"`` (the kernel for CUDA tensors of a float32 / bfloat16 / float16 dtype
+            when Triton is installed, else the reference), ``"ref"`` (always the reference) or
+            ``"triton"`` (always the kernel: CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+        x: the op's input (its device and dtype decide ``"auto"``).
+
+    Raises:
+        ValueError: ``kernels`` is not one of :data:`KERNEL_CHOICES`; ``"triton"`` where Triton
+            cannot run (a CPU tensor without ``TRITON_INTERPRET=1``, or no triton).
+        TypeError: ``"triton"`` with an ``x`` dtype the kernels do not take (float64).
+    """
+    from ptxtrain._checks import HP_DTYPES
+
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if kernels == "ref":
+        return False
+    if kernels == "auto":
+        return x.device.type == "cuda" and x.dtype in HP_DTYPES and triton_usable(x.device)
+    if x.dtype not in HP_DTYPES:
+        raise TypeError(
+            f"kernels='triton' needs a float32 / bfloat16 / float16 input, got {x.dtype}; use "
+            "kernels='ref' (or 'auto') for float64"
+        )
+    if not triton_usable(x.device):
+        raise ValueError(
+            f"kernels='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on the CPU) and triton "
+            f"installed, got a {x.device.type} tensor"
+        )
+    return True

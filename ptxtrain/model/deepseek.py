@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
     ``x``'s dtype: :func:`ptxtrain.nn.functional.rms_norm` (one Triton kernel each way on CUDA).
 
     ``kernels``: ``"auto"`` (default), ``"ref"`` or ``"triton"``, as in
-    :func:`~ptxtrain.nn.functional.use_fused_kernels`; a settable attribute.
+    :func:`~ptxtrain._backend.use_triton_kernels`; a settable attribute.
     """
 
     kernels = "auto"
@@ -106,7 +106,7 @@ class MLA(nn.Module):
     """
 
     recompute = "none"  # see the class docstring
-    kernels = "auto"  # mla_qk's kernels (ptxtrain.nn.functional.use_fused_kernels)
+    kernels = "auto"  # mla_qk's kernels (ptxtrain._backend.use_triton_kernels)
 
     def __init__(self, cfg: DeepSeekV3Config) -> None:
         super().__init__()

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ptxtrain import _backend
+from ptxtrain._backend import KERNEL_CHOICES, use_triton_kernels
 from ptxtrain._checks import HP_DTYPES, check_tensor
 
 __all__ = [
@@ -57,40 +57,11 @@ __all__ = [
     "use_triton_kernels",
 ]
 
-KERNEL_CHOICES = ("auto", "ref", "triton")
-
 
 def _mt():
     from ptxtrain.moe import triton as mt
 
     return mt
-
-
-def use_triton_kernels(kernels: str, x: torch.Tensor) -> bool:
-    """Whether the MoE layer's routing, permutation and un-permutation run the Triton kernels.
-
-    Args:
-        kernels: ``"auto"`` (Triton for CUDA tensors of a float32 / bfloat16 / float16 dtype when
-            Triton is installed, else the reference), ``"ref"`` (always the reference) or
-            ``"triton"`` (always the kernels: CUDA, or the CPU under ``TRITON_INTERPRET=1``).
-        x: the layer's ``[N, D]`` input (its device and dtype decide ``"auto"``).
-
-    Raises:
-        ValueError: ``kernels`` is not one of :data:`KERNEL_CHOICES`.
-        TypeError: ``"triton"`` with an ``x`` dtype the kernels do not take (float64).
-    """
-    if kernels not in KERNEL_CHOICES:
-        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
-    if kernels == "ref":
-        return False
-    if kernels == "auto":
-        return x.device.type == "cuda" and x.dtype in HP_DTYPES and _backend.triton_usable(x.device)
-    if x.dtype not in HP_DTYPES:
-        raise TypeError(
-            f"kernels='triton' needs a float32 / bfloat16 / float16 input, got {x.dtype}; use "
-            "kernels='ref' (or 'auto') for float64"
-        )
-    return True
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ class MLP(nn.Module):
     """SwiGLU MLP ``w2(silu(w1 x) ⊙ w3 x)``: a dense FFN, one routed expert, or the shared experts.
 
     ``w1`` (gate) and ``w3`` (up) are ``[inter_dim, dim]``, ``w2`` (down) is ``[dim, inter_dim]``.
-    ``kernels``: the gate's, as in :func:`ptxtrain.nn.functional.use_fused_kernels` (a settable
+    ``kernels``: the gate's, as in :func:`ptxtrain._backend.use_triton_kernels` (a settable
     attribute, ``"auto"`` by default).
     """
 

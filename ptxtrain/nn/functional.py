@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ptxtrain._backend import triton_usable
+from ptxtrain._backend import KERNEL_CHOICES, use_triton_kernels
 from ptxtrain._checks import HP_DTYPES, check_same_device, check_tensor
 
 __all__ = [
@@ -45,10 +45,9 @@ __all__ = [
     "rms_norm_ref",
     "swiglu",
     "swiglu_ref",
-    "use_fused_kernels",
+    "use_triton_kernels",
 ]
 
-KERNEL_CHOICES = ("auto", "ref", "triton")  # those of ptxtrain.moe.fused
 _FLOAT_DTYPES = (*HP_DTYPES, torch.float64)
 
 
@@ -56,30 +55,6 @@ def _ops():
     from ptxtrain.nn import triton_ops
 
     return triton_ops
-
-
-def use_fused_kernels(kernels: str, x: torch.Tensor) -> bool:
-    """Whether an op of this module runs its Triton kernels on input ``x``: the rule of the MoE
-    layer's kernels (:func:`ptxtrain.moe.fused.use_triton_kernels`).
-
-    Args:
-        kernels: ``"auto"``, ``"ref"`` or ``"triton"`` (see the module docstring).
-        x: the op's input (its device and dtype decide ``"auto"``).
-
-    Raises:
-        ValueError: ``kernels`` is not one of :data:`KERNEL_CHOICES`; ``"triton"`` where Triton
-            cannot run (a CPU tensor without ``TRITON_INTERPRET=1``, or no triton).
-        TypeError: ``"triton"`` with an ``x`` dtype the kernels do not take (float64).
-    """
-    from ptxtrain.moe.fused import use_triton_kernels  # lazy: ptxtrain.moe imports this module
-
-    fused = use_triton_kernels(kernels, x)
-    if fused and not triton_usable(x.device):
-        raise ValueError(
-            f"kernels='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on the CPU) and triton "
-            f"installed, got a {x.device.type} tensor"
-        )
-    return fused
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -117,14 +92,14 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, *, kernels: str = "auto") -> torch.
     Args:
         a: gate pre-activation, any shape, float32 / bfloat16 / float16 (float64: reference).
         b: up projection, ``a``'s shape, dtype and device.
-        kernels: see :func:`use_fused_kernels`.
+        kernels: see :func:`ptxtrain._backend.use_triton_kernels`.
 
     Returns:
         ``a``'s shape and dtype; fp32 math (fp64 for float64), one rounding.
 
     Raises:
         TypeError: ``a`` / ``b`` not float tensors, or of different dtypes.
-        ValueError: different shapes or devices; a bad ``kernels`` (see :func:`use_fused_kernels`).
+        ValueError: different shapes or devices; a bad ``kernels``.
     """
     a, b = _check_float("a", a), _check_float("b", b)
     if b.dtype != a.dtype:
@@ -132,7 +107,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, *, kernels: str = "auto") -> torch.
     if b.shape != a.shape:
         raise ValueError(f"b must have a's shape {tuple(a.shape)}, got {tuple(b.shape)}")
     check_same_device(a=a, b=b)
-    if use_fused_kernels(kernels, a):
+    if use_triton_kernels(kernels, a):
         return _SwiGLUFn.apply(a, b)
     return swiglu_ref(a, b)
 
@@ -177,7 +152,7 @@ def rms_norm(
         weight: ``[D]`` float, any of those dtypes (loaded in its dtype; its gradient comes back
             in it).
         eps: added to the mean square (a float >= 0).
-        kernels: see :func:`use_fused_kernels`.
+        kernels: see :func:`ptxtrain._backend.use_triton_kernels`.
 
     Returns:
         ``x``'s shape and dtype; fp32 math (fp64 for float64).
@@ -185,7 +160,7 @@ def rms_norm(
     Raises:
         TypeError: ``x`` / ``weight`` not float tensors; ``eps`` not a real number.
         ValueError: ``weight`` not ``[D]``; different devices; ``eps < 0``; ``kernels="triton"``
-            with ``D > 16384``; a bad ``kernels`` (see :func:`use_fused_kernels`).
+            with ``D > 16384``; a bad ``kernels``.
     """
     x, weight = _check_float("x", x), _check_float("weight", weight)
     if x.dim() == 0 or weight.shape != (x.shape[-1],):
@@ -198,7 +173,7 @@ def rms_norm(
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    fused = use_fused_kernels(kernels, x)
+    fused = use_triton_kernels(kernels, x)
     if fused and x.shape[-1] > _ops().MAX_NORM_DIM:
         if kernels == "triton":
             raise ValueError(
@@ -304,7 +279,7 @@ def mla_qk(
             (a slice of ``wkv_a``'s output is fine).
         freqs: ``[T, rope/2]`` complex64 ``e^{i·t·θ_j}``; RoPE rotates interleaved pairs
             ``(x[2j], x[2j+1])``; no gradient flows to it.
-        kernels: see :func:`use_fused_kernels`.
+        kernels: see :func:`ptxtrain._backend.use_triton_kernels`.
 
     Returns:
         ``(q_rot, k, v)``: ``q_rot`` and ``k`` ``[B, T, H, nope + rope]`` contiguous in q's dtype
@@ -317,6 +292,6 @@ def mla_qk(
         ValueError: shapes that do not fit the above; different devices; a bad ``kernels``.
     """
     _check_mla_qk(q, kv, k_pe, freqs)
-    if use_fused_kernels(kernels, q):
+    if use_triton_kernels(kernels, q):
         return _MLAQKFn.apply(q, kv, k_pe, freqs)
     return mla_qk_ref(q, kv, k_pe, freqs)

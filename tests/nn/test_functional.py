@@ -124,9 +124,9 @@ def test_swiglu_errors():
 
 def test_auto_runs_the_reference_on_cpu():
     x = torch.randn(2, 3)
-    assert not fn.use_fused_kernels("auto", x)  # even under TRITON_INTERPRET=1
-    assert not fn.use_fused_kernels("ref", x)
-    assert fn.use_fused_kernels("triton", x)  # the interpreter (tests/conftest.py)
+    assert not fn.use_triton_kernels("auto", x)  # even under TRITON_INTERPRET=1
+    assert not fn.use_triton_kernels("ref", x)
+    assert fn.use_triton_kernels("triton", x)  # the interpreter (tests/conftest.py)
 
 
 # ------------------------------------------------------------------------------------ RMSNorm
