@@ -176,9 +176,8 @@ def fp8_gemm_nt(
     m, n, k = ref.validate_1d2d(a, b, d, out_dtype)
     if c is not None:
         _check_c(c, d, m, n)
-        acc = c.clone() if c is d else c  # D = C + A·Bᵀ: the product first, then C added
-        product = fp8_gemm_nt(a, b, out_dtype=torch.float32)
-        return torch.add(acc, product, out=d)
+        # D = C + A·Bᵀ: the product first, then C added (elementwise, so c may be d itself)
+        return torch.add(c, fp8_gemm_nt(a, b, out_dtype=torch.float32), out=d)
     # Validated once here: every backend's ``_fp8_gemm_nt`` is its public function minus checks.
     mod = _backend.load(__name__, select_backend("1d2d", m, n, k, a[0].device))
     return mod._fp8_gemm_nt(a, b, d, out_dtype)
