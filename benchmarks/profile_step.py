@@ -81,6 +81,9 @@ def run_case(args, precision: str, device: torch.device) -> dict:
         "tokens_per_s": round(tokens / ms * 1e3, 1),
         "mfu": round(flops * tokens / ms * 1e3 / peak, 4) if peak else None,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+        # What stays between steps: weights, optimizer state, gradient buffers, FP8 weight caches
+        # and the CUDA graph's pool; the peak minus this is the step's transient memory.
+        "resident_mem_gib": round(torch.cuda.memory_allocated(device) / 2**30, 2),
         "loss": loss,
     }
     from torch.profiler import ProfilerActivity, profile
@@ -101,7 +104,7 @@ def run_case(args, precision: str, device: torch.device) -> dict:
     print(
         f"\n{precision} ({train_step.mode}): {ms:.1f} ms/step, "
         f"{result['tokens_per_s']:,.0f} tokens/s, MFU {result['mfu']}, "
-        f"peak {result['peak_mem_gib']} GiB"
+        f"peak {result['peak_mem_gib']} GiB (resident {result['resident_mem_gib']} GiB)"
     )
     print(format_breakdown(per_step, span / 2))
     if args.top:
