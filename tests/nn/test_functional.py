@@ -385,11 +385,17 @@ def test_mla_qk_cuda_matches_reference(shape, dtype):
 
 @pytest.mark.gpu
 def test_fused_ops_capture_in_a_cuda_graph():
-    s = _MLAShape(2, 256, 16, 128, 64, 128)
-    inputs, grads = _mla_case(s, torch.bfloat16, device="cuda", seed=1)
-    x = _leaf(512, 2048, dtype=torch.bfloat16, seed=2, device="cuda")
-    w = torch.ones(2048, device="cuda", requires_grad=True)
-    a = _leaf(512, 1408, dtype=torch.bfloat16, seed=3, device="cuda")
+    # The leaves live on the capturing stream from their creation, as the training step's side
+    # stream does: autograd runs a leaf's gradient on the stream the leaf was made on, and the
+    # legacy default stream may not wait on a capturing stream.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        s = _MLAShape(2, 256, 16, 128, 64, 128)
+        inputs, grads = _mla_case(s, torch.bfloat16, device="cuda", seed=1)
+        x = _leaf(512, 2048, dtype=torch.bfloat16, seed=2, device="cuda")
+        w = torch.ones(2048, device="cuda", requires_grad=True)
+        a = _leaf(512, 1408, dtype=torch.bfloat16, seed=3, device="cuda")
 
     def step():
         outs, g_mla = _run_mla(inputs, grads, "triton")
@@ -397,14 +403,10 @@ def test_fused_ops_capture_in_a_cuda_graph():
         h = fn.swiglu(a, a, kernels="triton")
         return [*outs[:2], *g_mla, y, *torch.autograd.grad((y.sum() + h.sum()), (x, w, a))]
 
-    eager = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()  # warm-up outside the capture (Triton compiles here)
-    torch.cuda.current_stream().wait_stream(stream)
+        eager = step()  # also the warm-up outside the capture (Triton compiles here)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         captured = step()
     graph.replay()
     torch.cuda.synchronize()
