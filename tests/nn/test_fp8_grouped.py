@@ -470,3 +470,21 @@ def test_experts_quantize_x_once_and_weights_once_per_change(monkeypatch, ref_ge
     y = ex(x, counts[1:3])
     assert len(w_calls) == n + 3
     assert torch.equal(y, uncached(x, counts[1:3]))
+
+
+@pytest.mark.parametrize("n_out,k", [(256, 384), (128, 200), (384, 136)])
+def test_grouped_weight_transpose_equals_each_experts_own(n_out, k):
+    # The stacked quantization of [G, N_out, K] (one pass, Wᵀ regrouped to [G, K, N_out] by
+    # 8-byte words) gives each expert exactly the bytes and scales of quantizing that expert
+    # alone: the same tiles, so the same amax and scale.
+    from ptxtrain.nn.fp8_grouped import quantize_grouped_weight
+    from ptxtrain.quant import per_block_cast_to_fp8_both
+
+    g = torch.Generator().manual_seed(n_out + k)
+    weight = torch.randn(3, n_out, k, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    w, sf, wt, sf_t = quantize_grouped_weight(weight, need_w=True, need_wt=True, pow2=False)
+    assert wt.shape == (3, k, n_out) and wt.is_contiguous() and sf_t.is_contiguous()
+    for e in range(3):
+        want = per_block_cast_to_fp8_both(weight[e])
+        for got, ref in zip((w[e], sf[e], wt[e], sf_t[e]), want, strict=True):
+            assert_bitwise_equal(got, ref)
