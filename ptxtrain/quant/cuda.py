@@ -1,9 +1,9 @@
 """Hand-written CUDA FP8 quantizers (NVRTC through :mod:`ptxtrain.jit`), bit-exact twins of
 :mod:`ptxtrain.quant.ref`, aimed at the transposed quantizations (docs/design.md §1, §3).
 
-Design note. One kernel template (``ptxtrain/quant/kernels/cast_transpose.cuh``, whose header
-comment has the details) covers every quantizer: a CTA of 256 threads owns one 128x128 tile of
-``x`` [M, K], reads it once with 16-byte loads, and writes
+Design note. One kernel template (``ptxtrain/include/ptxtrain/quant/cast_transpose.cuh``, whose
+header comment has the details) covers every quantizer: a CTA of 256 threads owns one 128x128
+tile of ``x`` [M, K], reads it once with 16-byte loads, and writes
 
 - the 1x128 quantization of ``x`` from registers (row amax through warp shuffles),
 - the 128x1 quantization stored transposed (``xᵀ`` [K, M]) from the tile staged in shared
@@ -21,7 +21,7 @@ bf16 / fp16 input, whose E4M3 bytes are then the same for every (x, amax) pair, 
 exhaustion in the tests; ``div.rn`` for non-finite scales), and ``cvt.rn.satfinite.e4m3x2.f32``.
 
 Tests: besides the GPU tests, ``tests/quant/test_cuda.py`` compiles the same kernel source as
-host C++ (``kernels/host_emulation.hpp``: fibers for the threads, bounds and alignment checks on
+host C++ (``host_emulation.hpp`` beside it: fibers for the threads, bounds and alignment checks on
 every global access) and runs it through this module's own launch arguments, bit for bit against
 the reference, on a CPU.
 
@@ -43,13 +43,13 @@ Scales: ``sf_layout="row"`` (the reference's row-major layout) or ``"mn_major"``
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from ptxtrain._checks import HP_DTYPES, ceil_div, check_tensor
 from ptxtrain.jit import (
+    INCLUDE_DIR,
     BoundLaunch,
     compile_cuda,
     driver_available,
@@ -90,7 +90,8 @@ __all__ = [
     "usable",
 ]
 
-KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+# The kernel source sits in the package's one CUDA source tree (``ptxtrain/include``).
+KERNEL_DIR = INCLUDE_DIR / "ptxtrain" / "quant"
 # Ops that ``auto`` sends to this backend on sm_90: the transposed ones, where the Triton kernels
 # reach only 0.50-0.67 of copy bandwidth, and the 128x128 block cast (worst over 4096x7168,
 # 7168x4096 and 16384x7168 bf16 on an H200: 0.88 of copy here against Triton's 0.79). The
@@ -296,10 +297,9 @@ def compile_module(
         modes = [mode]
         name = "ptxtrain_quant_cast_fp8_" + "".join("1" if f else "0" for f in mode)
     return compile_cuda(
-        "#include <cast_transpose.cuh>\n",
+        "#include <ptxtrain/quant/cast_transpose.cuh>\n",
         name=name + ("_full" if full else ""),
         arch=arch,
-        include_dirs=[KERNEL_DIR],
         name_expressions=[_expression(kind, *m, variant, full) for m in modes],
     )
 

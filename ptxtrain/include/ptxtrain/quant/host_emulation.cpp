@@ -1,4 +1,4 @@
-// ptxtrain/quant/kernels/host_emulation.cpp — a shared library exposing cast_transpose.cuh's
+// ptxtrain/include/ptxtrain/quant/host_emulation.cpp — a shared library exposing cast_transpose.cuh's
 // kernels, run on the CPU through host_emulation.hpp, to tests/quant/test_cuda.py (ctypes).
 // Build: g++ -std=c++20 -O1 -ffp-contract=off -fPIC -shared host_emulation.cpp -o emu.so
 // The kernel variant (ptxtrain_quant::Knobs) comes from -DPTXTRAIN_QUANT_EMU_THREADS=..., _LOOP,

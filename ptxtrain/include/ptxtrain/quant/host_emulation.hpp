@@ -1,4 +1,4 @@
-// ptxtrain/quant/kernels/host_emulation.hpp — host C++ shims that let cast_transpose.cuh run on
+// ptxtrain/include/ptxtrain/quant/host_emulation.hpp — host C++ shims that let cast_transpose.cuh run on
 // a CPU for testing (tests/quant/test_cuda.py): CUDA qualifiers become no-ops, each CTA's
 // threads are cooperative fibers (ucontext) switched at barriers, __syncthreads is a barrier
 // over the CTA, __shfl_xor_sync an exchange through memory between two barriers of the warp, and every vector / scalar memory

@@ -1,4 +1,4 @@
-// ptxtrain/quant/kernels/cast_transpose.cuh — FP8 (E4M3) quantizers that read a [M, K] tensor
+// ptxtrain/include/ptxtrain/quant/cast_transpose.cuh — FP8 (E4M3) quantizers that read a [M, K] tensor
 // once per 128x128 tile and write its 1x128 (row), 128x1 (column, stored transposed) or 128x128
 // (block) quantization, bit-exact with ptxtrain/quant/ref.py. Compiled through NVRTC by
 // ptxtrain/quant/cuda.py (no CUDA toolkit headers: bf16 / fp16 are handled as raw bits).
