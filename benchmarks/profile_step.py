@@ -96,10 +96,15 @@ def run_case(args, precision: str, device: torch.device) -> dict:
     per_step = {k: v / 2 for k, v in breakdown(kernels, span).items()}
     result["breakdown_ms"] = {k: round(v, 2) for k, v in per_step.items()}
     totals: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for name, start, end in kernels:
         totals[name] = totals.get(name, 0.0) + (end - start) / 2
+        calls[name] = calls.get(name, 0) + 1
     top = sorted(totals.items(), key=lambda kv: -kv[1])[: args.kernels]
-    result["kernels_ms"] = [[categorize(n), round(ms, 3), n[:160]] for n, ms in top]
+    # [category, ms per step, launches per step, name]: the launch count tells which call a
+    # kernel is (e.g. 28 = once per MoE layer and micro-batch of the medium preset); template
+    # arguments sit at the end of long names, so the name keeps 400 characters.
+    result["kernels_ms"] = [[categorize(n), round(ms, 3), calls[n] // 2, n[:400]] for n, ms in top]
     result["profiled_step_ms"] = round(span / 2, 2)
     print(
         f"\n{precision} ({train_step.mode}): {ms:.1f} ms/step, "
