@@ -82,7 +82,7 @@ def check_pipeline(schedule: str, pp: int, num_chunks: int, n_layers: int | None
     Checks: ``schedule`` known; ``pp >= 1``; DualPipe needs ``pp`` even; ``num_chunks`` at least
     :func:`min_num_chunks` (and even for DualPipe, whose two directions take half each);
     ``n_layers`` (if given) at least :func:`num_stages` (one layer per stage; uneven splits are
-    fine, :func:`ptxtrain.model.stages.split_layers`).
+    fine, :func:`ptxtrain.train.pipeline_stage.split_layers`).
     """
     _check_schedule(schedule)
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:

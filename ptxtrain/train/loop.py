@@ -925,9 +925,6 @@ def _summary(
     }
 
 
-# The name tests and older callers use for the strategy object.
-_PipeSetup = ParallelStrategy
-
 __all__ = [
     "DEVICES",
     "EP_BACKENDS",

@@ -1,9 +1,9 @@
 """One rank's share of a pipeline-parallel training step (``ptxtrain train --pp N``).
 
 Every rank builds the whole model from the seed (so initialization is the single-process one),
-cuts it into stages (:class:`~ptxtrain.model.stages.DeepSeekV3Stage`, which share the model's
-submodules) and keeps the ones :func:`~ptxtrain.parallel.stages.stages_of_rank` gives it; the
-optimizer is built over those stages' parameters only. A step (docs/design.md §5)::
+cuts it into stages (:class:`~ptxtrain.train.pipeline_stage.DeepSeekV3Stage`, which share the
+model's submodules) and keeps the ones :func:`~ptxtrain.parallel.stages.stages_of_rank` gives
+it; the optimizer is built over those stages' parameters only. A step (docs/design.md §5)::
 
     micro-batches = the batch split into num_chunks along dim 0
     schedule.step(...)          1F1B / DualPipe / DualPipeV; loss per micro-batch
@@ -43,7 +43,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model.deepseek import DeepSeekV3, aggregate_router_stats
-from ..model.stages import DeepSeekV3Stage
 from ..moe.router import Router
 from ..parallel.p2p import directional_groups
 from ..parallel.stages import (
@@ -55,6 +54,7 @@ from ..parallel.stages import (
     stages_of_rank,
 )
 from ..parallel.timeline import Timeline
+from .pipeline_stage import DeepSeekV3Stage
 from .runtime import param_groups
 
 __all__ = [

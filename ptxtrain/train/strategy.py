@@ -236,8 +236,8 @@ class ParallelStrategy:
     def _check_model(self, config) -> None:
         args = self.args
         if self.pipeline:
-            from ..model.stages import check_stageable
             from ..parallel.stages import num_stages
+            from .pipeline_stage import check_stageable
 
             try:
                 check_stageable(config, num_stages(args.schedule, args.pp))

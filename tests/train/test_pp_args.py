@@ -11,7 +11,6 @@ import pytest
 from ptxtrain.cli import _train_args_from as train_args_from
 from ptxtrain.cli import build_parser, main
 from ptxtrain.model import build_model, get_preset
-from ptxtrain.model.stages import DeepSeekV3Stage, split_layers
 from ptxtrain.parallel.stages import (
     check_pipeline,
     num_stages,
@@ -19,6 +18,7 @@ from ptxtrain.parallel.stages import (
     stages_of_rank,
 )
 from ptxtrain.train import TrainArgs, TrainConfigError, train
+from ptxtrain.train.pipeline_stage import DeepSeekV3Stage, split_layers
 
 
 def test_split_layers_and_placement():

@@ -1,4 +1,5 @@
-"""Pipeline stages of a :class:`~ptxtrain.model.deepseek.DeepSeekV3`.
+"""Pipeline stages of a :class:`~ptxtrain.model.deepseek.DeepSeekV3`: the model cut for the
+schedules of :mod:`ptxtrain.parallel` (the model package knows nothing of pipelines).
 
 Source: DeepSeek-V3 report §3.2; docs/design.md §5.
 
@@ -28,9 +29,10 @@ two different streams so the GPU can run them concurrently. Autograd runs every 
 the stream its forward op ran on, so the backward cannot be moved to another stream after the
 fact; instead the forward goes to the stream the backward's graph is *not* on: the current
 stream or one side stream per device, alternating. Each output of a hook forward is tagged with
-its stream so a later hook knows where that chunk's graph lives; plain forwards run on the
-current stream. On CPU the hook is :func:`~ptxtrain.parallel.p2p.sequential_forward_backward`
-(forward, then backward): the very same ops, so the numerics are identical.
+its stream (:func:`graph_stream`) so a later hook knows where that chunk's graph lives; plain
+forwards run on the current stream. On CPU the hook is
+:func:`~ptxtrain.parallel.p2p.sequential_forward_backward` (forward, then backward): the very
+same ops, so the numerics are identical.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ptxtrain.model.deepseek import DeepSeekV3, lm_cross_entropy, rope_freqs
-from ptxtrain.parallel.p2p import as_tuple, sequential_forward_backward
+from ..model.deepseek import DeepSeekV3, lm_cross_entropy, rope_freqs
+from ..parallel.p2p import as_tuple, sequential_forward_backward
 
 # Attribute set on the outputs (and loss) of a forward run by the overlap hook: the CUDA stream
 # its autograd graph lives on, so the backward of that chunk knows which stream is busy.
@@ -49,11 +51,19 @@ _STREAM_ATTR = "_ptxtrain_graph_stream"
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the hook's second stream
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The overlap hook's second CUDA stream on ``device`` (one per device, made on first use;
+    a device without an index means the current one)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
+
+
+def graph_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
+    """The CUDA stream the autograd graph of ``t`` lives on when the overlap hook's forward made
+    it (the current stream or :func:`side_stream`); None for tensors of a plain forward."""
+    return getattr(t, _STREAM_ATTR, None)
 
 
 def _cuda_tensors(*groups) -> list[torch.Tensor]:
@@ -65,7 +75,13 @@ def _cuda_tensors(*groups) -> list[torch.Tensor]:
     ]
 
 
-__all__ = ["DeepSeekV3Stage", "check_stageable", "split_layers"]
+__all__ = [
+    "DeepSeekV3Stage",
+    "check_stageable",
+    "graph_stream",
+    "side_stream",
+    "split_layers",
+]
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -218,8 +234,8 @@ class DeepSeekV3Stage(nn.Module):
             )  # fmt: skip
         device = cuda[0].device
         main = torch.cuda.current_stream(device)
-        side = _side_stream(device)
-        bwd = getattr(roots[0], _STREAM_ATTR, None)  # the stream b's graph is on
+        side = side_stream(device)
+        bwd = graph_stream(roots[0])  # the stream b's graph is on
         if bwd is None:  # built by a plain forward, on the current stream
             bwd = main
         fwd = side if bwd == main else main
