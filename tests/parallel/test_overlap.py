@@ -254,6 +254,7 @@ def test_model_stage_hook_two_streams_cuda():
     forward through the last stage (plain, on the current stream), then one F&B step runs the
     forward of chunk B through stage 0 and the backward of A. Same kernels on the same data, so
     outputs and gradients must agree to float32 rounding of reordered atomics (1e-6 relative)."""
+    from ptxtrain.train.pipeline_layout import even_layout
     from ptxtrain.train.pipeline_stage import DeepSeekV3Stage, graph_stream, side_stream
 
     dev = torch.device("cuda")
@@ -265,7 +266,8 @@ def test_model_stage_hook_two_streams_cuda():
     results = []
     for use_hook in (True, False):
         model = copy.deepcopy(base)
-        s0, s1 = DeepSeekV3Stage(model, 0, 2), DeepSeekV3Stage(model, 1, 2)
+        layout = even_layout(model.config.n_layers, 2)
+        s0, s1 = DeepSeekV3Stage(model, 0, layout), DeepSeekV3Stage(model, 1, layout)
         inputs_a = (h_a.clone().requires_grad_(), torch.zeros((), device=dev, requires_grad=True))
         loss_a = s1.loss(*s1(*inputs_a), labels_a)[0]
         fn = DeepSeekV3Stage.overlapped_forward_backward if use_hook else None
