@@ -75,6 +75,16 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _layout(text: str) -> tuple[int, ...]:
+    """``--pp-layout``'s value: ``"1,3,3,1"`` -> ``(1, 3, 3, 1)``."""
+    from .train.pipeline_layout import parse_layout
+
+    try:
+        return parse_layout(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _float_at_least(low: float, *, strict: bool = False) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
@@ -344,6 +354,17 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         "dualpipe/dualpipev (default: 2*PP)",
     )
     g.add_argument(
+        "--pp-layout",
+        type=_layout,
+        metavar="N,N,...",
+        help="decoder layers of each pipeline stage, in stage order (e.g. 1,3,3,1 for 8 layers "
+        "in 4 stages): one count per stage (PP, or 2*PP for dualpipev), adding up to the "
+        "model's layers; only the first and the last stage (which also hold the embedding / "
+        "the head and loss) may have 0. A --resume under the same --pp and --schedule keeps "
+        "the checkpoint's layout (default: the layout that balances the modelled cost of the "
+        "ranks, docs/parallel.md)",
+    )
+    g.add_argument(
         "--timeline",
         action="store_true",
         default=None,
@@ -404,6 +425,7 @@ _RUN_FIELDS = (
     "pp",
     "schedule",
     "num_chunks",
+    "pp_layout",
     "timeline",
     "ep",
     "ep_backend",
@@ -443,8 +465,24 @@ def _train_args_from(ns: argparse.Namespace):
         saved_layers = meta["config"].get("model", {}).get("n_layers")
         if "n_layers" not in given and saved_layers is not None:
             inherited["n_layers"] = saved_layers
+        layout = _saved_layout(meta["extra"].get("pipeline"), given)
+        if layout is not None:
+            inherited["pp_layout"] = layout
         given = {**inherited, **given, "out": str(probe.run_dir())}
     return TrainArgs(**given, resume=ns.resume, overwrite=ns.overwrite, progress=not ns.no_progress)
+
+
+def _saved_layout(saved: object, given: dict) -> tuple[int, ...] | None:
+    """The checkpoint's stage layout when ``--resume`` runs the same ``--pp`` and
+    ``--schedule`` without ``--pp-layout`` (so the stages stay as they were), else None."""
+    from .train.loop import TrainArgs
+
+    if "pp_layout" in given or not isinstance(saved, dict) or saved.get("layout") is None:
+        return None
+    want = TrainArgs(**{k: given[k] for k in ("pp", "schedule") if k in given})
+    if (saved.get("pp"), saved.get("schedule")) != (want.pp, want.schedule):
+        return None
+    return tuple(saved["layout"])
 
 
 # What torchrun sets in each process it starts; a --pp / --ep run reads them to join its group.

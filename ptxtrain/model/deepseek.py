@@ -59,6 +59,7 @@ __all__ = [
     "ep_nvl_bytes",
     "fp8_module_filter",
     "generate",
+    "param_counts",
 ]
 
 IGNORE_INDEX = -100  # label value that cross-entropy skips (padding)
@@ -600,18 +601,8 @@ class DeepSeekV3(nn.Module):
             ``embedding``: the embedding matrix.
         """
 
-        def count(module: nn.Module) -> tuple[int, int]:
-            total = sum(p.numel() for p in module.parameters())
-            unused = 0
-            for moe in (m for m in module.modules() if isinstance(m, MoE)):
-                ex = moe.experts
-                per_expert = sum(p[0].numel() for p in ex.parameters())
-                total += (ex.num_experts - ex.num_local_experts) * per_expert  # other EP ranks'
-                unused += (moe.n_routed_experts - moe.n_activated_experts) * per_expert
-            return total, total - unused
-
-        total, activated = count(self)
-        mtp_total, mtp_activated = count(self.mtp) if self.mtp is not None else (0, 0)
+        total, activated = param_counts(self)
+        mtp_total, mtp_activated = param_counts(self.mtp) if self.mtp is not None else (0, 0)
         return {
             "total": total,
             "activated": activated,
@@ -619,6 +610,24 @@ class DeepSeekV3(nn.Module):
             "mtp_activated": mtp_activated,
             "embedding": self.embed.weight.numel(),
         }
+
+
+def param_counts(module: nn.Module) -> tuple[int, int]:
+    """``(total, activated)`` parameters of ``module`` (any part of a :class:`DeepSeekV3`).
+
+    ``total`` counts every parameter once (tied weights once), the routed experts that other
+    expert-parallel ranks hold included; ``activated`` counts the routed experts of every MoE
+    layer ``n_activated_experts`` of ``n_routed_experts`` (the parameters one token uses).
+    Works on the meta device.
+    """
+    total = sum(p.numel() for p in module.parameters())
+    unused = 0
+    for moe in (m for m in module.modules() if isinstance(m, MoE)):
+        ex = moe.experts
+        per_expert = sum(p[0].numel() for p in ex.parameters())
+        total += (ex.num_experts - ex.num_local_experts) * per_expert  # other EP ranks'
+        unused += (moe.n_routed_experts - moe.n_activated_experts) * per_expert
+    return total, total - unused
 
 
 def ep_nvl_bytes(

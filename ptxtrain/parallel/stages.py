@@ -76,13 +76,12 @@ def owner_of_stage(schedule: str, stage: int, pp: int) -> int:
     return min(stage, n - 1 - stage) if schedule == "dualpipev" else stage
 
 
-def check_pipeline(schedule: str, pp: int, num_chunks: int, n_layers: int | None = None) -> None:
+def check_pipeline(schedule: str, pp: int, num_chunks: int) -> None:
     """Raise ``ValueError`` for a pipeline that cannot run; the same answer on every rank.
 
     Checks: ``schedule`` known; ``pp >= 1``; DualPipe needs ``pp`` even; ``num_chunks`` at least
-    :func:`min_num_chunks` (and even for DualPipe, whose two directions take half each);
-    ``n_layers`` (if given) at least :func:`num_stages` (one layer per stage; uneven splits are
-    fine, :func:`ptxtrain.model.stages.split_layers`).
+    :func:`min_num_chunks` (and even for DualPipe, whose two directions take half each). What
+    each stage holds is the caller's (``ptxtrain.train.pipeline_layout``).
     """
     _check_schedule(schedule)
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
@@ -96,12 +95,6 @@ def check_pipeline(schedule: str, pp: int, num_chunks: int, n_layers: int | None
         )
     if schedule == "dualpipe" and num_chunks % 2:
         raise ValueError(f"num_chunks must be even for dualpipe, got {num_chunks}")
-    stages = num_stages(schedule, pp)
-    if n_layers is not None and n_layers < stages:
-        raise ValueError(
-            f"the model's {n_layers} layers cannot be split into {stages} pipeline stages "
-            f"({schedule} on {pp} ranks has {stages} stages; each needs at least one layer)"
-        )
 
 
 def build_schedule(

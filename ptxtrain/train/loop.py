@@ -65,6 +65,7 @@ from .checkpoint import (
 from .evaluation import SAMPLE_COUNT, SAMPLE_PROMPT, SAMPLE_TEMPERATURE, evaluate
 from .metrics import MetricsWriter, format_summary, plot_loss_curve, read_metrics
 from .mfu import achieved_flops, model_flops_per_token, peak_bf16_flops
+from .pipeline_layout import format_layout
 from .progress import StepRecords
 from .runtime import DEVICES, Printer, TrainConfigError, param_groups, resolve_device
 from .strategy import PP_OVERLAP_ENV, ParallelStrategy
@@ -199,6 +200,9 @@ class TrainArgs:
     schedule: str = "dualpipe"  # pipeline schedule with pp > 1: "dualpipe", "dualpipev", "1f1b"
     num_chunks: int | None = None  # micro-batches per step (pp > 1); None = 2 * pp
     timeline: bool = False  # write each rank's schedule timeline into the run folder (pp > 1)
+    # decoder layers per pipeline stage, in stage order (pp > 1; --pp-layout 2,3,3,2); None =
+    # the cost-balanced layout (ptxtrain.train.pipeline_layout)
+    pp_layout: tuple[int, ...] | None = None
     # --- expert parallelism (torchrun --nproc-per-node EP -m ptxtrain train --ep EP) ---
     ep: int = 1  # expert-parallel (and data-parallel) ranks (WORLD_SIZE = pp * ep); 1 = none
     ep_backend: str = "all_to_all"  # the MoE layers' shared Buffer: "all_to_all" or "nvlink"
@@ -293,7 +297,14 @@ class TrainArgs:
             raise bad("schedule", f"must be one of {list(SCHEDULES)}")
         if self.num_chunks is not None and (not is_int(self.num_chunks) or self.num_chunks < 1):
             raise bad("num_chunks", "must be an integer >= 1")
+        if self.pp_layout is not None and (
+            not isinstance(self.pp_layout, (list, tuple))
+            or not all(is_int(c) and c >= 0 for c in self.pp_layout)
+        ):
+            raise bad("pp_layout", "must be decoder-layer counts (integers >= 0), one per stage")
         if self.pp == 1:
+            if self.pp_layout is not None:
+                raise TrainConfigError("--pp-layout lays out pipeline stages: it needs --pp > 1")
             if self.timeline:
                 raise TrainConfigError("--timeline records a pipeline schedule: it needs --pp > 1")
             if self.num_chunks is not None:
@@ -692,7 +703,8 @@ def _train(args: TrainArgs, config, strategy: ParallelStrategy, model_overrides)
         "train": args.trajectory(),
         "corpus_sha256": corpus_info["sha256"],
     }
-    ckpt_kw = dict(model=model, optimizer=optimizer, config=ckpt_config, extra=_resume_extra(args))
+    extra = _resume_extra(args, strategy.describe())
+    ckpt_kw = dict(model=model, optimizer=optimizer, config=ckpt_config, extra=extra)
     start = 0
     if args.resume:
         meta = strategy.load(run_dir, model=model, optimizer=optimizer, expected_config=ckpt_config)
@@ -806,12 +818,14 @@ def _load_corpus(args: TrainArgs, log: Printer) -> tuple[Corpus, dict[str, Any]]
     return corpus, info
 
 
-def _resume_extra(args: TrainArgs) -> dict[str, Any]:
+def _resume_extra(args: TrainArgs, pipeline: dict[str, Any] | None) -> dict[str, Any]:
     """The checkpoint's ``extra``: not compared on resume (the corpus hash is); lets
-    ``ptxtrain train --resume`` find the data and keep the run's evaluation / checkpoint /
-    sample settings."""
+    ``ptxtrain train --resume`` find the data, keep the run's evaluation / checkpoint / sample
+    settings and, under the same ``--pp`` and ``--schedule``, the stage layout (``pipeline``:
+    :meth:`ParallelStrategy.describe`)."""
     data_path = str(Path(args.data).expanduser().resolve()) if args.data else None
-    return {"data": data_path, "run": {k: getattr(args, k) for k in RESUMED_RUN_FIELDS}}
+    run = {k: getattr(args, k) for k in RESUMED_RUN_FIELDS}
+    return {"data": data_path, "run": run, "pipeline": pipeline}
 
 
 def _write_config(
@@ -847,12 +861,24 @@ def _model_line(args: TrainArgs, model, flops_per_token: float, strategy, run_di
         f"{' (deterministic algorithms)' if args.deterministic else ''}; "
         f"run folder {run_dir}"
         + strategy.note()
+        + _layout_note(strategy.describe(), args.pp_layout is not None)
         + (
             f"; {args.grad_accum_steps} micro-batches of {args.batch_size} sequences per step"
             if args.grad_accum_steps > 1
             else ""
         )
     )
+
+
+def _layout_note(pipeline: dict[str, Any] | None, given: bool) -> str:
+    """``"; pipeline stages of 2,3,3,2 decoder layers (...)"`` for the run's first log line
+    (how the layout was chosen in brackets), or "" without a pipeline."""
+    if pipeline is None:
+        return ""
+    how = "--pp-layout or the resumed checkpoint's"
+    if not given:
+        how = "cost-balanced, --pp-layout overrides"
+    return f"; pipeline stages of {format_layout(pipeline['layout'])} decoder layers ({how})"
 
 
 def _progress_bar(args: TrainArgs, start: int, lead: bool):
@@ -924,9 +950,6 @@ def _summary(
         **_bytes_per_param(strategy.state_bytes),
     }
 
-
-# The name tests and older callers use for the strategy object.
-_PipeSetup = ParallelStrategy
 
 __all__ = [
     "DEVICES",

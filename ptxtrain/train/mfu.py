@@ -16,13 +16,20 @@ docs/performance.md ("How MFU is counted") states the convention for users.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..model.config import DeepSeekV3Config
 
-__all__ = ["achieved_flops", "model_flops_per_token", "peak_bf16_flops"]
+__all__ = [
+    "FlopsByPart",
+    "achieved_flops",
+    "flops_per_token_by_part",
+    "model_flops_per_token",
+    "peak_bf16_flops",
+]
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peaks in FLOP/s, matched against
 # torch.cuda.get_device_name() in order; the first match wins. Sources: NVIDIA's H100 and H200
@@ -64,12 +71,66 @@ def peak_bf16_flops(device: torch.device | str) -> float | None:
     return None
 
 
-def _param_counts(config: DeepSeekV3Config) -> dict[str, int]:
-    """``DeepSeekV3.num_params()`` of ``config``, built on the meta device (no memory)."""
+def _meta_model(config: DeepSeekV3Config):
+    """A ``DeepSeekV3`` of ``config`` on the meta device (no memory), for counting."""
     from ..model import DeepSeekV3
 
     with torch.device("meta"):
-        return DeepSeekV3(config).num_params()
+        return DeepSeekV3(config)
+
+
+def _check_args(config: object, seq_len: object) -> None:
+    if not isinstance(config, DeepSeekV3Config):
+        raise TypeError(f"config must be a DeepSeekV3Config, got {type(config).__name__}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise TypeError(f"seq_len must be an int, got {seq_len!r}")
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be > 0, got {seq_len}")
+
+
+@dataclass(frozen=True)
+class FlopsByPart:
+    """Training FLOPs per token of each part of the model (:func:`flops_per_token_by_part`).
+
+    ``embed``: the embedding (0: a table lookup, not a matmul); ``layers[i]``: decoder layer
+    ``i``; ``head``: the final norm and the output head; ``mtp``: the MTP module with its pass
+    through the shared head (0 without MTP). :attr:`total` is
+    :func:`model_flops_per_token`.
+    """
+
+    embed: int
+    layers: tuple[int, ...]
+    head: int
+    mtp: int
+
+    @property
+    def total(self) -> int:
+        """FLOPs per token of the whole model."""
+        return self.embed + sum(self.layers) + self.head + self.mtp
+
+
+def flops_per_token_by_part(config: DeepSeekV3Config, seq_len: int) -> FlopsByPart:
+    """:func:`model_flops_per_token` split over the parts of the model (same convention).
+
+    A decoder layer counts ``6 x`` its activated parameters (``param_counts``: the routed
+    experts ``n_activated_experts`` of ``n_routed_experts``, the shared experts, the router,
+    MLA, the two RMSNorms) plus the causal attention term ``3 x seq_len x n_heads x
+    (qk_head_dim + v_head_dim)``; the head part ``6 x`` (final norm + ``vocab_size x dim``),
+    tied or not; the MTP part its activated parameters, one more pass through the head and one
+    attention term. Args and errors as :func:`model_flops_per_token`.
+    """
+    from ..model.deepseek import param_counts
+
+    _check_args(config, seq_len)
+    model = _meta_model(config)
+    # 6 x T x H x (qk + v) / 2 with the halving done first: qk + v may be odd, T even or not
+    attention = 3 * seq_len * config.n_heads * (config.qk_head_dim + config.v_head_dim)
+    head = config.vocab_size * config.dim
+    layers = tuple(6 * param_counts(layer)[1] + attention for layer in model.layers)
+    mtp = 0
+    if model.mtp is not None:
+        mtp = 6 * (param_counts(model.mtp)[1] + head) + attention
+    return FlopsByPart(0, layers, 6 * (model.norm.weight.numel() + head), mtp)
 
 
 def model_flops_per_token(config: DeepSeekV3Config, seq_len: int) -> int:
@@ -92,7 +153,7 @@ def model_flops_per_token(config: DeepSeekV3Config, seq_len: int) -> int:
     ``seq_len`` too much). RMSNorm weights (``~2 x dim`` per layer) are counted as parameters,
     which is the convention's simplification. Sources: PaLM appendix B, Megatron-LM §5.1,
     torchtitan (their attention term is this one without the causal halving); the MLA and MoE
-    sizes after the DeepSeek-V3 report §2.1.
+    sizes after the DeepSeek-V3 report §2.1. Per part: :func:`flops_per_token_by_part`.
 
     Args:
         config: the model.
@@ -105,21 +166,7 @@ def model_flops_per_token(config: DeepSeekV3Config, seq_len: int) -> int:
         TypeError: ``config`` is not a ``DeepSeekV3Config``; ``seq_len`` is not an int.
         ValueError: ``seq_len`` <= 0.
     """
-    if not isinstance(config, DeepSeekV3Config):
-        raise TypeError(f"config must be a DeepSeekV3Config, got {type(config).__name__}")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
-        raise TypeError(f"seq_len must be an int, got {seq_len!r}")
-    if seq_len <= 0:
-        raise ValueError(f"seq_len must be > 0, got {seq_len}")
-    counts = _param_counts(config)
-    head = config.vocab_size * config.dim
-    matmul_params = counts["activated"] + config.mtp_depth * head
-    if not config.tie_embeddings:
-        matmul_params -= counts["embedding"]
-    layers = config.n_layers + config.mtp_depth
-    # 6 x L x T x H x (qk + v) / 2 with the halving done first: qk + v may be odd, T even or not
-    attention = 3 * layers * seq_len * config.n_heads * (config.qk_head_dim + config.v_head_dim)
-    return 6 * matmul_params + attention
+    return flops_per_token_by_part(config, seq_len).total
 
 
 def achieved_flops(

@@ -1,9 +1,11 @@
 """One rank's share of a pipeline-parallel training step (``ptxtrain train --pp N``).
 
 Every rank builds the whole model from the seed (so initialization is the single-process one),
-cuts it into stages (:class:`~ptxtrain.model.stages.DeepSeekV3Stage`, which share the model's
-submodules) and keeps the ones :func:`~ptxtrain.parallel.stages.stages_of_rank` gives it; the
-optimizer is built over those stages' parameters only. A step (docs/design.md §5)::
+cuts it into stages by a layout (decoder layers per stage, :mod:`ptxtrain.train.pipeline_layout`:
+``--pp-layout``, or the cost-balanced one) with
+:class:`~ptxtrain.train.pipeline_stage.DeepSeekV3Stage`, which share the model's submodules, and
+keeps the ones :func:`~ptxtrain.parallel.stages.stages_of_rank` gives it; the optimizer is built
+over those stages' parameters only. A step (docs/design.md §5)::
 
     micro-batches = the batch split into num_chunks along dim 0
     schedule.step(...)          1F1B / DualPipe / DualPipeV; loss per micro-batch
@@ -43,7 +45,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model.deepseek import DeepSeekV3, aggregate_router_stats
-from ..model.stages import DeepSeekV3Stage
 from ..moe.router import Router
 from ..parallel.p2p import directional_groups
 from ..parallel.stages import (
@@ -55,6 +56,8 @@ from ..parallel.stages import (
     stages_of_rank,
 )
 from ..parallel.timeline import Timeline
+from .pipeline_layout import check_layout, even_layout
+from .pipeline_stage import DeepSeekV3Stage
 from .runtime import param_groups
 
 __all__ = [
@@ -191,6 +194,10 @@ class PipelineRunner:
         p2p_groups: the per-direction message groups of :func:`pipeline_groups` (``.p2p``);
             needed with ``ep_group`` for NCCL runs whose crossed messages exceed NCCL's buffers.
             None: on the default group the schedule creates them at its first step.
+        layout: decoder layers per stage, ``num_stages(schedule, PP)`` counts
+            (:func:`~ptxtrain.train.pipeline_layout.check_layout`; ``ptxtrain train`` passes
+            ``--pp-layout`` or :func:`~ptxtrain.train.pipeline_layout.balanced_layout`'s). None:
+            :func:`~ptxtrain.train.pipeline_layout.even_layout`.
         overlap: DualPipe / DualPipeV: run the F&B steps through
             :meth:`DeepSeekV3Stage.overlapped_forward_backward` (two CUDA streams). None (the
             default) reads the environment variable ``PTXTRAIN_PP_OVERLAP``: ``1`` turns it on,
@@ -203,7 +210,8 @@ class PipelineRunner:
 
     Raises:
         ValueError: an invalid combination (:func:`~ptxtrain.parallel.stages.check_pipeline`),
-            a model that cannot be cut into stages (MTP on, tied embeddings, layer count), or
+            a model that cannot be cut into stages (MTP on, tied embeddings, layer count), a bad
+            ``layout``, or
             DualPipe with ``ep_group`` but no ``mirror_group``, or ``overlap`` under DualPipe /
             DualPipeV with the model's EP buffer on the ``"nvlink"`` backend (two streams would
             share it).
@@ -219,17 +227,22 @@ class PipelineRunner:
         ep_group: dist.ProcessGroup | None = None,
         mirror_group: dist.ProcessGroup | None = None,
         p2p_groups: dict | None = None,
+        layout: tuple[int, ...] | None = None,
     ) -> None:
         self.group = group
         self.ep_group = ep_group
         self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.rank = dist.get_rank(group)
         self.pp = dist.get_world_size(group)
-        check_pipeline(schedule, self.pp, num_chunks, model.config.n_layers)
+        check_pipeline(schedule, self.pp, num_chunks)
         self.model, self.schedule, self.num_chunks = model, schedule, num_chunks
         self.n_stages = num_stages(schedule, self.pp)
+        n_layers = model.config.n_layers
+        if layout is None:
+            layout = even_layout(n_layers, self.n_stages)
+        self.layout = check_layout(layout, n_layers, self.n_stages)
         ids = stages_of_rank(schedule, self.rank, self.pp)
-        self.stages = [DeepSeekV3Stage(model, s, self.n_stages) for s in ids]
+        self.stages = [DeepSeekV3Stage(model, s, self.layout) for s in ids]
         self.module = nn.ModuleList(self.stages)  # for the optimizer: this rank's parameters
         if overlap is None:
             overlap = os.environ.get("PTXTRAIN_PP_OVERLAP", "0").strip() == "1"
@@ -440,7 +453,7 @@ class PipelineRunner:
             src = owner_of_stage(self.schedule, s, self.pp)
             if self.rank not in (src, dst):
                 continue
-            tensors = list(DeepSeekV3Stage(self.model, s, self.n_stages).state_dict().values())
+            tensors = list(DeepSeekV3Stage(self.model, s, self.layout).state_dict().values())
             g_src, g_dst = src, dst
             if self.group is not None:
                 g_src = dist.get_global_rank(self.group, src)

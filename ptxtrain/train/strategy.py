@@ -214,6 +214,7 @@ class ParallelStrategy:
         self.model = self.optimizer = self.runner = self.codec = None  # set by build()
         self.ep_buffer = self.warm = self.single_step = None
         self.state_bytes: dict[str, Any] | None = None  # the optimizer's footprint, first step
+        self.layout: tuple[int, ...] | None = None  # pp > 1: decoder layers per stage
         if self.active:
             self._check_model(config)
         device = resolve_device(args.device) if device is None else device
@@ -236,13 +237,20 @@ class ParallelStrategy:
     def _check_model(self, config) -> None:
         args = self.args
         if self.pipeline:
-            from ..model.stages import check_stageable
-            from ..parallel.stages import num_stages
+            from .pipeline_layout import format_layout, resolve_layout
 
+            flags = f"--pp {args.pp} --schedule {args.schedule}"
+            if args.pp_layout is not None:
+                flags += f" --pp-layout {format_layout(args.pp_layout)}"
+            # one micro-batch's tokens on one rank: the batch is split over EP, then into chunks
+            tokens = args.batch_size // (args.chunks() * self.ep) * args.seq_len
+            kw = dict(seq_len=args.seq_len, micro_batch_tokens=tokens, ep=self.ep)
             try:
-                check_stageable(config, num_stages(args.schedule, args.pp))
+                self.layout = resolve_layout(
+                    config, args.schedule, args.pp, layout=args.pp_layout, **kw
+                )
             except ValueError as e:
-                raise TrainConfigError(f"--pp {args.pp} --schedule {args.schedule}: {e}") from None
+                raise TrainConfigError(f"{flags}: {e}") from None
         if self.ep > 1:
             if config.n_routed_experts % self.ep:
                 raise TrainConfigError(
@@ -376,10 +384,14 @@ class ParallelStrategy:
         return bool(flag.item())
 
     def describe(self) -> dict[str, Any] | None:
+        """The run's pipeline for ``config.json``, ``summary.json`` and the checkpoint: ``pp``,
+        ``schedule``, ``num_chunks`` and ``layout`` (decoder layers per stage, a list); None
+        without ``--pp``."""
         if not self.pipeline:
             return None
         a = self.args
-        return {"pp": a.pp, "schedule": a.schedule, "num_chunks": a.chunks()}
+        layout = list(self.layout) if self.layout is not None else None
+        return {"pp": a.pp, "schedule": a.schedule, "num_chunks": a.chunks(), "layout": layout}
 
     def note(self) -> str:
         """What the run's first log line adds about the parallelism ("" for one process)."""
@@ -444,6 +456,7 @@ class ParallelStrategy:
             ep_group=self.ep_group,
             mirror_group=self.mirror_group,
             p2p_groups=self.p2p_groups,
+            layout=self.layout,
         )
 
     def _single_device_step(self, model, optimizer) -> SingleDeviceStep:

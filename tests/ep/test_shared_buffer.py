@@ -222,6 +222,7 @@ def test_nvlink_buffer_is_sized_for_training_and_sampling():
 
     from ptxtrain.data import ByteTokenizer
     from ptxtrain.train import loop
+    from ptxtrain.train.strategy import ParallelStrategy
 
     prompt = len(ByteTokenizer().encode(loop.SAMPLE_PROMPT))
     seen = []
@@ -229,7 +230,7 @@ def test_nvlink_buffer_is_sized_for_training_and_sampling():
         config=SimpleNamespace(max_seq_len=512),
         enable_expert_parallel=lambda group, backend, max_tokens: seen.append(max_tokens),
     )
-    setup = loop._PipeSetup.__new__(loop._PipeSetup)
+    setup = ParallelStrategy.__new__(ParallelStrategy)
     setup.ep, setup.ep_group = 2, None
     for sample_tokens, batch, seq, want in (
         (0, 8, 64, 8 // 2 * 64),  # no samples: the batch

@@ -172,8 +172,8 @@ class _Grads:
 
 
 def worker_model(rank: int, world: int) -> None:
-    from ptxtrain.model.stages import DeepSeekV3Stage
     from ptxtrain.train.pipeline import PipelineRunner
+    from ptxtrain.train.pipeline_stage import DeepSeekV3Stage
 
     torch.set_num_threads(1)
     calls = [0]
@@ -254,7 +254,8 @@ def test_model_stage_hook_two_streams_cuda():
     forward through the last stage (plain, on the current stream), then one F&B step runs the
     forward of chunk B through stage 0 and the backward of A. Same kernels on the same data, so
     outputs and gradients must agree to float32 rounding of reordered atomics (1e-6 relative)."""
-    from ptxtrain.model.stages import _STREAM_ATTR, DeepSeekV3Stage, _side_stream
+    from ptxtrain.train.pipeline_layout import even_layout
+    from ptxtrain.train.pipeline_stage import DeepSeekV3Stage, graph_stream, side_stream
 
     dev = torch.device("cuda")
     base = _model().float().to(dev)
@@ -265,14 +266,15 @@ def test_model_stage_hook_two_streams_cuda():
     results = []
     for use_hook in (True, False):
         model = copy.deepcopy(base)
-        s0, s1 = DeepSeekV3Stage(model, 0, 2), DeepSeekV3Stage(model, 1, 2)
+        layout = even_layout(model.config.n_layers, 2)
+        s0, s1 = DeepSeekV3Stage(model, 0, layout), DeepSeekV3Stage(model, 1, layout)
         inputs_a = (h_a.clone().requires_grad_(), torch.zeros((), device=dev, requires_grad=True))
         loss_a = s1.loss(*s1(*inputs_a), labels_a)[0]
         fn = DeepSeekV3Stage.overlapped_forward_backward if use_hook else None
         args = (s0, (ids_b,), None, (), s1, loss_a, [], [])
         outs, loss_f = fn(*args) if fn else sequential_forward_backward(*args)
         if use_hook:  # the forward went to the side stream (A's graph is on the current one)
-            assert getattr(outs[0], _STREAM_ATTR) == _side_stream(dev)
+            assert graph_stream(outs[0]) == side_stream(dev)
         torch.cuda.synchronize()
         assert loss_f is None
         grads = [p.grad.clone() for p in s1.parameters() if p.grad is not None]

@@ -111,10 +111,10 @@ def _worker(rank: int, world: int, root: str) -> None:
         )
     )
     from ptxtrain.model import get_preset
-    from ptxtrain.train.loop import _PipeSetup
+    from ptxtrain.train.strategy import ParallelStrategy
 
     config = type(get_preset("tiny")).from_dict({**get_preset("tiny").to_dict(), **CFG})
-    setup = _PipeSetup(_args(bad, **pp), config, torch.float32)
+    setup = ParallelStrategy(_args(bad, **pp), config, torch.float32)
 
     def fail_on_rank_1():
         if rank == 1:

@@ -15,7 +15,8 @@ import json
 import pytest
 import torch
 
-from ptxtrain.train import TrainArgs, read_metrics, train
+from ptxtrain.train import TrainArgs, model_config, read_checkpoint_meta, read_metrics, train
+from ptxtrain.train.pipeline_layout import balanced_layout, part_costs
 from tests._spawn import raised_on_this_rank, run_gloo, run_torchrun_like
 
 # A 4-layer model small enough for a few steps in well under a second; 4 layers split into 2
@@ -41,6 +42,12 @@ CFG = {
     "mtp_depth": 0,
 }
 UNEVEN = {**CFG, "n_layers": 6}
+# Explicit non-uniform layouts (--pp-layout), each with an empty end stage (the embedding alone,
+# the head and loss alone): (run name, schedule, model, layout).
+LAYOUTS = (
+    ("layout-dualpipev", "dualpipev", UNEVEN, (0, 3, 2, 1)),
+    ("layout-1f1b", "1f1b", CFG, (4, 0)),
+)
 STEPS = 4
 SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -75,13 +82,13 @@ def _worker(rank: int, world: int, root: str) -> None:
                 param_dtype=dtype,
             )
             result[f"{sched}-{name}"] = s["losses"]
-    # Uneven stages: 6 layers in DualPipeV's 4 stages (2, 2, 1, 1; each rank holds 3 layers).
-    s = train(
-        _args(f"{root}/uneven", pp=world, schedule="dualpipev"),
-        model_overrides=UNEVEN,
-        param_dtype=torch.float32,
-    )
-    result["uneven"] = s["losses"]
+    for name, sched, cfg, layout in LAYOUTS:
+        s = train(
+            _args(f"{root}/{name}", pp=world, schedule=sched, pp_layout=layout),
+            model_overrides=cfg,
+            param_dtype=torch.float32,
+        )
+        result[name] = s["losses"]
     result["peaks"] = s.get("peak_memory_bytes_per_rank", "rank > 0")
     # Errors seen by every rank: a pipeline of 4 on a world of 2, and a run folder in use
     # (found by rank 0 only, then shared).
@@ -124,13 +131,20 @@ def test_pp2_losses_match_single_process(pipeline_runs, tmp_path, dtype):
         assert records[-1]["aux_loss"] > 0  # the MoE balance loss went through the pipeline
 
 
-def test_pp2_uneven_stages_match_single_process(pipeline_runs, tmp_path):
-    _, ranks = pipeline_runs
-    ref = train(_args(tmp_path / "ref"), model_overrides=UNEVEN, param_dtype=torch.float32)
-    assert ranks[0]["uneven"] == ranks[1]["uneven"]
+@pytest.mark.parametrize(("name", "sched", "cfg", "layout"), LAYOUTS)
+def test_pp2_layout_matches_single_process(pipeline_runs, tmp_path, name, sched, cfg, layout):
+    root, ranks = pipeline_runs
+    ref = train(_args(tmp_path / "ref"), model_overrides=cfg, param_dtype=torch.float32)
+    assert ranks[0][name] == ranks[1][name]
     assert ranks[0]["peaks"] == [None, None]  # gathered from both ranks; None on CPU
-    diffs = [abs(a - b) for a, b in zip(ranks[0]["uneven"], ref["losses"], strict=True)]
-    assert max(diffs) < TOL["float32"], f"uneven dualpipev: train loss diffs {diffs}"
+    diffs = [abs(a - b) for a, b in zip(ranks[0][name], ref["losses"], strict=True)]
+    assert max(diffs) < TOL["float32"], f"{name}: train loss diffs {diffs}"
+    # The run records the layout it was given (config.json, summary.json, the checkpoint).
+    run = root / name
+    want = {"pp": 2, "schedule": sched, "num_chunks": 4, "layout": list(layout)}
+    assert json.loads((run / "config.json").read_text())["pipeline"] == want
+    assert json.loads((run / "summary.json").read_text())["pipeline"] == want
+    assert read_checkpoint_meta(run)["extra"]["pipeline"] == want  # what --resume keeps
 
 
 def test_pp2_run_folder(pipeline_runs):
@@ -142,7 +156,13 @@ def test_pp2_run_folder(pipeline_runs):
     # --ckpt-every 0: one checkpoint at the end (its content: tests/parallel/test_pp_checkpoint.py)
     assert (run / "checkpoint" / "meta.json").is_file()
     cfg = json.loads((run / "config.json").read_text())
-    assert cfg["pipeline"] == {"pp": 2, "schedule": "dualpipe", "num_chunks": 4}
+    # No --pp-layout: the cost-balanced layout of this model (tests/train/test_pp_layout.py).
+    config = model_config(_args(run), model_overrides=CFG)
+    # 8 sequences of 16 tokens in 4 micro-batches
+    layout = balanced_layout(part_costs(config, 16, 2 * 16), "dualpipe", 2)
+    assert cfg["pipeline"] == {"pp": 2, "schedule": "dualpipe", "num_chunks": 4,
+                               "layout": list(layout)}  # fmt: skip
+    assert cfg["train"]["pp_layout"] is None
     assert not any(
         n.startswith("timeline") for n in (p.name for p in (root / "1f1b-float32").iterdir())
     )
@@ -169,7 +189,10 @@ def test_pp_report_reads_the_run_folders(pipeline_runs, tmp_path):
     rec = json.loads(out.read_text())
     one, pp2 = rec["runs"]["1gpu"], rec["runs"]["pp2"]
     assert (one["gpus"], pp2["gpus"]) == (1, 2)
-    assert pp2["pipeline"] == {"pp": 2, "schedule": "dualpipe", "num_chunks": 4}
+    assert (
+        pp2["pipeline"]
+        == json.loads((root / "dualpipe-float32" / "config.json").read_text())["pipeline"]
+    )
     assert pp2["peak_memory_mib_per_rank"] == [None, None]  # CPU: no CUDA memory, both ranks
     assert rec["compared"] == "steady_tokens_per_s" and pp2["steady_tokens_per_s"] > 0
     assert one["bubble"] is None  # no timeline without --pp

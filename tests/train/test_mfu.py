@@ -11,7 +11,12 @@ from ptxtrain.model import DeepSeekV3, DeepSeekV3Config, get_preset
 from ptxtrain.train import loop as loop_mod
 from ptxtrain.train import read_metrics, train
 from ptxtrain.train.metrics import format_summary
-from ptxtrain.train.mfu import achieved_flops, model_flops_per_token, peak_bf16_flops
+from ptxtrain.train.mfu import (
+    achieved_flops,
+    flops_per_token_by_part,
+    model_flops_per_token,
+    peak_bf16_flops,
+)
 from tests.train.test_loop import SMALL, _args
 
 TINY = get_preset("tiny")
@@ -43,6 +48,20 @@ def test_flops_per_token_of_tiny_by_hand(seq_len):
     assert model_flops_per_token(TINY, seq_len) == 6 * matmul + attention
     if seq_len == 128:
         assert model_flops_per_token(TINY, 128) == 7_879_872  # the docstring's example
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_per_token_of_tiny_by_part(tied):
+    """Each part by hand (the block counts above), and the parts add up to the whole."""
+    cfg = dataclasses.replace(TINY, tie_embeddings=tied)
+    attention = 6 * 128 * 4 * 80 // 2  # one block at T = 128
+    parts = flops_per_token_by_part(cfg, 128)
+    assert parts.embed == 0  # a lookup, tied or not (the head's multiply is the head's)
+    assert parts.layers == (6 * 221_600 + attention,) + (6 * 222_624 + attention,) * 3
+    assert parts.head == 6 * (128 + 256 * 128)  # final norm + head
+    assert parts.mtp == 6 * (255_776 + 256 * 128) + attention  # its block, then the head again
+    assert parts.total == model_flops_per_token(cfg, 128) == 7_879_872
+    assert flops_per_token_by_part(dataclasses.replace(TINY, mtp_depth=0), 128).mtp == 0
 
 
 def test_flops_per_token_without_mtp_and_with_tied_embeddings():

@@ -1,12 +1,13 @@
-"""Pipeline stages of a :class:`~ptxtrain.model.deepseek.DeepSeekV3`.
+"""Pipeline stages of a :class:`~ptxtrain.model.deepseek.DeepSeekV3`: the model cut for the
+schedules of :mod:`ptxtrain.parallel` (the model package knows nothing of pipelines).
 
 Source: DeepSeek-V3 report §3.2; docs/design.md §5.
 
-The decoder layers are cut into ``n_stages`` consecutive slices, as even as they go
-(:func:`split_layers`); stage 0 also holds the embedding, the last stage the final norm and the
-output head. A stage *shares* its submodules with the model it was cut from (no copy), so a rank
-can build the whole model from the seed, exactly as the single-process run does, and hand its
-stages to a pipeline schedule.
+The decoder layers are cut into consecutive slices by a *layout*, the decoder layers of every
+stage (:mod:`ptxtrain.train.pipeline_layout`); stage 0 also holds the embedding, the last stage
+the final norm and the output head. A stage *shares* its submodules with the model it was cut
+from (no copy), so a rank can build the whole model from the seed, exactly as the
+single-process run does, and hand its stages to a pipeline schedule.
 
 Stage interface (what the schedules in :mod:`ptxtrain.parallel` pass between ranks):
 
@@ -18,8 +19,8 @@ Stage interface (what the schedules in :mod:`ptxtrain.parallel` pass between ran
 
 :meth:`DeepSeekV3Stage.loss` turns the last stage's outputs into ``lm_loss + aux_loss``, the
 model's total loss without MTP. Multi-token prediction and tied embeddings are not supported here
-(the MTP module needs the first stage's embedding on the last stage): :func:`check_stageable`
-says so.
+(the MTP module needs the first stage's embedding on the last stage):
+:func:`~ptxtrain.train.pipeline_layout.check_stageable` says so.
 
 F&B overlap (DeepSeek-V3 report §3.2.1, DualPipe's overlapped forward and backward chunks):
 :meth:`DeepSeekV3Stage.overlapped_forward_backward` is the hook DualPipe / DualPipeV call for
@@ -28,9 +29,10 @@ two different streams so the GPU can run them concurrently. Autograd runs every 
 the stream its forward op ran on, so the backward cannot be moved to another stream after the
 fact; instead the forward goes to the stream the backward's graph is *not* on: the current
 stream or one side stream per device, alternating. Each output of a hook forward is tagged with
-its stream so a later hook knows where that chunk's graph lives; plain forwards run on the
-current stream. On CPU the hook is :func:`~ptxtrain.parallel.p2p.sequential_forward_backward`
-(forward, then backward): the very same ops, so the numerics are identical.
+its stream (:func:`graph_stream`) so a later hook knows where that chunk's graph lives; plain
+forwards run on the current stream. On CPU the hook is
+:func:`~ptxtrain.parallel.p2p.sequential_forward_backward` (forward, then backward): the very
+same ops, so the numerics are identical.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ptxtrain.model.deepseek import DeepSeekV3, lm_cross_entropy, rope_freqs
-from ptxtrain.parallel.p2p import as_tuple, sequential_forward_backward
+from ..model.deepseek import DeepSeekV3, lm_cross_entropy, rope_freqs
+from ..parallel.p2p import as_tuple, sequential_forward_backward
+from .pipeline_layout import check_layout, check_stageable, layer_ranges
 
 # Attribute set on the outputs (and loss) of a forward run by the overlap hook: the CUDA stream
 # its autograd graph lives on, so the backward of that chunk knows which stream is busy.
@@ -49,11 +52,19 @@ _STREAM_ATTR = "_ptxtrain_graph_stream"
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the hook's second stream
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The overlap hook's second CUDA stream on ``device`` (one per device, made on first use;
+    a device without an index means the current one)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
+
+
+def graph_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
+    """The CUDA stream the autograd graph of ``t`` lives on when the overlap hook's forward made
+    it (the current stream or :func:`side_stream`); None for tensors of a plain forward."""
+    return getattr(t, _STREAM_ATTR, None)
 
 
 def _cuda_tensors(*groups) -> list[torch.Tensor]:
@@ -65,75 +76,39 @@ def _cuda_tensors(*groups) -> list[torch.Tensor]:
     ]
 
 
-__all__ = ["DeepSeekV3Stage", "check_stageable", "split_layers"]
-
-
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """The layer indices of each stage: ``n_stages`` consecutive, non-empty ranges.
-
-    The layers are split as evenly as they go; when ``n_stages`` does not divide ``n_layers`` the
-    first ``n_layers % n_stages`` stages take one layer more (12 layers in 8 stages:
-    2,2,2,2,1,1,1,1). Front-loading keeps the two-stage placements balanced: DualPipe puts stages
-    ``r`` and ``PP-1-r`` on rank ``r`` and DualPipeV stages ``r`` and ``2PP-1-r``, so every rank
-    gets the same number of layers (the first and last stages also hold the embedding and head).
-
-    Raises:
-        ValueError: ``n_stages`` not an int >= 1, or more stages than layers (a stage would be
-            empty; the message names both numbers).
-    """
-    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
-        raise ValueError(f"n_stages must be an int >= 1, got {n_stages!r}")
-    if n_stages > n_layers:
-        raise ValueError(
-            f"n_layers={n_layers} cannot be split into {n_stages} pipeline stages "
-            f"(every stage needs at least one layer: n_stages must be <= n_layers)"
-        )
-    per, extra = divmod(n_layers, n_stages)
-    bounds = [s * per + min(s, extra) for s in range(n_stages + 1)]
-    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
-
-
-def check_stageable(model_config, n_stages: int) -> None:
-    """Raise ``ValueError`` if a model of ``model_config`` cannot be cut into ``n_stages`` stages.
-
-    Checks: no MTP module (``mtp_depth == 0``), untied embeddings, and at least one layer per
-    stage (``n_stages <= n_layers``).
-    """
-    if n_stages > 1 and model_config.mtp_depth != 0:
-        raise ValueError(
-            "multi-token prediction (mtp_depth=1) is not supported with pipeline parallelism: "
-            "the MTP module needs the first stage's embedding on the last stage; turn it off "
-            "(ptxtrain train --no-mtp)"
-        )
-    if n_stages > 1 and model_config.tie_embeddings:
-        raise ValueError("tie_embeddings=True is not supported with pipeline parallelism")
-    split_layers(model_config.n_layers, n_stages)
+__all__ = ["DeepSeekV3Stage", "graph_stream", "side_stream"]
 
 
 class DeepSeekV3Stage(nn.Module):
-    """Stage ``index`` of ``n_stages`` of ``model`` (shares its submodules; see the module doc).
+    """Stage ``index`` of ``model`` cut by ``layout`` (shares its submodules; see the module doc).
 
     Args:
         model: the full model the stage is cut from.
-        index: ``0 <= index < n_stages``.
-        n_stages: number of stages, at most ``model.config.n_layers``.
+        index: ``0 <= index < len(layout)``.
+        layout: decoder layers per stage, in stage order, adding up to ``model.config.n_layers``
+            (:func:`~ptxtrain.train.pipeline_layout.check_layout`; e.g.
+            :func:`~ptxtrain.train.pipeline_layout.even_layout`).
 
     Raises:
-        TypeError: ``model`` is not a :class:`DeepSeekV3`.
-        ValueError: ``index`` out of range, or the model cannot be cut (:func:`check_stageable`).
+        TypeError: ``model`` is not a :class:`DeepSeekV3`, or ``layout`` not a list or tuple of
+            ints.
+        ValueError: ``index`` out of range, a bad ``layout``, or a model that cannot be cut
+            (:func:`~ptxtrain.train.pipeline_layout.check_stageable`).
     """
 
-    def __init__(self, model: DeepSeekV3, index: int, n_stages: int) -> None:
+    def __init__(self, model: DeepSeekV3, index: int, layout: Sequence[int]) -> None:
         super().__init__()
         if not isinstance(model, DeepSeekV3):
             raise TypeError(f"model must be a DeepSeekV3, got {type(model).__name__}")
+        layout = check_layout(layout, model.config.n_layers)
+        n_stages = len(layout)
         check_stageable(model.config, n_stages)
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_stages:
             raise ValueError(f"index must be an int in [0, {n_stages}), got {index!r}")
         self.config = model.config
         self.index, self.n_stages = index, n_stages
         self.is_first, self.is_last = index == 0, index == n_stages - 1
-        layers = split_layers(model.config.n_layers, n_stages)[index]
+        layers = layer_ranges(layout)[index]
         self.layer_ids = tuple(layers)
         self.embed = model.embed if self.is_first else None
         self.layers = nn.ModuleList(model.layers[i] for i in layers)
@@ -218,8 +193,8 @@ class DeepSeekV3Stage(nn.Module):
             )  # fmt: skip
         device = cuda[0].device
         main = torch.cuda.current_stream(device)
-        side = _side_stream(device)
-        bwd = getattr(roots[0], _STREAM_ATTR, None)  # the stream b's graph is on
+        side = side_stream(device)
+        bwd = graph_stream(roots[0])  # the stream b's graph is on
         if bwd is None:  # built by a plain forward, on the current stream
             bwd = main
         fwd = side if bwd == main else main
