@@ -70,6 +70,7 @@ __all__ = [
     "ParallelStrategy",
     "StageExpertStates",
     "destroy_default_group",
+    "local_rank",
     "peak_memory_per_rank",
 ]
 
@@ -405,9 +406,9 @@ class ParallelStrategy:
             convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name(a.fp8_recipe))
         model.set_recompute(a.recompute)
         model.train()
-        self._prewarm(model)
         self.runner = self._pipeline_runner(model)  # None when pp == 1
         trained = model if self.runner is None else self.runner.module  # this rank's parameters
+        self._prewarm(trained)
         optimizer = AdamW(param_groups(trained, a.weight_decay), lr=a.lr)
         self.model, self.optimizer = model, optimizer
         # ep > 1: expert shards, pp > 1: stages <-> the full (single-process) layout
@@ -421,15 +422,30 @@ class ParallelStrategy:
             self.single_step = self._single_device_step(model, optimizer)
         return model, optimizer
 
-    def _prewarm(self, model) -> None:
-        """One process on a GPU: compile the FP8 step's NVRTC kernels on background threads
+    def _prewarm(self, module) -> None:
+        """FP8 on GPUs: compile the NVRTC kernels of this rank's step on background threads
         while the host sets up and runs the first forward (ptxtrain.nn.prewarm;
-        PTXTRAIN_JIT_PREWARM=0: off)."""
+        PTXTRAIN_JIT_PREWARM=0: off). ``module``: what this rank runs (its pipeline stages
+        with ``pp > 1``, its experts with ``ep > 1``); the rows are one micro-batch's of this
+        rank (:meth:`micro_batch_tokens`). The ranks of a node share the JIT cache, so each
+        kernel is compiled once per node (module note of ptxtrain.nn.prewarm)."""
         a = self.args
-        if a.precision == "fp8" and not self.active and self.device.type == "cuda":
-            from ..nn.prewarm import prewarm
+        if a.precision != "fp8" or self.device.type != "cuda":
+            return
+        from ..nn.prewarm import prewarm
 
-            self.warm = prewarm(model, a.batch_size * a.seq_len, self.device)  # a micro-batch's M
+        rank, ranks = local_rank()
+        self.warm = prewarm(module, self.micro_batch_tokens(), self.device, rank=rank, ranks=ranks)
+
+    def micro_batch_tokens(self) -> int:
+        """Rows of every dense layer's input in one forward on this rank: the micro-batch's
+        sequences (its ``1/ep`` share with ``ep > 1``, one of ``num_chunks`` pipeline
+        micro-batches with ``pp > 1``) times ``seq_len``."""
+        a = self.args
+        sequences = a.batch_size // self.ep
+        if self.pipeline:
+            sequences //= a.chunks()
+        return max(sequences, 1) * a.seq_len
 
     def _pipeline_runner(self, model):
         if not self.pipeline:
@@ -713,6 +729,19 @@ class ParallelStrategy:
                 raise err
             is_config, text = msg[0]
             raise (TrainConfigError if is_config else OSError)(f"rank 0 failed: {text}")
+
+
+def local_rank() -> tuple[int, int]:
+    """``(local rank, processes on this node)`` from torchrun's ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE``; without them the default group's rank and size (one node), or
+    ``(0, 1)`` without a group."""
+    import torch.distributed as dist
+
+    grouped = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if grouped else 1
+    rank = dist.get_rank() if grouped else 0
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", world)), 1)
+    return int(os.environ.get("LOCAL_RANK", rank)) % ranks, ranks
 
 
 def destroy_default_group() -> None:

@@ -91,6 +91,50 @@ def test_modules_report_their_grouped_linears_only_in_fp8():
         assert {(rows, cfg.pow2_scale) for _, rows, cfg in got} == {(8 * 128, True)}
 
 
+def test_expert_parallel_rows_are_what_a_rank_receives():
+    # Under --ep R a rank's layer holds E/R experts and receives the routed rows of all R ranks'
+    # tokens: its grouped GEMMs get the expected rows of a single process on R x the tokens,
+    # restricted to its experts. (A stand-in buffer: ep_size only reads num_ranks.)
+    from types import SimpleNamespace
+
+    model = _model()
+    e, top_k = CONFIG.n_routed_experts, CONFIG.n_activated_experts
+    tokens, ranks = 300, 4
+    for layer in [m for m in model.modules() if hasattr(m, "fp8_grouped_linears")]:
+        alone = layer.fp8_grouped_linears(ranks * tokens)
+        layer.experts.keep_experts_(2 * (e // ranks), e // ranks)  # rank 2's experts
+        layer.ep_buffer = SimpleNamespace(num_ranks=ranks)
+        got = layer.fp8_grouped_linears(tokens)
+        # 4 x 300 tokens x top-2 over 8 experts: 300 rows each -> 384 padded, 2 local experts
+        assert {rows for _, rows, _ in got} == {(e // ranks) * 384}
+        assert {rows for _, rows, _ in alone} == {e * 384}
+        assert [tuple(w.shape) for w, _, _ in got] == [
+            (e // ranks, *w.shape[1:]) for w, _, _ in alone
+        ]
+        assert top_k == 2
+
+
+def test_grouped_gemms_of_nearby_row_counts_come_after_the_expected_ones():
+    # The routing moves each expert's padded rows by up to 128: the m-grouped configs of
+    # rows +- E x 128 are compiled too, after every config of the expected shapes.
+    model = _model()
+    jobs = _gemms(prewarm.fp8_kernels(
+        model, 4096, num_sms=132, gemm_backend=lambda *a: "ptx", grouped_ptx=lambda *a: True
+    ))  # fmt: skip
+    inter, dim, e = CONFIG.moe_inter_dim, CONFIG.dim, CONFIG.n_routed_experts
+    expected = 8 * 1024  # 4096 tokens x top-2 over 8 experts, aligned
+    want = {ptx.compile_args("m_grouped", rows, n, k, torch.bfloat16, False, 132, e)
+            for rows in range(expected - e * 128, expected + e * 128 + 1, 128)
+            for n, k in ((inter, dim), (dim, inter))}  # fmt: skip
+    assert want <= set(jobs)
+    exact = {ptx.compile_args("m_grouped", expected, n, k, torch.bfloat16, False, 132, e)
+             for n, k in ((inter, dim), (dim, inter))}  # fmt: skip
+    band_only = want - exact
+    assert band_only  # the heuristics' split tail differs over this band (checked, not assumed)
+    assert max(map(jobs.index, exact)) < min(map(jobs.index, band_only))
+    assert prewarm._row_band(256, 2) == [128, 384, 512]  # 256 +- 2 x 128, at least 128 rows
+
+
 def test_the_backend_choice_and_the_recipe_filter_the_gemms():
     model = _model()
     only_1d2d = prewarm.fp8_kernels(
