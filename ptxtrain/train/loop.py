@@ -726,7 +726,8 @@ def _train(args: TrainArgs, config, strategy: ParallelStrategy, model_overrides)
 
     def save(step: int) -> None:
         if args.checkpoint:
-            strategy.save(run_dir, step, **ckpt_kw)
+            with strategy.watch.phase("checkpoint: gathering the state to rank 0, writing it"):
+                strategy.save(run_dir, step, **ckpt_kw)
         rec.last_saved = step
 
     try:

@@ -3,6 +3,8 @@ shapes, compiled on background threads."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -223,3 +225,41 @@ def test_gpu_the_step_finds_its_dense_gemms_and_quantizers_compiled(tmp_path, mo
         ptx.compile_gemm.cache_clear()
         qc.compile_module.cache_clear()
         ptx._plan.cache_clear()
+
+
+@pytest.mark.multigpu
+def test_gpu_ep_ranks_compile_each_kernel_once_and_ahead_of_the_step(tmp_path):
+    # `ptxtrain train --ep 2 --precision fp8` under torchrun on 2 sm_90 GPUs with empty caches:
+    # both ranks prewarm; every NVRTC kernel is compiled once on the node (per-key file lock:
+    # the other rank loads it), and none but the routing-dependent grouped GEMMs is left for
+    # the training thread. The summary reports the first step's time.
+    import json
+    import re
+
+    from tests._spawn import _free_port, run_python
+
+    if not ptx.supports(128, 128, 128):
+        pytest.skip("needs sm_90 GPUs with NVRTC")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PTXTRAIN_")}
+    env.update(PTXTRAIN_JIT_CACHE_DIR=str(tmp_path / "jit"), PTXTRAIN_JIT_DEBUG="1",
+               TRITON_CACHE_DIR=str(tmp_path / "triton"))  # fmt: skip
+    out = tmp_path / "run"
+    res = run_python(
+        ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+         str(_free_port()), "-m", "ptxtrain", "train", "--preset", "tiny", "--precision", "fp8",
+         "--ep", "2", "--steps", "3", "--batch-size", "8", "--seq-len", "256", "--eval-every",
+         "0", "--sample-tokens", "0", "--no-checkpoint", "--no-progress", "--out", str(out)],
+        env=env, timeout=900,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    compiles = re.findall(r"\[ptxtrain\.jit pid=(\d+) thread=(\S+)\] compiled (\w+) for \w+: .*"
+                          r"key=(\w+)", res.stderr)  # fmt: skip
+    assert compiles, res.stderr[-4000:]
+    keys = [key for *_, key in compiles]
+    assert len(keys) == len(set(keys)), "a kernel was compiled twice on one node"
+    assert len({pid for pid, *_ in compiles}) == 2  # both ranks compiled a share
+    on_step = [name for _, thread, name, _ in compiles
+               if thread == "MainThread" and "grouped" not in name]  # fmt: skip
+    assert on_step == [], on_step
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["first_step_s"] > 0 and summary["ranks"] == 2
