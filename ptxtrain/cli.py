@@ -396,6 +396,17 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         f"and DualPipe); needs --ep > 1 (default: {d.ep_backend})",
     )
 
+    g = p.add_argument_group("faults of a multi-process run (--pp / --ep)")
+    g.add_argument(
+        "--collective-timeout",
+        type=_float_at_least(0, strict=True),
+        metavar="SECONDS",
+        help="with --pp / --ep: the longest any collective waits for a peer (the process group's "
+        "timeout; NCCL's watchdog enforces it); a rank that dies or hangs mid-step makes the "
+        "others exit with status 1 and an error naming the collective, the step and the ranks "
+        f"(default: {d.collective_timeout:g})",
+    )
+
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -429,6 +440,7 @@ _RUN_FIELDS = (
     "timeline",
     "ep",
     "ep_backend",
+    "collective_timeout",
 )
 
 
@@ -773,11 +785,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ptxtrain`` with ``argv`` (default ``sys.argv[1:]``) and return the exit status.
 
-    0 success, 1 a failed run (e.g. a diverged loss), 2 a user error (``ptxtrain: error: ...``
+    0 success, 1 a failed run (a diverged loss; under torchrun a collective that failed or
+    timed out because a peer died or hangs), 2 a user error (``ptxtrain: error: ...``
     on stderr), 130 interrupted by Ctrl-C (checkpoint saved where possible).
     """
     from .data import CorpusError
     from .train.checkpoint import CheckpointError
+    from .train.faults import CollectiveError
     from .train.loop import TrainConfigError
 
     parser = build_parser()
@@ -794,7 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CorpusError, CheckpointError, TrainConfigError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except FloatingPointError as e:
+    except (FloatingPointError, CollectiveError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:

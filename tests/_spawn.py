@@ -11,7 +11,8 @@ reporting, or ranks that have not all finished within the timeout (a hang in a c
 fail the test and the processes are killed.
 
 ``run_python(argv)`` runs ``python argv...`` in a fresh interpreter whose ``PYTHONPATH`` starts
-with this checkout, so it imports the ptxtrain under test.
+with this checkout, so it imports the ptxtrain under test; ``start_python`` starts one without
+waiting.
 """
 
 from __future__ import annotations
@@ -196,12 +197,27 @@ def run_python(
     ``env``: the child's environment (default: this process's), ``PYTHONPATH`` prepended.
     ``check``: raise ``subprocess.CalledProcessError`` on a nonzero exit status.
     """
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-        env=env, check=check,
+        env=_python_env(env), check=check,
     )  # fmt: skip
+
+
+def start_python(argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python *argv`` as :func:`run_python` runs it, without waiting: stdout and stderr
+    are pipes (text), the child leads a process group of its own (so that a test can kill it
+    and its children), and the caller waits for it (``communicate``)."""
+    return subprocess.Popen(
+        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, env=_python_env(env), start_new_session=True,
+    )  # fmt: skip
+
+
+def _python_env(env: dict[str, str] | None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with this checkout first on PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def raised_on_this_rank(cases, run) -> list[bool]:

@@ -60,9 +60,12 @@ def debug_enabled() -> bool:
 
 
 def debug_log(message: str) -> None:
-    """Prints ``[ptxtrain.jit pid=<pid>] message`` to stderr when ``PTXTRAIN_JIT_DEBUG=1``."""
+    """Prints ``[ptxtrain.jit pid=<pid> thread=<name>] message`` to stderr when
+    ``PTXTRAIN_JIT_DEBUG=1`` (the thread tells a prewarm compile, ``ptxtrain-jit_*``, from one
+    the training thread, ``MainThread``, waits for)."""
     if debug_enabled():
-        print(f"[ptxtrain.jit pid={os.getpid()}] {message}", file=sys.stderr, flush=True)
+        where = f"pid={os.getpid()} thread={threading.current_thread().name}"
+        print(f"[ptxtrain.jit {where}] {message}", file=sys.stderr, flush=True)
 
 
 def cache_dir() -> Path:

@@ -508,6 +508,7 @@ class DeepSeekV3(nn.Module):
         *,
         backend: str = "all_to_all",
         max_tokens: int | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         """Split every MoE layer's routed experts over the ranks of ``group`` (in place).
 
@@ -533,13 +534,16 @@ class DeepSeekV3(nn.Module):
                 forward (``B·T`` of its largest batch, sampling included), which sizes the buffer
                 (:func:`ep_nvl_bytes`); ``None``: the Buffer's default (1 GiB). Ignored by
                 ``"all_to_all"``.
+            timeout_s: the Buffer's bound on every wait for a peer, seconds (its gloo
+                exchanges, the nvlink kernels' flag waits); ``None``: the Buffer's default.
 
         Raises:
             ValueError: no initialized process group, ``n_routed_experts`` not divisible by the
                 group size, expert parallelism already enabled, an unknown ``backend``, or
                 ``"nvlink"`` on a group that is not NCCL or without CUDA (raised before any
                 layer changes).
-            TypeError / ValueError: ``max_tokens`` not a positive int.
+            TypeError / ValueError: ``max_tokens`` not a positive int, ``timeout_s`` not a
+                positive number.
             RuntimeError: the ``"nvlink"`` transport could not be set up (symmetric memory,
                 NVRTC). This can happen on one rank alone; the others then wait in the
                 Buffer's collective setup until the process group's timeout.
@@ -571,6 +575,8 @@ class DeepSeekV3(nn.Module):
             if max_tokens is not None:
                 dtype = next(self.parameters()).dtype
                 kwargs["num_nvl_bytes"] = ep_nvl_bytes(self.config, max_tokens, size, dtype)
+        if timeout_s is not None:
+            kwargs["timeout_s"] = timeout_s  # the Buffer checks it
         buffer = Buffer(group, backend=backend, **kwargs)  # "nvlink" without CUDA raises here
         for moe in self.moe_layers():
             moe.enable_expert_parallel(group, buffer=buffer)

@@ -289,11 +289,15 @@ class MoE(nn.Module):
         """The FP8 grouped linears a training step on ``tokens`` tokens runs in this layer,
         for :func:`ptxtrain.nn.prewarm.fp8_kernels` (which compiles their GEMMs ahead).
 
+        ``tokens``: the rows this rank's forward gives the layer (one micro-batch). With expert
+        parallelism every rank of the group sends as many, so the local experts receive
+        ``ep_size x tokens x top-k / E`` rows each on average.
+
         Returns:
             ``[(weight, rows, config), ...]`` for the routed experts' ``w1``, ``w3``, ``w2``
             (``[E_local, N_out, K]`` each): ``rows`` is the expected padded row count, each
-            local expert's share of ``tokens x top-k`` rounded up to 128 (the routing moves it;
-            a miss compiles on demand), ``config`` the experts' resolved
+            local expert's share of ``ep_size x tokens x top-k`` rounded up to 128 (the routing
+            moves it; a miss compiles on demand), ``config`` the experts' resolved
             :class:`~ptxtrain.nn.Fp8LinearConfig`. Empty when the experts run in high
             precision (``experts.fp8`` False).
         """
@@ -301,7 +305,8 @@ class MoE(nn.Module):
         if not ex.fp8:
             return []
         cfg = resolve_config(ex.fp8_config)
-        share = max(ceil_div(tokens * self.router.top_k, max(self.n_routed_experts, 1)), 1)
+        routed = tokens * self.ep_size * self.router.top_k  # rows dispatched to all E experts
+        share = max(ceil_div(routed, max(self.n_routed_experts, 1)), 1)
         rows = ex.num_local_experts * ceil_div(share, M_GROUPED_ALIGNMENT) * M_GROUPED_ALIGNMENT
         return [(w, rows, cfg) for w in (ex.w1, ex.w3, ex.w2)]
 

@@ -16,14 +16,25 @@ wait for the thread already compiling it (per-key file lock) instead of compilin
 kernel that nobody has started yet is compiled by the step itself.
 
 A wrong guess costs a background compile and never a result: the launch path still compiles
-what it actually needs. The guesses are the experts' row count (the routing varies it) and the
-token count of MTP or pipeline stages. Triton kernels are not covered: their specializations
-depend on run-time argument properties.
+what it actually needs. The guesses are the experts' row count (the routing varies it: the
+m-grouped GEMMs' configs of a band of row counts around the expected one are compiled after
+the expected ones) and the token count of MTP or pipeline stages. Triton kernels are not
+covered: their specializations depend on run-time argument properties (Triton's own cache,
+``~/.triton/cache`` or ``TRITON_CACHE_DIR``, is shared by the ranks of a node and written
+atomically).
+
+Under torchrun (``--ep`` / ``--pp``) every rank prewarms the kernels of its own shapes: its
+micro-batch's rows for the dense layers, the rows its local experts receive from the whole
+expert-parallel group for the grouped GEMMs, the layers of its pipeline stages. The ranks of a
+node share the disk cache, and its per-key file lock makes one process compile each kernel
+while the others wait for it and load the cubin. Each rank starts at another point of the job
+list (:func:`start`'s ``rank`` / ``ranks``), so the ranks of a node compile different kernels
+at once and then find the rest in the cache, rather than all queueing on the same first lock.
 
 Effect (same setting, empty caches): first step 9.6-11.3 s with prewarm against 14.5-15.6 s
 without; no NVRTC compile is left on the training thread.
 ``PTXTRAIN_JIT_PREWARM=0`` turns it off (``ptxtrain train`` calls :func:`prewarm` for FP8 runs
-on one GPU).
+on GPUs).
 """
 
 from __future__ import annotations
@@ -57,7 +68,9 @@ def fp8_kernels(
             returning ``[(weight [G, N_out, K], rows, config), ...]``: each stacked weight, the
             padded rows it expects per step, and its resolved :class:`Fp8LinearConfig` (e.g.
             :meth:`ptxtrain.moe.MoE.fp8_grouped_linears`). Other modules are ignored.
-        tokens: rows of every Linear's input in one step (batch x sequence).
+        tokens: rows of every Linear's input in one forward of this process (its micro-batch's
+            batch x sequence; under ``--ep`` its share of the sequences, under ``--pp`` one
+            pipeline micro-batch's).
         num_sms: the GPU's SM count (the GEMM heuristics size tiles by it).
         gemm_backend: ``(kind, m, n, k) -> backend name``, as
             :func:`ptxtrain.gemm.select_backend` on the device; only ``"ptx"`` GEMMs compile.
@@ -71,7 +84,8 @@ def fp8_kernels(
         ``("quant", (dtype, variant, full, mode))`` for
         :func:`ptxtrain.quant.cuda.compile_module`, and
         ``("gemm", (kind, cfg, n, k, out_dtype, accumulate))`` for
-        :func:`ptxtrain.gemm.ptx.compile_gemm`.
+        :func:`ptxtrain.gemm.ptx.compile_gemm`; the quantizers first, then the GEMMs of the
+        expected shapes, then the grouped GEMMs' configs of nearby row counts.
 
     Raises:
         ValueError: ``tokens`` or ``num_sms`` not positive.
@@ -83,27 +97,42 @@ def fp8_kernels(
     if tokens < 1 or num_sms < 1:
         raise ValueError(f"tokens and num_sms must be positive, got {tokens} and {num_sms}")
     jobs: dict[tuple, None] = {}
+    band: dict[tuple, None] = {}  # configs of other row counts the routing may give
     pow2_flags = set()
     for mod in model.modules():
         if isinstance(mod, Fp8Linear) and mod.config.any_fp8:
             pow2_flags.add(bool(mod.config.pow2_scale))
-            shapes = _linear_gemms(mod, tokens, gemm_backend)
+            shapes, others = _linear_gemms(mod, tokens, gemm_backend), []
         elif callable(grouped := getattr(mod, "fp8_grouped_linears", None)):
-            shapes = []
+            shapes, others = [], []
             for weight, rows, cfg in grouped(tokens):
                 pow2_flags.add(bool(cfg.pow2_scale))
                 shapes += _grouped_gemms(weight, rows, cfg, grouped_ptx)
+                for near in _row_band(rows, weight.shape[0]):
+                    others += _grouped_gemms(weight, near, cfg, grouped_ptx)
         else:
             continue
-        for kind, m, n, k, out_dtype, groups in shapes:
-            args = ptx.compile_args(kind, m, n, k, out_dtype, False, num_sms, groups)
-            jobs.setdefault(("gemm", args))
+        for found, shape_list in ((jobs, shapes), (band, others)):
+            for kind, m, n, k, out_dtype, groups in shape_list:
+                args = ptx.compile_args(kind, m, n, k, out_dtype, False, num_sms, groups)
+                found.setdefault(("gemm", args))
     quant = {
         ("quant", args): None
         for dtype in quant_dtypes
         for args in qcuda.auto_instantiations(dtype, tuple(sorted(pow2_flags)))
     }
-    return [*quant, *jobs]
+    return [*quant, *jobs, *(job for job in band if job not in jobs)]
+
+
+def _row_band(rows: int, groups: int) -> list[int]:
+    """Padded row counts near the expected ``rows`` of ``groups`` experts (multiples of 128,
+    the expected one left out): each expert's padding moves the total by up to 128 rows, so
+    ``rows ± groups x 128`` covers a routing a little off balance."""
+    from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT as align
+
+    spread = max(groups, 1) * align
+    low = max(align, rows - spread)
+    return [r for r in range(low, rows + spread + 1, align) if r != rows]
 
 
 def _linear_gemms(mod, tokens: int, gemm_backend) -> list[tuple]:
@@ -180,25 +209,70 @@ def _run_job(job: tuple[str, tuple]) -> None:
         ptx.compile_gemm(*args)
 
 
-def start(jobs: list[tuple[str, tuple]], max_workers: int | None = None) -> Prewarm:
-    """Compile ``jobs`` (from :func:`fp8_kernels`) on a pool of ``max_workers`` threads
-    (default: the CPUs less one, at most 8); returns at once."""
+def start(
+    jobs: list[tuple[str, tuple]],
+    max_workers: int | None = None,
+    *,
+    rank: int = 0,
+    ranks: int = 1,
+) -> Prewarm:
+    """Compile ``jobs`` (from :func:`fp8_kernels`) on a pool of ``max_workers`` threads; returns
+    at once.
+
+    ``rank`` / ``ranks``: this process's place among the ``ranks`` processes of a node that
+    prewarm the same cache (torchrun's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``): the quantizers
+    still come first, and within the quantizers and within the GEMMs this process starts
+    ``rank / ranks`` of the way into the list and wraps around, so that the processes compile
+    different kernels at once and find the others' in the cache (module note).
+    ``max_workers`` defaults to this process's share of the CPUs less one, between 1 and 8.
+
+    Raises:
+        ValueError: ``ranks`` < 1 or ``rank`` outside ``[0, ranks)``.
+    """
+    if not (isinstance(ranks, int) and isinstance(rank, int) and 0 <= rank < ranks):
+        raise ValueError(f"rank must be in [0, ranks) with ranks >= 1, got {rank=}, {ranks=}")
     if max_workers is None:
-        max_workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+        max_workers = max(1, min(8, _cpus() // ranks - 1))
     pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="ptxtrain-jit")
     # The quantizers first: the step's first launches are quantizations.
-    order = sorted(jobs, key=lambda j: j[0] != "quant")
+    order = [
+        job
+        for quant in (True, False)
+        for job in _rotated([j for j in jobs if (j[0] == "quant") == quant], rank, ranks)
+    ]
     futures = {job: pool.submit(_run_job, job) for job in order}
     pool.shutdown(wait=False)  # no more submissions; the queued jobs still run
     return Prewarm(jobs=order, futures=[futures[j] for j in order], executor=pool)
 
 
+def _rotated(items: list, rank: int, ranks: int) -> list:
+    """``items`` starting ``rank / ranks`` of the way in, wrapped around."""
+    cut = len(items) * rank // ranks
+    return items[cut:] + items[:cut]
+
+
+def _cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks (macOS)
+        return os.cpu_count() or 2
+
+
 def prewarm(
-    model: torch.nn.Module, tokens: int, device: torch.device, max_workers: int | None = None
+    model: torch.nn.Module,
+    tokens: int,
+    device: torch.device,
+    max_workers: int | None = None,
+    *,
+    rank: int = 0,
+    ranks: int = 1,
 ) -> Prewarm | None:
-    """Start compiling ``model``'s FP8 kernels for steps of ``tokens`` rows on ``device`` in
-    background threads (see the module note); None when there is nothing to do: not an sm_90
-    CUDA device, NVRTC missing, ``PTXTRAIN_JIT_PREWARM=0``, or no kernel to compile."""
+    """Start compiling ``model``'s FP8 kernels for forwards of ``tokens`` rows (see
+    :func:`fp8_kernels`) on ``device`` in background threads (see the module note); ``rank`` /
+    ``ranks``: this process's local rank and the processes per node (:func:`start`). Returns
+    None when there is nothing to do: not an sm_90 CUDA device, NVRTC missing,
+    ``PTXTRAIN_JIT_PREWARM=0``, or no kernel to compile."""
     from ptxtrain import _backend, gemm, quant
     from ptxtrain.gemm import ptx
     from ptxtrain.jit.cache import env_flag
@@ -222,4 +296,4 @@ def prewarm(
         ),
         quant_dtypes=(torch.bfloat16,) if want_quant else (),
     )
-    return start(jobs, max_workers) if jobs else None
+    return start(jobs, max_workers, rank=rank, ranks=ranks) if jobs else None

@@ -63,6 +63,7 @@ from .checkpoint import (
     write_json_atomic,
 )
 from .evaluation import SAMPLE_COUNT, SAMPLE_PROMPT, SAMPLE_TEMPERATURE, evaluate
+from .faults import DEFAULT_TIMEOUT_S
 from .metrics import MetricsWriter, format_summary, plot_loss_curve, read_metrics
 from .mfu import achieved_flops, model_flops_per_token, peak_bf16_flops
 from .pipeline_layout import format_layout
@@ -206,6 +207,9 @@ class TrainArgs:
     # --- expert parallelism (torchrun --nproc-per-node EP -m ptxtrain train --ep EP) ---
     ep: int = 1  # expert-parallel (and data-parallel) ranks (WORLD_SIZE = pp * ep); 1 = none
     ep_backend: str = "all_to_all"  # the MoE layers' shared Buffer: "all_to_all" or "nvlink"
+    # with pp * ep > 1: seconds any collective may wait for a peer before the rank gives up with
+    # an error naming the collective and the ranks (ptxtrain.train.faults)
+    collective_timeout: float = DEFAULT_TIMEOUT_S
     # --- Python API only ---
     progress: bool = True  # show a tqdm progress bar
     stop_after: int | None = None  # stop (checkpointed) after this many steps of this call
@@ -245,6 +249,8 @@ class TrainArgs:
                 raise bad(name, "must be a finite number >= 0")
         if self.lr <= 0:
             raise bad("lr", "must be > 0")
+        if not is_num(self.collective_timeout) or self.collective_timeout <= 0:
+            raise bad("collective_timeout", "must be a finite number of seconds > 0")
         if self.min_lr > self.lr:
             raise TrainConfigError(f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr})")
         if self.precision not in PRECISIONS:
@@ -732,7 +738,8 @@ def _train(args: TrainArgs, config, strategy: ParallelStrategy, model_overrides)
 
     def save(step: int) -> None:
         if args.checkpoint:
-            strategy.save(run_dir, step, **ckpt_kw)
+            with strategy.watch.phase("checkpoint: gathering the state to rank 0, writing it"):
+                strategy.save(run_dir, step, **ckpt_kw)
         rec.last_saved = step
 
     try:
@@ -744,7 +751,7 @@ def _train(args: TrainArgs, config, strategy: ParallelStrategy, model_overrides)
                 x, y = corpus.get_batch(
                     "train", batch, args.seq_len, batch_generator(args.seed, step)
                 )
-                rec.add(step, lr, strategy.step(x, y, lr, timeline))
+                rec.add(step, lr, strategy.step(x, y, lr, timeline, step=step))
                 if prof is not None:
                     _write_profile(prof, run_dir, step, strategy.rank)
                 eval_now = bool(

@@ -46,8 +46,10 @@ pipeline of rank 0, which writes the single-process layout; resume slices both b
 from __future__ import annotations
 
 import atexit
+import datetime
 import math
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +59,7 @@ from ..data import ByteTokenizer
 from . import evaluation
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .evaluation import SAMPLE_COUNT, SAMPLE_PROMPT, all_reduce_mean, shard_rows
+from .faults import DESTROY_TIMEOUT_S, CollectiveWatch, collective_failed, nccl_environment
 from .pipeline import StageStates, all_reduce_grads, pipeline_groups
 from .runtime import Printer, TrainConfigError, param_groups, resolve_device
 from .step import LOSS_TERMS, NO_CLIP, SingleDeviceStep, accumulate_grads, step_values
@@ -70,6 +73,7 @@ __all__ = [
     "ParallelStrategy",
     "StageExpertStates",
     "destroy_default_group",
+    "local_rank",
     "peak_memory_per_rank",
 ]
 
@@ -218,9 +222,16 @@ class ParallelStrategy:
         if self.active:
             self._check_model(config)
         device = resolve_device(args.device) if device is None else device
+        # Names the collective a failed step was in (ptxtrain.train.faults); a no-op until the
+        # process group exists.
+        self.watch = CollectiveWatch(0, 1, args.collective_timeout)
         if self.active:
             device = self._init_process_group(device)
             self._init_groups()
+            try:
+                self.watch = CollectiveWatch.for_default_group(args.collective_timeout)
+            except ValueError as e:  # the test hook's variable is malformed
+                raise TrainConfigError(str(e)) from None
         self.device = device
         self.log = Printer(enabled=self.is_lead)  # the lead rank prints
 
@@ -293,8 +304,13 @@ class ParallelStrategy:
         if not dist.is_initialized():
             # Kept after this run (destroyed at exit): a second train() in the same torchrun
             # process reuses it, where re-initializing after a destroy hangs in the rendezvous.
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-            atexit.register(destroy_default_group)
+            # (An existing group keeps the timeout it was created with.)
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if backend == "nccl":
+                nccl_environment()
+            timeout = datetime.timedelta(seconds=args.collective_timeout)
+            dist.init_process_group(backend, timeout=timeout)
+            atexit.register(destroy_default_group, min(DESTROY_TIMEOUT_S, args.collective_timeout))
         self.rank = dist.get_rank()
         return device
 
@@ -379,9 +395,10 @@ class ParallelStrategy:
             return requested
         import torch.distributed as dist
 
-        flag = torch.tensor([int(requested)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        with self.watch.phase("all_reduce of the stop flag (after the step)"):
+            flag = torch.tensor([int(requested)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag.item())
 
     def describe(self) -> dict[str, Any] | None:
         """The run's pipeline for ``config.json``, ``summary.json`` and the checkpoint: ``pp``,
@@ -417,9 +434,9 @@ class ParallelStrategy:
             convert_model_to_fp8_training(model, Fp8LinearConfig.from_recipe_name(a.fp8_recipe))
         model.set_recompute(a.recompute)
         model.train()
-        self._prewarm(model)
         self.runner = self._pipeline_runner(model)  # None when pp == 1
         trained = model if self.runner is None else self.runner.module  # this rank's parameters
+        self._prewarm(trained)
         optimizer = AdamW(param_groups(trained, a.weight_decay), lr=a.lr)
         self.model, self.optimizer = model, optimizer
         # ep > 1: expert shards, pp > 1: stages <-> the full (single-process) layout
@@ -433,15 +450,30 @@ class ParallelStrategy:
             self.single_step = self._single_device_step(model, optimizer)
         return model, optimizer
 
-    def _prewarm(self, model) -> None:
-        """One process on a GPU: compile the FP8 step's NVRTC kernels on background threads
+    def _prewarm(self, module) -> None:
+        """FP8 on GPUs: compile the NVRTC kernels of this rank's step on background threads
         while the host sets up and runs the first forward (ptxtrain.nn.prewarm;
-        PTXTRAIN_JIT_PREWARM=0: off)."""
+        PTXTRAIN_JIT_PREWARM=0: off). ``module``: what this rank runs (its pipeline stages
+        with ``pp > 1``, its experts with ``ep > 1``); the rows are one micro-batch's of this
+        rank (:meth:`micro_batch_tokens`). The ranks of a node share the JIT cache, so each
+        kernel is compiled once per node (module note of ptxtrain.nn.prewarm)."""
         a = self.args
-        if a.precision == "fp8" and not self.active and self.device.type == "cuda":
-            from ..nn.prewarm import prewarm
+        if a.precision != "fp8" or self.device.type != "cuda":
+            return
+        from ..nn.prewarm import prewarm
 
-            self.warm = prewarm(model, a.batch_size * a.seq_len, self.device)  # a micro-batch's M
+        rank, ranks = local_rank()
+        self.warm = prewarm(module, self.micro_batch_tokens(), self.device, rank=rank, ranks=ranks)
+
+    def micro_batch_tokens(self) -> int:
+        """Rows of every dense layer's input in one forward on this rank: the micro-batch's
+        sequences (its ``1/ep`` share with ``ep > 1``, one of ``num_chunks`` pipeline
+        micro-batches with ``pp > 1``) times ``seq_len``."""
+        a = self.args
+        sequences = a.batch_size // self.ep
+        if self.pipeline:
+            sequences //= a.chunks()
+        return max(sequences, 1) * a.seq_len
 
     def _pipeline_runner(self, model):
         if not self.pipeline:
@@ -482,44 +514,86 @@ class ParallelStrategy:
             self.warm.cancel()
 
     # ------------------------------------------------------------------ the step
-    def step(self, x: torch.Tensor, y: torch.Tensor, lr: float, timeline=None) -> dict[str, Any]:
+    def step(
+        self, x: torch.Tensor, y: torch.Tensor, lr: float, timeline=None, step: int | None = None
+    ) -> dict[str, Any]:
         """One optimizer step on the step's batch ``x, y [B·N, T]`` int64 (CPU, the same on
-        every rank) at learning rate ``lr``; ``timeline`` records the pipeline schedule.
+        every rank) at learning rate ``lr``; ``timeline`` records the pipeline schedule;
+        ``step``: its number (1-based; None: the one after the last), which errors name.
 
         Returns what the step logs (:func:`~ptxtrain.train.step.step_values`: losses, gradient
         norm before clipping, router load), device tensors left unread; every rank returns the
-        global values (means over the ranks' sequences)."""
+        global values (means over the ranks' sequences).
+
+        Raises:
+            CollectiveError: with ``pp > 1`` or ``ep > 1``, a collective failed or ran past
+                ``--collective-timeout`` (a peer died or hangs); the message names this rank,
+                the step, the collective and what the other ranks last reported.
+        """
+        self.watch.begin_step(self.watch.step + 1 if step is None else step)
         if self.single_step is not None:
             values = self.single_step(x, y, lr)
             values = {k: v.clone() for k, v in values.items()}  # graph outputs are reused
             self.state_bytes = self.state_bytes or self.single_step.state_bytes
             return values
-        model, optimizer, runner = self.model, self.optimizer, self.runner
+        model, optimizer, runner, watch = self.model, self.optimizer, self.runner, self.watch
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         clip = self.args.grad_clip or NO_CLIP
-        if runner is not None:  # ep > 1: this pipeline's share of the batch
-            out = runner.step(self.shard(x), self.shard(y), timeline)
-            runner.reduce_grads(optimizer)
-            grad_norm = runner.clip_grad_norm_(optimizer, clip)
-        else:  # ep > 1: this rank's sequences of every micro-batch
-            out = accumulate_grads(model, x, y, self.args.grad_accum_steps, self.shard)
-            self.reduce_grads(model, optimizer)
-            grad_norm = self.clip_grad_norm_(model, optimizer, clip)
-            out = self.mean_losses(out)
+        if runner is not None:
+            out, grad_norm = self._pipeline_grads(x, y, timeline, clip)
+        else:
+            out, grad_norm = self._expert_parallel_grads(x, y, clip)
         if self.ep_buffer is not None:
-            self.ep_buffer.check_errors()
+            with watch.phase("the EP buffer's nvlink kernels (their waits on the peers)"):
+                self.ep_buffer.check_errors()
         optimizer.step()
         if self.state_bytes is None:  # the full footprint: after step, before zero_grad
             self.state_bytes = optimizer.state_bytes()
         optimizer.zero_grad(set_to_none=True)
-        if runner is None:
-            model.update_router_biases(stats=False)
-            return step_values(out, grad_norm, model)
-        values = step_values(out, grad_norm)  # the pipeline's routers live on several ranks
-        values["moe"] = runner.update_router_biases()  # a collective
-        return values
+        with watch.phase("all_reduce of the router load (expert counts)"):
+            if runner is None:
+                model.update_router_biases(stats=False)
+                return step_values(out, grad_norm, model)
+            values = step_values(out, grad_norm)  # the pipeline's routers live on several ranks
+            values["moe"] = runner.update_router_biases()  # a collective
+            return values
+
+    def _pipeline_grads(self, x, y, timeline, clip: float):
+        """``pp > 1``: the schedule's forward and backward on this pipeline's share of the
+        batch (``ep > 1``: its sequences), the gradient reductions and the clipping; returns
+        ``(losses, grad_norm)``. Each collective runs as a phase of :attr:`watch`."""
+        runner, watch = self.runner, self.watch
+        moe = "; the MoE dispatch / combine all_to_all" if self.ep > 1 else ""
+        schedule = (
+            f"pipeline schedule {self.args.schedule}: P2P send / recv between the stages{moe}; "
+            "the losses' all_reduce"
+        )
+        with watch.phase(schedule):
+            out = runner.step(self.shard(x), self.shard(y), timeline)
+        watch.fault_point()
+        with watch.phase("all_reduce of the gradients (mirror / expert-parallel groups)"):
+            runner.reduce_grads(self.optimizer)
+        with watch.phase("all_reduce of the gradient norm"):
+            grad_norm = runner.clip_grad_norm_(self.optimizer, clip)
+        return out, grad_norm
+
+    def _expert_parallel_grads(self, x, y, clip: float):
+        """``ep > 1`` without a pipeline: forward and backward on this rank's sequences of
+        every micro-batch, the gradient reductions, the clipping and the global losses;
+        returns ``(losses, grad_norm)``. Each collective runs as a phase of :attr:`watch`."""
+        model, optimizer, watch = self.model, self.optimizer, self.watch
+        with watch.phase("forward and backward: the MoE dispatch / combine all_to_all"):
+            out = accumulate_grads(model, x, y, self.args.grad_accum_steps, self.shard)
+        watch.fault_point()
+        with watch.phase("all_reduce of the replicated parameters' gradients"):
+            self.reduce_grads(model, optimizer)
+        with watch.phase("all_reduce of the gradient norm"):
+            grad_norm = self.clip_grad_norm_(model, optimizer, clip)
+        with watch.phase("all_reduce of the losses"):
+            out = self.mean_losses(out)
+        return out, grad_norm
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, run_dir: Path, step: int, **kw) -> None:
@@ -552,11 +626,12 @@ class ParallelStrategy:
         """The validation loss (:func:`~ptxtrain.train.evaluation.evaluate`) on the ranks that
         evaluate (:attr:`evaluates`), None elsewhere; every rank must call it (``pp > 1``
         gathers the stages to pipeline rank 0 first)."""
-        if self.runner is not None:
-            self.runner.gather_model()
-        if not self.evaluates:  # ep > 1: a collective over the EP group
-            return None
-        return evaluation.evaluate(self.model, corpus, self.args, self.device)
+        with self.watch.phase("evaluation: the stages' gather and the model's collectives"):
+            if self.runner is not None:
+                self.runner.gather_model()
+            if not self.evaluates:  # ep > 1: a collective over the EP group
+                return None
+            return evaluation.evaluate(self.model, corpus, self.args, self.device)
 
     def reset_peak_memory(self) -> None:
         """Start the peak-memory count of the run (CUDA; nothing on CPU)."""
@@ -571,11 +646,12 @@ class ParallelStrategy:
         sampled collectively by the ranks that evaluate, rank 0's kept). ``peaks``: each rank's
         peak CUDA memory (:func:`peak_memory_per_rank`)."""
         a = self.args
-        if self.runner is not None and a.sample_tokens:
-            self.runner.gather_model()
-        collective = a.sample_tokens and self.ep > 1 and self.evaluates
-        samples = evaluation.sample_texts(self.model, a, self.device) if collective else None
-        peaks = peak_memory_per_rank(self.device)  # an all_gather_object under torchrun
+        with self.watch.phase("end of run: sampling and the peak-memory all_gather_object"):
+            if self.runner is not None and a.sample_tokens:
+                self.runner.gather_model()
+            collective = a.sample_tokens and self.ep > 1 and self.evaluates
+            samples = evaluation.sample_texts(self.model, a, self.device) if collective else None
+            peaks = peak_memory_per_rank(self.device)  # an all_gather_object under torchrun
         if samples is None and self.is_lead:
             samples = evaluation.sample_texts(self.model, a, self.device) if a.sample_tokens else []
         return samples, peaks
@@ -596,7 +672,10 @@ class ParallelStrategy:
             max_tokens = max(a.batch_size // self.ep * a.seq_len, sample, 1)
             try:
                 model.enable_expert_parallel(
-                    self.ep_group, backend=a.ep_backend, max_tokens=max_tokens
+                    self.ep_group,
+                    backend=a.ep_backend,
+                    max_tokens=max_tokens,
+                    timeout_s=a.collective_timeout,
                 )
             except ValueError as e:
                 raise TrainConfigError(f"--ep {self.ep} --ep-backend {a.ep_backend}: {e}") from e
@@ -728,11 +807,37 @@ class ParallelStrategy:
             raise (TrainConfigError if is_config else OSError)(f"rank 0 failed: {text}")
 
 
-def destroy_default_group() -> None:
+def local_rank() -> tuple[int, int]:
+    """``(local rank, processes on this node)`` from torchrun's ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE``; without them the default group's rank and size (one node), or
+    ``(0, 1)`` without a group."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    grouped = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if grouped else 1
+    rank = dist.get_rank() if grouped else 0
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", world)), 1)
+    return int(os.environ.get("LOCAL_RANK", rank)) % ranks, ranks
+
+
+def destroy_default_group(timeout_s: float = DESTROY_TIMEOUT_S) -> None:
+    """At exit: destroy the default process group, bounded by ``timeout_s`` seconds
+    (:func:`ptxtrain.train.faults.destroy_process_group`; the NCCL communicators are aborted
+    instead after a collective failed). When it does not return in time, say so on stderr and
+    end the process with status 1 at once: the interpreter's own teardown would wait for the
+    group again."""
+    from .faults import destroy_process_group
+
+    if destroy_process_group(timeout_s, failed=collective_failed()):
+        return
+    print(
+        f"ptxtrain: destroy_process_group did not return within {timeout_s:g} s (a peer is gone "
+        "or hangs); exiting without it",
+        file=sys.stderr,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def peak_memory_per_rank(device: torch.device) -> list[int | None]:

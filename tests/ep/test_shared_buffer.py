@@ -228,7 +228,9 @@ def test_nvlink_buffer_is_sized_for_training_and_sampling():
     seen = []
     model = SimpleNamespace(
         config=SimpleNamespace(max_seq_len=512),
-        enable_expert_parallel=lambda group, backend, max_tokens: seen.append(max_tokens),
+        enable_expert_parallel=lambda group, backend, max_tokens, timeout_s: seen.append(
+            (max_tokens, timeout_s)
+        ),
     )
     setup = ParallelStrategy.__new__(ParallelStrategy)
     setup.ep, setup.ep_group = 2, None
@@ -239,7 +241,9 @@ def test_nvlink_buffer_is_sized_for_training_and_sampling():
         (200, 64, 512, 64 // 2 * 512),  # a large batch dominates
     ):
         setup.args = SimpleNamespace(
-            batch_size=batch, seq_len=seq, sample_tokens=sample_tokens, ep_backend="nvlink"
-        )
+            batch_size=batch, seq_len=seq, sample_tokens=sample_tokens, ep_backend="nvlink",
+            collective_timeout=7.5,
+        )  # fmt: skip
         setup.split_experts(model)
-        assert seen[-1] == want, (sample_tokens, batch, seq, seen[-1], want)
+        # (the Buffer's waits are bounded by --collective-timeout)
+        assert seen[-1] == (want, 7.5), (sample_tokens, batch, seq, seen[-1], want)

@@ -125,7 +125,13 @@ def single_runs(tmp_path_factory):
 
 def test_ep_buffer_errors_are_checked_before_the_step(ep_runs):
     root, ranks = ep_runs
-    assert [r["check_errors"] for r in ranks] == ["a peer timed out (test)"] * 2
+    # Raised as a CollectiveError naming the check, the rank and the step, with the cause.
+    for rank, r in enumerate(ranks):
+        assert r["check_errors"].startswith(
+            f"rank {rank} of 2: the EP buffer's nvlink kernels (their waits on the peers) in "
+            "step 1 failed after"
+        ), r["check_errors"]
+        assert "a peer timed out (test)" in r["check_errors"]
     metrics = root / "timeout" / "metrics.jsonl"
     assert not metrics.exists() or not read_metrics(metrics)  # no step was logged
 

@@ -55,3 +55,39 @@ def test_train_loop_does_not_branch_on_pp_or_ep():
     src = inspect.getsource(loop_mod._train)
     assert not re.search(r"\b(if|elif|while)\b[^\n]*\bargs\.(pp|ep)\b", src)
     assert not re.search(r"\b(runner|ep_group|pp_group)\b", src)
+
+
+def test_every_rank_prewarms_its_own_micro_batch(monkeypatch):
+    # FP8 on a GPU: every rank (not only a single process) prewarms the module it runs, for the
+    # rows of its micro-batch, as local rank LOCAL_RANK of LOCAL_WORLD_SIZE processes sharing the
+    # node's JIT cache. No GPU is touched: prewarm itself is a stand-in.
+    from types import SimpleNamespace
+
+    from ptxtrain.nn import prewarm
+
+    calls = []
+    monkeypatch.setattr(prewarm, "prewarm", lambda *a, **kw: calls.append((a, kw)) or "warm")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    module = torch.nn.Linear(2, 2)
+    for (pp, ep, batch, chunks), tokens in (
+        ((1, 1, 16, None), 16 * 128),  # one process: the micro-batch
+        ((1, 4, 16, None), 4 * 128),  # --ep 4: a quarter of the sequences
+        ((2, 1, 16, 8), 2 * 128),  # --pp 2: one of 8 pipeline micro-batches
+        ((2, 2, 32, 4), 4 * 128),  # --pp 2 --ep 2: 32 / 2 / 4 sequences
+    ):
+        strategy = ParallelStrategy.__new__(ParallelStrategy)
+        strategy.args = TrainArgs(precision="fp8", pp=pp, ep=ep, batch_size=batch, seq_len=128,
+                                  num_chunks=chunks)  # fmt: skip
+        strategy.pipeline, strategy.ep = pp > 1, ep
+        strategy.device = torch.device("cuda", 0)
+        assert strategy.micro_batch_tokens() == tokens
+        strategy._prewarm(module)
+        assert calls.pop() == ((module, tokens, strategy.device), {"rank": 2, "ranks": 4})
+        assert strategy.warm == "warm"
+    # BF16, or FP8 on the CPU: nothing to compile.
+    for precision, device in (("bf16", "cuda"), ("fp8", "cpu")):
+        strategy.args = SimpleNamespace(precision=precision)
+        strategy.device = torch.device(device)
+        strategy._prewarm(module)
+    assert calls == []
