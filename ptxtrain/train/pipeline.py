@@ -46,7 +46,7 @@ from torch import nn
 
 from ..model.deepseek import DeepSeekV3, aggregate_router_stats
 from ..moe.router import Router
-from ..parallel.p2p import directional_groups
+from ..parallel.p2p import directional_groups, group_timeout
 from ..parallel.stages import (
     build_schedule,
     check_pipeline,
@@ -109,16 +109,19 @@ def pipeline_groups(pp: int, ep: int, schedule: str) -> PipelineGroups:
     if world != pp * ep:
         raise ValueError(f"pp={pp} x ep={ep} needs a world of {pp * ep} ranks, got {world}")
     p_rank, e_rank = divmod(rank, ep)
+    # Every group gets the default group's timeout (--collective-timeout), not new_group's own
+    # default (gloo 30 min, NCCL 10 min), so a dead peer ends a pipeline collective as fast.
+    timeout = group_timeout()
     if ep == 1:
         pipe_group, expert_group = None, None
     else:
         pipe_group = expert_group = None
         for e in range(ep):  # every rank creates every group, in this order
-            g = dist.new_group([s * ep + e for s in range(pp)])
+            g = dist.new_group([s * ep + e for s in range(pp)], timeout=timeout)
             if e == e_rank:
                 pipe_group = g
         for s in range(pp):
-            g = dist.new_group([s * ep + e for e in range(ep)])
+            g = dist.new_group([s * ep + e for e in range(ep)], timeout=timeout)
             if s == p_rank:
                 expert_group = g
     mirror = None
@@ -127,7 +130,7 @@ def pipeline_groups(pp: int, ep: int, schedule: str) -> PipelineGroups:
     elif schedule == "dualpipe":
         for e in range(ep):
             for q in range(pp // 2):
-                g = dist.new_group([q * ep + e, (pp - 1 - q) * ep + e])
+                g = dist.new_group([q * ep + e, (pp - 1 - q) * ep + e], timeout=timeout)
                 if e == e_rank and p_rank in (q, pp - 1 - q):
                     mirror = g
     pairs = [p for e in range(ep) for p in p2p_pairs(schedule, [s * ep + e for s in range(pp)])]
