@@ -16,9 +16,12 @@ Two paths:
   :func:`ptxtrain.nn.convert_to_fp8_training`): the three projections run through
   ``ptxtrain.nn.fp8_grouped.fp8_grouped_linear`` (DeepSeek-V3's
   1x128 activation / 128x128 weight FP8 recipe, report §3.3; grouped GEMMs on GPU), with one
-  padded layout per call, x quantized once for w1 and w3, and each weight's quantization kept
-  until the weight changes (``fp8_config.cache_weight_fp8``); bit-identical to three
-  ``fp8_grouped_linear`` calls.
+  padded layout per call, w1 and w3 stacked into one gate/up GEMM ``[W1[e]; W3[e]]`` (output
+  ``[N, 2I]``, SwiGLU on its halves, one Dgrad GEMM with K = 2I in backward) when I is a
+  multiple of 128, and each weight's quantization kept until the weight changes
+  (``fp8_config.cache_weight_fp8``); bit-identical to ``fp8_grouped_linear(x, cat([w1, w3],
+  1))`` -> split -> swiglu -> ``fp8_grouped_linear(h, w2)`` (three ``fp8_grouped_linear``
+  calls, x quantized once for w1 and w3, when I is not a multiple of 128).
 
 Expert parallelism: :meth:`Experts.keep_experts_` cuts the stacks down to a contiguous range of
 experts in place (rank ``r`` of ``R`` keeps ``[r·E/R, (r+1)·E/R)``, the split of
@@ -28,6 +31,7 @@ experts in place (rank ``r`` of ``R`` keeps ``[r·E/R, (r+1)·E/R)``, the split 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -38,7 +42,7 @@ from ptxtrain._checks import HP_DTYPES, check_positive_int, check_tensor
 from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT
 from ptxtrain.nn import fp8_grouped as fg
 from ptxtrain.nn.fp8_linear import resolve_config, weight_cache_key
-from ptxtrain.nn.functional import swiglu
+from ptxtrain.nn.functional import swiglu, swiglu_stacked
 
 __all__ = ["Experts"]
 
@@ -130,11 +134,10 @@ class Experts(nn.Module):
         self.num_local_experts = count
 
     def _forward_fp8(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The FP8 path on validated inputs: the three projections through the grouped FP8
-        linear with one padded layout for the layer (one host→device copy of it, not three),
-        x quantized once for w1 and w3, and each weight's 128x128 quantization cached until the
-        weight changes (:meth:`_quantized_weight`). Bit-identical to three
-        ``fp8_grouped_linear`` calls.
+        """The FP8 path on validated inputs: the projections through the grouped FP8 linear with
+        one padded layout for the layer (one host→device copy of it, not three), w1 and w3
+        stacked into one GEMM (:meth:`_swiglu_fp8`), and each weight's 128x128 quantization
+        cached until the weight changes (:meth:`_quantized_weight`).
         """
         cfg = resolve_config(self.fp8_config)
         weights = (self.w1, self.w3, self.w2)
@@ -148,8 +151,38 @@ class Experts(nn.Module):
         layout = fg.HostLayout(counts, M_GROUPED_ALIGNMENT, x.device)
         return self._swiglu_fp8(x, layout, counts, cfg)
 
+    def _gate_up_stacks(self) -> bool:
+        """Whether the FP8 path runs w1 and w3 as one stacked GEMM: I a multiple of 128, so
+        every 128x128 block of ``[W1[e]; W3[e]]`` (and every 1x128 tile of ``d[h1 | h3]``) lies
+        in one of the two (the stacked quantization is then W1's and W3's own)."""
+        return self.w1.shape[1] % M_GROUPED_ALIGNMENT == 0
+
     def _swiglu_fp8(self, x: torch.Tensor, layout, counts, cfg) -> torch.Tensor:
-        """``w2(silu(w1 x) ⊙ w3 x)`` through the grouped FP8 linear on one layout."""
+        """``w2(silu(w1 x) ⊙ w3 x)`` through the grouped FP8 linear on one layout.
+
+        w1 and w3 run stacked (DeepSeek's / Megatron's fused gate-up) where
+        :meth:`_gate_up_stacks`: Fprop ``[h1 | h3] = x · [W1[e]; W3[e]]ᵀ`` ([N, 2I], one
+        m-grouped GEMM), :func:`~ptxtrain.nn.functional.swiglu_stacked` on its halves, and in
+        backward one quantization of ``d[h1 | h3]`` and one Dgrad GEMM with K = 2I
+        (``dx = dh1·W1 + dh3·W3`` summed in fp32 inside the GEMM); Wgrad stays one k-grouped
+        GEMM per weight on its rows of that quantization. Per micro-batch and MoE layer, against
+        the two w1 / w3 calls: GEMM launches 9 -> 7 (Fprop and Dgrad of w1 and w3 merged, the
+        K = 1408 Dgrads of the medium preset becoming one K = 2816 GEMM), quantization passes
+        over activations / gradients 5 -> 4 (dh1's and dh3's become d[h1 | h3]'s), the bf16
+        add of the two [N, D] Dgrad outputs gone, and with a HostLayout one gather of h and
+        one scatter and one gather in backward fewer. The weight cache quantizes the stacked
+        weight once per weight change (2 passes instead of 3, after one copy of w1 and w3 into
+        a transient ``[E, 2I, D]`` stack). Bit for bit ``fp8_grouped_linear(x, cat([w1, w3],
+        1))`` -> split -> swiglu -> ``fp8_grouped_linear(h, w2)``.
+
+        Otherwise (I not a multiple of 128) three calls, x's quantization shared by w1 and w3.
+        """
+        run = fg.fp8_grouped_apply
+        q = self._quantized_weight
+        if self._gate_up_stacks():
+            h = run(x, (self.w1, self.w3), layout, counts, cfg, q(("w1", "w3"), cfg))
+            h = swiglu_stacked(h)  # [N, 2I] -> [N, I]
+            return run(h, self.w2, layout, counts, cfg, q(("w2",), cfg))  # [N, D]
         # x's quantization for w1 and w3 (same values, same tiles): made once. Which parts are
         # needed follows the Function's rule (fprop: 1x128; wgrad of a weight that wants grad:
         # 128x1); anything missing is made inside the call.
@@ -159,39 +192,58 @@ class Experts(nn.Module):
             x_q = fg.quantize_grouped_input(
                 fg.autocast_input(x).detach(), layout, cfg.pow2_scale, cfg.fprop, want_t
             )
-        run = fg.fp8_grouped_apply
-        q = self._quantized_weight
-        h = run(x, self.w1, layout, counts, cfg, q("w1", cfg), x_q)
-        h = swiglu(h, run(x, self.w3, layout, counts, cfg, q("w3", cfg), x_q))
-        return run(h, self.w2, layout, counts, cfg, q("w2", cfg))  # [N, D]
+        h = run(x, self.w1, layout, counts, cfg, q(("w1",), cfg), x_q)
+        h = swiglu(h, run(x, self.w3, layout, counts, cfg, q(("w3",), cfg), x_q))
+        return run(h, self.w2, layout, counts, cfg, q(("w2",), cfg))  # [N, D]
 
     def _forward_fp8_calls(self, x, counts, cfg) -> torch.Tensor:
         h = fg.fp8_grouped_linear(x, self.w1, counts, config=cfg)  # [N, I]
         h = swiglu(h, fg.fp8_grouped_linear(x, self.w3, counts, config=cfg))
         return fg.fp8_grouped_linear(h, self.w2, counts, config=cfg)  # [N, D]
 
-    def _quantized_weight(self, name: str, cfg) -> tuple | None:
-        """``(w_fp8, sf, wt_fp8, sf_t)`` of parameter ``name``: each expert's 128x128 blocks of
-        W[e] and of W[e]ᵀ (None, None without dgrad), kept while the weight is unchanged so the
-        micro-batches of one step quantize it once (None: ``cfg.cache_weight_fp8`` is off).
+    def _quantized_weight(self, names: tuple[str, ...], cfg) -> tuple | None:
+        """``(w_fp8, sf, wt_fp8, sf_t)`` of the parameters ``names`` stacked along N
+        (:func:`ptxtrain.nn.fp8_grouped.stack_weights`; ``("w1", "w3")`` -> ``[E, 2I, D]``):
+        each expert's 128x128 blocks of W[e] and of W[e]ᵀ (None, None without dgrad), kept
+        while every one of the weights is unchanged so the micro-batches of one step quantize
+        them once (None: ``cfg.cache_weight_fp8`` is off).
 
-        The key is :func:`ptxtrain.nn.fp8_linear.weight_cache_key`'s (as for
-        :class:`ptxtrain.nn.Fp8Linear`); a changed key requantizes. The entry holds an alias of
-        the quantized storage, so a storage swapped in later (``w.data = ...``,
+        The key is :func:`ptxtrain.nn.fp8_linear.weight_cache_key`'s of each weight (as for
+        :class:`ptxtrain.nn.Fp8Linear`); a changed key requantizes. The entry holds aliases of
+        the weights' storage, so a storage swapped in later (``w.data = ...``,
         :meth:`keep_experts_`) cannot reuse its address.
         """
-        w = getattr(self, name)
-        key = weight_cache_key(w, cfg)
-        if key is None:
+        weights = [getattr(self, n).detach() for n in names]
+        key = tuple(weight_cache_key(w, cfg) for w in weights)
+        if any(k is None for k in key):
             return None
         cache = self.__dict__.setdefault("_fp8_weight_cache", {})
-        hit = cache.get(name)
+        hit = cache.get(names)
         if hit is not None and hit[0] == key:
             return hit[1]
         with torch.no_grad():
-            q = fg.quantize_grouped_weight(w.detach(), True, cfg.dgrad, cfg.pow2_scale)
-        cache[name] = (key, q, w.detach())  # the alias keeps the storage (and address) alive
+            stacked = fg.stack_weights(weights)
+            q = fg.quantize_grouped_weight(stacked, True, cfg.dgrad, cfg.pow2_scale)
+        cache[names] = (key, q, weights)  # the aliases keep the storage (and addresses) alive
         return q
+
+    def fp8_grouped_gemms(self, rows: int, cfg) -> list[tuple[torch.Tensor, int, object]]:
+        """The FP8 grouped linears one forward / backward on ``rows`` padded rows runs, as
+        ``[(weight, rows, config), ...]`` for :func:`ptxtrain.nn.prewarm.fp8_kernels`: the
+        stacked gate/up weight (a meta ``[E, 2I, D]`` tensor: its Fprop and Dgrad) and w1 and
+        w3 (their k-grouped Wgrads) where :meth:`_gate_up_stacks`, else w1 and w3; then w2.
+        ``cfg`` is the resolved :class:`~ptxtrain.nn.Fp8LinearConfig`."""
+        if not self._gate_up_stacks():
+            return [(w, rows, cfg) for w in (self.w1, self.w3, self.w2)]
+        e, i, d = self.w1.shape
+        stacked = torch.empty(e, 2 * i, d, dtype=self.w1.dtype, device="meta")
+        wgrad_only = dataclasses.replace(cfg, fprop=False, dgrad=False)
+        return [
+            (stacked, rows, dataclasses.replace(cfg, wgrad=False)),
+            (self.w1, rows, wgrad_only),
+            (self.w3, rows, wgrad_only),
+            (self.w2, rows, cfg),
+        ]
 
     def forward_layout(self, x_pad: torch.Tensor, layout) -> torch.Tensor:
         """Apply every local expert to its rows of a padded layout, with no host sync.

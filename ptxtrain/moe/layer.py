@@ -294,12 +294,13 @@ class MoE(nn.Module):
         ``ep_size x tokens x top-k / E`` rows each on average.
 
         Returns:
-            ``[(weight, rows, config), ...]`` for the routed experts' ``w1``, ``w3``, ``w2``
-            (``[E_local, N_out, K]`` each): ``rows`` is the expected padded row count, each
-            local expert's share of ``ep_size x tokens x top-k`` rounded up to 128 (the routing
-            moves it; a miss compiles on demand), ``config`` the experts' resolved
-            :class:`~ptxtrain.nn.Fp8LinearConfig`. Empty when the experts run in high
-            precision (``experts.fp8`` False).
+            ``[(weight, rows, config), ...]`` of :meth:`ptxtrain.moe.Experts.fp8_grouped_gemms`
+            (``[E_local, N_out, K]`` weights: the stacked gate/up one, w1 and w3 for their
+            Wgrads, w2): ``rows`` is the expected padded row count, each local expert's share
+            of ``ep_size x tokens x top-k`` rounded up to 128 (the routing moves it; a miss
+            compiles on demand), ``config`` the experts' resolved
+            :class:`~ptxtrain.nn.Fp8LinearConfig` (with the GEMMs a weight does not run turned
+            off). Empty when the experts run in high precision (``experts.fp8`` False).
         """
         ex = self.experts
         if not ex.fp8:
@@ -308,7 +309,7 @@ class MoE(nn.Module):
         routed = tokens * self.ep_size * self.router.top_k  # rows dispatched to all E experts
         share = max(ceil_div(routed, max(self.n_routed_experts, 1)), 1)
         rows = ex.num_local_experts * ceil_div(share, M_GROUPED_ALIGNMENT) * M_GROUPED_ALIGNMENT
-        return [(w, rows, cfg) for w in (ex.w1, ex.w3, ex.w2)]
+        return ex.fp8_grouped_gemms(rows, cfg)
 
     @torch.no_grad()
     def sync_expert_counts(self) -> None:

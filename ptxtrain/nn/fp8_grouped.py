@@ -26,10 +26,17 @@ When every count is already a multiple of ``align`` the layout is the identity a
 made.
 
 Host cost (the GPU's host issues every op of the small MoE layers): :class:`ptxtrain.moe.Experts`
-calls the unchecked ``fp8_grouped_apply`` with one layout for its three projections, x's
-quantization shared by w1 and w3, and each weight's 128x128 quantization cached until the weight
-changes; W[g]ᵀ's blocks are strided views of the stacked quantization (no copy). All of it is
-bit-identical to separate :func:`fp8_grouped_linear` calls.
+calls the unchecked ``fp8_grouped_apply`` with one layout for its projections and each weight's
+128x128 quantization cached until the weight changes. All of it is bit-identical to
+:func:`fp8_grouped_linear` calls.
+
+Stacked weights. ``fp8_grouped_apply`` also takes a tuple of weights ``[G, N_i, K]`` and
+multiplies by their stack along N (the experts' gate/up ``[W1[g]; W3[g]]``): one Fprop GEMM
+with N = ΣN_i; in backward one quantization of dy [R, ΣN_i] and one Dgrad GEMM with K = ΣN_i,
+whose fp32 accumulator sums the parts' contributions (separate calls would write one bf16 dx per
+part for autograd to add); Wgrad stays one k-grouped GEMM per part on its rows of dyᵀ's 128x1
+quantization, so each part's gradient lands on its own (``main_grad`` or ``.grad``). The result
+is, bit for bit, one call on ``torch.cat(parts, 1)``.
 
 Saved for backward: FP8 data and scales only (xᵀ's 128x1 quantization from the forward and
 W[g]ᵀ's 128x128 blocks), plus the int layout; a GEMM configured off by the config saves its
@@ -297,25 +304,50 @@ def _hp_grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], b_t: boo
     return out
 
 
-class _Fp8GroupedLinearFunction(torch.autograd.Function):
-    """``y[rows of g] = x[rows of g] · W[g]ᵀ`` with the GEMMs chosen by an Fp8LinearConfig.
+def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The weight ``[G, ΣN_i, K]`` of parts ``[G, N_i, K]`` stacked along N (the part itself
+    when there is one): what a call of :func:`fp8_grouped_apply` with a tuple multiplies by."""
+    return weights[0] if len(weights) == 1 else torch.cat(tuple(weights), dim=1)
 
-    Inputs: x [N, K], weight [G, N_out, K], the layout (:class:`HostLayout`, or a
-    :class:`DeviceLayout` whose x is already padded: N = R), the host counts (None with a
-    DeviceLayout), config, and whether grad mode was on at the call. Output: y [N, N_out] in x's
-    dtype.
+
+def _part_rows(weights: Sequence[torch.Tensor]) -> list[slice]:
+    """Each part's rows of the stacked weight (and columns of y, rows of dyᵀ)."""
+    out, start = [], 0
+    for w in weights:
+        out.append(slice(start, start + w.shape[1]))
+        start += w.shape[1]
+    return out
+
+
+# Arguments of _Fp8GroupedLinearFunction.apply before the weight parts.
+_N_LEADING_ARGS = 7
+
+
+class _Fp8GroupedLinearFunction(torch.autograd.Function):
+    """``y[rows of g] = x[rows of g] · W[g]ᵀ`` with the GEMMs chosen by an Fp8LinearConfig, W
+    the stack along N of one or more weight parts (:func:`stack_weights`).
+
+    Inputs: x [N, K], the layout (:class:`HostLayout`, or a :class:`DeviceLayout` whose x is
+    already padded: N = R), the host counts (None with a DeviceLayout), config, whether grad
+    mode was on at the call, the cached weight quantization and x's shared quantization (or
+    None), then the parts ``[G, N_i, K]``. Output: y [N, ΣN_i] in x's dtype. Each part gets
+    its own gradient: the rows of the stacked dW that are its own, through a k-grouped GEMM of
+    its own (so each can land in its own ``main_grad``).
     """
 
     @staticmethod
-    def forward(
-        ctx, input_hp, weight_hp, layout, counts, config, grad_enabled, weight_q=None, input_q=None
-    ):
+    def forward(ctx, input_hp, layout, counts, config, grad_enabled, weight_q, input_q, *weights):
         need_dx = grad_enabled and ctx.needs_input_grad[0]
-        need_dw = grad_enabled and ctx.needs_input_grad[1]
+        need_dws = [grad_enabled and n for n in ctx.needs_input_grad[_N_LEADING_ARGS:]]
+        need_dw = any(need_dws)
         act_dtype = input_hp.dtype
         pow2 = config.pow2_scale
         keep_xt_fp8 = need_dw and config.wgrad
         need_wt = need_dx and config.dgrad
+        cached_w = weight_q is not None and (weight_q[2] is not None or not need_wt)
+        # The stacked high-precision weight (a copy for several parts): only where it is read.
+        need_hp = not cached_w or not config.fprop or (need_dx and not need_wt)
+        weight_hp = stack_weights(weights) if need_hp else None
         with autocast_off(input_hp.device.type):
             # -- x in the padded layout [R, K]: 1x128 for fprop, 128x1 (transposed [K, R]) for
             # wgrad; one pass when both. ``input_q`` (from quantize_grouped_input on these very
@@ -331,7 +363,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
                     input_t_fp8, input_t_sf = q[2], q[3]
             # -- each expert's W 128x128, and W[g]ᵀ's blocks when dgrad will need them (or the
             # caller's cached copy, ``weight_q``, made by quantize_grouped_weight from this weight).
-            if weight_q is not None and (weight_q[2] is not None or not need_wt):
+            if cached_w:
                 weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = weight_q
             else:
                 weight_fp8, weight_sf, weight_t_fp8, weight_t_sf = quantize_grouped_weight(
@@ -361,9 +393,12 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         ctx.counts = counts
         ctx.config = config
         ctx.act_dtype = act_dtype
-        ctx.weight_dtype = weight_hp.dtype
-        ctx.weight_shape = tuple(weight_hp.shape)
-        ctx.weight = weight_hp if need_dw else None  # for main_grad_target in backward
+        ctx.need_dws = need_dws
+        ctx.weight_dtypes = [w.dtype for w in weights]
+        ctx.part_rows = _part_rows(weights)
+        g, _, k = weights[0].shape
+        ctx.weight_shape = (g, ctx.part_rows[-1].stop, k)  # the stacked [G, ΣN_i, K]
+        ctx.weights = weights if need_dw else None  # for main_grad_target in backward
         return y
 
     @staticmethod
@@ -371,11 +406,12 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         config, layout, counts = ctx.config, ctx.layout, ctx.counts
         if not (config.dgrad and config.wgrad):  # a high-precision loop walks the experts
             counts = layout.host_counts(counts)
-        need_dx, need_dw = ctx.needs_input_grad[:2]
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.need_dws)
         saved = saved_operands(ctx)
         pow2 = config.pow2_scale
         dy = grad_output  # [N, N_out], y's dtype
-        dx = dw = None
+        dx = None
+        dws = [None] * len(ctx.need_dws)
         with autocast_off(dy.device.type):
             fp8_dgrad, fp8_wgrad = need_dx and config.dgrad, need_dw and config.wgrad
             # -- dy in the padded layout: 1x128 along N_out (dgrad), 128x1 transposed (wgrad).
@@ -389,7 +425,8 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
                     dy_fp8, dy_sf = quant.per_token_cast_to_fp8(dy_pad, pow2_scale=pow2)
                 else:
                     dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_t(dy_pad, pow2_scale=pow2)
-            # -- Dgrad: dx_pad [R, K] = dy_pad · W[g], B = W[g]ᵀ [K, N_out] per expert.
+            # -- Dgrad: dx_pad [R, K] = dy_pad · W[g], B = W[g]ᵀ [K, N_out] per expert: one GEMM
+            # over the stacked N_out, its sum in fp32 inside the GEMM.
             if fp8_dgrad:
                 dx_pad = _grouped_gemms()[0](
                     (dy_fp8, dy_sf),
@@ -402,34 +439,62 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
             elif need_dx:
                 dx = _hp_grouped_mm(dy, saved["weight_hp"], counts, b_t=False)
             # -- Wgrad: dW[g] [N_out, K] = dy_gᵀ · x_g over expert g's (padded) token slice.
-            target = main_grad_target(ctx.weight) if fp8_wgrad else None
             if fp8_wgrad:
-                out, acc = target if target is not None else (None, False)
-                dw = _grouped_gemms()[1](
-                    (dy_t_fp8, dy_t_sf),
-                    (saved["input_t_fp8"], saved["input_t_sf"]),
-                    layout.ks,
-                    ks_tensor=layout.ks_tensor,
-                    out=out,
-                    accumulate=acc,
-                )  # [G, N_out, K] fp32, the optimizer's buffer itself with a target
-                if target is None:
-                    dw = dw.to(ctx.weight_dtype)
-                else:  # delivered into main_grad (see fp8_linear.main_grad_target)
-                    from ptxtrain.optim import mark_grad_ready
-
-                    mark_grad_ready(ctx.weight)
-                    dw = None
+                x_t = (saved["input_t_fp8"], saved["input_t_sf"])
+                dws = _fp8_wgrad_parts(ctx, (dy_t_fp8, dy_t_sf), x_t)
             elif need_dw:
-                x_hp = saved["input_hp"].to(dy.dtype)
-                dw = dy.new_zeros(ctx.weight_shape)
-                start = 0
-                for e, c in enumerate(counts):
-                    if c:
-                        dw[e] = dy[start : start + c].t() @ x_hp[start : start + c]
-                    start += c
-                dw = dw.to(ctx.weight_dtype)
-        return dx, dw, None, None, None, None, None, None
+                dws = _hp_wgrad_parts(ctx, dy, saved["input_hp"], counts)
+        return (dx, *[None] * (_N_LEADING_ARGS - 1), *dws)
+
+
+def _fp8_wgrad_parts(ctx, dy_t: tuple, x_t: tuple) -> list[torch.Tensor | None]:
+    """Each part's dW [G, N_i, K] by a k-grouped GEMM over its rows of dyᵀ's 128x1 quantization
+    (``dy_t``: [ΣN_i, R] e4m3 and [ΣN_i, R/128] scales), fp32, cast to the part's dtype; or
+    written into the part's ``main_grad`` (returned as None, see
+    :func:`ptxtrain.nn.fp8_linear.main_grad_target`). None for a part that needs no gradient.
+    """
+    layout = ctx.layout
+    dws: list[torch.Tensor | None] = []
+    for w, rows, dtype, need in zip(
+        ctx.weights, ctx.part_rows, ctx.weight_dtypes, ctx.need_dws, strict=True
+    ):
+        if not need:
+            dws.append(None)
+            continue
+        target = main_grad_target(w)
+        out, acc = target if target is not None else (None, False)
+        dw = _grouped_gemms()[1](
+            (dy_t[0][rows], dy_t[1][rows]),
+            x_t,
+            layout.ks,
+            ks_tensor=layout.ks_tensor,
+            out=out,
+            accumulate=acc,
+        )  # [G, N_i, K] fp32, the optimizer's buffer itself with a target
+        if target is None:
+            dws.append(dw.to(dtype))
+        else:  # delivered into main_grad (see fp8_linear.main_grad_target)
+            from ptxtrain.optim import mark_grad_ready
+
+            mark_grad_ready(w)
+            dws.append(None)
+    return dws
+
+
+def _hp_wgrad_parts(ctx, dy: torch.Tensor, input_hp: torch.Tensor, counts: list[int]) -> list:
+    """Each part's dW in dy's dtype: the stacked dW [G, ΣN_i, K] per expert, split by rows
+    and cast to each part's dtype (None for a part that needs no gradient)."""
+    x_hp = input_hp.to(dy.dtype)
+    dw = dy.new_zeros(ctx.weight_shape)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            dw[e] = dy[start : start + c].t() @ x_hp[start : start + c]
+        start += c
+    return [
+        dw[:, rows].to(dtype) if need else None
+        for rows, dtype, need in zip(ctx.part_rows, ctx.weight_dtypes, ctx.need_dws, strict=True)
+    ]
 
 
 def fp8_grouped_linear(
@@ -509,7 +574,7 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_grouped_apply(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | tuple[torch.Tensor, ...],
     layout: HostLayout,
     counts: list[int],
     config: Fp8LinearConfig,
@@ -518,28 +583,35 @@ def fp8_grouped_apply(
 ) -> torch.Tensor:
     """:func:`fp8_grouped_linear` after validation, for callers that checked their arguments
     and built ``layout`` from ``counts`` themselves (:class:`ptxtrain.moe.Experts` builds one
-    layout per MoE layer for its three projections). Nothing is checked here: wrong shapes or
-    dtypes fail inside the kernels or give wrong results.
+    layout per MoE layer for its projections). Nothing is checked here: wrong shapes or dtypes
+    fail inside the kernels or give wrong results.
 
     Args:
         x: ``[N, K]`` (a :class:`HostLayout`) or ``[R, K]`` (a :class:`DeviceLayout`) float
             rows, expert-contiguous; cast by :func:`autocast_input`.
-        weight: ``[G, N_out, K]`` float32 / bfloat16 / float16 on x's device.
+        weight: ``[G, N_out, K]`` float32 / bfloat16 / float16 on x's device, or a tuple of
+            such parts ``[G, N_i, K]`` (one G and K) that the call stacks along N: then y is
+            ``x · W[g]ᵀ`` for ``W = cat(parts, dim=1)`` (:func:`stack_weights`), bit for bit
+            ``fp8_grouped_linear(x, torch.cat(parts, 1), ...)`` on the same GEMM backend, and
+            each part gets the rows of dW that are its own. The FP8 operands are those of the
+            stacked weight: a part's N_i that is not a multiple of 128 makes 128x128 blocks
+            (and dy's 1x128 tiles) span two parts.
         layout: a :class:`HostLayout` built from ``counts``, or a :class:`DeviceLayout`.
         counts: the G host row counts (None with a DeviceLayout).
         config: the resolved :class:`~ptxtrain.nn.Fp8LinearConfig`.
-        weight_q: :func:`quantize_grouped_weight`'s result for this weight's current values (a
-            cache), or None.
+        weight_q: :func:`quantize_grouped_weight`'s result for the (stacked) weight's current
+            values (a cache), or None.
         input_q: ``quantize_grouped_input(autocast_input(x), layout, ...)`` for this x (shared
             by projections of one input), or None. Either is recomputed where it lacks a part
             the call needs.
 
     Returns:
-        ``[N, N_out]`` (``[R, N_out]`` with a DeviceLayout) in x's (autocast) dtype, with
-        autograd to x and weight.
+        ``[N, ΣN_out]`` (``[R, ΣN_out]`` with a DeviceLayout) in x's (autocast) dtype, with
+        autograd to x and every weight part.
     """
     x = autocast_input(x)
     grad = torch.is_grad_enabled()
+    parts = weight if isinstance(weight, tuple) else (weight,)
     return _Fp8GroupedLinearFunction.apply(
-        x, weight, layout, counts, config, grad, weight_q, input_q
+        x, layout, counts, config, grad, weight_q, input_q, *parts
     )

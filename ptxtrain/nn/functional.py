@@ -8,7 +8,8 @@ the nope and rope parts. Each op here is one :class:`torch.autograd.Function` ov
 with a torch reference beside it:
 
 - :func:`swiglu` ``silu(a)·b``: saves ``a`` and ``b`` (not the product); backward writes ``da`` and
-  ``db`` in one pass.
+  ``db`` in one pass. :func:`swiglu_stacked` takes ``a`` and ``b`` as the halves of one
+  ``[..., 2I]`` tensor and writes ``[da | db]`` as one gradient (the MoE experts' fused w1/w3).
 - :func:`rms_norm` ``x·rsqrt(mean(x²) + eps)·w``: saves ``x`` and the fp32 ``rstd`` per row;
   ``dweight`` is a deterministic two-step fp32 reduction (per-program partials, then a sum).
 - :func:`mla_qk`: ``q_rot`` (nope copied, rope rotated) and ``k`` (each head's ``k_nope`` from
@@ -110,6 +111,61 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, *, kernels: str = "auto") -> torch.
     if use_triton_kernels(kernels, a):
         return _SwiGLUFn.apply(a, b)
     return swiglu_ref(a, b)
+
+
+def swiglu_stacked_ref(h: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu_ref` of ``h``'s two halves along the last dim (autograd by torch: the
+    halves' gradients land in one ``h``-shaped tensor)."""
+    return swiglu_ref(*h.chunk(2, dim=-1))
+
+
+class _SwiGLUStackedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        rows = h.reshape(-1, h.shape[-1]).contiguous()
+        ctx.save_for_backward(rows)
+        ctx.shape = h.shape
+        return _ops().swiglu_stacked_fwd(rows).view(*h.shape[:-1], h.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        g = grad.reshape(rows.shape[0], -1).contiguous()
+        return _ops().swiglu_stacked_bwd(g, rows).view(ctx.shape)
+
+
+def swiglu_stacked(h: torch.Tensor, *, kernels: str = "auto") -> torch.Tensor:
+    """SwiGLU of a stacked gate/up projection: ``silu(h[..., :I]) ⊙ h[..., I:]``.
+
+    The experts' fused w1/w3 GEMM writes ``[w1 x | w3 x]`` as one ``[..., 2I]`` tensor
+    (:class:`ptxtrain.moe.Experts`); this reads its halves in place and, in backward, writes
+    ``[d(w1 x) | d(w3 x)]`` as one ``[..., 2I]`` gradient (the layout the stacked dgrad GEMM
+    reads), where :func:`swiglu` on the two slices would copy them and leave the gradient's
+    concatenation to autograd. Bit for bit ``swiglu(h[..., :I], h[..., I:], kernels=kernels)``
+    (the same math on both paths: the Triton kernels share it, the reference is that call).
+
+    Args:
+        h: ``[..., 2I]`` float32 / bfloat16 / float16 (float64: reference), ``2I`` even and > 0.
+        kernels: see :func:`ptxtrain._backend.use_triton_kernels`.
+
+    Returns:
+        ``[..., I]`` in ``h``'s dtype; fp32 math (fp64 for float64), one rounding.
+
+    Raises:
+        TypeError: ``h`` not a float tensor.
+        ValueError: ``h`` 0-d or its last dim odd or 0; a bad ``kernels``.
+
+    Source: DeepSeek-V3 report §2.1.2 (SwiGLU experts); Megatron-LM's fused gate/up
+    (``gated_linear_unit``) halves layout.
+    """
+    h = _check_float("h", h)
+    if h.dim() == 0 or h.shape[-1] == 0 or h.shape[-1] % 2:
+        raise ValueError(
+            f"h must be [..., 2I] with an even last dim 2I > 0, got shape {tuple(h.shape)}"
+        )
+    if use_triton_kernels(kernels, h):
+        return _SwiGLUStackedFn.apply(h)
+    return swiglu_stacked_ref(h)
 
 
 # ------------------------------------------------------------------------------------ RMSNorm

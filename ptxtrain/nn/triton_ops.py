@@ -9,7 +9,11 @@ before it is added, the order of :mod:`ptxtrain.nn.functional`'s torch reference
 differs from them is named at each kernel (``exp`` and reduction orders).
 
 - SwiGLU: ``out = silu(a)·b`` elementwise over flat, contiguous ``a``, ``b``; the backward reads
-  ``g, a, b`` once and writes ``da, db`` (the product is not kept). ``silu`` is ``a / (1 + e^-a)``,
+  ``g, a, b`` once and writes ``da, db`` (the product is not kept). The stacked form reads ``a``
+  and ``b`` as the two column halves of one ``[rows, 2I]`` tensor (the experts' fused gate/up
+  GEMM output) in ``[BLOCK_R, BLOCK_C]`` tiles and writes ``[da | db]`` into one ``[rows, 2I]``
+  gradient; both forms share the math (``_silu_mul``, ``_silu_mul_grad``), so they agree bit for
+  bit. ``silu`` is ``a / (1 + e^-a)``,
   the formula of torch's kernels; ``exp`` is Triton's (``ex2.approx`` on the GPU, numpy in the
   interpreter), 1-2 fp32 ulps from torch's, so a bf16 output can sit one bf16 ulp off where the
   fp32 value lies at a rounding boundary.
@@ -42,6 +46,8 @@ __all__ = [
     "rms_norm_fwd",
     "swiglu_bwd",
     "swiglu_fwd",
+    "swiglu_stacked_bwd",
+    "swiglu_stacked_fwd",
 ]
 
 MAX_NORM_DIM = 16384  # an RMSNorm row lives in one program's registers
@@ -58,13 +64,30 @@ def _warps(block: int) -> int:
 
 # ------------------------------------------------------------------------------------ SwiGLU
 @triton.jit
+def _silu_mul(a, b):
+    """``silu(a)·b`` of fp32 tensors: torch's ``silu`` formula, each product rounded."""
+    silu = a / (1.0 + tl.exp(-a))
+    return silu * b
+
+
+@triton.jit
+def _silu_mul_grad(g, a, b):
+    """``(da, db)`` of ``silu(a)·b`` for the output gradient ``g`` (fp32 tensors)."""
+    e = tl.exp(-a)
+    sig = 1.0 / (1.0 + e)
+    db = g * (a / (1.0 + e))
+    # torch's silu_backward(dy = g·b, a): dy·σ·(1 + a·(1 - σ)), left to right
+    da = ((g * b) * sig) * (1.0 + a * (1.0 - sig))
+    return da, db
+
+
+@triton.jit
 def _swiglu_fwd_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    silu = a / (1.0 + tl.exp(-a))
-    tl.store(out_ptr + offs, (silu * b).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, _silu_mul(a, b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -74,13 +97,43 @@ def _swiglu_bwd_kernel(g_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constex
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    e = tl.exp(-a)
-    sig = 1.0 / (1.0 + e)
-    db = g * (a / (1.0 + e))
-    # torch's silu_backward(dy = g·b, a): dy·σ·(1 + a·(1 - σ)), left to right
-    da = ((g * b) * sig) * (1.0 + a * (1.0 - sig))
+    da, db = _silu_mul_grad(g, a, b)
     tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
     tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stacked_tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's ``[BLOCK_R, BLOCK_C]`` tile of a ``[rows, cols]`` output: the offsets of
+    ``a`` in the stacked ``[rows, 2·cols]`` input (``b`` at ``+ cols``), of the output, and the
+    mask."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    return r[:, None] * (2 * cols) + c[None, :], r[:, None] * cols + c[None, :], mask
+
+
+@triton.jit
+def _swiglu_stacked_fwd_kernel(
+    h_ptr, out_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    ab, o, mask = _stacked_tile(rows, cols, BLOCK_R, BLOCK_C)
+    a = tl.load(h_ptr + ab, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(h_ptr + ab + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + o, _silu_mul(a, b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_stacked_bwd_kernel(
+    g_ptr, h_ptr, dh_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    ab, o, mask = _stacked_tile(rows, cols, BLOCK_R, BLOCK_C)
+    g = tl.load(g_ptr + o, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(h_ptr + ab, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(h_ptr + ab + cols, mask=mask, other=0.0).to(tl.float32)
+    da, db = _silu_mul_grad(g, a, b)
+    tl.store(dh_ptr + ab, da.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + ab + cols, db.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 def swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -105,6 +158,40 @@ def swiglu_bwd(
             g, a, b, da, db, n, BLOCK=_EW_BLOCK, num_warps=8, enable_fp_fusion=False
         )
     return da, db
+
+
+def _stacked_grid(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
+    """Grid and tile sizes of the stacked SwiGLU kernels: ``_EW_BLOCK`` elements per program,
+    ``BLOCK_C`` columns (256, or the next power of two of a narrower ``cols``) by ``BLOCK_R``
+    rows; I = 1408 takes 6 column tiles (8% of the lanes masked)."""
+    block_c = min(256, triton.next_power_of_2(cols))
+    block_r = _EW_BLOCK // block_c
+    return (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)), dict(
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8, enable_fp_fusion=False
+    )
+
+
+def swiglu_stacked_fwd(h: torch.Tensor) -> torch.Tensor:
+    """``silu(h[:, :I])·h[:, I:]`` of a contiguous ``[rows, 2I]`` tensor: ``[rows, I]`` in its
+    dtype, bit for bit :func:`swiglu_fwd` of the two halves."""
+    rows, cols = h.shape[0], h.shape[1] // 2
+    out = h.new_empty(rows, cols)
+    if out.numel():
+        grid, meta = _stacked_grid(rows, cols)
+        _swiglu_stacked_fwd_kernel[grid](h, out, rows, cols, **meta)
+    return out
+
+
+def swiglu_stacked_bwd(g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``d[h1 | h3]`` ``[rows, 2I]`` of :func:`swiglu_stacked_fwd` for the contiguous output
+    gradient ``g`` ``[rows, I]``: both halves written by one pass (bit for bit
+    :func:`swiglu_bwd`'s ``da`` and ``db``)."""
+    rows, cols = g.shape
+    dh = torch.empty_like(h)
+    if g.numel():
+        grid, meta = _stacked_grid(rows, cols)
+        _swiglu_stacked_bwd_kernel[grid](g, h, dh, rows, cols, **meta)
+    return dh
 
 
 # ------------------------------------------------------------------------------------ RMSNorm

@@ -122,6 +122,47 @@ def test_swiglu_errors():
         fn.swiglu(a.double(), a.double(), kernels="triton")
 
 
+def _swiglu_stacked_pair(shape, dtype, kernels, device="cpu", seed=0):
+    """swiglu_stacked(h) and swiglu on h's two halves (one kernel choice): (y, dh) of each."""
+    h = _leaf(*shape, dtype=dtype, seed=seed, device=device, scale=3.0)
+    half = shape[-1] // 2
+    g = _rand(*shape[:-1], half, dtype=dtype, seed=seed + 1).to(device)
+    y = fn.swiglu_stacked(h, kernels=kernels)
+    y2 = fn.swiglu(h[..., :half], h[..., half:], kernels=kernels)
+    return (y, *torch.autograd.grad(y, h, g)), (y2, *torch.autograd.grad(y2, h, g))
+
+
+@pytest.mark.parametrize("kernels", ["triton", "ref"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "shape", [(37, 2 * MEDIUM.moe_inter_dim), (3, 5, 154), (9, 6), (2, 600)], ids=str
+)
+def test_swiglu_stacked_equals_swiglu_on_the_halves_bitwise(shape, dtype, kernels):
+    # The stacked kernels share the two-input kernels' math (and the reference is swiglu_ref
+    # on the halves), so output and the [da | db] gradient are the same bits; the shapes take
+    # the medium experts' I = 1408 (6 column tiles, the last one part-masked), a 3-D input, an
+    # I below one tile, and rows that end inside a row tile.
+    (y, dh), (y2, dh2) = _swiglu_stacked_pair(shape, dtype, kernels, seed=len(shape))
+    assert y.shape == (*shape[:-1], shape[-1] // 2) and dh.shape == shape
+    assert_bitwise_equal(y, y2, name="y")
+    assert_bitwise_equal(dh, dh2, name="dh")
+
+
+def test_swiglu_stacked_reference_gradcheck_float64_and_errors():
+    h = _leaf(3, 8, dtype=torch.float64, seed=6, scale=2.0)
+    assert torch.autograd.gradcheck(fn.swiglu_stacked, (h,))
+    with pytest.raises(ValueError, match="even last dim"):
+        fn.swiglu_stacked(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="even last dim"):
+        fn.swiglu_stacked(torch.randn(4, 0))
+    with pytest.raises(ValueError, match="even last dim"):
+        fn.swiglu_stacked(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="h must"):
+        fn.swiglu_stacked(torch.ones(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        fn.swiglu_stacked(torch.randn(4, 8), kernels="fast")
+
+
 def test_auto_runs_the_reference_on_cpu():
     x = torch.randn(2, 3)
     assert not fn.use_triton_kernels("auto", x)  # even under TRITON_INTERPRET=1
@@ -358,6 +399,18 @@ def test_swiglu_cuda_matches_reference(dtype):
     # to ~10 fp32 ulps for |a| <= 15 (a ~ 3·randn), hence 32 ulps here (torch's expf: ~1 ulp).
     for inter in (MEDIUM.moe_inter_dim, MEDIUM.dense_inter_dim, 1000):
         _check_swiglu((*GPU_TOKENS, inter), dtype, device="cuda", seed=inter, fp32_rel=2.0**-18)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_stacked_cuda_equals_swiglu_on_the_halves(dtype):
+    # The same elementwise math compiled into both kernels, contraction off: the same bits on
+    # the GPU too, at the medium experts' rows (16,384 tokens) and I = 1408, and an awkward I.
+    for inter in (MEDIUM.moe_inter_dim, 1000):
+        shape = (GPU_TOKENS[0] * GPU_TOKENS[1], 2 * inter)
+        (y, dh), (y2, dh2) = _swiglu_stacked_pair(shape, dtype, "triton", "cuda", seed=inter)
+        assert_bitwise_equal(y, y2, name=f"y I={inter}")
+        assert_bitwise_equal(dh, dh2, name=f"dh I={inter}")
 
 
 @pytest.mark.gpu

@@ -64,14 +64,20 @@ def test_every_fp8_gemm_of_the_step_is_predicted():
             assert want in gemms, (lin, kind)
     # The routed experts: m-grouped Fprop / Dgrad over the expected padded rows (each expert's
     # share of tokens x top-k, 4096 x 2 / 8 = 1024 rows, already aligned) and the k-grouped
-    # Wgrad, fp32 out.
+    # Wgrad, fp32 out; w1 and w3 run stacked ([E, 2I, D]: Fprop N = 2I, Dgrad K = 2I) with a
+    # Wgrad each ([I, D]), w2 on its own.
     e, top_k, dim, inter = (CONFIG.n_routed_experts, CONFIG.n_activated_experts, CONFIG.dim,
                             CONFIG.moe_inter_dim)  # fmt: skip
     assert (e, top_k, dim, inter) == (8, 2, 256, 128)
     rows = 8 * 1024
-    for n, k in ((inter, dim), (dim, inter)):  # w1 / w3: [E, I, D]; w2: [E, D, I]
+    m_grouped = {(2 * inter, dim), (dim, 2 * inter), (dim, inter), (inter, dim)}
+    for n, k in m_grouped:  # Fprop and Dgrad of the [w1; w3] stack, of w2 [E, D, I]
         assert ptx.compile_args("m_grouped", rows, n, k, torch.bfloat16, False, 132, 8) in gemms
+    for n, k in ((inter, dim), (dim, inter)):  # Wgrad of w1 / w3 [E, I, D], of w2
         assert ptx.compile_args("k_grouped", n, k, rows, torch.float32, False, 132, 8) in gemms
+    # ... and nothing else of the grouped kinds: w1 and w3 alone run no m-grouped GEMM.
+    grouped = {args for args in gemms if args[0] in ("m_grouped", "k_grouped")}
+    assert len(grouped) == len(m_grouped) + 2
     kinds = {args[0] for args in gemms}
     assert kinds == {"1d2d", "1d1d", "m_grouped", "k_grouped"}
 
@@ -84,12 +90,18 @@ def test_modules_report_their_grouped_linears_only_in_fp8():
     assert not prewarm.fp8_kernels(
         model, 4096, num_sms=132, gemm_backend=lambda *a: "ptx", grouped_ptx=lambda *a: True
     )
-    # After it: w1, w3, w2 of each layer, on 8 experts x (300 x 2 / 8 = 75 -> 128) padded rows.
+    # After it: the [w1; w3] stack (Fprop, Dgrad), w1 and w3 (Wgrad), w2 (all three) of each
+    # layer, on 8 experts x (300 x 2 / 8 = 75 -> 128) padded rows.
     convert_model_to_fp8_training(model, "deepseek_pow2")
     for layer in layers:
         got = layer.fp8_grouped_linears(300)
         ex = layer.experts
-        assert [w for w, _, _ in got] == [ex.w1, ex.w3, ex.w2]
+        stacked = got[0][0]
+        assert stacked.is_meta and stacked.shape == (8, 2 * ex.inter_dim, ex.dim)
+        assert [w for w, _, _ in got[1:]] == [ex.w1, ex.w3, ex.w2]
+        fprop_dgrad, wgrad, every = (True, True, False), (False, False, True), (True, True, True)
+        gemms = [(c.fprop, c.dgrad, c.wgrad) for _, _, c in got]
+        assert gemms == [fprop_dgrad, wgrad, wgrad, every]
         assert {(rows, cfg.pow2_scale) for _, rows, cfg in got} == {(8 * 128, True)}
 
 
