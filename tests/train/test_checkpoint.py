@@ -280,46 +280,45 @@ def test_crash_between_renames_falls_back_to_prev(tmp_path, monkeypatch):
 KILL_POINTS = ("data", "meta", "renames", "cleanup")
 
 
-def _kill_during_save(run_dir: str, point: str) -> None:
-    """A fresh process: save step 1, then save step 2 and SIGKILL itself at ``point``."""
+def _die(*args, **kw) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_at(point: str) -> None:
+    """Make this process SIGKILL itself at ``point`` (of KILL_POINTS) of its next save."""
     import shutil as sh
 
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
+    calls = {"n": 0}
+
+    def nth_call(real, n: int):
+        def call(*args, **kw):
+            calls["n"] += 1
+            if calls["n"] == n:
+                _die()
+            return real(*args, **kw)
+
+        return call
+
+    if point == "data":  # some entries written by DCP, then killed
+        dcp_fs._write_item = nth_call(dcp_fs._write_item, 3)
+    elif point == "meta":
+        ck._commit = _die
+    elif point == "renames":  # checkpoint/ -> checkpoint.prev/ done, temp -> checkpoint/ not
+        ck.os.replace = nth_call(os.replace, 2)
+    else:
+        real_rmtree = sh.rmtree
+        ck.shutil.rmtree = lambda *a, **k: _die() if "prev" in str(a[0]) else real_rmtree(*a, **k)
+
+
+def _kill_during_save(run_dir: str, point: str) -> None:
+    """A fresh process: save step 1, then save step 2 and SIGKILL itself at ``point``."""
     torch.set_num_threads(1)
     net, opt = _trained(7)
     save_checkpoint(run_dir, model=net, optimizer=opt, step=1, config=CONFIG)
     _steps(net, opt, 1)
-
-    def die(*args, **kw):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if point == "data":
-        real = dcp_fs._write_item
-        calls = {"n": 0}
-
-        def write_item(*args, **kw):
-            calls["n"] += 1
-            if calls["n"] == 3:  # some entries of the step-2 save written, then killed
-                die()
-            return real(*args, **kw)
-
-        dcp_fs._write_item = write_item
-    elif point == "meta":
-        ck._commit = die
-    elif point == "renames":
-        real_replace, calls = os.replace, {"n": 0}
-
-        def replace(src, dst):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                die()
-            real_replace(src, dst)
-
-        ck.os.replace = replace
-    else:
-        real_rmtree = sh.rmtree
-        ck.shutil.rmtree = lambda *a, **k: die() if "prev" in str(a[0]) else real_rmtree(*a, **k)
+    kill_at(point)
     save_checkpoint(run_dir, model=net, optimizer=opt, step=2, config=CONFIG)
 
 
