@@ -201,9 +201,9 @@ def test_async_ckpt_run_commits_and_resumes(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["async_ckpt"] is True
     saves = summary["checkpoint_saves"]
-    # Every save was committed before the run ended; the loop waited at most its total time.
+    # Every save was committed (total_s recorded) before the run ended.
     assert [s["step"] for s in saves] == [1, 2, 3]
-    assert all(0 <= s["blocking_s"] <= s["total_s"] + 1e-3 for s in saves)
+    assert all(s["blocking_s"] >= 0 and s["total_s"] > 0 for s in saves)
     assert summary["checkpoint_save_s"] == pytest.approx(sum(s["blocking_s"] for s in saves))
     assert not list(out.glob(".checkpoint.tmp-*")) and not (out / "checkpoint.prev").exists()
     # --async-ckpt is a run flag: not remembered by the checkpoint, the resume continues.

@@ -93,7 +93,9 @@ PREV_DIR = "checkpoint.prev"
 TMP_PREFIX = ".checkpoint.tmp-"
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"  # FileSystemWriter's index file
-# Files (and writer threads) per rank: DCP splits a rank's entries over them by size.
+# Files (and writer threads) per rank: DCP splits a rank's entries over them by size. At least
+# 2: with one thread DCP copies CUDA tensors on the writing thread's current CUDA stream, which in
+# a thread other than the main one is device 0's; with more it makes blocking copies instead.
 WRITE_THREADS = 2
 _META_KEYS = ("format", "step", "config", "rng", "extra", "optimizer", "files")
 

@@ -675,6 +675,7 @@ def train(
         CorpusError: ``--data`` missing, unreadable, empty or too short for ``seq_len``.
         CheckpointError: ``resume`` with a missing, corrupt or mismatched checkpoint (with
             ``pp > 1`` or ``ep > 1`` raised on every rank).
+        OSError: a checkpoint could not be written (on every rank; the previous one stays).
         FloatingPointError: the train loss became NaN or infinite.
 
     A first Ctrl-C stops the run after the step in flight and checkpoints it (the summary then

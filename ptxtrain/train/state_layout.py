@@ -15,8 +15,11 @@ checkpoint written by one layout (one process, ``--ep``, ``--pp``, both) loads i
 
 ``<fqn>`` is the parameter's name in the full model (``layers.3.ffn.experts.w1``), whatever
 pipeline stage holds it. Expert ``e`` lives on the rank whose :class:`~ptxtrain.moe.Experts`
-has ``expert_offset <= e < expert_offset + num_local_experts``. The optimizer's parameter groups
-are stored beside the tensors (``hyper-parameters per parameter name``, see :meth:`param_groups`).
+has ``expert_offset <= e < expert_offset + num_local_experts`` (any module with those two
+attributes and ``num_experts`` counts as stacked experts). The optimizer's parameter groups are
+stored beside the tensors, as each parameter name's group hyper-parameters
+(:meth:`StateLayout.param_groups`). Source: torchtitan's and Megatron's distributed checkpoints
+key the full model's names the same way, so that any parallel layout can read them.
 """
 
 from __future__ import annotations
@@ -69,6 +72,18 @@ class StateLayout:
         load_modules: Iterable[nn.Module] | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
+        self.save_modules = None if save_modules is None else list(save_modules)
+        self.load_modules = None if load_modules is None else list(load_modules)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Look the live tensors up again (a module may have replaced a parameter or buffer
+        since, e.g. when experts are split); :meth:`save_state` and :meth:`model_targets` do.
+
+        Raises:
+            ValueError: see the class docstring.
+        """
+        model = self.model
         self.state = dict(model.state_dict(keep_vars=True))  # name -> live tensor
         name_of = {id(t): n for n, t in self.state.items()}
         pname = {id(p): n for n, p in model.named_parameters()}
@@ -78,13 +93,13 @@ class StateLayout:
             if hasattr(m, "expert_offset") and hasattr(m, "num_local_experts"):
                 for p in m.parameters(recurse=False):
                     self.experts[id(p)] = (m.expert_offset, m.num_experts)
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         missing = [i for i, p in enumerate(self.params) if id(p) not in pname]
         if missing:
             raise ValueError(f"optimizer parameters {missing} are not parameters of the model")
         self.param_names = [pname[id(p)] for p in self.params]
-        self.save_names = _names_in(save_modules, self.state, name_of)
-        self.load_names = _names_in(load_modules, self.state, name_of)
+        self.save_names = _names_in(self.save_modules, self.state, name_of)
+        self.load_names = _names_in(self.load_modules, self.state, name_of)
         saved = set(self.save_names)
         self.save_params = {i for i, n in enumerate(self.param_names) if n in saved}
 
@@ -123,7 +138,9 @@ class StateLayout:
 
     def save_state(self) -> dict[str, torch.Tensor]:
         """This rank's entries to write: ``{key: tensor}``, views of the live tensors (copy them
-        before the next optimizer step changes them)."""
+        before the next optimizer step changes them); :meth:`param_groups` then gives their
+        optimizer groups."""
+        self.refresh()
         out = dict(self._model_entries(self.save_names))
         state = self.optimizer.state_dict()["state"]
         for i in sorted(self.save_params):
@@ -155,7 +172,8 @@ class StateLayout:
         return keys
 
     def model_targets(self, stored: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict:
-        """``{key: live tensor}`` to read this rank's model state into, in place.
+        """``{key: live tensor}`` to read this rank's model state into, in place (call it first
+        when loading: :meth:`optimizer_targets` and :meth:`optimizer_state_dict` follow).
 
         ``stored``: the checkpoint's ``{key: (shape, dtype)}``.
 
@@ -163,6 +181,7 @@ class StateLayout:
             LayoutError: a needed key is missing or has another shape, or the checkpoint holds
                 model entries the model does not have.
         """
+        self.refresh()
         expected = self.expected_model_keys()
         unexpected = sorted(k for k in stored if k.startswith(MODEL_PREFIX) and k not in expected)
         targets = dict(self._model_entries(self.load_names))
