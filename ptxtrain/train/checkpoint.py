@@ -18,7 +18,8 @@ planner deduplicates it), and reads only the entries it holds. ``meta.json``'s b
 state), ``extra`` (the caller's bookkeeping), ``optimizer`` (``groups``: each parameter group's
 hyper-parameters, ``group_of``: parameter name -> group), ``files`` (``{name: {sha256, bytes}}``
 of every other file) and ``ranks`` (processes that wrote it). Format 1 (single safetensors
-files, written by earlier ptxtrain versions) is refused with a clear error.
+files, written by earlier ptxtrain versions) is refused with a clear error. Every rank must see
+the run folder (one node, or a shared file system).
 
 Writing is crash-safe: the ranks write into a fresh ``.checkpoint.tmp-*`` folder next to
 ``checkpoint/`` (the lead rank creates it), each fsyncs and hashes its files, and once every

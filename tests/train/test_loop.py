@@ -310,6 +310,37 @@ def test_run_folder_contents(tmp_path):
     later = sum(r["time_s"] for r in recs[1:])
     assert s["first_step_s"] == pytest.approx(recs[0]["time_s"])
     assert s["steady_tokens_per_s"] == pytest.approx(5 * s["tokens_per_step"] / later)
+    # Blocking checkpoints (--ckpt-every 2): each waited in full.
+    saves = s["checkpoint_saves"]
+    assert [c["step"] for c in saves] == [2, 4, 6] and s["async_ckpt"] is False
+    assert all(c["blocking_s"] >= c["total_s"] > 0 for c in saves)
+    assert s["checkpoint_save_s"] == pytest.approx(sum(c["blocking_s"] for c in saves))
+    assert s["async_step_slowdown"] is None and not any("ckpt_writing" in r for r in recs)
+
+
+def test_checkpoint_times_in_the_summary():
+    class Saves:  # what ParallelStrategy.checkpoint_times returns: 2 saves of this call
+        def checkpoint_times(self):
+            return [
+                {"step": 2, "blocking_s": 0.25, "total_s": 2.0},
+                {"step": 4, "blocking_s": 1.5, "total_s": 1.5},
+            ]
+
+    # (step, seconds, overlapped a background write); step 1 pays the compiles.
+    steps = [(1, 9.0, False), (2, 1.0, False), (3, 1.5, True), (4, 1.0, False), (5, 2.5, True)]
+    records = [
+        {"step": n, "time_s": t, **({"ckpt_writing": True} if w else {})} for n, t, w in steps
+    ]
+    out = loop_mod._checkpoint_times(TrainArgs(async_ckpt=True), Saves(), records, start=0)
+    assert out["async_ckpt"] is True and out["checkpoint_saves"][1]["step"] == 4
+    assert out["checkpoint_save_s"] == 1.75  # the loop's waits summed
+    assert out["async_step_slowdown"] == 2.0  # steps 3, 5 (2.0 s) over steps 2, 4 (1.0 s)
+    # A resumed call (from step 2): its first step (3) left out; 5 against 4.
+    out = loop_mod._checkpoint_times(TrainArgs(), Saves(), records, start=2)
+    assert out["async_step_slowdown"] == 2.5
+    # No step overlapped a write (blocking saves), or none saved: no ratio.
+    plain = [{k: v for k, v in r.items() if k != "ckpt_writing"} for r in records]
+    assert loop_mod._checkpoint_times(TrainArgs(), Saves(), plain, 0)["async_step_slowdown"] is None
 
 
 # --grad-accum-steps 2 --batch-size 2 against --batch-size 4: the same 4 sequences per step
