@@ -435,7 +435,7 @@ def _train_args_from(ns: argparse.Namespace):
     given = {k: getattr(ns, k) for k in fields if getattr(ns, k) is not None}
     if ns.resume:
         probe = TrainArgs(**given)
-        # sizes only: train() checks the sha256 of the files each rank reads
+        # sizes only: train() checks every file's sha256 when it loads
         meta = read_checkpoint_meta(probe.run_dir(), verify_files=False)
         saved = meta["config"].get("train", {})
         inherited = {k: saved[k] for k in TRAJECTORY_FIELDS if k in saved and k not in given}

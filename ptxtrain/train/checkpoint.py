@@ -39,10 +39,11 @@ gloo), so they cannot interleave with the training step's.
 
 Loading verifies before it touches the model: ``meta.json`` parses and matches its own hash,
 the format is known, every listed file exists with its recorded size, the saved config equals
-the expected one, ``.metadata`` and every data file this rank reads match their sha256, and the
-stored keys and shapes fit the model (missing or unexpected weights, another expert count).
-Any failure raises :class:`CheckpointError` naming the file and the fault, never a silent
-restart.
+the expected one, ``.metadata`` and the data files match their sha256 (one process: the files
+it reads; several: each rank hashes a share, every file once, and a failure is raised on every
+rank), and the stored keys and shapes fit the model (missing or unexpected weights, another
+expert count). Any failure raises :class:`CheckpointError` naming the file and the fault, never
+a silent restart.
 """
 
 from __future__ import annotations
@@ -461,7 +462,10 @@ class Checkpointer:
     ) -> dict:
         """Verify the checkpoint of ``run_dir`` and read this rank's entries into the layout's
         model (in place) and optimizer (``load_state_dict``). Needs no collective: each rank
-        reads what it holds.
+        reads what it holds. With a ``group`` each rank checks the sha256 of its share of the
+        files (each file once over the ranks, whichever ranks read it): call it on every rank
+        and raise everywhere when any rank fails (``ParallelStrategy.load`` does); alone it
+        checks the files it reads.
 
         Args:
             expected_config: when given, must equal the saved ``config`` (after a JSON round
@@ -501,7 +505,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {ckpt}: optimizer state does not fit this optimizer: {e}"
             ) from None
-        _read_tensors(ckpt, meta, reader, {**model_targets, **opt_targets})
+        share = None if self.group is None else (self.rank, dist.get_world_size(self.group))
+        _read_tensors(ckpt, meta, reader, {**model_targets, **opt_targets}, share)
         try:
             layout.optimizer.load_state_dict(opt_sd)
         except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
@@ -670,14 +675,21 @@ def _read_index(ckpt: Path, meta: dict) -> tuple[dict, _IndexedReader]:
     return stored, reader
 
 
-def _read_tensors(ckpt: Path, meta: dict, reader, targets: dict[str, torch.Tensor]) -> None:
-    """Read ``targets`` (in place) after checking the sha256 of the data files they lie in."""
+def _read_tensors(
+    ckpt: Path, meta: dict, reader, targets: dict[str, torch.Tensor], share: tuple[int, int] | None
+) -> None:
+    """Read ``targets`` (in place) after checking sha256s: of the data files they lie in
+    (``share`` None), or of share ``(i, n)`` of all files (the n ranks of a load each check one
+    share, so that every file is hashed once; their failures must then be shared)."""
     storage = reader.index.storage_data
     needed = {info.relative_path for i, info in storage.items() if i.fqn in targets}
-    unknown = sorted(n for n in needed if n not in meta["files"])
+    files = meta["files"]
+    unknown = sorted(n for n in needed if n not in files)
     if unknown:
         raise CheckpointError(f"corrupt checkpoint {ckpt}: {META_FILE} does not list {unknown}")
-    _verify_hashes(ckpt, meta["files"], needed)
+    if share is not None:  # the largest first, dealt round-robin
+        needed = sorted(files, key=lambda n: (-files[n]["bytes"], n))[share[0] :: share[1]]
+    _verify_hashes(ckpt, files, needed)
     try:
         dcp.load(targets, storage_reader=reader, no_dist=True)
     except (CheckpointException, Exception) as e:
@@ -692,12 +704,12 @@ def read_checkpoint_state(run_dir: str | Path) -> dict[str, torch.Tensor]:
     Raises:
         CheckpointError: see :func:`read_checkpoint_meta`.
     """
-    meta = read_checkpoint_meta(run_dir, verify_files=True)
+    meta = read_checkpoint_meta(run_dir, verify_files=False)
     ckpt = Path(meta["path"])
     stored, reader = _read_index(ckpt, meta)
     targets = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in stored.items()}
     _quiet_single_process_dcp()
-    _read_tensors(ckpt, meta, reader, targets)
+    _read_tensors(ckpt, meta, reader, targets, share=(0, 1))
     return targets
 
 

@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, root: str) -> None:
     bad = f"{root}/corrupt"
     if rank == 0:
         shutil.copytree(f"{root}/1f1b-resumed", bad)
-        path = Path(bad) / "checkpoint" / "__1_0.distcp"  # rank 1's stage: read by rank 1
+        path = Path(bad) / "checkpoint" / "__1_0.distcp"  # hashed by one rank: seen by both
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF  # one flipped byte: the file's sha256 no longer matches
         path.write_bytes(bytes(data))
