@@ -319,6 +319,14 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         "medium preset's training state is ~59 GB); the run cannot be resumed (default: on)",
     )
     g.add_argument(
+        "--async-ckpt",
+        action="store_true",
+        default=None,
+        help="write checkpoints in a background thread: training waits only while each rank "
+        "copies its shard to CPU memory (one more copy of it, kept between saves); the run "
+        "ends once the last checkpoint is committed (default: off)",
+    )
+    g.add_argument(
         "--sample-tokens",
         type=_int_at_least(0),
         metavar="BYTES",
@@ -429,6 +437,7 @@ _RUN_FIELDS = (
     "eval_batches",
     "ckpt_every",
     "checkpoint",
+    "async_ckpt",
     "sample_tokens",
     "data",
     "mtp",
@@ -460,7 +469,8 @@ def _train_args_from(ns: argparse.Namespace):
     given = {k: getattr(ns, k) for k in fields if getattr(ns, k) is not None}
     if ns.resume:
         probe = TrainArgs(**given)
-        meta = read_checkpoint_meta(probe.run_dir())
+        # sizes only: train() checks every file's sha256 when it loads
+        meta = read_checkpoint_meta(probe.run_dir(), verify_files=False)
         saved = meta["config"].get("train", {})
         inherited = {k: saved[k] for k in TRAJECTORY_FIELDS if k in saved and k not in given}
         saved_run = meta["extra"].get("run") or {}

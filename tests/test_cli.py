@@ -182,14 +182,34 @@ def test_corrupt_checkpoint_exit_2(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--steps", "2", "--eval-every", "0", "--sample-tokens", "0",
                  "--out", str(out), *FAST]) == 0  # fmt: skip
-    path = out / "checkpoint" / "model.safetensors"
+    path = out / "checkpoint" / "__0_0.distcp"
     data = bytearray(path.read_bytes())
     data[len(data) // 3] ^= 0x40
     path.write_bytes(bytes(data))
     code, err = _error(["train", "--resume", "--out", str(out), "--no-progress"], capsys)
     assert code == 2
-    assert "corrupt checkpoint" in err and "model.safetensors" in err
+    assert "corrupt checkpoint" in err and "__0_0.distcp does not match its" in err
     assert "Traceback" not in err
+
+
+def test_async_ckpt_run_commits_and_resumes(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--steps", "3", "--ckpt-every", "1", "--eval-every", "0",
+            "--sample-tokens", "0", "--async-ckpt", "--out", str(out), *FAST]  # fmt: skip
+    assert main(argv) == 0
+    assert "checkpoints     : 3 saved (async)" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["async_ckpt"] is True
+    saves = summary["checkpoint_saves"]
+    # Every save was committed (total_s recorded) before the run ended.
+    assert [s["step"] for s in saves] == [1, 2, 3]
+    assert all(s["blocking_s"] >= 0 and s["total_s"] > 0 for s in saves)
+    assert summary["checkpoint_save_s"] == pytest.approx(sum(s["blocking_s"] for s in saves))
+    assert not list(out.glob(".checkpoint.tmp-*")) and not (out / "checkpoint.prev").exists()
+    # --async-ckpt is a run flag: not remembered by the checkpoint, the resume continues.
+    assert main(["train", "--resume", "--steps", "4", "--out", str(out), "--no-progress"]) == 2
+    assert main(["train", "--resume", "--out", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text())["async_ckpt"] is False
 
 
 def test_python_m_ptxtrain_help():
@@ -318,7 +338,7 @@ def test_ep_flag_reaches_train_args(smoke_run):
     assert _train_args_from(parse(["train", "--ep", "4"])).ep == 4
     assert _train_args_from(parse(["train"])).ep == 1
     # --ep is a run flag, not part of the trajectory: a resume takes it from the command line
-    # (the checkpoint layout is the single-process one whatever --ep wrote it).
+    # (the checkpoint's names do not depend on the layout that wrote it).
     out = str(smoke_run[1])
     assert _train_args_from(parse(["train", "--resume", "--out", out, "--ep", "2"])).ep == 2
     assert _train_args_from(parse(["train", "--resume", "--out", out])).ep == 1

@@ -70,8 +70,8 @@ Design note (DeepSeek-V3 report §3.3 "Low-Precision Storage and Communication";
   ``BLOCK`` elements inside one parameter) is built once, a program's accesses are aligned
   vectors, the gradient norm is one pass per bucket, and every address is fixed, as a CUDA
   graph needs. The costs: ``p.data`` is replaced once (tensors that aliased the old storage
-  see no updates); state tensors are views, which the checkpoint writer copies out
-  (safetensors refuses tensors that share storage); and the FP32 gradient buffer lives as long
+  see no updates); state tensors are views, which a checkpoint writer copies out (or it would
+  write the whole flat buffer for each); and the FP32 gradient buffer lives as long
   as the optimizer (4 bytes per element held through the forward, where the other paths free
   it at ``zero_grad``), as Megatron's ``main_grad``.
 * **Gradients and skipping.** The post-accumulate-grad hook copies the first micro-batch's
@@ -1228,8 +1228,11 @@ class AdamW(torch.optim.Optimizer):
                     f"param group {i} of state_dict has {len(sg['params'])} params, this "
                     f"optimizer's has {len(g['params'])}"
                 )
-            for k in self.defaults:  # a group saved without a key keeps this optimizer's value
-                sg.setdefault(k, g[k])
+            # A group saved without a key keeps this optimizer's value. (torch's __setstate__
+            # adds "differentiable" to the defaults only, so not every default is in a group.)
+            for k in self.defaults:
+                if k in g:
+                    sg.setdefault(k, g[k])
             _check_group(sg)
         id_map: dict[int, torch.Tensor] = {}
         for g, sg in zip(groups, saved_groups):

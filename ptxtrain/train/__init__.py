@@ -1,10 +1,12 @@
-"""The training job (``ptxtrain train``): loop, atomic checkpoints, metrics and plots."""
+"""The training job (``ptxtrain train``): loop, sharded atomic checkpoints, metrics and plots."""
 
 from .checkpoint import (
+    Checkpointer,
     CheckpointError,
     find_checkpoint,
     load_checkpoint,
     read_checkpoint_meta,
+    read_checkpoint_state,
     save_checkpoint,
 )
 from .loop import (
@@ -23,6 +25,7 @@ __all__ = [
     "PRECISIONS",
     "TRAJECTORY_FIELDS",
     "CheckpointError",
+    "Checkpointer",
     "MetricsWriter",
     "TrainArgs",
     "TrainConfigError",
@@ -36,6 +39,7 @@ __all__ = [
     "peak_bf16_flops",
     "plot_loss_curve",
     "read_checkpoint_meta",
+    "read_checkpoint_state",
     "read_metrics",
     "save_checkpoint",
     "train",

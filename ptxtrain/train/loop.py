@@ -24,13 +24,15 @@ exact same trajectory (bitwise on CPU). Precision ``fp8`` swaps the eligible ``n
 modules for FP8 ones with DeepSeek-V3's fine-grained recipe (report §3.3) before the optimizer
 is built; the weights stay BF16 and the optimizer keeps their FP32 masters either way.
 
-The run folder gets ``config.json``, ``metrics.jsonl``, ``loss.png``, ``checkpoint/``,
-``samples.txt`` and ``summary.json``.
+The run folder gets ``config.json``, ``metrics.jsonl``, ``loss.png``, ``checkpoint/`` (sharded,
+:mod:`ptxtrain.train.checkpoint`; ``async_ckpt`` writes it in the background), ``samples.txt``
+and ``summary.json``.
 
 Where the run is spread over processes (``--pp``, ``--ep``), the loop stays the same:
 :class:`~ptxtrain.train.strategy.ParallelStrategy` builds this rank's part of the model and
-runs its step, gathers the checkpoints to the single-process layout and reduces the metrics
-over the ranks (its module doc describes each layout).
+runs its step, writes and reads this rank's part of the checkpoints (layout-independent, so a
+run resumes under another layout) and reduces the metrics over the ranks (its module doc
+describes each layout).
 """
 
 from __future__ import annotations
@@ -191,6 +193,8 @@ class TrainArgs:
     ckpt_every: int = 200  # checkpoint every this many steps (and at the end); 0 = end only
     # False: write no checkpoint at all (benchmark runs of large models; no --resume then)
     checkpoint: bool = True
+    # write checkpoints in a background thread: training waits only for the copy to CPU
+    async_ckpt: bool = False
     sample_tokens: int = 200  # bytes sampled per sample at the end; 0 = no samples
     # --- data ---
     data: str | None = None  # text file or folder; None = the embedded Shakespeare corpus
@@ -265,7 +269,7 @@ class TrainArgs:
             raise bad("device", f"must be one of {list(DEVICES)}")
         if self.stop_after is not None and (not is_int(self.stop_after) or self.stop_after <= 0):
             raise TrainConfigError(f"stop_after must be an integer > 0, got {self.stop_after!r}")
-        for name in ("deterministic", "cuda_graphs", "checkpoint"):
+        for name in ("deterministic", "cuda_graphs", "checkpoint", "async_ckpt"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if self.resume and self.overwrite:
@@ -663,8 +667,14 @@ def train(
         moments), ``training_bytes_per_param`` (plus weights and FP32 grads; both None when no
         step ran in this call), ``peak_memory_bytes`` (rank 0's; CUDA only, else None),
         ``peak_memory_bytes_per_rank`` (a list in rank order; one entry without torchrun),
-        ``ranks`` (processes of the run),
-        ``params`` and ``samples``. It is also written to
+        ``ranks`` (processes of the run), ``async_ckpt``, ``checkpoint_saves`` (each save of
+        this call: ``step``, ``blocking_s`` = seconds the loop waited for it, the whole save or
+        with ``async_ckpt`` the copy to CPU plus any wait for the write, ``total_s`` = seconds
+        until it was committed), ``checkpoint_save_s`` (the blocking seconds summed; None
+        without a save), ``async_step_slowdown`` (the mean time of this call's steps that
+        overlapped a background write over that of the others after the first; None without
+        both; per step with ``log_every`` 1, else per logging window), ``params`` and
+        ``samples``. It is also written to
         ``summary.json`` and printed as a table.
 
     Raises:
@@ -682,6 +692,7 @@ def train(
         CorpusError: ``--data`` missing, unreadable, empty or too short for ``seq_len``.
         CheckpointError: ``resume`` with a missing, corrupt or mismatched checkpoint (with
             ``pp > 1`` or ``ep > 1`` raised on every rank).
+        OSError: a checkpoint could not be written (on every rank; the previous one stays).
         FloatingPointError: the train loss became NaN or infinite.
 
     A first Ctrl-C stops the run after the step in flight and checkpoints it (the summary then
@@ -703,17 +714,16 @@ def _train(args: TrainArgs, config, strategy: ParallelStrategy, model_overrides)
     log, run_dir = strategy.log, args.run_dir()
     corpus, corpus_info = _load_corpus(args, log)
     strategy.on_lead(_prepare_run_dir, run_dir, args)
-    model, optimizer = strategy.build(config)
+    model, _ = strategy.build(config)
     ckpt_config = {
         "model": config.to_dict(),
         "train": args.trajectory(),
         "corpus_sha256": corpus_info["sha256"],
     }
-    extra = _resume_extra(args, strategy.describe())
-    ckpt_kw = dict(model=model, optimizer=optimizer, config=ckpt_config, extra=extra)
+    ckpt_kw = dict(config=ckpt_config, extra=_resume_extra(args, strategy.describe()))
     start = 0
     if args.resume:
-        meta = strategy.load(run_dir, model=model, optimizer=optimizer, expected_config=ckpt_config)
+        meta = strategy.load(run_dir, expected_config=ckpt_config)
         start = int(meta["step"])
         log(f"resumed from {meta['path']} at step {start}")
     if strategy.is_lead:
@@ -738,7 +748,7 @@ def _train(args: TrainArgs, config, strategy: ParallelStrategy, model_overrides)
 
     def save(step: int) -> None:
         if args.checkpoint:
-            with strategy.watch.phase("checkpoint: gathering the state to rank 0, writing it"):
+            with strategy.watch.phase("checkpoint: every rank writing its shards"):
                 strategy.save(run_dir, step, **ckpt_kw)
         rec.last_saved = step
 
@@ -751,7 +761,9 @@ def _train(args: TrainArgs, config, strategy: ParallelStrategy, model_overrides)
                 x, y = corpus.get_batch(
                     "train", batch, args.seq_len, batch_generator(args.seed, step)
                 )
-                rec.add(step, lr, strategy.step(x, y, lr, timeline, step=step))
+                saving = strategy.saving  # a checkpoint write overlaps this step
+                values = strategy.step(x, y, lr, timeline, step=step)
+                rec.add(step, lr, values, ckpt_writing=saving)
                 if prof is not None:
                     _write_profile(prof, run_dir, step, strategy.rank)
                 eval_now = bool(
@@ -775,7 +787,9 @@ def _train(args: TrainArgs, config, strategy: ParallelStrategy, model_overrides)
             rec.flush(None, run_dir)
             if rec.done > rec.last_saved:
                 save(rec.done)
+            strategy.wait_for_save()  # the run ends with its last checkpoint committed
     finally:
+        strategy.wait_for_save(raise_errors=False)  # an exception is leaving: commit, quietly
         bar.close()
         log.bar = None
         if writer is not None:
@@ -955,6 +969,22 @@ def _summary(
         "last_val_loss": vals[-1] if vals else None,
         "unigram_entropy": entropy,
         **_bytes_per_param(strategy.state_bytes),
+        **_checkpoint_times(args, strategy, records, start),
+    }
+
+
+def _checkpoint_times(args: TrainArgs, strategy, records, start: int) -> dict[str, Any]:
+    """The summary's checkpoint fields (see :func:`train`)."""
+    saves = strategy.checkpoint_times()
+    later = [r for r in records if r["step"] > start][1:]  # this call's steps after its first
+    busy = [r["time_s"] for r in later if r.get("ckpt_writing")]
+    idle = [r["time_s"] for r in later if not r.get("ckpt_writing")]
+    slowdown = (sum(busy) / len(busy)) / (sum(idle) / len(idle)) if busy and idle else None
+    return {
+        "async_ckpt": args.async_ckpt,
+        "checkpoint_saves": saves,
+        "checkpoint_save_s": sum(s["blocking_s"] for s in saves) if saves else None,
+        "async_step_slowdown": slowdown,
     }
 
 

@@ -235,5 +235,17 @@ def format_summary(summary: dict) -> str:
         rows.append(("peak CUDA memory", f"max {max(peaks) / 2**20:,.1f} MiB (per rank: {per})"))
     elif summary.get("peak_memory_bytes") is not None:
         rows.append(("peak CUDA memory", f"{summary['peak_memory_bytes'] / 2**20:,.1f} MiB"))
+    saves = summary.get("checkpoint_saves") or []
+    if saves:
+        last = saves[-1]
+        mode = "async" if summary.get("async_ckpt") else "blocking"
+        total = "" if last["total_s"] is None else f", {last['total_s']:.2f} s to commit"
+        rows.append(
+            (
+                "checkpoints",
+                f"{len(saves)} saved ({mode}), {summary['checkpoint_save_s']:.2f} s waited in "
+                f"all; last: {last['blocking_s']:.2f} s waited{total}",
+            )
+        )
     rows.append(("run dir", str(summary["out"])))
     return format_table(rows, title=f"ptxtrain train: {summary['preset']} {summary['precision']}")

@@ -16,9 +16,8 @@ over those stages' parameters only. A step (docs/design.md §5)::
     optimizer.step()            each rank updates its stages; mirrored copies stay identical
     update_router_biases()      DualPipe: expert counts of the two copies summed first
 
-Checkpoints: :class:`StageStates` gathers each stage from its owner
-(``PipelineRunner.owned``) to rank 0 in the single-process layout; on ``--resume`` every rank
-loads the whole model and its stages' optimizer state.
+Checkpoints (:mod:`ptxtrain.train.checkpoint`): each rank writes the stages it owns
+(``PipelineRunner.owned``) under the full model's names and reads every stage it holds.
 
 Expert parallelism inside the stages (``--pp PP --ep EP``, DeepSeek-V3's layout, report §3.2):
 :func:`pipeline_groups` lays ``PP x EP`` ranks out as ``rank = pipeline_rank * EP + ep_rank``.
@@ -58,12 +57,10 @@ from ..parallel.stages import (
 from ..parallel.timeline import Timeline
 from .pipeline_layout import check_layout, even_layout
 from .pipeline_stage import DeepSeekV3Stage
-from .runtime import param_groups
 
 __all__ = [
     "PipelineGroups",
     "PipelineRunner",
-    "StageStates",
     "StepLosses",
     "all_reduce_grads",
     "pipeline_groups",
@@ -469,114 +466,3 @@ class PipelineRunner:
                     buf = torch.empty_like(t)
                     dist.recv(buf, g_src, group=self.group)
                     t.copy_(buf)
-
-
-class StageStates:
-    """Converts checkpointed state dicts between a pipeline rank's stages and the full layout.
-
-    The full layout is the single-process one: ``model.state_dict()`` of the whole model, and the
-    state dict of an optimizer built over ``param_groups(model)`` (parameters numbered in that
-    order). A pipeline rank's optimizer holds its stages' parameters only, numbered in its own
-    order; the two are matched by parameter name. Every rank holds the whole model (the stages
-    share its submodules), so loading needs only the optimizer state re-indexed.
-
-    Raises:
-        ValueError: the rank's optimizer has another number of parameter groups than the full
-            layout (cannot happen with ``param_groups``: every stage holds matrices and norms).
-    """
-
-    def __init__(self, model, optimizer, runner, weight_decay: float) -> None:
-        self.runner = runner
-        pname = {id(p): n for n, p in model.named_parameters()}
-        sname = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
-        full = param_groups(model, weight_decay)
-        self.full_groups = [[pname[id(p)] for p in g["params"]] for g in full]
-        self.full_index = {n: i for i, n in enumerate(n for g in self.full_groups for n in g)}
-        self.local_groups = [[pname[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-        self.local_names = [n for g in self.local_groups for n in g]
-        if len(self.local_groups) != len(self.full_groups):
-            raise ValueError(
-                f"pipeline rank {runner.rank}: its optimizer has {len(self.local_groups)} "
-                f"parameter groups, the single-process one {len(self.full_groups)}"
-            )
-        # What this rank writes: the state of the stages it owns (each stage counted once).
-        self.owned_state = {
-            sname[id(t)]: t for st in runner.owned for t in st.state_dict(keep_vars=True).values()
-        }
-        self.owned_params = {pname[id(p)] for st in runner.owned for p in st.parameters()}
-
-    @staticmethod
-    def _cpu(v):
-        return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-
-    @torch.no_grad()
-    def gather(
-        self, model, optimizer, model_sd: dict | None = None, opt_sd: dict | None = None
-    ) -> tuple[dict | None, dict | None]:
-        """The full-layout model and optimizer state dicts on group rank 0, ``(None, None)``
-        elsewhere (a collective: every rank of the pipeline must call it).
-
-        Each rank sends its owned stages' tensors (CPU copies, pickled: bit-exact) by name.
-        ``model_sd`` / ``opt_sd``: this rank's state dicts to take them from (``--ep``: with the
-        expert shards already gathered, :class:`ExpertStates`); None = the live ones.
-        """
-        import torch.distributed as dist
-
-        local = optimizer.state_dict() if opt_sd is None else opt_sd
-        if model_sd is None:
-            part_model = {n: self._cpu(t) for n, t in self.owned_state.items()}
-        else:
-            part_model = {n: self._cpu(model_sd[n]) for n in self.owned_state}
-        part_opt = {}
-        for i, entry in local["state"].items():
-            name = self.local_names[int(i)]
-            if name in self.owned_params:
-                part_opt[name] = {k: self._cpu(v) for k, v in entry.items()}
-        group = self.runner.group
-        lead = 0 if group is None else dist.get_global_rank(group, 0)
-        parts: list | None = [None] * self.runner.pp if self.runner.rank == 0 else None
-        dist.gather_object((part_model, part_opt), parts, dst=lead, group=group)
-        if parts is None:
-            return None, None
-        # keys outside every stage: rank 0's (untrained)
-        model_sd = dict(model.state_dict() if model_sd is None else model_sd)
-        state: dict[int, dict] = {}
-        for got_model, got_opt in parts:
-            model_sd.update(got_model)
-            for name, entry in got_opt.items():
-                state[self.full_index[name]] = entry
-        groups, offset = [], 0
-        for g, names in zip(local["param_groups"], self.full_groups, strict=True):
-            hyper = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-            groups.append({**hyper, "params": list(range(offset, offset + len(names)))})
-            offset += len(names)
-        return model_sd, {"state": dict(sorted(state.items())), "param_groups": groups}
-
-    def slice(self, model_sd: dict, opt_sd: dict) -> tuple[dict, dict]:
-        """This rank's optimizer state out of full-layout state dicts (for ``load_checkpoint``);
-        the model state stays whole (every rank holds the whole model).
-
-        Raises:
-            ValueError: the saved parameter groups do not have the full layout's sizes.
-        """
-        saved = opt_sd["param_groups"]
-        want = [len(g) for g in self.full_groups]
-        got = [len(g["params"]) for g in saved]
-        if got != want:
-            raise ValueError(
-                f"the optimizer state has parameter groups of {got} parameters, this model's "
-                f"single-process layout {want}"
-            )
-        saved_ids = [int(i) for g in saved for i in g["params"]]  # full position -> saved key
-        full_state = {int(k): v for k, v in opt_sd["state"].items()}
-        state = {}
-        for i, name in enumerate(self.local_names):
-            key = saved_ids[self.full_index[name]]
-            if key in full_state:  # a parameter that never had a gradient has no state
-                state[i] = full_state[key]
-        groups, offset = [], 0
-        for g, names in zip(saved, self.local_groups, strict=True):
-            hyper = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-            groups.append({**hyper, "params": list(range(offset, offset + len(names)))})
-            offset += len(names)
-        return model_sd, {"state": state, "param_groups": groups}

@@ -61,9 +61,11 @@ class StepRecords:
         if self.window_start is None:
             self.window_start = time.perf_counter()
 
-    def add(self, step: int, lr: float, values: dict[str, Any]) -> None:
-        """Queue ``step``'s values (:meth:`ParallelStrategy.step`'s, left on the device)."""
-        self.pending.append({"step": step, "lr": lr, **values})
+    def add(self, step: int, lr: float, values: dict[str, Any], ckpt_writing: bool = False) -> None:
+        """Queue ``step``'s values (:meth:`ParallelStrategy.step`'s, left on the device);
+        ``ckpt_writing``: a background checkpoint write ran during the step (its record then
+        says ``"ckpt_writing": true``)."""
+        self.pending.append({"step": step, "lr": lr, **values, "ckpt_writing": ckpt_writing})
 
     def flush(self, evaluate: Callable[[], float | None] | None, run_dir: Path) -> None:
         """Read the pending steps' values (one host sync), check the loss, write the records.
@@ -123,7 +125,8 @@ def read_pending(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The pending steps' metrics records, every device value read back in ONE device-to-host
     copy (the only host sync of the steps it covers): ``loss`` (the LM loss), ``lr``,
     ``grad_norm``, ``mtp_loss`` / ``aux_loss`` where present, and ``moe`` from the step's router
-    load (``moe_counts`` / ``bias_abs_max``) where present."""
+    load (``moe_counts`` / ``bias_abs_max``) where present, and ``ckpt_writing`` (true) where a
+    background checkpoint write overlapped the step."""
     from ..model.deepseek import router_stats_from
 
     tensors = [v for rec in pending for v in rec.values() if isinstance(v, torch.Tensor)]
@@ -142,6 +145,8 @@ def read_pending(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 host[k] = v
         record = {"step": host["step"], "loss": float(host["lm_loss"]), "lr": host["lr"]}
         record["grad_norm"] = float(host["grad_norm"])
+        if host.get("ckpt_writing"):
+            record["ckpt_writing"] = True
         for name in ("mtp_loss", "aux_loss"):
             if name in host:
                 record[name] = float(host[name])

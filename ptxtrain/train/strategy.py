@@ -9,12 +9,12 @@ backward of the single-process step (:mod:`ptxtrain.train.loop`) become one sche
 ``num_chunks`` micro-batches (1F1B, DualPipe or DualPipeV; see :mod:`ptxtrain.train.pipeline`),
 followed by the cross-rank gradient reduction and a global
 clipping norm. Rank 0 writes the run folder; with ``timeline`` every rank writes
-``timeline_rank{r}.jsonl``. Checkpoints gather every stage's parameters, buffers (router biases)
-and optimizer state to rank 0 by parameter name, each stage from its owner (a DualPipe mirror copy
-is identical and written once), so rank 0 writes the single-process layout: a pipeline run resumes
-with any ``--pp`` / ``--schedule`` or none, and a single-process checkpoint resumes under
-``--pp``. On ``--resume`` every rank loads the full files, the full model and its own stages'
-optimizer state; with the same pipeline the resumed losses are bitwise those of a straight run.
+``timeline_rank{r}.jsonl``. Checkpoints (:mod:`ptxtrain.train.checkpoint`, sharded): each rank
+writes the parameters, buffers (router biases) and optimizer state of the stages it owns (a
+DualPipe mirror copy is identical and written once) under the full model's names, in parallel
+with the others, so a pipeline run resumes with any ``--pp`` / ``--schedule`` / ``--ep`` or none,
+and a single-process checkpoint resumes under ``--pp``. On ``--resume`` every rank reads its own
+stages; with the same pipeline the resumed losses are bitwise those of a straight run.
 
 Expert parallelism (``ep > 1``, one process per rank under ``torchrun``; DeepSeek-V3 report
 §3.2.2): every rank builds the same full model (same seed), then keeps ``1/ep`` of every MoE
@@ -25,9 +25,9 @@ global batch is the single-process one. After backward the replicated parameters
 averaged over the ranks and the expert gradients (which already sum every rank's tokens) are
 divided by ``ep``, which gives the single-process gradient of the batch-mean loss; clipping uses
 the global norm; the router bias update uses the global expert load. Losses, evaluation and
-samples are computed collectively and agree on every rank. Checkpoints gather the expert shards
-to rank 0, which writes the single-process layout (so a run can be resumed with another ``ep``);
-every rank loads the full files and keeps its slice.
+samples are computed collectively and agree on every rank. Checkpoints: each rank writes its
+experts (one entry per expert, by global index) and the replicated entries are written once, so
+a run can be resumed with another ``ep`` or none; every rank reads its experts' entries.
 
 Both (``pp > 1`` and ``ep > 1``, ``pp · ep`` processes; DeepSeek-V3's layout, EP inside a
 pipeline stage): rank ``r = pipeline_rank · ep + ep_rank``
@@ -39,8 +39,8 @@ mirror sum, then the EP average / expert scaling above; the clipping norm, the l
 router load are reduced over both groups. Evaluation and sampling run on the ``ep`` ranks of
 pipeline rank 0 (each gathers the stages of its own pipeline, then they run the model
 collectively); with ``timeline`` only the pipeline of ``ep_rank`` 0 records (files named by
-pipeline rank). Checkpoints: expert shards gathered over the EP group, then stages over the
-pipeline of rank 0, which writes the single-process layout; resume slices both back.
+pipeline rank). Checkpoints: each rank writes its experts of the stages it owns; resume reads
+them back under any layout.
 """
 
 from __future__ import annotations
@@ -57,11 +57,12 @@ import torch
 
 from ..data import ByteTokenizer
 from . import evaluation
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import Checkpointer, CheckpointError, checkpoint_group
 from .evaluation import SAMPLE_COUNT, SAMPLE_PROMPT, all_reduce_mean, shard_rows
 from .faults import DESTROY_TIMEOUT_S, CollectiveWatch, collective_failed, nccl_environment
-from .pipeline import StageStates, all_reduce_grads, pipeline_groups
+from .pipeline import all_reduce_grads, pipeline_groups
 from .runtime import Printer, TrainConfigError, param_groups, resolve_device
+from .state_layout import StateLayout
 from .step import LOSS_TERMS, NO_CLIP, SingleDeviceStep, accumulate_grads, step_values
 
 if TYPE_CHECKING:
@@ -69,107 +70,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PP_OVERLAP_ENV",
-    "ExpertStates",
     "ParallelStrategy",
-    "StageExpertStates",
     "destroy_default_group",
     "local_rank",
     "peak_memory_per_rank",
 ]
 
 PP_OVERLAP_ENV = "PTXTRAIN_PP_OVERLAP"  # read by ptxtrain.train.pipeline.PipelineRunner
-
-
-class ExpertStates:
-    """Converts checkpointed state dicts between the expert-parallel and the full layout.
-
-    The full layout is the single-process one: every stacked expert weight ``[E, ...]`` and its
-    optimizer state (``master``, ``exp_avg``, ``exp_avg_sq``) whole. Rank ``r`` of the ``R``
-    ranks of ``group`` (the expert-parallel group; None = the world) holds rows
-    ``[r·E/R, (r+1)·E/R)`` of each; every other entry is replicated.
-    """
-
-    def __init__(self, model, optimizer, rank: int, n_ranks: int, group=None) -> None:
-        self.rank, self.n_ranks, self.group = rank, n_ranks, group  # group None: the world
-        experts = {id(p) for p in model.expert_parameters()}
-        self.model_keys = [n for n, p in model.named_parameters() if id(p) in experts]
-        order = [id(p) for g in optimizer.param_groups for p in g["params"]]
-        self.opt_indices = {i for i, pid in enumerate(order) if pid in experts}
-
-    def _expert_entries(self, model_sd: dict, opt_sd: dict):
-        """``(container, key)`` of every sharded tensor of the two state dicts."""
-        for k in self.model_keys:
-            yield model_sd, k
-        for i, st in opt_sd["state"].items():
-            if int(i) in self.opt_indices:
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        yield st, k
-
-    @staticmethod
-    def _copy(opt_sd: dict) -> dict:
-        """A copy of ``opt_sd`` whose per-parameter state dicts may be edited."""
-        return {**opt_sd, "state": {i: dict(st) for i, st in opt_sd["state"].items()}}
-
-    @torch.no_grad()
-    def gather(self, model, optimizer) -> tuple[dict, dict]:
-        """The full-layout model and optimizer state dicts (a collective; every rank gets them).
-
-        The shards travel as raw bytes (bit-exact for any dtype, whatever the backend supports).
-        """
-        import torch.distributed as dist
-
-        model_sd = dict(model.state_dict())
-        opt_sd = self._copy(optimizer.state_dict())
-        for box, k in list(self._expert_entries(model_sd, opt_sd)):
-            t = box[k].detach().contiguous()
-            raw = t.reshape(t.shape[0], -1).view(torch.uint8)  # [E_local, bytes per expert]
-            parts = [torch.empty_like(raw) for _ in range(self.n_ranks)]
-            dist.all_gather(parts, raw, group=self.group)
-            full = torch.cat(parts).view(t.dtype)
-            box[k] = full.reshape(t.shape[0] * self.n_ranks, *t.shape[1:])
-        return model_sd, opt_sd
-
-    def slice(self, model_sd: dict, opt_sd: dict) -> tuple[dict, dict]:
-        """This rank's part of full-layout state dicts (for ``load_checkpoint``).
-
-        Raises:
-            ValueError: a sharded entry's first dim is not a multiple of the rank count.
-        """
-        model_sd = dict(model_sd)
-        opt_sd = self._copy(opt_sd)
-        for box, k in list(self._expert_entries(model_sd, opt_sd)):
-            t = box[k]
-            if t.shape[0] % self.n_ranks:
-                raise ValueError(
-                    f"{k}: {t.shape[0]} experts cannot be split over {self.n_ranks} ranks"
-                )
-            per = t.shape[0] // self.n_ranks
-            box[k] = t[self.rank * per : (self.rank + 1) * per].clone()
-        return model_sd, opt_sd
-
-
-class StageExpertStates:
-    """``--pp`` with ``--ep``: the two conversions composed. Saving gathers the expert shards
-    over the EP group first (:class:`ExpertStates`), then the stages over the pipeline group to
-    its rank 0 (:class:`StageStates`; only the pipeline of global rank 0 does, the others'
-    result would be dropped); loading re-indexes the optimizer state to this rank's stages
-    first, then slices this rank's experts out of it and out of the model state."""
-
-    def __init__(self, experts: ExpertStates, stages: StageStates, gather_stages: bool):
-        self.experts, self.stages, self.gather_stages = experts, stages, gather_stages
-
-    def gather(self, model, optimizer) -> tuple[dict | None, dict | None]:
-        """Full-layout state dicts on global rank 0, ``(None, None)`` elsewhere (a collective)."""
-        model_sd, opt_sd = self.experts.gather(model, optimizer)
-        if not self.gather_stages:
-            return None, None
-        return self.stages.gather(model, optimizer, model_sd, opt_sd)
-
-    def slice(self, model_sd: dict, opt_sd: dict) -> tuple[dict, dict]:
-        """This rank's part of full-layout state dicts (for ``load_checkpoint``); raises the
-        ``ValueError`` of either step."""
-        return self.experts.slice(*self.stages.slice(model_sd, opt_sd))
 
 
 class ParallelStrategy:
@@ -180,8 +87,8 @@ class ParallelStrategy:
     It owns what differs between them, so that the training loop does not branch on them:
     the process groups and this rank's place in them, the device, the model's split over the
     ranks (:meth:`build`: experts, pipeline stages), the optimizer step with its gradient
-    reductions and clipping (:meth:`step`), the checkpoint layout (:meth:`save` / :meth:`load`
-    always read and write the single-process layout), evaluation and sampling
+    reductions and clipping (:meth:`step`), the checkpoints (:meth:`save` / :meth:`load`: each
+    rank writes and reads its own entries under layout-independent names), evaluation and sampling
     (:meth:`evaluate`, :meth:`finish`), the metrics gathered over ranks (losses, router load,
     peak memory) and which rank prints and writes (:attr:`is_lead`, :attr:`log`).
 
@@ -215,7 +122,7 @@ class ParallelStrategy:
         self.pp_rank, self.ep_rank = 0, 0
         self.pp_group = self.ep_group = self.mirror_group = None  # None: the world
         self.p2p_groups = None  # None: the schedule creates them (a world-wide pipeline)
-        self.model = self.optimizer = self.runner = self.codec = None  # set by build()
+        self.model = self.optimizer = self.runner = self.checkpointer = None  # set by build()
         self.ep_buffer = self.warm = self.single_step = None
         self.state_bytes: dict[str, Any] | None = None  # the optimizer's footprint, first step
         self.layout: tuple[int, ...] | None = None  # pp > 1: decoder layers per stage
@@ -419,7 +326,7 @@ class ParallelStrategy:
         """This rank's model and optimizer: the full model built from the seed (the same on
         every rank), this rank's experts kept (``ep > 1``), FP8 layers (``--precision fp8``)
         and recomputation applied, then the pipeline stages cut (``pp > 1``: the optimizer
-        holds their parameters only) and the checkpoint codec and step set up. Returns
+        holds their parameters only) and the checkpointer and step set up. Returns
         ``(model, optimizer)``: the full model (evaluation, sampling, checkpoints) and
         :class:`~ptxtrain.optim.AdamW` over ``param_groups`` of this rank's parameters."""
         from ..model import build_model
@@ -439,8 +346,8 @@ class ParallelStrategy:
         self._prewarm(trained)
         optimizer = AdamW(param_groups(trained, a.weight_decay), lr=a.lr)
         self.model, self.optimizer = model, optimizer
-        # ep > 1: expert shards, pp > 1: stages <-> the full (single-process) layout
-        self.codec = self.state_codec(model, optimizer, self.runner)
+        # ep > 1: this rank's experts, pp > 1: its stages, under the full model's names
+        self.checkpointer = self.checkpointer_of(model, optimizer, self.runner)
         # The MoE layers' shared Buffer (ep > 1). Its nvlink kernels report a flag wait that
         # timed out (a peer failed or stalled) only at the next operation, after writing wrong
         # rows: checked before every optimizer step so that no step uses them (a no-op for
@@ -596,30 +503,49 @@ class ParallelStrategy:
         return out, grad_norm
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, run_dir: Path, step: int, **kw) -> None:
-        """Write the checkpoint of ``step`` in the single-process layout (a collective: every
-        rank calls it; rank 0 writes). ``kw``: :func:`~ptxtrain.train.checkpoint.save_checkpoint`'s
-        ``model``, ``optimizer``, ``config``, ``extra``."""
-        if self.codec is None:
-            save_checkpoint(run_dir, step=step, **kw)
-            return
-        model_state, optimizer_state = self.codec.gather(self.model, self.optimizer)  # every rank
-        self.run_on_lead(
-            lambda: save_checkpoint(
-                run_dir, step=step, model_state=model_state, optimizer_state=optimizer_state, **kw
-            )
-        )
+    def save(self, run_dir: Path, step: int, *, config: dict, extra: dict) -> None:
+        """Write the checkpoint of ``step`` (a collective: every rank calls it and writes its
+        entries; ``--async-ckpt``: returns once they are copied to CPU, see :meth:`wait_for_save`).
+        ``config`` / ``extra``: :meth:`~ptxtrain.train.checkpoint.Checkpointer.save`'s.
 
-    def load(self, run_dir: Path, **kw) -> dict[str, Any]:
-        """Load the checkpoint in ``run_dir`` on every rank, each keeping its part; returns
-        its metadata. ``kw``: :func:`~ptxtrain.train.checkpoint.load_checkpoint`'s ``model``,
-        ``optimizer``, ``expected_config``.
+        Raises:
+            OSError: on every rank when the write failed on any (from a background write: at
+                the next save or :meth:`wait_for_save`).
+        """
+        self.checkpointer.save(run_dir, step=step, config=config, extra=extra)
+
+    def wait_for_save(self, raise_errors: bool = True) -> None:
+        """Wait until the last checkpoint (``--async-ckpt``: written in the background) is
+        committed; ``raise_errors=False`` ignores its failure (an exception is already on its way
+        out of the run). The same outcome reaches every rank (the write's collectives share it)."""
+        if self.checkpointer is None:
+            return
+        try:
+            self.checkpointer.wait()
+        except Exception:
+            if raise_errors:
+                raise
+
+    @property
+    def saving(self) -> bool:
+        """Whether a background checkpoint write is running now."""
+        return self.checkpointer is not None and self.checkpointer.writing
+
+    def checkpoint_times(self) -> list[dict[str, Any]]:
+        """Each save of this run: ``step``, ``blocking_s``, ``total_s`` (this rank's clock;
+        :attr:`~ptxtrain.train.checkpoint.Checkpointer.saves`)."""
+        return [] if self.checkpointer is None else list(self.checkpointer.saves)
+
+    def load(self, run_dir: Path, *, expected_config: dict) -> dict[str, Any]:
+        """Load the checkpoint in ``run_dir`` on every rank, each reading the entries it holds
+        (whatever layout wrote it); returns its metadata.
 
         Raises:
             CheckpointError: on every rank when any rank fails to load (:meth:`on_every_rank`).
         """
-        transform = None if self.codec is None else self.codec.slice
-        return self.on_every_rank(lambda: load_checkpoint(run_dir, state_transform=transform, **kw))
+        return self.on_every_rank(
+            lambda: self.checkpointer.load(run_dir, expected_config=expected_config)
+        )
 
     # ------------------------------------------------------------------ evaluation, metrics
     def evaluate(self, corpus) -> float | None:
@@ -744,21 +670,19 @@ class ParallelStrategy:
             setattr(mean, n, torch.tensor(v, dtype=torch.float64))
         return mean
 
-    def state_codec(
-        self, model, optimizer, runner=None
-    ) -> ExpertStates | StageStates | StageExpertStates | None:
-        """Converts checkpointed state dicts to and from the single-process layout: ``ep > 1``
-        gathers / slices the expert shards, ``pp > 1`` (``runner`` given) the stages, both
-        composed with both; None for a single process."""
-        if runner is not None and self.ep > 1:
-            return StageExpertStates(
-                ExpertStates(model, optimizer, self.ep_rank, self.ep, self.ep_group),
-                StageStates(model, optimizer, runner, self.args.weight_decay),
-                gather_stages=self.ep_rank == 0,
-            )
+    def checkpointer_of(self, model, optimizer, runner=None) -> Checkpointer:
+        """This rank's :class:`~ptxtrain.train.checkpoint.Checkpointer` (a collective under
+        torchrun: it creates the checkpoints' gloo group on first use). Every rank writes the
+        entries it owns and reads those it holds, under layout-independent names
+        (:class:`~ptxtrain.train.state_layout.StateLayout`): ``ep > 1`` its experts (found in
+        the model's ``Experts``), ``pp > 1`` (``runner`` given) its stages, written by their
+        owner (a DualPipe mirror copy once) and read by every rank that holds them."""
+        save = load = None  # the whole model
         if runner is not None:
-            return StageStates(model, optimizer, runner, self.args.weight_decay)
-        return ExpertStates(model, optimizer, self.rank, self.ep) if self.ep > 1 else None
+            save, load = runner.owned, runner.stages
+        layout = StateLayout(model, optimizer, save_modules=save, load_modules=load)
+        group = checkpoint_group() if self.active else None
+        return Checkpointer(layout, group=group, async_save=self.args.async_ckpt)
 
     def on_every_rank(self, fn, *fn_args):
         """``fn(*fn_args)`` on every rank; if it raises on any rank, every rank raises (its own
@@ -783,28 +707,6 @@ class ParallelStrategy:
                 is_ckpt, text = got
                 raise (CheckpointError if is_ckpt else RuntimeError)(f"rank {r} failed: {text}")
         return result
-
-    def run_on_lead(self, fn, *fn_args) -> None:
-        """Run ``fn`` on rank 0 only; any exception there is raised on every rank (as an
-        ``OSError`` elsewhere when it is not a ``TrainConfigError``)."""
-        if not self.active:
-            fn(*fn_args)
-            return
-        import torch.distributed as dist
-
-        msg: list = [None]
-        if self.rank == 0:
-            try:
-                fn(*fn_args)
-            except Exception as e:
-                msg = [(isinstance(e, TrainConfigError), f"{type(e).__name__}: {e}")]
-                err = e
-        dist.broadcast_object_list(msg, src=0)
-        if msg[0] is not None:
-            if self.rank == 0:
-                raise err
-            is_config, text = msg[0]
-            raise (TrainConfigError if is_config else OSError)(f"rank 0 failed: {text}")
 
 
 def local_rank() -> tuple[int, int]:

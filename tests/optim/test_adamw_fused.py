@@ -318,7 +318,7 @@ def test_fused_state_dict_round_trip_and_cross_loading():
 
 def test_fused_checkpoint_save_and_resume(tmp_path):
     # Six steps straight, against three + checkpoint + three through ptxtrain.train.checkpoint
-    # (safetensors refuses tensors that share storage: the flat-buffer views are copied out).
+    # (the flat-buffer views are written as their own tensors).
     model_a, groups_a = _mixed_setup(49)
     opt_a = AdamW(groups_a, lr=1e-2, fused=True)
     _train_mixed(model_a, opt_a, range(6))

@@ -2,12 +2,13 @@
 
 Oracles:
 - A run stopped after 2 of 4 steps (checkpointed) and resumed with the same pipeline must log
-  exactly the metrics of the straight run, and end with byte-identical checkpoint files: the
+  exactly the metrics of the straight run, and end with a bit-identical checkpoint: the
   checkpoint restores every stage, its optimizer state, the step (hence the data position and
   the learning rate), the RNG state and the router biases.
-- The checkpoint has the single-process layout, so a pipeline checkpoint resumes in one process
-  and a single-process checkpoint resumes under ``--pp``; those runs follow the other layout's
-  trajectory up to float rounding (tolerance below).
+- The checkpoint's names do not depend on the layout (each rank writes the stages it owns), so a
+  pipeline checkpoint holds the single-process one's entries, resumes in one process, and a
+  single-process checkpoint resumes under ``--pp``; those runs follow the other layout's
+  trajectory up to float rounding (tolerance below). ``--async-ckpt`` writes the same checkpoint.
 - Faults (another model, a corrupt file, a failure on one rank only) raise on every rank; a hang
   fails through the spawn helper's timeout.
 One spawned group runs every case so the file stays fast.
@@ -21,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ptxtrain.train import CheckpointError, TrainArgs, read_metrics, train
+from tests._checkpoints import assert_checkpoints_close, assert_same_checkpoint
 from tests._spawn import run_gloo
 from tests.parallel.test_pp_train import CFG
 
@@ -75,7 +76,8 @@ def _worker(rank: int, world: int, root: str) -> None:
         train(_args(run, stop_after=STOP, **pp), model_overrides=CFG, param_dtype=dtype)
         if rank == 0 and sched == "1f1b":  # the step-2 checkpoint, resumed in one process later
             shutil.copytree(run, f"{root}/to-single")
-        s = train(_resume(run, **pp), model_overrides=CFG, param_dtype=dtype)
+        s = train(_resume(run, async_ckpt=sched == "1f1b", **pp), model_overrides=CFG,
+                  param_dtype=dtype)  # fmt: skip
         result[sched] = s["losses"]
     # A single-process checkpoint (written by the test process) resumed under DualPipe.
     train(
@@ -98,7 +100,7 @@ def _worker(rank: int, world: int, root: str) -> None:
     bad = f"{root}/corrupt"
     if rank == 0:
         shutil.copytree(f"{root}/1f1b-resumed", bad)
-        path = Path(bad) / "checkpoint" / "optimizer.safetensors"
+        path = Path(bad) / "checkpoint" / "__1_0.distcp"  # hashed by one rank: seen by both
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF  # one flipped byte: the file's sha256 no longer matches
         path.write_bytes(bytes(data))
@@ -107,7 +109,7 @@ def _worker(rank: int, world: int, root: str) -> None:
         _raises(
             lambda: train(_resume(bad, **pp), model_overrides=CFG, param_dtype=torch.float32),
             CheckpointError,
-            "optimizer.safetensors does not match its recorded sha256",
+            "__1_0.distcp does not match its recorded sha256",
         )
     )
     from ptxtrain.model import get_preset
@@ -159,33 +161,19 @@ def test_pp2_resume_is_bitwise(runs, sched):
     # Rank 0 returns the losses of the whole run, the others those of the resuming call.
     assert ranks[0][sched] == [r["loss"] for r in want]
     assert ranks[1][sched] == ranks[0][sched][STOP:]
-    for name in ("model.safetensors", "optimizer.safetensors", "optimizer.json"):
-        a = (straight / "checkpoint" / name).read_bytes()
-        b = (resumed / "checkpoint" / name).read_bytes()
-        assert a == b, f"{sched}: {name} differs after resume"
+    assert_same_checkpoint(straight, resumed)
     meta = json.loads((resumed / "checkpoint" / "meta.json").read_text())["body"]
-    assert meta["step"] == STEPS
+    assert meta["step"] == STEPS and meta["ranks"] == 2
 
 
-def test_pp2_checkpoint_has_the_single_process_layout(runs):
+def test_pp2_checkpoint_has_the_single_process_entries(runs):
+    # Same step (4: two steps under 1F1B then two in one process, against two in one process
+    # then two under DualPipe), same dtype: the two checkpoints hold the same tensors under the
+    # same names, with close values (relative L2 per tensor: fp32 rounding only, Adam-amplified
+    # over the steps; a misplaced stage or optimizer entry is O(1) off), and the same optimizer
+    # parameter groups.
     root, _, _, _ = runs
-    # Same step (2), same dtype: the 1F1B checkpoint and the single-process one hold the same
-    # tensors under the same names (each stage written once), with close values (relative L2 per
-    # tensor: fp32 rounding only, Adam-amplified over 2 steps; a misplaced stage or optimizer
-    # entry is O(1) off).
-    pp_ckpt = root / "to-single" / "checkpoint"
-    single_ckpt = root / "from-single" / "checkpoint"
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        a, b = load_file(str(pp_ckpt / name)), load_file(str(single_ckpt / name))
-        assert a.keys() == b.keys(), name
-        for k, v in b.items():
-            assert a[k].shape == v.shape and a[k].dtype == v.dtype, f"{name} {k}"
-            if v.is_floating_point() and v.dim() > 0:
-                rel = float((a[k] - v).norm() / v.norm().clamp_min(1e-30))
-                assert rel < 1e-3, f"{name} {k}: relative difference {rel:.2e}"
-    a = json.loads((pp_ckpt / "optimizer.json").read_text())
-    b = json.loads((single_ckpt / "optimizer.json").read_text())
-    assert a == b  # param groups (hyper-parameters, parameter numbering) and state structure
+    assert_checkpoints_close(root / "to-single", root / "from-single", rel=1e-3)
 
 
 def test_pp2_checkpoint_resumes_in_one_process_and_back(runs):

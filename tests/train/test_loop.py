@@ -8,8 +8,17 @@ import signal
 
 import pytest
 
-from ptxtrain.train import CheckpointError, TrainArgs, TrainConfigError, lr_at, read_metrics, train
+from ptxtrain.train import (
+    CheckpointError,
+    TrainArgs,
+    TrainConfigError,
+    lr_at,
+    read_checkpoint_state,
+    read_metrics,
+    train,
+)
 from ptxtrain.train import loop as loop_mod
+from tests._checkpoints import assert_same_checkpoint
 
 # A smaller-than-tiny model so that a few steps take well under a second on a 2-core CPU.
 SMALL = {
@@ -95,11 +104,8 @@ def test_resume_is_bitwise_exact(tmp_path, precision, monkeypatch):
     # Same train loss and val loss at every step, compared as exact floats.
     assert _losses(straight) == _losses(resumed)
     assert s1["losses"] == s2["losses"]
-    # And the final weights and optimizer state are the same bytes.
-    for name in ("model.safetensors", "optimizer.safetensors", "optimizer.json"):
-        a = (straight / "checkpoint" / name).read_bytes()
-        b = (resumed / "checkpoint" / name).read_bytes()
-        assert a == b, f"{precision}: {name} differs after resume"
+    # And the final weights and optimizer state are the same bits.
+    assert_same_checkpoint(straight, resumed)
     assert s1["losses"][-1] < s1["losses"][0]
     if precision == "fp8":  # the flag really ran FP8 layers (not a silent bf16 run)
         from ptxtrain.moe import Experts
@@ -304,6 +310,37 @@ def test_run_folder_contents(tmp_path):
     later = sum(r["time_s"] for r in recs[1:])
     assert s["first_step_s"] == pytest.approx(recs[0]["time_s"])
     assert s["steady_tokens_per_s"] == pytest.approx(5 * s["tokens_per_step"] / later)
+    # Blocking checkpoints (--ckpt-every 2): each waited in full.
+    saves = s["checkpoint_saves"]
+    assert [c["step"] for c in saves] == [2, 4, 6] and s["async_ckpt"] is False
+    assert all(c["blocking_s"] >= c["total_s"] > 0 for c in saves)
+    assert s["checkpoint_save_s"] == pytest.approx(sum(c["blocking_s"] for c in saves))
+    assert s["async_step_slowdown"] is None and not any("ckpt_writing" in r for r in recs)
+
+
+def test_checkpoint_times_in_the_summary():
+    class Saves:  # what ParallelStrategy.checkpoint_times returns: 2 saves of this call
+        def checkpoint_times(self):
+            return [
+                {"step": 2, "blocking_s": 0.25, "total_s": 2.0},
+                {"step": 4, "blocking_s": 1.5, "total_s": 1.5},
+            ]
+
+    # (step, seconds, overlapped a background write); step 1 pays the compiles.
+    steps = [(1, 9.0, False), (2, 1.0, False), (3, 1.5, True), (4, 1.0, False), (5, 2.5, True)]
+    records = [
+        {"step": n, "time_s": t, **({"ckpt_writing": True} if w else {})} for n, t, w in steps
+    ]
+    out = loop_mod._checkpoint_times(TrainArgs(async_ckpt=True), Saves(), records, start=0)
+    assert out["async_ckpt"] is True and out["checkpoint_saves"][1]["step"] == 4
+    assert out["checkpoint_save_s"] == 1.75  # the loop's waits summed
+    assert out["async_step_slowdown"] == 2.0  # steps 3, 5 (2.0 s) over steps 2, 4 (1.0 s)
+    # A resumed call (from step 2): its first step (3) left out; 5 against 4.
+    out = loop_mod._checkpoint_times(TrainArgs(), Saves(), records, start=2)
+    assert out["async_step_slowdown"] == 2.5
+    # No step overlapped a write (blocking saves), or none saved: no ratio.
+    plain = [{k: v for k, v in r.items() if k != "ckpt_writing"} for r in records]
+    assert loop_mod._checkpoint_times(TrainArgs(), Saves(), plain, 0)["async_step_slowdown"] is None
 
 
 # --grad-accum-steps 2 --batch-size 2 against --batch-size 4: the same 4 sequences per step
@@ -327,7 +364,6 @@ ACCUM_TOL = {"float64": (1e-12, 1e-6, 1e-10), "float32": (1e-6, 1e-6, 3e-4)}
 @pytest.mark.parametrize("dtype", list(ACCUM_TOL))
 def test_grad_accum_equals_one_big_batch(tmp_path, dtype):
     import torch
-    from safetensors.torch import load_file
 
     loss_tol, norm_tol, weight_tol = ACCUM_TOL[dtype]
     kw = dict(steps=4, eval_every=2, ckpt_every=0)
@@ -345,12 +381,10 @@ def test_grad_accum_equals_one_big_batch(tmp_path, dtype):
         assert worst < tol, f"{dtype} {key}: {worst:.2e}"
     # The routers counted both micro-batches' tokens before the one bias update per step.
     assert [r["moe"] for r in got] == [r["moe"] for r in ref]
-    w_ref, w_got = (
-        load_file(tmp_path / d / "checkpoint" / "model.safetensors") for d in ("big", "acc")
-    )
+    w_ref, w_got = (read_checkpoint_state(tmp_path / d) for d in ("big", "acc"))
     assert w_ref.keys() == w_got.keys()
     for k, v in w_ref.items():
-        if not v.is_floating_point():
+        if not (k.startswith("model.") and v.is_floating_point()):
             continue
         d = w_got[k].double() - v.double()
         err = (
@@ -370,9 +404,7 @@ def test_grad_accum_resume_is_bitwise_exact(tmp_path):
     s = train(_args(resumed, resume=True, **kw), model_overrides=SMALL)
     assert s["step"] == 6 and s["steps_run"] == 3
     assert _losses(straight) == _losses(resumed)  # exact floats
-    for name in ("model.safetensors", "optimizer.safetensors", "optimizer.json"):
-        a = (straight / "checkpoint" / name).read_bytes()
-        assert a == (resumed / "checkpoint" / name).read_bytes(), name
+    assert_same_checkpoint(straight, resumed)
     # Part of the trajectory: another accumulation (another batch) is refused on resume.
     with pytest.raises(CheckpointError, match=r"train\.grad_accum_steps: checkpoint 2"):
         train(_args(resumed, resume=True, **{**kw, "grad_accum_steps": 4}), model_overrides=SMALL)
