@@ -300,6 +300,8 @@ def test_resume_keeps_the_checkpoint_layout(tmp_path, monkeypatch, flags, want):
         "extra": {"pipeline": {"pp": 2, "schedule": "dualpipe", "num_chunks": 4,
                                "layout": [1, 3]}},
     }  # fmt: skip
-    monkeypatch.setattr("ptxtrain.train.checkpoint.read_checkpoint_meta", lambda run_dir: meta)
+    monkeypatch.setattr(
+        "ptxtrain.train.checkpoint.read_checkpoint_meta", lambda run_dir, **kw: meta
+    )
     ns = build_parser().parse_args(["train", "--resume", "--out", str(tmp_path), *flags])
     assert train_args_from(ns).pp_layout == want
