@@ -21,10 +21,11 @@ Expert parallelism (``ep > 1``, one process per rank under ``torchrun``; DeepSee
 layer's routed experts (:meth:`~ptxtrain.model.DeepSeekV3.enable_expert_parallel`); tokens reach
 their experts through :class:`ptxtrain.ep.Buffer` dispatch/combine. The ranks are also data
 parallel: rank ``r`` trains on sequences ``[r·B/ep, (r+1)·B/ep)`` of the step's batch, so the
-global batch is the single-process one. After backward the replicated parameters' gradients are
-averaged over the ranks and the expert gradients (which already sum every rank's tokens) are
-divided by ``ep``, which gives the single-process gradient of the batch-mean loss; clipping uses
-the global norm; the router bias update uses the global expert load. Losses, evaluation and
+global batch is the single-process one. The step is :class:`~ptxtrain.train.ep_step.
+ExpertParallelStep`: after backward the replicated parameters' gradients are averaged over the
+ranks and the expert gradients (which already sum every rank's tokens) are divided by ``ep``,
+which gives the single-process gradient of the batch-mean loss; clipping uses the global norm;
+the router bias update uses the global expert load. Losses, evaluation and
 samples are computed collectively and agree on every rank. Checkpoints: each rank writes its
 experts (one entry per expert, by global index) and the replicated entries are written once, so
 a run can be resumed with another ``ep`` or none; every rank reads its experts' entries.
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import math
 import os
 import sys
 from pathlib import Path
@@ -58,12 +58,13 @@ import torch
 from ..data import ByteTokenizer
 from . import evaluation
 from .checkpoint import Checkpointer, CheckpointError, checkpoint_group
-from .evaluation import SAMPLE_COUNT, SAMPLE_PROMPT, all_reduce_mean, shard_rows
+from .ep_step import ExpertParallelStep
+from .evaluation import SAMPLE_COUNT, SAMPLE_PROMPT, shard_rows
 from .faults import DESTROY_TIMEOUT_S, CollectiveWatch, collective_failed, nccl_environment
-from .pipeline import all_reduce_grads, pipeline_groups
+from .pipeline import pipeline_groups
 from .runtime import Printer, TrainConfigError, param_groups, resolve_device
 from .state_layout import StateLayout
-from .step import LOSS_TERMS, NO_CLIP, SingleDeviceStep, accumulate_grads, step_values
+from .step import NO_CLIP, SingleDeviceStep, step_values
 
 if TYPE_CHECKING:
     from .loop import TrainArgs
@@ -123,7 +124,7 @@ class ParallelStrategy:
         self.pp_group = self.ep_group = self.mirror_group = None  # None: the world
         self.p2p_groups = None  # None: the schedule creates them (a world-wide pipeline)
         self.model = self.optimizer = self.runner = self.checkpointer = None  # set by build()
-        self.ep_buffer = self.warm = self.single_step = None
+        self.ep_buffer = self.warm = self.single_step = self.ep_step = None
         self.state_bytes: dict[str, Any] | None = None  # the optimizer's footprint, first step
         self.layout: tuple[int, ...] | None = None  # pp > 1: decoder layers per stage
         if self.active:
@@ -355,6 +356,12 @@ class ParallelStrategy:
         self.ep_buffer = getattr(model, "ep_buffer", None)
         if not self.active:
             self.single_step = self._single_device_step(model, optimizer)
+        elif self.runner is None:
+            self.ep_step = ExpertParallelStep(
+                model, optimizer, rank=self.ep_rank, ranks=self.ep,
+                grad_accum_steps=a.grad_accum_steps, grad_clip=a.grad_clip, device=self.device,
+                watch=self.watch, buffer=self.ep_buffer,
+            )  # fmt: skip
         return model, optimizer
 
     def _prewarm(self, module) -> None:
@@ -443,15 +450,20 @@ class ParallelStrategy:
             values = {k: v.clone() for k, v in values.items()}  # graph outputs are reused
             self.state_bytes = self.state_bytes or self.single_step.state_bytes
             return values
-        model, optimizer, runner, watch = self.model, self.optimizer, self.runner, self.watch
+        if self.ep_step is not None:
+            values = self.ep_step(x, y, lr)
+            self.state_bytes = self.state_bytes or self.ep_step.state_bytes
+            return values
+        return self._pipeline_step(x, y, lr, timeline)
+
+    def _pipeline_step(self, x, y, lr: float, timeline) -> dict[str, Any]:
+        """``pp > 1`` (with or without ``ep > 1``): the schedule's step, the optimizer update
+        and the routers' bias update over the pipeline (see :meth:`step`)."""
+        optimizer, runner, watch = self.optimizer, self.runner, self.watch
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        clip = self.args.grad_clip or NO_CLIP
-        if runner is not None:
-            out, grad_norm = self._pipeline_grads(x, y, timeline, clip)
-        else:
-            out, grad_norm = self._expert_parallel_grads(x, y, clip)
+        out, grad_norm = self._pipeline_grads(x, y, timeline, self.args.grad_clip or NO_CLIP)
         if self.ep_buffer is not None:
             with watch.phase("the EP buffer's nvlink kernels (their waits on the peers)"):
                 self.ep_buffer.check_errors()
@@ -460,9 +472,6 @@ class ParallelStrategy:
             self.state_bytes = optimizer.state_bytes()
         optimizer.zero_grad(set_to_none=True)
         with watch.phase("all_reduce of the router load (expert counts)"):
-            if runner is None:
-                model.update_router_biases(stats=False)
-                return step_values(out, grad_norm, model)
             values = step_values(out, grad_norm)  # the pipeline's routers live on several ranks
             values["moe"] = runner.update_router_biases()  # a collective
             return values
@@ -484,22 +493,6 @@ class ParallelStrategy:
             runner.reduce_grads(self.optimizer)
         with watch.phase("all_reduce of the gradient norm"):
             grad_norm = runner.clip_grad_norm_(self.optimizer, clip)
-        return out, grad_norm
-
-    def _expert_parallel_grads(self, x, y, clip: float):
-        """``ep > 1`` without a pipeline: forward and backward on this rank's sequences of
-        every micro-batch, the gradient reductions, the clipping and the global losses;
-        returns ``(losses, grad_norm)``. Each collective runs as a phase of :attr:`watch`."""
-        model, optimizer, watch = self.model, self.optimizer, self.watch
-        with watch.phase("forward and backward: the MoE dispatch / combine all_to_all"):
-            out = accumulate_grads(model, x, y, self.args.grad_accum_steps, self.shard)
-        watch.fault_point()
-        with watch.phase("all_reduce of the replicated parameters' gradients"):
-            self.reduce_grads(model, optimizer)
-        with watch.phase("all_reduce of the gradient norm"):
-            grad_norm = self.clip_grad_norm_(model, optimizer, clip)
-        with watch.phase("all_reduce of the losses"):
-            out = self.mean_losses(out)
         return out, grad_norm
 
     # ------------------------------------------------------------------ checkpoints
@@ -610,65 +603,6 @@ class ParallelStrategy:
         """This rank's sequences of a batch ``[B, T]`` (all of them unless ``ep > 1``): rows
         ``[e·B/ep, (e+1)·B/ep)`` for EP rank ``e`` (with ``pp > 1``: its pipeline's share)."""
         return shard_rows(t, self.ep_rank, self.ep) if self.ep > 1 else t
-
-    @torch.no_grad()
-    def reduce_grads(self, model, optimizer) -> None:
-        """``ep > 1``: average the replicated parameters' gradients over the ranks (one
-        all-reduce, fp32 or fp64) and divide the expert gradients by ``ep`` (they already sum
-        every rank's tokens), giving the gradient of the global batch-mean loss.
-
-        Works on the gradients ``optimizer.step`` uses (``optimizer.grad_for``, the FP32 buffers
-        of :class:`~ptxtrain.optim.AdamW`). A replicated parameter without a gradient on every
-        rank keeps none (the optimizer then skips it, as in the single-process run).
-        """
-        if self.ep == 1:
-            return
-        experts = {id(p) for p in model.expert_parameters()}
-        for p in model.expert_parameters():
-            g = optimizer.grad_for(p)
-            if g is not None:
-                g.div_(self.ep)
-        params = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
-        all_reduce_grads(params, optimizer, None, self.device, divide_by=self.ep)
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, model, optimizer, max_norm: float) -> float:
-        """``ep > 1``: clip by the global L2 norm (replicated gradients counted once, expert
-        shards summed over the ranks; per-tensor norms in FP32 or wider, as
-        :meth:`~ptxtrain.optim.AdamW.clip_grad_norm_`). Returns the norm before clipping."""
-        import torch.distributed as dist
-
-        experts = {id(p) for p in model.expert_parameters()}
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [replicated, experts]
-        grads = []
-        for p in model.parameters():
-            g = optimizer.grad_for(p)
-            if g is None:
-                continue
-            grads.append(g)
-            n = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
-            sq[int(id(p) in experts)] += n.double() ** 2
-        dist.all_reduce(sq)
-        total = math.sqrt(float(sq[0]) / self.ep + float(sq[1]))  # replicated: same on all ranks
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(torch.tensor(coef, dtype=torch.float32).to(g.dtype))
-        return total
-
-    def mean_losses(self, out):
-        """``ep > 1``: the step's losses averaged over the ranks (= the global batch means),
-        as a :class:`~ptxtrain.model.ModelOutput` without logits; ``out`` itself otherwise."""
-        if self.ep == 1:
-            return out
-        from ..model import ModelOutput
-
-        names = [n for n in LOSS_TERMS if getattr(out, n) is not None]
-        vals = all_reduce_mean([float(getattr(out, n).detach()) for n in names], None, self.device)
-        mean = ModelOutput(logits=None)
-        for n, v in zip(names, vals, strict=True):
-            setattr(mean, n, torch.tensor(v, dtype=torch.float64))
-        return mean
 
     def checkpointer_of(self, model, optimizer, runner=None) -> Checkpointer:
         """This rank's :class:`~ptxtrain.train.checkpoint.Checkpointer` (a collective under
