@@ -34,6 +34,7 @@ from ptxtrain.bench.gemm import random_problem
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.gemm import cublas, ptx
 from ptxtrain.gemm import triton as triton_gemm
+from ptxtrain.gemm.heuristics import SM90_SMEM_BYTES
 from ptxtrain.jit.sass import FFMA_YIELD_MODES
 from ptxtrain.testing import calc_diff
 
@@ -78,7 +79,7 @@ def parse_variant(text: str) -> tuple[str, str | None, str, bool | None, str]:
 def _with_stages(cfg, stages: int, kind: str, out_dtype) -> ptx.PtxConfig:
     """``cfg`` with ``stages`` (or as many as fit in shared memory) ring stages."""
     cfg = dataclasses.replace(cfg, num_stages=stages)
-    while cfg.num_stages > 2 and ptx._config_smem(cfg, kind, out_dtype) > ptx._SMEM_BYTES:
+    while cfg.num_stages > 2 and ptx.config_smem_bytes(cfg, kind, out_dtype) > SM90_SMEM_BYTES:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
 

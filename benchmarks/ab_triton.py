@@ -102,7 +102,7 @@ def main() -> None:
             if isinstance(cfg, GemmConfig):
 
                 def run():
-                    return triton_gemm._gemm(args.kind, qa, qb, None, out_dtype, False, cfg)
+                    return triton_gemm.fp8_gemm(args.kind, qa, qb, None, out_dtype, False, cfg)
             else:
                 from ptxtrain.gemm import gluon
 

@@ -74,7 +74,7 @@ def m_grouped_operands(n: int, k: int, groups: int = G, rows: int = ROWS) -> dic
 
 def _grouped_cfg(spec: str) -> ptx.PtxConfig:
     """``"128x128s6c1de1:r256"`` -> the PtxConfig (raster_m 256; default grouped_config's for
-    unknown group sizes, ``ptx._GROUPED_RASTER_M``).
+    unknown group sizes, ``ptx.GROUPED_RASTER_M``).
 
     Raises:
         ValueError: a malformed config or raster part.
@@ -83,7 +83,7 @@ def _grouped_cfg(spec: str) -> ptx.PtxConfig:
     cfg = parse_config(text)
     if raster and not raster.isdigit():
         raise ValueError(f"--cfg {spec!r}: expected CONFIG[:rROWS], got raster {raster!r}")
-    return dataclasses.replace(cfg, raster_m=int(raster) if raster else ptx._GROUPED_RASTER_M)
+    return dataclasses.replace(cfg, raster_m=int(raster) if raster else ptx.GROUPED_RASTER_M)
 
 
 def main() -> None:
@@ -163,8 +163,8 @@ def main() -> None:
             d_buf = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
             def kernel_only():
-                ptx._launch("m_grouped", qa, qb, d_buf, False, torch.bfloat16, None,
-                            (m_indices, block_group))  # fmt: skip
+                ptx.launch_gemm("m_grouped", qa, qb, d_buf, False, torch.bfloat16, None,
+                                (m_indices, block_group))  # fmt: skip
                 return d_buf
 
             alone = timed(timer, "m_grouped_contiguous kernel only", kernel_only, flops, want,
@@ -187,7 +187,7 @@ def main() -> None:
         for spec, (label, idx, ref_d) in itertools.product(args.cfg, cases):
             cfg = _grouped_cfg(spec)
             alt = timed(timer, f"m_grouped_contiguous {label}{spec}",
-                        lambda: ptx._m_grouped_contiguous(
+                        lambda: ptx.m_grouped_contiguous_unchecked(
                             qa, qb, idx, None, torch.bfloat16, (m, n, k, g_), cfg),
                         flops, ref_d, rows, shape, groups=g_, rows_per_group=rows_,
                         cfg=cfg.__dict__)  # fmt: skip
@@ -258,10 +258,9 @@ def main() -> None:
 
             tflops = {}
             for name, fn in (
-                ("masked triton", lambda a, b_, mm, e: grouped._masked_triton(
-                    a, b_, mm, e, None, torch.bfloat16, None)),
+                ("masked triton", grouped.m_grouped_fp8_gemm_nt_masked_triton),
                 ("masked ptx", ptx.m_grouped_fp8_gemm_nt_masked),
-            ):  # fmt: skip
+            ):
 
                 def call(fn=fn, qa3=qa3, qb=qb, mm=masked_m, e=expected):
                     return fn(qa3, qb, mm, e)

@@ -19,8 +19,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from ptxtrain._backend import sm_clock_khz
-from ptxtrain.bench.linear import _fwd_bwd  # the timed call of `ptxtrain bench linear`
-from ptxtrain.bench.timing import _L2_FLUSH_BYTES, environment
+from ptxtrain.bench.linear import fwd_bwd_call  # the timed call of `ptxtrain bench linear`
+from ptxtrain.bench.timing import L2_FLUSH_BYTES, environment
 from ptxtrain.nn import Fp8Linear, Fp8LinearConfig
 from ptxtrain.testing.shapes import DSV3_DENSE_NK
 
@@ -45,7 +45,7 @@ def timeline(run, sleep_us: float = 2000.0) -> list[dict]:
     """The kernels of one call of ``run`` as the bench times it (L2 flushed, then a device sleep
     long enough for the host to enqueue the whole call): name, start and end in µs from the
     first kernel's start, and the idle gap before each (the device waiting between kernels)."""
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     cycles = int(sleep_us * sm_clock_khz(0) / 1e3)
     for _ in range(3):
         run()
@@ -93,10 +93,10 @@ def main() -> None:
         dy = torch.randn(args.m, n, device="cuda", dtype=torch.bfloat16)
         row = {"m": args.m, "n": n, "k": k, "recipe": args.recipe}
         for name, layer in (("bf16", bf16), ("fp8", fp8)):
-            times = kernel_times(_fwd_bwd(layer, x, dy), args.iters)
+            times = kernel_times(fwd_bwd_call(layer, x, dy), args.iters)
             row[name] = times
             if args.timeline:
-                tl = timeline(_fwd_bwd(layer, x, dy))
+                tl = timeline(fwd_bwd_call(layer, x, dy))
                 row[f"{name}_timeline"] = tl
                 busy = sum(k["end"] - k["start"] for k in tl)
                 print(

@@ -23,12 +23,12 @@ import json
 
 import torch
 
-from ptxtrain.bench.quant import _bytes
+from ptxtrain.bench.quant import logical_bytes
 from ptxtrain.bench.timing import GpuTimer, environment
 from ptxtrain.quant import triton as tq
 from ptxtrain.testing import assert_bitwise_equal
 
-C = tq._Config
+C = tq.QuantConfig
 ROW = [C(16, 128, 128, 4), C(32, 128, 128, 4), C(64, 128, 128, 4), C(64, 128, 128, 8),
        C(128, 128, 128, 8), C(32, 128, 128, 2)]  # fmt: skip
 COL = [C(128, 64, 64, 4), C(128, 64, 64, 8), C(128, 32, 32, 4), C(128, 128, 128, 8),
@@ -60,41 +60,41 @@ def _sweep_shape(m: int, k: int, timer: GpuTimer, rows: list) -> None:
         )
 
     def q1x(cfg, row, col):
-        return lambda: tq._quant_1x(x, 128, False, "row", row=row, col=col, config=cfg)
+        return lambda: tq.quant_1x_unchecked(x, 128, False, "row", row=row, col=col, config=cfg)
 
     ops = (("per_token", ROW, True, False), ("per_token_t", COL, False, True),
            ("both", BOTH, True, True))  # fmt: skip
     for op, cfgs, row, col in ops:
         want = q1x(None, row, col)()
         for cfg in cfgs:
-            record(op, _label(cfg), q1x(cfg, row, col), want, _bytes(op, m, k))
+            record(op, _label(cfg), q1x(cfg, row, col), want, logical_bytes(op, m, k))
     want = tq.per_token_cast_to_fp8_both(x)
     for rc in ROW[1:3]:
         for cc in COL[:3:2]:
             row_fn, col_fn = q1x(rc, True, False), q1x(cc, False, True)
             label = f"{_label(rc)}+{_label(cc)}"
             record("both_split", label, lambda r=row_fn, c=col_fn: (*r(), *c()), want,
-                   _bytes("both", m, k))  # fmt: skip
+                   logical_bytes("both", m, k))  # fmt: skip
     for op, trans in (("per_block", False), ("per_block_both", True)):
-        want = tq._quant_block(x, 128, False, transposed=trans)
+        want = tq.quant_block_unchecked(x, 128, False, transposed=trans)
         for warps in (8, 16):
 
             def fn(w=warps, t=trans):
-                return tq._quant_block(x, 128, False, transposed=t, num_warps=w)
+                return tq.quant_block_unchecked(x, 128, False, transposed=t, num_warps=w)
 
-            record(op, f"num_warps={warps}", fn, want, _bytes(op, m, k))
+            record(op, f"num_warps={warps}", fn, want, logical_bytes(op, m, k))
 
 
 def _token(row: bool, col: bool):
     def run(cq, x, variant, pow2, layout="row"):
-        return cq._quant_token(x, pow2, layout, row=row, col=col, variant=variant)
+        return cq.quant_token_unchecked(x, pow2, layout, row=row, col=col, variant=variant)
 
     return run
 
 
 def _block(transposed: bool):
     def run(cq, x, variant, pow2, layout="row"):  # (128x128 scales have one layout)
-        return cq._quant_block(x, pow2, transposed=transposed, variant=variant)
+        return cq.quant_block_unchecked(x, pow2, transposed=transposed, variant=variant)
 
     return run
 
@@ -126,7 +126,7 @@ def _sweep_cuda(
                 for g, w in zip(got, want, strict=True):
                     assert_bitwise_equal(g, w, f"cuda {op} {name} {m}x{k}")
                 us = timer(lambda r=run, v=variant, x=x: r(cq, x, v, pow2, layout))
-                gbs = _bytes(op, m, k) / (us * 1e-6) / 1e9
+                gbs = logical_bytes(op, m, k) / (us * 1e-6) / 1e9
                 frac = gbs / copy_gbs
                 rows.append(dict(m=m, k=k, op=op, config=f"cuda:{name}", us=us, gbs=gbs,
                                  frac=frac, sf_layout=layout))  # fmt: skip

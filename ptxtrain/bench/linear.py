@@ -15,6 +15,8 @@ With ``n`` micro-batches per step a step's mean lies between the two, 1/n of the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -23,12 +25,31 @@ from ptxtrain.testing import sqnr_db
 from ptxtrain.testing.shapes import DSV3_DENSE_NK
 
 
-def _fwd_bwd(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, *, requant_w: bool = False):
+def fwd_bwd_call(
+    layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, *, requant_w: bool = False
+) -> Callable[[], None]:
+    """The call :func:`bench_linear` times (and ``benchmarks/profile_linear.py`` profiles): a
+    function that runs ``layer(x).backward(dy)`` after clearing ``layer.weight.grad`` and
+    ``x.grad``, so every call computes the input and weight gradients afresh.
+
+    Args:
+        layer: an ``nn.Linear`` or ``Fp8Linear`` with K inputs and N outputs.
+        x: [M, K] input with ``requires_grad``, on the layer's device and in its dtype.
+        dy: [M, N] output gradient.
+        requant_w: before each call, mark cached FP8 weight quantizations stale
+            (:func:`ptxtrain.nn.invalidate_fp8_weight_caches`), so an ``Fp8Linear`` quantizes
+            its weight in every call, as with one micro-batch per step.
+
+    Checks nothing itself: the returned function raises what the layer's forward and backward
+    raise.
+    """
+    from ptxtrain.nn import invalidate_fp8_weight_caches
+
     def run():
         layer.weight.grad = None
         x.grad = None
-        if requant_w:  # drop Fp8Linear's cached weight quantization (host only)
-            layer._weight_fp8_key = None
+        if requant_w:  # drop the cached weight quantization (host only)
+            invalidate_fp8_weight_caches()
         layer(x).backward(dy)
 
     return run
@@ -80,7 +101,7 @@ def bench_linear(
         row["us"], row["host_us"] = {}, {}
         timed = (("bf16", bf16, False), ("fp8", fp8, False), ("fp8_requant_w", fp8, True))
         for name, layer, requant_w in timed:
-            row["us"][name] = timer(_fwd_bwd(layer, x, dy, requant_w=requant_w))
+            row["us"][name] = timer(fwd_bwd_call(layer, x, dy, requant_w=requant_w))
             row["host_us"][name] = timer.last_host_us
         row["speedup_fp8_over_bf16"] = row["us"]["bf16"] / row["us"]["fp8"]
         row["speedup_fp8_requant_w_over_bf16"] = row["us"]["bf16"] / row["us"]["fp8_requant_w"]

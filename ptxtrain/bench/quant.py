@@ -39,7 +39,21 @@ _OPS = {
 }
 
 
-def _bytes(op: str, m: int, k: int) -> int:
+def logical_bytes(op: str, m: int, k: int) -> int:
+    """Bytes a quantizer must move for a bf16 [M, K] input (see the module note): the input
+    read once, the e4m3 outputs (one or two, 1 byte per element) and the fp32 scales written once.
+
+    Args:
+        op: a row name of this bench: ``per_token``, ``per_token_t``, ``per_block``, ``both``,
+            ``per_block_both``, or ``per_token:mn``, ``per_token_t:mn``, ``both:mn`` (MN-major
+            scales, the same bytes).
+        m, k: the input's rows and columns.
+
+    Raises:
+        ValueError: ``op`` is not one of those names.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
     op = op.split(":")[0]
     read = 2 * m * k  # bf16 input
     fp8 = _OPS[op][1] * m * k
@@ -95,7 +109,7 @@ def bench_quant(shapes=QUANT_SHAPES, *, repeats: int = 50) -> dict:
                 "m": m,
                 "k": k,
                 "op": op,
-                "bytes": _bytes(op, m, k),
+                "bytes": logical_bytes(op, m, k),
                 "copy_us": copy_us,
                 "copy_gbs": copy_gbs,
                 "us": {},

@@ -17,7 +17,9 @@ import torch
 
 from ptxtrain._backend import sm_clock_khz
 
-_L2_FLUSH_BYTES = 256 << 20  # well above the H100's 50 MB / H200's 60 MB L2
+# Bytes of the buffer zeroed before each timed call to evict L2: well above the H100's 50 MB
+# and the H200's 60 MB of L2.
+L2_FLUSH_BYTES = 256 << 20
 
 
 class GpuTimer:
@@ -37,7 +39,7 @@ class GpuTimer:
         if not torch.cuda.is_available():
             raise RuntimeError("GpuTimer needs a CUDA device")
         self.warmup, self.repeats, self.flush_l2 = warmup, repeats, flush_l2
-        self._flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
         self._clock_khz = sm_clock_khz(0)
         self._sleep_us = sleep_us
         self.last_host_us = float("nan")

@@ -1,7 +1,8 @@
 """Block-scaled FP8 GEMMs with DeepGEMM's contracts (docs/design.md §2), dispatched to a backend.
 
-Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, and their unchecked
-``_fp8_gemm_nt`` / ``_fp8_gemm_nt_1d1d`` that this dispatcher calls after validating once):
+Backends (each a module with the functions of :mod:`ptxtrain.gemm.ref`, including
+``fp8_gemm_nt_unchecked`` / ``fp8_gemm_nt_1d1d_unchecked``, the public functions minus their
+checks, which this dispatcher calls after validating once):
 
 - ``ref``: dequantize + fp32 matmul in PyTorch; any device; the oracle.
 - ``cublas``: cuBLAS blockwise FP8 through ``torch._scaled_mm`` (sm_90, N and K multiples of 16).
@@ -48,7 +49,7 @@ def _why_not(name: str, module) -> str | None:
         return _backend.triton_missing()
     if name in ("cublas", "ptx"):
         reason = _backend.hopper_missing()
-        if reason is None and name == "ptx" and not module._toolchain():
+        if reason is None and name == "ptx" and not module.toolchain_available():
             reason = "needs NVRTC (nvidia-cuda-nvrtc), cuda-bindings and the CUDA driver"
         return reason
     return None
@@ -178,9 +179,9 @@ def fp8_gemm_nt(
         _check_c(c, d, m, n)
         # D = C + A·Bᵀ: the product first, then C added (elementwise, so c may be d itself)
         return torch.add(c, fp8_gemm_nt(a, b, out_dtype=torch.float32), out=d)
-    # Validated once here: every backend's ``_fp8_gemm_nt`` is its public function minus checks.
+    # Validated once here: every backend's ``fp8_gemm_nt_unchecked`` is fp8_gemm_nt minus checks.
     mod = _backend.load(__name__, select_backend("1d2d", m, n, k, a[0].device))
-    return mod._fp8_gemm_nt(a, b, d, out_dtype)
+    return mod.fp8_gemm_nt_unchecked(a, b, d, out_dtype)
 
 
 def fp8_gemm_nt_1d1d(
@@ -210,7 +211,7 @@ def fp8_gemm_nt_1d1d(
         if c is not d:
             d.copy_(c)
     mod = _backend.load(__name__, select_backend("1d1d", m, n, k, a[0].device))
-    return mod._fp8_gemm_nt_1d1d(a, b, d, accumulate, out_dtype)
+    return mod.fp8_gemm_nt_1d1d_unchecked(a, b, d, accumulate, out_dtype)
 
 
 # DeepGEMM's grouped GEMMs (the MoE experts'), exported here as DeepGEMM does. They live in

@@ -87,11 +87,13 @@ def fp8_gemm_nt(
         TypeError / ValueError: as the reference, plus non-CUDA tensors or N, K not multiples of 16.
     """
     ref.validate_1d2d(a, b, out, out_dtype)
-    return _fp8_gemm_nt(a, b, out, out_dtype)
+    return fp8_gemm_nt_unchecked(a, b, out, out_dtype)
 
 
-def _fp8_gemm_nt(a, b, out, out_dtype):
-    """:func:`fp8_gemm_nt` after validation (the dispatcher validates once, then calls this)."""
+def fp8_gemm_nt_unchecked(a, b, out, out_dtype):
+    """:func:`fp8_gemm_nt` without its argument checks (the dispatcher's entry, see
+    :func:`ptxtrain.gemm.ref.fp8_gemm_nt_unchecked`); still raises ValueError for non-CUDA
+    tensors or an M, N, K cuBLAS cannot run (see :func:`supports`)."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
@@ -158,7 +160,7 @@ def fp8_gemm_nt_1d1d(
         NotImplementedError: this torch/cuBLAS accepts no 1x128 x 1x128 scale layout.
     """
     ref.validate_1d1d(a, b, out, accumulate, out_dtype)
-    return _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
+    return fp8_gemm_nt_1d1d_unchecked(a, b, out, accumulate, out_dtype)
 
 
 def _layout_1d1d(device: torch.device) -> str | None:
@@ -177,8 +179,9 @@ def sf_b_layout_1d1d(device: torch.device) -> str | None:
     return _1D1D_SF_B_LAYOUT.get(_layout_1d1d(device))
 
 
-def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
-    """:func:`fp8_gemm_nt_1d1d` after validation."""
+def fp8_gemm_nt_1d1d_unchecked(a, b, out, accumulate, out_dtype):
+    """:func:`fp8_gemm_nt_1d1d` without its argument checks (the dispatcher's entry, see
+    :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d_unchecked`); device and shape errors as there."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     m, k = a_fp8.shape
     n = b_fp8.shape[0]
@@ -194,6 +197,6 @@ def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
             f"torch {torch.__version__}'s _scaled_mm accepts no 1x128 x 1x128 scale layout here"
         )
     s_a, s_b = _1D1D_LAYOUTS[layout](sf_a, sf_b)
-    a_fp8, b_fp8 = a_fp8.contiguous(), b_fp8.contiguous()  # (as in _fp8_gemm_nt)
+    a_fp8, b_fp8 = a_fp8.contiguous(), b_fp8.contiguous()  # (as in fp8_gemm_nt_unchecked)
     d = torch._scaled_mm(a_fp8, b_fp8.t(), s_a, s_b, out_dtype=dtype)  # [M, N]
     return ref.write_out(d, out, accumulate)

@@ -70,7 +70,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ptxtrain.gemm.heuristics import GLUON_SPLIT_MAX, device_sms, gluon_split_k
+from ptxtrain.gemm.heuristics import (
+    GLUON_SPLIT_MAX,
+    SM90_SMEM_BYTES,
+    device_sms,
+    gluon_split_k,
+)
 
 BLOCK_K = gl.constexpr(128)  # one 1x128 / 128x128 scale block per K step
 
@@ -793,11 +798,11 @@ class GluonConfig:
             raise ValueError(f"GluonConfig.group_m must be an int >= 1, got {self.group_m!r}")
         # The ring must fit with the smallest staging (bf16); fp8_gemm checks the output's.
         smem = self.smem_bytes(2)
-        if smem > _SMEM_MAX:
+        if smem > SM90_SMEM_BYTES:
             raise ValueError(
                 f"GluonConfig: {self.num_stages} stages of {self.block_m}x128 + "
                 f"{self.block_n}x128 fp8 tiles need {smem} bytes of shared memory, over "
-                f"{_SMEM_MAX}"
+                f"{SM90_SMEM_BYTES}"
             )
         if not 2 <= self.num_stages <= 8 or self.chunk not in (2, 4, 8):
             raise ValueError(
@@ -818,7 +823,6 @@ class GluonConfig:
         return smem
 
 
-_SMEM_MAX = 227 * 1024  # dynamic shared memory per block on sm_90
 _SMEM_SLACK = 1024  # mbarriers, flags and alignment beyond the buffers smem_bytes counts
 # The stages and TMA-store buffers ``ptxtrain.gemm.triton`` runs each warp-specialized tile with
 # where its default routes a GEMM here (``heuristics.prefers_gluon`` / ``gluon_tile``), the
@@ -841,9 +845,9 @@ def ws_config(block_m: int, block_n: int, out_size: int = 2) -> GluonConfig:
     tile = (block_m, block_n)
     cfg = GluonConfig(block_m, block_n, 8, _WS_STAGES[tile], 4, warp_specialized=True,
                       store_buffers=_WS_BUFFERS[tile], split_k=True)  # fmt: skip
-    if cfg.smem_bytes(out_size) > _SMEM_MAX:
+    if cfg.smem_bytes(out_size) > SM90_SMEM_BYTES:
         cfg = dataclasses.replace(cfg, store_buffers=1)
-    while cfg.smem_bytes(out_size) > _SMEM_MAX:
+    while cfg.smem_bytes(out_size) > SM90_SMEM_BYTES:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
 
@@ -965,10 +969,10 @@ def launch_checked(kind: str, a: tuple, b: tuple, out: torch.Tensor, accumulate:
             if accumulate and cfg.store_buffers != 1:  # D +=: one staging buffer per consumer
                 cfg = dataclasses.replace(cfg, store_buffers=1)
             smem = cfg.smem_bytes(esz if tma_store else 0)
-            if smem > _SMEM_MAX:
+            if smem > SM90_SMEM_BYTES:
                 raise ValueError(
                     f"config {cfg} needs {smem} bytes of shared memory with a {out.dtype} out, "
-                    f"over {_SMEM_MAX}: use fewer stages"
+                    f"over {SM90_SMEM_BYTES}: use fewer stages"
                 )
             if tma_store:
                 c_layout = _out_layout(cfg.block_n, out.dtype == torch.float32)

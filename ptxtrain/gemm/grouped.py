@@ -20,7 +20,7 @@ with their references in :mod:`ptxtrain.gemm.ref` (``*_ref``):
   program walks its group's K range with the 1D1D tile loop and writes (or adds into) fp32
   ``D[g]``.
 
-All three reuse :func:`ptxtrain.gemm.triton._block_scaled_tile`: K in steps of 128, one scale
+All three reuse :func:`ptxtrain.gemm.triton.block_scaled_tile`: K in steps of 128, one scale
 block per step, ``acc += dot * sf_a * sf_b`` in FP32 (the promotion of DeepSeek-V3 report §3.3),
 K tails masked. Group offsets into B, sf_b and D are computed in int64. Only the pointer ("tiled")
 kernel exists here: a ``GemmConfig`` chooses tiles, warps, stages and the L2 swizzle, its variant
@@ -316,7 +316,21 @@ def _contiguous_triton(a, b, m_indices, out, out_dtype, check_indices, config) -
     return out
 
 
-def _masked_triton(a, b, masked_m, expected_m, out, out_dtype, config) -> torch.Tensor:
+def m_grouped_fp8_gemm_nt_masked_triton(
+    a, b, masked_m, expected_m=None, out=None, out_dtype=torch.bfloat16, config=None
+) -> torch.Tensor:
+    """:func:`m_grouped_fp8_gemm_nt_masked` on its Triton kernel whatever ``auto`` would pick
+    (``benchmarks/bench_grouped.py`` times it against the PTX kernel): the same arguments (A
+    [G, M_max, K] and B [G, N, K] e4m3 operands with fp32 scales, ``masked_m`` [G] int32,
+    ``expected_m`` int or None, ``out`` [G, M_max, N] or None, ``out_dtype`` bfloat16 / float32,
+    ``config`` a :class:`~ptxtrain.gemm.heuristics.GemmConfig` or None), checks and result;
+    ``masked_m`` is not read on the host.
+
+    Raises:
+        TypeError / ValueError: as :func:`m_grouped_fp8_gemm_nt_masked`, plus tensors not on
+            CUDA (the CPU only under ``TRITON_INTERPRET=1``) or a ``config`` that is not a
+            :class:`~ptxtrain.gemm.heuristics.GemmConfig`.
+    """
     g, m_max, n, k = ref.validate_m_grouped_masked(
         a, b, masked_m, expected_m, out, out_dtype, check_masked_m=False
     )
@@ -469,7 +483,9 @@ def m_grouped_fp8_gemm_nt_masked(
             a, b, masked_m, expected_m, out=out, out_dtype=out_dtype
         )
     if _use_triton(_device_of(a)):
-        return _masked_triton(a, b, masked_m, expected_m, out, out_dtype, config)
+        return m_grouped_fp8_gemm_nt_masked_triton(
+            a, b, masked_m, expected_m, out, out_dtype, config
+        )
     return ref.m_grouped_fp8_gemm_nt_masked_ref(
         a, b, masked_m, expected_m, out=out, out_dtype=out_dtype
     )

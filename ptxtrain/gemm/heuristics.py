@@ -61,7 +61,10 @@ H100_SMS = 132  # H100 SXM and H200 (docs/design.md §6)
 _BLOCK_MS = (64, 128)
 _BLOCK_NS = (64, 128, 256)
 _NUM_WARPS = (4, 8)
-_SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90
+# Bytes of dynamic shared memory one block may opt into on sm_90 (232448 B: CUDA's
+# cudaDevAttrMaxSharedMemoryPerBlockOptin on H100 / H200), the bound the Triton, Gluon and PTX
+# GEMMs size their shared-memory rings against.
+SM90_SMEM_BYTES = 227 * 1024
 _EPILOGUE_SMEM = 64 * 1024  # kept free for Triton's layout conversions and scale buffers
 
 
@@ -398,7 +401,7 @@ def gluon_tile(m: int, n: int, k: int, kind: str = "1d2d", num_sms: int = H100_S
 
 def _max_stages(bm: int, bn: int) -> int:
     per_stage = (bm + bn) * BLOCK_K
-    return max(2, min(5, (_SMEM_BYTES - _EPILOGUE_SMEM) // per_stage))
+    return max(2, min(5, (SM90_SMEM_BYTES - _EPILOGUE_SMEM) // per_stage))
 
 
 # (block_m, block_n, num_warps) an autotuner tries: the accumulators of each fit 128 registers per

@@ -40,7 +40,7 @@ import torch
 
 from ptxtrain._checks import ceil_div
 from ptxtrain.gemm import ref
-from ptxtrain.gemm.heuristics import split_tail
+from ptxtrain.gemm.heuristics import SM90_SMEM_BYTES, split_tail
 from ptxtrain.quant.ref import to_mn_major
 
 BLOCK_K = 128
@@ -50,12 +50,11 @@ _BLOCK_NS_256 = (64, 96, 128)  # block_m = 256: two waves of fin + acc = 1.5 x b
 # tile still spans at most two 128-column scale blocks). Not chosen by select_config: 0.79-0.96x
 # cuBLAS at M = 4096 and 0.72-1.09x at M = 64 / 128 on an H200, below the heuristic's tiles.
 _BLOCK_NS_WIDE = (192,)
-_SMEM_BYTES = 227 * 1024  # dynamic shared memory per block on sm_90 (232448 B)
 _MAX_STAGES = 8  # the heuristics' ring depth cap (see select_config)
 _MAX_STAGES_DECODE = 16  # the cap for decode-sized tiles (see select_config)
 _MAX_STAGES_ANY = 32  # what run_with_config accepts (sweeps of deeper rings)
 _RASTER_MS = tuple(1 << i for i in range(7, 15))  # PtxConfig.raster_m: 128 .. 16384 rows
-_GROUPED_RASTER_M = 512  # grouped_config's raster_m (see there)
+GROUPED_RASTER_M = 512  # grouped_config's raster_m when the group sizes are unknown (see there)
 _TILE_OVERHEAD_N = 24  # per-tile cost in units of output columns (A's share of the smem traffic)
 _DECODE_BLOCK_NS = (32, 64, 128)  # decode regime: see select_config
 _UNROLL_K = 2  # unroll factor of the math K loop (see benchmarks/sweep_ptx.py)
@@ -166,7 +165,12 @@ def _default_out(kind: str) -> torch.dtype:
     return torch.float32 if kind in _1D1D_KINDS else torch.bfloat16
 
 
-def _config_smem(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
+def config_smem_bytes(cfg: PtxConfig, kind: str, out_dtype: torch.dtype) -> int:
+    """Bytes of dynamic shared memory one CTA of ``cfg`` takes (pure function): its stages
+    (:func:`smem_bytes`; the 1D1D kinds ``"1d1d"`` / ``"k_grouped"`` also stage B's per-column
+    scales) plus, with ``cfg.tma_store``, the epilogue's staging tiles of a ``out_dtype``
+    (torch.bfloat16 or torch.float32) D (:func:`epilogue_bytes`). A config runs when this is at
+    most :data:`~ptxtrain.gemm.heuristics.SM90_SMEM_BYTES`."""
     epi = epilogue_bytes(cfg.block_m, cfg.block_n, out_dtype, cfg.epi_boxes) if cfg.tma_store else 0
     return smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind, epi)
 
@@ -251,7 +255,7 @@ def select_config(kind: str, m: int, n: int, k: int, num_sms: int) -> PtxConfig:
     epi_boxes = 1 if bm == 256 else 0
     epi = epilogue_bytes(bm, bn, _default_out(kind), epi_boxes) if tma_store else 0
     stages = _MAX_STAGES if large else _MAX_STAGES_DECODE
-    while stages > 2 and smem_bytes(bm, bn, stages, kind, epi) > _SMEM_BYTES:
+    while stages > 2 and smem_bytes(bm, bn, stages, kind, epi) > SM90_SMEM_BYTES:
         stages -= 1
     # Multicast B over two CTAs when there are enough tiles to fill the SMs and the extra
     # (zero) M-block of an odd count wastes little: it halves B's L2 -> SM traffic (measured
@@ -429,7 +433,11 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _toolchain() -> bool:
+def toolchain_available() -> bool:
+    """Whether this process can compile and load the PTX kernels: NVRTC (``nvidia-cuda-nvrtc``)
+    and the CUDA driver (``cuda-bindings``) importable (:func:`ptxtrain.jit.nvrtc_available`,
+    :func:`ptxtrain.jit.driver_available`); cached. Says nothing of the GPU: :func:`supports`
+    also checks for an sm_90 device."""
     from ptxtrain.jit import driver_available, nvrtc_available
 
     return nvrtc_available() and driver_available()
@@ -447,7 +455,7 @@ def supports(m: int, n: int, k: int, *, device: torch.device | None = None) -> b
     dev = torch.device("cuda") if device is None else device
     if dev.type != "cuda" or _capability(_index(dev)) != (9, 0):
         return False
-    return n >= 1 and k >= 16 and k % 16 == 0 and _toolchain()
+    return n >= 1 and k >= 16 and k % 16 == 0 and toolchain_available()
 
 
 def _check_runnable(a_fp8: torch.Tensor, n: int, k: int) -> None:
@@ -461,7 +469,7 @@ def _check_runnable(a_fp8: torch.Tensor, n: int, k: int) -> None:
             f"the ptx backend needs K % 16 == 0 (TMA rows of 16-byte multiples), got K={k}; "
             "use the triton or ref backend"
         )
-    if not _toolchain():
+    if not toolchain_available():
         raise ValueError("the ptx backend needs NVRTC (nvidia-cuda-nvrtc) and cuda-bindings")
 
 
@@ -584,7 +592,7 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
         units = ceil_div(ceil_div(m, cfg.block_m), cfg.cluster) * ceil_div(n, cfg.block_n)
     if kind in ("k_grouped", "masked"):  # m is per group there; m_grouped's m is the total
         units *= num_groups
-    smem = _config_smem(cfg, kind, out_dtype)
+    smem = config_smem_bytes(cfg, kind, out_dtype)
     if cfg.cluster > 1:
         # Only as many clusters as fit at once: a second wave of a persistent grid doubles the
         # time (66 clusters of 2 on 132 SMs run 2x slower than 132 single CTAs).
@@ -616,10 +624,34 @@ def _plan(kind, m, n, k, out_dtype, accumulate, cfg, aligned, device_index, num_
     return cfg, bound, grid, split
 
 
-def _launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
-    """One kernel launch; ``grouped`` (kind ``"m_grouped"``): ``(m_indices, block_group)``;
-    ``k_offsets`` (kind ``"k_grouped"``, ``out`` [G, M, N]): [G + 1] int32 prefix sums of the
-    groups' K / 128; (kind ``"masked"``, A [G, M_max, K], ``out`` [G, M_max, N]): masked_m."""
+def launch_gemm(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
+    """One launch of the PTX GEMM kernel on the current stream of A's device, compiled and bound
+    on the first launch of its geometry (:func:`_plan`, cached). Checks nothing: the operands
+    are those the public functions validated (shapes, dtypes, an sm_90 device, ``K % 16 == 0``),
+    D is not empty and ``out`` is contiguous and 16-byte aligned (the epilogues store up to
+    16-byte vectors; :func:`_write_into` makes such a D).
+
+    Args:
+        kind: ``"1d2d"`` / ``"1d1d"`` (dense), ``"m_grouped"``, ``"k_grouped"`` or ``"masked"``.
+        a: ``(a_fp8, sf_a)``: e4m3 [M, K] ([G, M_max, K] for ``"masked"``; for ``"k_grouped"``
+            K is ΣK of the groups) and its fp32 1x128 scales [M, ⌈K/128⌉] in any layout (copied
+            MN-major when not already).
+        b: ``(b_fp8, sf_b)``: e4m3 [N, K] ([G, N, K] for ``"m_grouped"`` / ``"masked"``) and
+            its fp32 scales: 128x128 blocks, or 1x128 [N, ⌈K/128⌉] for the 1D1D kinds.
+        out: D, bfloat16 or float32: [M, N]; [G, M, N] (``"k_grouped"``); [G, M_max, N]
+            (``"masked"``).
+        accumulate: D += A·Bᵀ (1D1D kinds with a float32 D) instead of D = A·Bᵀ.
+        out_dtype: D's dtype (the compiled epilogue's).
+        cfg: explicit :class:`PtxConfig` (None: the kind's heuristic); adapted to this D as
+            :func:`_resolve` does.
+        grouped: ``"m_grouped"`` only: ``(m_indices [M] int32, block_group [M / 64] int32)``
+            (:func:`block_groups`).
+        k_offsets: ``"k_grouped"``: [G + 1] int32 prefix sums of the groups' K / 128;
+            ``"masked"``: ``masked_m`` [G] int32, contiguous.
+
+    Raises:
+        ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
+    """
     from ptxtrain.jit import tma_2d_bytes
 
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
@@ -727,17 +759,17 @@ def grouped_config(
     an H200: 512 gives 1.03x / 1.01x the speed of the dense default 2048. ``split``: the
     dense rule's split tail (K-slices of the last partial wave's tiles, ``PtxConfig.split_k``);
     the masked GEMM has none."""
-    raster = _GROUPED_RASTER_M
+    raster = GROUPED_RASTER_M
     if num_groups > 0:
         per_group = max(1, m // num_groups)
-        raster = min(2048, max(_GROUPED_RASTER_M, 1 << (per_group.bit_length() - 1)))
+        raster = min(2048, max(GROUPED_RASTER_M, 1 << (per_group.bit_length() - 1)))
     cfg = select_config("1d2d", m, n, k, num_sms)
     if cfg.block_m <= 128 and cfg.cluster == 1:
         return dataclasses.replace(cfg, raster_m=raster, split_k=cfg.split_k and split)
     bn = min(cfg.block_n, 128)
     epi = epilogue_bytes(128, bn, torch.bfloat16) if cfg.tma_store else 0
     stages = _MAX_STAGES
-    while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > _SMEM_BYTES:
+    while stages > 2 and smem_bytes(128, bn, stages, "1d2d", epi) > SM90_SMEM_BYTES:
         stages -= 1
     cfg = PtxConfig(128, bn, stages, 1, _UNROLL_K, True, cfg.tma_store, 0, raster)
     return _with_split_tail(cfg, "1d2d", m, n, k, num_sms) if split else cfg
@@ -751,7 +783,7 @@ def k_grouped_config(m: int, n: int, num_sms: int) -> PtxConfig:
     tma = _TMA_STORE and tma_store_fits(128, n, torch.float32)
     epi = epilogue_bytes(bm, 128, torch.float32) if tma else 0
     stages = _MAX_STAGES
-    while stages > 2 and smem_bytes(bm, 128, stages, "k_grouped", epi) > _SMEM_BYTES:
+    while stages > 2 and smem_bytes(bm, 128, stages, "k_grouped", epi) > SM90_SMEM_BYTES:
         stages -= 1
     return PtxConfig(bm, 128, stages, 1, _UNROLL_K, False, tma, 0)
 
@@ -761,7 +793,7 @@ def _resolve(cfg: PtxConfig, kind: str, n: int, aligned: bool, out_dtype: torch.
     16-byte rows or base), and fewer stages where a wider (fp32) staging tile needs the room."""
     if cfg.tma_store and not (tma_store_fits(cfg.block_n, n, out_dtype) and aligned):
         cfg = dataclasses.replace(cfg, tma_store=False)
-    while cfg.num_stages > 2 and _config_smem(cfg, kind, out_dtype) > _SMEM_BYTES:
+    while cfg.num_stages > 2 and config_smem_bytes(cfg, kind, out_dtype) > SM90_SMEM_BYTES:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
 
@@ -812,7 +844,7 @@ def run_with_config(
         or isinstance(cfg.epi_boxes, bool)
         or not isinstance(cfg.epi_boxes, int)
         or cfg.epi_boxes < 0
-        or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > _SMEM_BYTES
+        or smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, kind) > SM90_SMEM_BYTES
     ):
         raise ValueError(f"cfg: block sizes or shared memory out of range, got {cfg}")
     return _gemm(kind, a, b, out, accumulate, out_dtype, cfg)
@@ -847,17 +879,22 @@ def _gemm(kind, a, b, out, accumulate, dtype, cfg=None):
     _check_runnable(a_fp8, n, k)
     return _write_into(
         out, (m, n), dtype, a_fp8.device, accumulate,
-        lambda d: _launch(kind, a, b, d, accumulate, dtype, cfg),
+        lambda d: launch_gemm(kind, a, b, d, accumulate, dtype, cfg),
     )  # fmt: skip
 
 
-def _fp8_gemm_nt(a, b, out, out_dtype):
-    """:func:`fp8_gemm_nt` after validation (called by the dispatcher)."""
+def fp8_gemm_nt_unchecked(a, b, out, out_dtype):
+    """:func:`fp8_gemm_nt` without its argument checks (the backend entry that
+    :mod:`ptxtrain.gemm`'s dispatcher calls after validating once): ``a`` / ``b`` / ``out`` /
+    ``out_dtype`` as :func:`ptxtrain.gemm.ref.validate_1d2d` accepts them. Raises as
+    :func:`fp8_gemm_nt` for a device or K this backend cannot run."""
     return _gemm("1d2d", a, b, out, False, out.dtype if out is not None else out_dtype)
 
 
-def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
-    """:func:`fp8_gemm_nt_1d1d` after validation (called by the dispatcher)."""
+def fp8_gemm_nt_1d1d_unchecked(a, b, out, accumulate, out_dtype):
+    """:func:`fp8_gemm_nt_1d1d` without its argument checks (the dispatcher's backend entry):
+    arguments as :func:`ptxtrain.gemm.ref.validate_1d1d` accepts them. Raises as
+    :func:`fp8_gemm_nt_1d1d` for a device or K this backend cannot run."""
     dtype = torch.float32 if accumulate else (out.dtype if out is not None else out_dtype)
     return _gemm("1d1d", a, b, out, accumulate, dtype)
 
@@ -877,7 +914,7 @@ def fp8_gemm_nt(
         ptxtrain.jit.JitCompileError: NVRTC rejected the kernel (a bug; the log is attached).
     """
     ref.validate_1d2d(a, b, out, out_dtype)
-    return _fp8_gemm_nt(a, b, out, out_dtype)
+    return fp8_gemm_nt_unchecked(a, b, out, out_dtype)
 
 
 def m_grouped_fp8_gemm_nt_contiguous(
@@ -909,7 +946,7 @@ def m_grouped_fp8_gemm_nt_contiguous(
     docs/design.md §2.
     """
     m, n, k, g = ref.validate_m_grouped_contiguous(a, b, m_indices, out, out_dtype, check_indices)
-    return _m_grouped_contiguous(a, b, m_indices, out, out_dtype, (m, n, k, g))
+    return m_grouped_contiguous_unchecked(a, b, m_indices, out, out_dtype, (m, n, k, g))
 
 
 def block_groups(m_indices: torch.Tensor) -> torch.Tensor:
@@ -936,9 +973,24 @@ def _cached_block_groups(m_indices: torch.Tensor) -> torch.Tensor:
     return block_group
 
 
-def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
-    """:func:`m_grouped_fp8_gemm_nt_contiguous` after validation (``dims`` = (M, N, K, G));
-    ``cfg``: explicit block sizes (benchmarks; None: :func:`grouped_config`'s)."""
+def m_grouped_contiguous_unchecked(a, b, m_indices, out, out_dtype, dims, cfg=None):
+    """:func:`m_grouped_fp8_gemm_nt_contiguous` without its argument checks, optionally with
+    explicit block sizes.
+
+    Args:
+        a, b, m_indices, out, out_dtype: as :func:`m_grouped_fp8_gemm_nt_contiguous`, already
+            accepted by :func:`ptxtrain.gemm.ref.validate_m_grouped_contiguous`.
+        dims: ``(M, N, K, G)``, what that validation returns.
+        cfg: a :class:`PtxConfig` (``benchmarks/bench_grouped.py --cfg``; not range-checked as
+            :func:`run_with_config` does), or None for :func:`grouped_config`'s.
+
+    Returns:
+        D [M, N] of ``out_dtype`` (``out`` itself when given).
+
+    Raises:
+        ValueError: non-CUDA / non-sm_90 tensors, ``K % 16 != 0`` or no NVRTC.
+        ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
+    """
     m, n, k, g = dims
     a_fp8 = a[0]
     dtype = out.dtype if out is not None else out_dtype
@@ -953,7 +1005,7 @@ def _m_grouped_contiguous(a, b, m_indices, out, out_dtype, dims, cfg=None):
     block_group = _cached_block_groups(m_indices)
     return _write_into(
         out, (m, n), dtype, a_fp8.device, False,
-        lambda d: _launch("m_grouped", a, b, d, False, dtype, cfg, (m_indices, block_group)),
+        lambda d: launch_gemm("m_grouped", a, b, d, False, dtype, cfg, (m_indices, block_group)),
     )  # fmt: skip
 
 
@@ -1014,7 +1066,9 @@ def _k_grouped_contiguous(a, b, ks, out, accumulate, dims, ks_tensor=None):
         k_offsets[1:] = torch.cumsum(ks_tensor // BLOCK_K, 0)
     return _write_into(
         out, (g, m, n), torch.float32, a_fp8.device, accumulate,
-        lambda d: _launch("k_grouped", a, b, d, accumulate, torch.float32, None, None, k_offsets),
+        lambda d: launch_gemm(
+            "k_grouped", a, b, d, accumulate, torch.float32, None, None, k_offsets
+        ),
     )  # fmt: skip
 
 
@@ -1059,7 +1113,7 @@ def m_grouped_fp8_gemm_nt_masked(
     masked = masked_m.contiguous()
     return _write_into(
         out, (g, m_max, n), dtype, a[0].device, False,
-        lambda d: _launch("masked", a, b, d, False, dtype, None, None, masked),
+        lambda d: launch_gemm("masked", a, b, d, False, dtype, None, None, masked),
     )  # fmt: skip
 
 
@@ -1079,7 +1133,7 @@ def fp8_gemm_nt_1d1d(
         ptxtrain.jit.JitCompileError: NVRTC rejected the kernel.
     """
     ref.validate_1d1d(a, b, out, accumulate, out_dtype)
-    return _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
+    return fp8_gemm_nt_1d1d_unchecked(a, b, out, accumulate, out_dtype)
 
 
 __all__ = [

@@ -155,11 +155,26 @@ def fp8_gemm_nt(
     Source: DeepGEMM ``fp8_gemm_nt``; docs/design.md §2.
     """
     validate_1d2d(a, b, out, out_dtype)
-    return _fp8_gemm_nt(a, b, out, out_dtype)
+    return fp8_gemm_nt_unchecked(a, b, out, out_dtype)
 
 
-def _fp8_gemm_nt(a: Operand, b: Operand, out, out_dtype) -> torch.Tensor:
-    """:func:`fp8_gemm_nt` after validation (every backend has this; the dispatcher calls it)."""
+def fp8_gemm_nt_unchecked(a: Operand, b: Operand, out, out_dtype) -> torch.Tensor:
+    """:func:`fp8_gemm_nt` without its argument checks: the entry every GEMM backend module
+    defines with this signature, which :mod:`ptxtrain.gemm`'s dispatcher (and ``Fp8Linear``)
+    call after validating once.
+
+    Args:
+        a: ``(a_fp8 [M, K] float8_e4m3fn, sf_a [M, ⌈K/128⌉] float32)``, any strides.
+        b: ``(b_fp8 [N, K] float8_e4m3fn, sf_b [⌈N/128⌉, ⌈K/128⌉] float32)``.
+        out: [M, N] bfloat16 / float32 D written in place (its dtype wins), or None.
+        out_dtype: D's dtype when ``out`` is None.
+
+    Returns:
+        D [M, N] (``out`` itself when given).
+
+    Raises nothing of its own: arguments :func:`validate_1d2d` refuses give torch's errors or a
+    wrong D (a backend still raises ValueError for a device or shape it cannot run).
+    """
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     if out is not None:
         out_dtype = out.dtype
@@ -203,11 +218,13 @@ def fp8_gemm_nt_1d1d(
     Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; docs/design.md §2.
     """
     validate_1d1d(a, b, out, accumulate, out_dtype)
-    return _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype)
+    return fp8_gemm_nt_1d1d_unchecked(a, b, out, accumulate, out_dtype)
 
 
-def _fp8_gemm_nt_1d1d(a: Operand, b: Operand, out, accumulate, out_dtype) -> torch.Tensor:
-    """:func:`fp8_gemm_nt_1d1d` after validation."""
+def fp8_gemm_nt_1d1d_unchecked(a: Operand, b: Operand, out, accumulate, out_dtype) -> torch.Tensor:
+    """:func:`fp8_gemm_nt_1d1d` without its argument checks: every backend's entry for the
+    dispatcher, as :func:`fp8_gemm_nt_unchecked`, with arguments :func:`validate_1d1d` accepts
+    (``sf_b`` [N, ⌈K/128⌉]; ``accumulate``: D += A·Bᵀ into a float32 ``out``)."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     if out is not None:
         out_dtype = out.dtype

@@ -425,7 +425,7 @@ def _autotuned_config(kind, a_fp8, sf_a, b_fp8, sf_b, out, accumulate, num_sms) 
     return best
 
 
-def _gemm(
+def fp8_gemm(
     kind: str,
     a: Operand,
     b: Operand,
@@ -435,16 +435,36 @@ def _gemm(
     config: GemmConfig | str | None,
     num_sms: int | None = None,
 ) -> torch.Tensor:
-    """Validated launch shared by both public functions (``num_sms`` overrides the device's)."""
+    """:func:`fp8_gemm_nt` (``kind="1d2d"``) or :func:`fp8_gemm_nt_1d1d` (``"1d1d"``) in one
+    call with the same checks, in the argument order of :func:`ptxtrain.gemm.gluon.fp8_gemm`
+    (``benchmarks/ab_triton.py`` runs both alike); ``num_sms`` overrides the device's SM count
+    in the heuristic (tests pick another GPU's tiles).
+
+    Args:
+        kind: ``"1d2d"`` (sf_b [⌈N/128⌉, ⌈K/128⌉]) or ``"1d1d"`` (sf_b [N, ⌈K/128⌉]).
+        a, b, out, out_dtype, accumulate, config: as :func:`fp8_gemm_nt_1d1d`
+            (``accumulate`` with ``"1d1d"`` only, as there).
+
+    Returns:
+        D [M, N] of ``out_dtype`` (``out`` itself when given).
+
+    Raises:
+        ValueError: ``kind`` is neither ``"1d2d"`` nor ``"1d1d"``, or ``accumulate`` with
+            ``"1d2d"``; else as the public functions.
+    """
     if kind == "1d2d":
+        if accumulate:
+            raise ValueError("accumulate: the 1D2D GEMM has no accumulate mode, got True")
         m, n, k = validate_1d2d(a, b, out, out_dtype)
-    else:
+    elif kind == "1d1d":
         m, n, k = validate_1d1d(a, b, out, accumulate, out_dtype)
+    else:
+        raise ValueError(f"kind must be '1d2d' or '1d1d', got {kind!r}")
     return _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_sms)
 
 
 def _gemm_checked(kind, a, b, out, out_dtype, accumulate, config, m, n, k, num_sms=None):
-    """:func:`_gemm` after the contract's validation (the dispatcher validates once)."""
+    """:func:`fp8_gemm` after the contract's validation (the dispatcher validates once)."""
     (a_fp8, sf_a), (b_fp8, sf_b) = a, b
     if out is not None and any(st == 0 and sz > 1 for st, sz in zip(out.stride(), out.shape)):
         raise ValueError(
@@ -519,7 +539,7 @@ def fp8_gemm_nt(
 
     Source: DeepGEMM ``fp8_gemm_nt``; DeepSeek-V3 report §3.3; docs/design.md §1-2.
     """
-    return _gemm("1d2d", a, b, out, out_dtype, False, config)
+    return fp8_gemm("1d2d", a, b, out, out_dtype, False, config)
 
 
 def fp8_gemm_nt_1d1d(
@@ -551,7 +571,7 @@ def fp8_gemm_nt_1d1d(
 
     Source: DeepGEMM ``fp8_gemm_nt`` 1D1D / ``wgrad_gemm_fp8_fp8_fp32_nt``; docs/design.md §2.
     """
-    return _gemm("1d1d", a, b, out, out_dtype, accumulate, config)
+    return fp8_gemm("1d1d", a, b, out, out_dtype, accumulate, config)
 
 
 def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | None = None) -> str:
@@ -586,14 +606,19 @@ def default_kernel(kind: str, m: int, n: int, k: int, device: torch.device | Non
     return f"triton {cfg.block_m}x{cfg.block_n} s{cfg.num_stages} {cfg.variant}"
 
 
-def _fp8_gemm_nt(a, b, out, out_dtype):
-    """:func:`fp8_gemm_nt` after validation (called by :mod:`ptxtrain.gemm`'s dispatcher)."""
+def fp8_gemm_nt_unchecked(a, b, out, out_dtype):
+    """:func:`fp8_gemm_nt` without its argument checks (the entry :mod:`ptxtrain.gemm`'s
+    dispatcher calls, see :func:`ptxtrain.gemm.ref.fp8_gemm_nt_unchecked`); the heuristic's
+    config; still raises ValueError for tensors not on CUDA (the CPU only under
+    ``TRITON_INTERPRET=1``)."""
     m, k = a[0].shape
     return _gemm_checked("1d2d", a, b, out, out_dtype, False, None, m, b[0].shape[0], k)
 
 
-def _fp8_gemm_nt_1d1d(a, b, out, accumulate, out_dtype):
-    """:func:`fp8_gemm_nt_1d1d` after validation."""
+def fp8_gemm_nt_1d1d_unchecked(a, b, out, accumulate, out_dtype):
+    """:func:`fp8_gemm_nt_1d1d` without its argument checks (the dispatcher's entry, see
+    :func:`ptxtrain.gemm.ref.fp8_gemm_nt_1d1d_unchecked`); device errors as
+    :func:`fp8_gemm_nt_unchecked`."""
     m, k = a[0].shape
     return _gemm_checked("1d1d", a, b, out, out_dtype, accumulate, None, m, b[0].shape[0], k)
 

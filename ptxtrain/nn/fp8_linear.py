@@ -236,12 +236,12 @@ def gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
 def _gemm_1d2d(a: tuple, b: tuple, out_dtype: torch.dtype) -> torch.Tensor:
     """``gemm.fp8_gemm_nt`` minus its argument checks: the operands come straight from the
     quantizers (shapes, dtypes, scale layouts and devices right by construction), so the
-    selected backend's unchecked ``_fp8_gemm_nt`` runs directly — the dispatcher's own path
-    after its validation, same backend choice, same result."""
+    selected backend's ``fp8_gemm_nt_unchecked`` runs directly — the dispatcher's own path after
+    its validation, same backend choice, same result."""
     m, k = a[0].shape
     n = b[0].shape[0]
     mod = _backend.load(gemm.__name__, gemm.select_backend("1d2d", m, n, k, a[0].device))
-    return mod._fp8_gemm_nt(a, b, None, out_dtype)
+    return mod.fp8_gemm_nt_unchecked(a, b, None, out_dtype)
 
 
 def _gemm_1d1d(
@@ -252,7 +252,7 @@ def _gemm_1d1d(
     m, k = a[0].shape
     n = b[0].shape[0]
     mod = _backend.load(gemm.__name__, gemm.select_backend("1d1d", m, n, k, a[0].device))
-    return mod._fp8_gemm_nt_1d1d(a, b, out, acc, out_dtype)
+    return mod.fp8_gemm_nt_1d1d_unchecked(a, b, out, acc, out_dtype)
 
 
 def main_grad_target(weight: torch.Tensor) -> tuple[torch.Tensor, bool] | None:

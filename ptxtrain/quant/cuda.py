@@ -491,9 +491,30 @@ def _launch(
             bound(grid, *values)
 
 
-def _quant_token(
+def quant_token_unchecked(
     x, pow2_scale, sf_layout, *, row: bool, col: bool, variant: Variant | None = None
 ) -> tuple[torch.Tensor, ...]:
+    """The 128-tile launcher behind :func:`per_token_cast_to_fp8` (``row``),
+    :func:`per_token_cast_to_fp8_t` (``col``) and :func:`per_token_cast_to_fp8_both` (both),
+    without their checks.
+
+    Args:
+        x: [M, K] float32 / bfloat16 / float16 on an sm_90 device, ``stride(1) == 1``.
+        pow2_scale: round each scale up to a power of two.
+        sf_layout: ``"row"`` or ``"mn_major"`` (already checked).
+        row, col: write the 1x128 quantization of ``x`` and / or the 128x1 one stored
+            transposed (at least one).
+        variant: a :class:`Variant` of the kernel (``benchmarks/sweep_quant.py --cuda``), or
+            None for the op's entry of :data:`SELECT`.
+
+    Returns:
+        ``(x_fp8 [M, K], sf [M, ⌈K/128⌉])`` with ``row``, then ``(xt_fp8 [K, M],
+        sf_t [K, ⌈M/128⌉])`` with ``col``: e4m3 and float32, bit-identical to the reference.
+
+    Raises:
+        RuntimeError: the device is not an sm_90 GPU with the CUDA driver.
+        ValueError: ``x`` has 2³¹ or more 128x128 tiles.
+    """
     if variant is None:
         op = {(True, False): "", (False, True): "_t", (True, True): "_both"}[(row, col)]
         variant = VARIANTS[SELECT["per_token_cast_to_fp8" + op]]
@@ -522,9 +543,20 @@ def _quant_token(
     return tuple(t for t in (q, sf, qt, sft) if t is not None)
 
 
-def _quant_block(
+def quant_block_unchecked(
     w, pow2_scale, *, transposed: bool, variant: Variant | None = None
 ) -> tuple[torch.Tensor, ...]:
+    """The 128x128 launcher behind :func:`per_block_cast_to_fp8` (and ``_both`` with
+    ``transposed``), without their checks: ``w`` [N, K] and ``variant`` as
+    :func:`quant_token_unchecked`'s ``x`` and ``variant``.
+
+    Returns:
+        ``(w_fp8 [N, K], sf [⌈N/128⌉, ⌈K/128⌉])``, plus ``(wt_fp8 [K, N],
+        sf_t [⌈K/128⌉, ⌈N/128⌉])`` with ``transposed``; e4m3 and float32, row-major.
+
+    Raises:
+        RuntimeError / ValueError: as :func:`quant_token_unchecked`.
+    """
     if variant is None:
         variant = VARIANTS[SELECT["per_block_cast_to_fp8" + ("_both" if transposed else "")]]
     n, k = w.shape
@@ -583,7 +615,7 @@ def per_token_cast_to_fp8(
     sf_layout = check_sf_layout(sf_layout)
     if block != _TILE:
         return _fallback().per_token_cast_to_fp8(x, block, pow2_scale=pow2_scale, **_kw(sf_layout))
-    return _quant_token(x, pow2_scale, sf_layout, row=True, col=False)
+    return quant_token_unchecked(x, pow2_scale, sf_layout, row=True, col=False)
 
 
 def per_token_cast_to_fp8_t(
@@ -612,7 +644,7 @@ def per_token_cast_to_fp8_t(
     if block != _TILE:
         fb = _fallback()
         return fb.per_token_cast_to_fp8_t(x, block, pow2_scale=pow2_scale, **_kw(sf_layout))
-    return _quant_token(x, pow2_scale, sf_layout, row=False, col=True)
+    return quant_token_unchecked(x, pow2_scale, sf_layout, row=False, col=True)
 
 
 def per_token_cast_to_fp8_both(
@@ -640,7 +672,7 @@ def per_token_cast_to_fp8_both(
     if block != _TILE:
         fb = _fallback()
         return fb.per_token_cast_to_fp8_both(x, block, pow2_scale=pow2_scale, **_kw(sf_layout))
-    return _quant_token(x, pow2_scale, sf_layout, row=True, col=True)
+    return quant_token_unchecked(x, pow2_scale, sf_layout, row=True, col=True)
 
 
 def per_block_cast_to_fp8(
@@ -665,7 +697,7 @@ def per_block_cast_to_fp8(
     w = _check_input("w", w, block)
     if block != _TILE:
         return _fallback().per_block_cast_to_fp8(w, block, pow2_scale=pow2_scale)
-    return _quant_block(w, pow2_scale, transposed=False)
+    return quant_block_unchecked(w, pow2_scale, transposed=False)
 
 
 def per_block_cast_to_fp8_both(
@@ -689,7 +721,7 @@ def per_block_cast_to_fp8_both(
     w = _check_input("w", w, block)
     if block != _TILE:
         return _fallback().per_block_cast_to_fp8_both(w, block, pow2_scale=pow2_scale)
-    return _quant_block(w, pow2_scale, transposed=True)
+    return quant_block_unchecked(w, pow2_scale, transposed=True)
 
 
 def _kw(sf_layout: str) -> dict:

@@ -255,14 +255,23 @@ def _quant_block_kernel(
 
 
 @dataclass(frozen=True)
-class _Config:
+class QuantConfig:
+    """Tile of one launch of the 1x128 / 128x1 quantizer kernel (:func:`quant_1x_unchecked`'s
+    ``config``; the default comes from the measured rules of ``_config_1x``): ``block_m`` x
+    ``block_k`` elements per program, quantized ``sub_k`` columns at a time, on ``num_warps``
+    warps. 1x128 tiles need ``block_k == block``, 128x1 tiles ``block_m == block``; all powers
+    of two, ``sub_k`` dividing ``block_k``. Not checked: ``benchmarks/sweep_quant.py`` compares
+    each config's output bit for bit with the default's."""
+
     block_m: int  # tile rows (tokens) per program
     block_k: int  # tile columns (channels) per program
     sub_k: int  # columns quantized per step (divides block_k)
     num_warps: int
 
 
-def _config_1x(m: int, block: int, *, row: bool, col: bool, interpreted: bool = False) -> _Config:
+def _config_1x(
+    m: int, block: int, *, row: bool, col: bool, interpreted: bool = False
+) -> QuantConfig:
     """Tile for ``_quant_1x_kernel``.
 
     1x128 tiles need ``block_k == block``; 128x1 tiles need ``block_m == block``. Without the
@@ -271,7 +280,7 @@ def _config_1x(m: int, block: int, *, row: bool, col: bool, interpreted: bool = 
     cost grows with programs x steps, so there it takes whole ``block`` x ``block`` tiles.
     """
     if interpreted and col:
-        return _Config(block_m=block, block_k=block, sub_k=block, num_warps=4)
+        return QuantConfig(block_m=block, block_k=block, sub_k=block, num_warps=4)
     # Measured on an H200 at 4096 / 8192 x 7168 and 4096 x 2112 bf16, fraction of copy bandwidth
     # (benchmarks/sweep_quant.py):
     # 1x128 at block_m 32: 0.76-0.86 (16: same, 64: 0.71-0.84, 128 with 8 warps: 0.69-0.81);
@@ -282,11 +291,11 @@ def _config_1x(m: int, block: int, *, row: bool, col: bool, interpreted: bool = 
     # the other on the GPU (0.50-0.53: reading x twice costs less than the fused kernel's
     # transposed stores); the fused kernel stays for the interpreter and explicit configs.
     if row and col:
-        return _Config(block_m=block, block_k=block, sub_k=min(64, block), num_warps=4)
+        return QuantConfig(block_m=block, block_k=block, sub_k=min(64, block), num_warps=4)
     if col:
-        return _Config(block_m=block, block_k=min(64, block), sub_k=min(64, block), num_warps=4)
+        return QuantConfig(block_m=block, block_k=min(64, block), sub_k=min(64, block), num_warps=4)
     block_m = min(32, max(16, triton.next_power_of_2(max(m, 1))))
-    return _Config(block_m=block_m, block_k=block, sub_k=block, num_warps=4)
+    return QuantConfig(block_m=block_m, block_k=block, sub_k=block, num_warps=4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,18 +334,32 @@ def _check_input(name: str, x: object, block: object) -> tuple[torch.Tensor, int
     return x, block
 
 
-def _quant_1x(x, block, pow2_scale, sf_layout, *, row: bool, col: bool, config=None):
-    """Shared launcher: returns (x_fp8, sf) if row, (xt_fp8, sf_t) if col (in that order).
+def quant_1x_unchecked(x, block, pow2_scale, sf_layout, *, row: bool, col: bool, config=None):
+    """The launcher behind :func:`per_token_cast_to_fp8` (``row``), :func:`per_token_cast_to_fp8_t`
+    (``col``) and :func:`per_token_cast_to_fp8_both` (both), without their checks.
 
-    ``config`` (a ``_Config``) overrides :func:`_config_1x`'s tile (benchmarks/sweep_quant.py).
+    Args:
+        x: [M, K] float32 / bfloat16 / float16 with ``stride(1) == 1``, on CUDA (or the CPU
+            under ``TRITON_INTERPRET=1``), as the public functions pass it.
+        block: tile length, a power of two in [16, 128].
+        pow2_scale: round each scale up to a power of two.
+        sf_layout: ``"row"`` or ``"mn_major"`` (already checked).
+        row, col: write the 1 x ``block`` quantization of ``x`` and / or the ``block`` x 1 one
+            stored transposed (at least one).
+        config: a :class:`QuantConfig` overriding the measured tile (``benchmarks/sweep_quant.py``;
+            with ``row`` and ``col`` it also forces the fused kernel), or None.
+
+    Returns:
+        ``(x_fp8 [M, K], sf [M, ⌈K/block⌉])`` with ``row``, then ``(xt_fp8 [K, M],
+        sf_t [K, ⌈M/block⌉])`` with ``col``: e4m3 and float32, bit-identical to the reference.
     """
     m, k = x.shape
     dev = x.device
     interpreted = _kernels_interpreted()
     if row and col and config is None and not interpreted and m > 0 and k > 0:
         # Two kernels beat the fused one on the GPU (see _config_1x).
-        x_fp8, sf_x = _quant_1x(x, block, pow2_scale, sf_layout, row=True, col=False)
-        xt_fp8, sf_t = _quant_1x(x, block, pow2_scale, sf_layout, row=False, col=True)
+        x_fp8, sf_x = quant_1x_unchecked(x, block, pow2_scale, sf_layout, row=True, col=False)
+        xt_fp8, sf_t = quant_1x_unchecked(x, block, pow2_scale, sf_layout, row=False, col=True)
         return x_fp8, sf_x, xt_fp8, sf_t
     q = sf = qt = sft = None
     if row:
@@ -400,7 +423,7 @@ def per_token_cast_to_fp8(
     """
     x, block = _check_input("x", x, block)
     sf_layout = check_sf_layout(sf_layout)
-    return _quant_1x(x, block, pow2_scale, sf_layout, row=True, col=False)
+    return quant_1x_unchecked(x, block, pow2_scale, sf_layout, row=True, col=False)
 
 
 def per_token_cast_to_fp8_t(
@@ -425,7 +448,7 @@ def per_token_cast_to_fp8_t(
     """
     x, block = _check_input("x", x, block)
     sf_layout = check_sf_layout(sf_layout)
-    return _quant_1x(x, block, pow2_scale, sf_layout, row=False, col=True)
+    return quant_1x_unchecked(x, block, pow2_scale, sf_layout, row=False, col=True)
 
 
 def per_token_cast_to_fp8_both(
@@ -453,7 +476,7 @@ def per_token_cast_to_fp8_both(
     """
     x, block = _check_input("x", x, block)
     sf_layout = check_sf_layout(sf_layout)
-    return _quant_1x(x, block, pow2_scale, sf_layout, row=True, col=True)
+    return quant_1x_unchecked(x, block, pow2_scale, sf_layout, row=True, col=True)
 
 
 def per_block_cast_to_fp8(
@@ -477,10 +500,19 @@ def per_block_cast_to_fp8(
     Source: DeepSeek-V3 report §3.3; docs/design.md §1.
     """
     w, block = _check_input("w", w, block)
-    return _quant_block(w, block, pow2_scale, transposed=False)
+    return quant_block_unchecked(w, block, pow2_scale, transposed=False)
 
 
-def _quant_block(w, block, pow2_scale, *, transposed: bool, num_warps: int = 8):
+def quant_block_unchecked(w, block, pow2_scale, *, transposed: bool, num_warps: int = 8):
+    """The launcher behind :func:`per_block_cast_to_fp8` (and ``_both`` with ``transposed``),
+    without their checks: ``w`` [N, K] as :func:`quant_1x_unchecked`'s ``x``, ``block`` a power
+    of two in [16, 128]; ``num_warps`` per ``block`` x ``block`` program (8 unless swept by
+    ``benchmarks/sweep_quant.py``).
+
+    Returns:
+        ``(w_fp8 [N, K], sf [⌈N/block⌉, ⌈K/block⌉])``, plus ``(wt_fp8 [K, N],
+        sf_t [⌈K/block⌉, ⌈N/block⌉])`` with ``transposed``; e4m3 and float32, row-major.
+    """
     n, k = w.shape
     q = torch.empty((n, k), dtype=FP8_DTYPE, device=w.device)
     qt = torch.empty((k, n), dtype=FP8_DTYPE, device=w.device) if transposed else None
@@ -527,4 +559,4 @@ def per_block_cast_to_fp8_both(
     Source: DeepSeek-V3 report §3.3 (Fprop reads W, Dgrad reads Wᵀ); docs/design.md §1.
     """
     w, block = _check_input("w", w, block)
-    return _quant_block(w, block, pow2_scale, transposed=True)
+    return quant_block_unchecked(w, block, pow2_scale, transposed=True)

@@ -24,22 +24,24 @@ def test_config_and_rasterization_rows():
 
 
 def test_explicit_config_reaches_the_launch(monkeypatch):
-    # The config given to ptx._m_grouped_contiguous is the one launched (None: the heuristic's),
-    # with the per-64-row-block groups the kernel reads. Host code only: no kernel runs.
+    # The config given to ptx.m_grouped_contiguous_unchecked is the one launched (None: the
+    # heuristic's), with the per-64-row-block groups the kernel reads. Host code only: no kernel
+    # runs.
     seen = {}
 
     def fake_launch(kind, a, b, out, accumulate, out_dtype, cfg=None, grouped=None, k_offsets=None):
         seen.update(kind=kind, cfg=cfg, block_group=grouped[1].tolist())
 
     monkeypatch.setattr(ptx, "_check_runnable", lambda *args: None)
-    monkeypatch.setattr(ptx, "_launch", fake_launch)
+    monkeypatch.setattr(ptx, "launch_gemm", fake_launch)
     g = torch.Generator().manual_seed(0)
     qa = per_token_cast_to_fp8(torch.randn(256, 256, generator=g))
     qws = [per_block_cast_to_fp8(torch.randn(128, 256, generator=g)) for _ in range(2)]
     qb = (torch.stack([q for q, _ in qws]), torch.stack([s for _, s in qws]))
     m_indices = torch.tensor([0] * 128 + [1] * 100 + [-1] * 28, dtype=torch.int32)
     cfg = _grouped_cfg("128x128s5c1d:r256")
-    ptx._m_grouped_contiguous(qa, qb, m_indices, None, torch.bfloat16, (256, 128, 256, 2), cfg)
+    dims = (256, 128, 256, 2)
+    ptx.m_grouped_contiguous_unchecked(qa, qb, m_indices, None, torch.bfloat16, dims, cfg)
     assert seen == dict(kind="m_grouped", cfg=cfg, block_group=[0, 0, 1, 1])
-    ptx._m_grouped_contiguous(qa, qb, m_indices, None, torch.bfloat16, (256, 128, 256, 2))
+    ptx.m_grouped_contiguous_unchecked(qa, qb, m_indices, None, torch.bfloat16, dims)
     assert seen["cfg"] is None

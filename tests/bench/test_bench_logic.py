@@ -90,7 +90,7 @@ def test_linear_bench_times_the_weight_quantization_only_when_asked(monkeypatch,
     layer = Fp8Linear(256, 128, bias=False)
     x = torch.randn(16, 256, requires_grad=True)
     dy = torch.randn(16, 128)
-    run = bench_linear._fwd_bwd(layer, x, dy, requant_w=requant_w)
+    run = bench_linear.fwd_bwd_call(layer, x, dy, requant_w=requant_w)
     for _ in range(3):
         run()
     assert x.grad is not None and layer.weight.grad is not None

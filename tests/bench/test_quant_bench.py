@@ -3,14 +3,23 @@ MN-major rows, which the reference backend does not time."""
 
 from __future__ import annotations
 
+import pytest
+
 from ptxtrain.bench import quant as bq
 
 
 def test_mn_major_rows_count_the_same_bytes():
     for op in ("per_token", "per_token_t", "both"):
-        assert bq._bytes(f"{op}:mn", 4096, 7168) == bq._bytes(op, 4096, 7168)
+        assert bq.logical_bytes(f"{op}:mn", 4096, 7168) == bq.logical_bytes(op, 4096, 7168)
     # bf16 read + fp8 write + one fp32 scale per 128 columns of each of the 4096 rows
-    assert bq._bytes("per_token", 4096, 7168) == 2 * 4096 * 7168 + 4096 * 7168 + 4 * 4096 * 56
+    want = 2 * 4096 * 7168 + 4096 * 7168 + 4 * 4096 * 56
+    assert bq.logical_bytes("per_token", 4096, 7168) == want
+
+
+def test_unknown_op_names_itself():
+    for bad in ("per_tensor", "per_block:mn", "per_token:"):
+        with pytest.raises(ValueError, match="op must be one of"):
+            bq.logical_bytes(bad, 4096, 7168)
 
 
 def test_table_leaves_untimed_backends_blank():

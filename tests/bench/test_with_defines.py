@@ -4,9 +4,17 @@ set for the whole process."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import with_defines
 from ptxtrain.gemm import ptx
+
+
+def _source_defines() -> str:
+    """What a PTX GEMM's translation unit holds before the header: the switches in force."""
+    cfg = ptx.select_config("1d2d", 256, 512, 1024, 132)
+    src, _ = ptx.kernel_source("1d2d", cfg, 512, 1024, torch.bfloat16, False)
+    return src.split("#include <ptxtrain/fp8_gemm.cuh>")[0]
 
 
 def test_switches_reach_the_gemm_source_and_the_command_runs(monkeypatch, capsys):
@@ -14,7 +22,7 @@ def test_switches_reach_the_gemm_source_and_the_command_runs(monkeypatch, capsys
 
     def fake_cli(argv):
         seen["argv"] = list(argv)
-        seen["defines"] = ptx._SOURCE_DEFINES
+        seen["defines"] = _source_defines()
         return 0
 
     monkeypatch.setattr(with_defines, "cli_main", fake_cli)
@@ -28,7 +36,7 @@ def test_switches_reach_the_gemm_source_and_the_command_runs(monkeypatch, capsys
     assert seen["argv"] == ["bench", "linear"]
     assert "#define PTXTRAIN_GEMM_EARLY_SB_GROUPS 6\n" in seen["defines"]
     assert "#define PTXTRAIN_GEMM_CHUNK 16\n" in seen["defines"]
-    assert ptx._SOURCE_DEFINES == ""
+    assert _source_defines() == ""
 
 
 def test_needs_the_separator_and_well_formed_switches():

@@ -131,14 +131,14 @@ def test_config_rejects_bad_fields():
 def test_ws_config_fits_every_tile_and_output():
     """Every tile the Triton backend can route here has a config that fits shared memory with
     bf16 and fp32 staging."""
-    from ptxtrain.gemm.gluon import _SMEM_MAX, ws_config
-    from ptxtrain.gemm.heuristics import GLUON_TILES
+    from ptxtrain.gemm.gluon import ws_config
+    from ptxtrain.gemm.heuristics import GLUON_TILES, SM90_SMEM_BYTES
 
     for bm, bn in GLUON_TILES:
         for size in (2, 4):
             cfg = ws_config(bm, bn, size)
             assert (cfg.block_m, cfg.block_n, cfg.warp_specialized) == (bm, bn, True)
-            assert cfg.smem_bytes(size) <= _SMEM_MAX
+            assert cfg.smem_bytes(size) <= SM90_SMEM_BYTES
     assert ws_config(256, 64, 2).num_stages == 5 and ws_config(256, 64, 4).num_stages == 4
     assert ws_config(128, 128, 4).num_stages == 4
     # 256x128: two bf16 staging buffers per consumer; one with fp32 (128 KiB would not fit).

@@ -285,7 +285,7 @@ def test_dispatch(monkeypatch):
         gg.k_grouped_fp8_gemm_nt_contiguous(qa, qa, [128])
     monkeypatch.setenv("PTXTRAIN_GEMM_BACKEND", "ref")
     monkeypatch.setattr(gg, "_contiguous_triton", boom)
-    monkeypatch.setattr(gg, "_masked_triton", boom)
+    monkeypatch.setattr(gg, "m_grouped_fp8_gemm_nt_masked_triton", boom)
     monkeypatch.setattr(gg, "_k_grouped_triton", boom)
     got = gg.m_grouped_fp8_gemm_nt_contiguous(qa, qb, m_indices)
     want = ref.m_grouped_fp8_gemm_nt_contiguous_ref(qa, qb, m_indices)
@@ -376,7 +376,7 @@ def test_m_grouped_masked_clamps_on_device():
     b = tuple(t.to(DEVICE) for t in b)
     wild = torch.tensor([100, -5], dtype=torch.int32, device=DEVICE)
     out = torch.full((2, 8, 64), 3.0, device=DEVICE)
-    got = gg._masked_triton(a, b, wild, None, out, torch.float32, None)
+    got = gg.m_grouped_fp8_gemm_nt_masked_triton(a, b, wild, None, out, torch.float32)
     want = ref.m_grouped_fp8_gemm_nt_masked_ref(
         a, b, torch.tensor([8, 0], dtype=torch.int32, device=DEVICE), out_dtype=torch.float32
     )
@@ -431,7 +431,7 @@ def test_ptx_m_grouped_passes_contiguous_m_indices(monkeypatch):
     a, b, m_indices = _small_contiguous()
     seen = []
     monkeypatch.setattr(ptx, "_check_runnable", lambda *args: None)
-    monkeypatch.setattr(ptx, "_launch", lambda *args: seen.append(args[7][0]))
+    monkeypatch.setattr(ptx, "launch_gemm", lambda *args: seen.append(args[7][0]))
     wide = torch.stack([m_indices, torch.full_like(m_indices, -1)], dim=1).flatten()
     ptx.m_grouped_fp8_gemm_nt_contiguous(a, b, wide[0::2])
     assert len(seen) == 1 and seen[0].is_contiguous() and torch.equal(seen[0], m_indices)

@@ -384,7 +384,7 @@ def test_empty_n_launches_nothing(monkeypatch):
     # N = 0 (a forced ptx backend): an empty D, as M = 0 gives, and no kernel launch (its TMA
     # descriptor of an empty B would be invalid). Host code only: the device checks are stubbed.
     monkeypatch.setattr(ptx, "_check_runnable", lambda *args: None)
-    monkeypatch.setattr(ptx, "_launch", lambda *args, **kw: pytest.fail("launched for N = 0"))
+    monkeypatch.setattr(ptx, "launch_gemm", lambda *args, **kw: pytest.fail("launched for N = 0"))
     qa = per_token_cast_to_fp8(torch.randn(4, 256))
     d = ptx.fp8_gemm_nt(qa, per_block_cast_to_fp8(torch.randn(0, 256)))
     assert d.shape == (4, 0) and d.dtype == torch.bfloat16

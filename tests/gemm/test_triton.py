@@ -122,7 +122,7 @@ def test_tiles_and_variants(cfg, num_sms, kind):
     m, n, k = 129, 300, 208
     x, w = _inputs(m, n, k, seed=5)
     qa, qb = _quantize(x, w, kind)
-    got = tg._gemm(kind, qa, qb, None, torch.float32, False, cfg, num_sms=num_sms)
+    got = tg.fp8_gemm(kind, qa, qb, None, torch.float32, False, cfg, num_sms=num_sms)
     if kind == "1d2d":
         want = ref.fp8_gemm_nt(qa, qb, out_dtype=torch.float32)
     else:
@@ -318,6 +318,17 @@ def test_backend_specific_errors(monkeypatch):
         tg.fp8_gemm_nt(qa, qb)
 
 
+def test_fp8_gemm_refuses_an_unknown_kind_and_1d2d_accumulate(monkeypatch):
+    monkeypatch.setattr(tg, "_launch", lambda *a, **k: pytest.fail("launched on bad input"))
+    x, w = _inputs(4, 6, 256, seed=3, device="cpu")
+    qa, qb = per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
+    out = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="kind must be '1d2d' or '1d1d', got '2d2d'"):
+        tg.fp8_gemm("2d2d", qa, qb, out, torch.float32, False, None)
+    with pytest.raises(ValueError, match="accumulate: the 1D2D GEMM has no accumulate mode"):
+        tg.fp8_gemm("1d2d", qa, qb, out, torch.float32, True, None)
+
+
 @runnable
 def test_autotune_picks_a_correct_config_once(monkeypatch):
     m, n, k = 13, 64, 128
@@ -428,7 +439,7 @@ def test_gpu_every_variant(variant, kind, m, n, k):
     qa, qb = _quantize(x, w, kind)
     cfg = select_config(m, n, k, kind, variant=variant)
     out = torch.full((m, n), float("nan"), device="cuda")
-    tg._gemm(kind, qa, qb, out, torch.float32, False, cfg)
+    tg.fp8_gemm(kind, qa, qb, out, torch.float32, False, cfg)
     diff = _oracle_diff(out, x, w)
     assert diff < CALC_DIFF_MAX, f"{kind} {variant} {m=}, {n=}, {k=}, {diff=:.2e}"
 
