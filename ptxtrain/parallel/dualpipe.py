@@ -170,7 +170,7 @@ class DualPipe(PairGroupsMixin, nn.Module):
             world=world, input_ranks=(0, world - 1), loss_ranks=(0, world - 1), n=n,
         )  # fmt: skip
         if timeline is not None:
-            timeline._begin("dualpipe", rank, world, num_chunks, device)
+            timeline.begin_step("dualpipe", rank, world, num_chunks, device)
 
         p2p = self._p2p(device)
         last = world - 1
@@ -205,7 +205,7 @@ class DualPipe(PairGroupsMixin, nn.Module):
         self._run_schedule(stages, rank, world, n, self.overlap)
         p2p.wait_all()
         if timeline is not None:
-            timeline._end()
+            timeline.end_step()
 
         ending = {0: stages[1], last: stages[0]}.get(rank)
         if ending is None:

@@ -150,7 +150,7 @@ class DualPipeV(PairGroupsMixin, nn.Module):
             world=world, input_ranks=(0,), loss_ranks=(0,), n=num_chunks,
         )  # fmt: skip
         if timeline is not None:
-            timeline._begin("dualpipev", rank, world, num_chunks, device)
+            timeline.begin_step("dualpipev", rank, world, num_chunks, device)
 
         p2p = self._p2p(device)
         connect_once(p2p, self._connected, self.peers(rank, world), world)
@@ -184,7 +184,7 @@ class DualPipeV(PairGroupsMixin, nn.Module):
         self._run_schedule(stages, rank, world, num_chunks, self.overlap)
         p2p.wait_all()
         if timeline is not None:
-            timeline._end()
+            timeline.end_step()
 
         if not first:
             return None, None

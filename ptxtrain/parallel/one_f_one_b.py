@@ -114,7 +114,7 @@ class OneFOneB(PairGroupsMixin, nn.Module):
             world=world, input_ranks=(0,), loss_ranks=(world - 1,), n=num_chunks,
         )  # fmt: skip
         if timeline is not None:
-            timeline._begin("1f1b", rank, world, num_chunks, device)
+            timeline.begin_step("1f1b", rank, world, num_chunks, device)
 
         p2p = self._p2p(device)
         connect_once(p2p, self._connected, self.peers(rank, world), world)
@@ -144,7 +144,7 @@ class OneFOneB(PairGroupsMixin, nn.Module):
             stage.backward_chunk()
         p2p.wait_all()
         if timeline is not None:
-            timeline._end()
+            timeline.end_step()
 
         if not last:
             return None, None

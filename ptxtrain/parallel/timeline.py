@@ -95,9 +95,12 @@ class Timeline:
         """Context manager timing one cell of the step in progress (used by the schedules)."""
         return _Cell(self, kind, chunk, direction)
 
-    def _begin(
+    def begin_step(
         self, schedule: str, rank: int, world: int, num_chunks: int, device: torch.device
     ) -> None:
+        """Start recording one schedule step of ``schedule`` on ``rank`` of ``world`` over
+        ``num_chunks`` micro-batches (the schedules call it; on CUDA it synchronizes ``device``
+        once to anchor the event clock to the host's)."""
         self._cuda = device.type == "cuda"
         self._cells = []
         if self._cuda:
@@ -119,7 +122,9 @@ class Timeline:
             return t
         return self._anchor_ns + round(self._anchor_ev.elapsed_time(t) * 1e6)  # ms -> ns
 
-    def _end(self) -> None:
+    def end_step(self) -> None:
+        """Finish the step begun by :meth:`begin_step`: its cells, in host nanoseconds, join
+        :attr:`steps` (on CUDA after waiting for the step's last event)."""
         end = self._now()
         if self._cuda:
             end.synchronize()

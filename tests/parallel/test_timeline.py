@@ -128,13 +128,13 @@ def test_bubble_stats_rejects_bad_input():
 def test_timeline_write_read_roundtrip(tmp_path):
     tl = Timeline()
     for n in (2, 3):
-        tl._begin("1f1b", 0, 1, n, torch.device("cpu"))
+        tl.begin_step("1f1b", 0, 1, n, torch.device("cpu"))
         for i in range(n):
             with tl.cell("F", i, 0):
                 torch.randn(64, 64).sum()
         with tl.cell("recv", 0, 1):
             pass
-        tl._end()
+        tl.end_step()
     path = tl.write(tmp_path / "run")
     assert path.name == "timeline_rank0.jsonl"
     assert read_timelines(tmp_path / "run") == {0: tl.steps}
@@ -207,11 +207,11 @@ def test_timeline_cuda_events(tmp_path):
     dev = torch.device("cuda")
     a = torch.randn(2048, 2048, device=dev)
     tl = Timeline()
-    tl._begin("1f1b", 0, 1, 2, dev)
+    tl.begin_step("1f1b", 0, 1, 2, dev)
     for i in range(2):
         with tl.cell("F", i, 0):
             a @ a
-    tl._end()
+    tl.end_step()
     (rec,) = tl.steps
     c0, c1 = rec["cells"]
     assert rec["clock"] == "cuda_event"
