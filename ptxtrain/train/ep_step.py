@@ -30,7 +30,23 @@ from .evaluation import shard_rows
 from .pipeline import all_reduce_grads
 from .step import LOSS_TERMS, NO_CLIP, accumulate_grads, step_values
 
-__all__ = ["ExpertParallelStep"]
+__all__ = ["ExpertParallelStep", "apply_update"]
+
+
+def apply_update(optimizer, buffer, watch, state_bytes: int | None) -> int:
+    """The optimizer update of a distributed step: first the EP ``buffer``'s nvlink kernels
+    report a wait on a peer that timed out (they find out only at the next operation, after
+    writing wrong rows, so no update may use them; None: no buffer), then ``optimizer.step()``
+    and ``zero_grad``. Returns the optimizer's footprint in bytes: ``state_bytes`` when known,
+    else measured now, after the first update and before ``zero_grad`` frees the gradients."""
+    if buffer is not None:
+        with watch.phase("the EP buffer's nvlink kernels (their waits on the peers)"):
+            buffer.check_errors()
+    optimizer.step()
+    if state_bytes is None:
+        state_bytes = optimizer.state_bytes()
+    optimizer.zero_grad(set_to_none=True)
+    return state_bytes
 
 
 class ExpertParallelStep:
@@ -95,13 +111,7 @@ class ExpertParallelStep:
             grad_norm = self.clip_grad_norm_(self.clip)
         with watch.phase("all_reduce of the losses"):
             out = self.mean_losses(out)
-        if self.buffer is not None:
-            with watch.phase("the EP buffer's nvlink kernels (their waits on the peers)"):
-                self.buffer.check_errors()
-        optimizer.step()
-        if self.state_bytes is None:  # the full footprint: after step, before zero_grad
-            self.state_bytes = optimizer.state_bytes()
-        optimizer.zero_grad(set_to_none=True)
+        self.state_bytes = apply_update(optimizer, self.buffer, watch, self.state_bytes)
         with watch.phase("all_reduce of the router load (expert counts)"):
             model.update_router_biases(stats=False)
         return step_values(out, grad_norm, model)

@@ -58,7 +58,7 @@ import torch
 from ..data import ByteTokenizer
 from . import evaluation
 from .checkpoint import Checkpointer, CheckpointError, checkpoint_group
-from .ep_step import ExpertParallelStep
+from .ep_step import ExpertParallelStep, apply_update
 from .evaluation import SAMPLE_COUNT, SAMPLE_PROMPT, shard_rows
 from .faults import DESTROY_TIMEOUT_S, CollectiveWatch, collective_failed, nccl_environment
 from .pipeline import pipeline_groups
@@ -464,13 +464,7 @@ class ParallelStrategy:
             group["lr"] = lr
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         out, grad_norm = self._pipeline_grads(x, y, timeline, self.args.grad_clip or NO_CLIP)
-        if self.ep_buffer is not None:
-            with watch.phase("the EP buffer's nvlink kernels (their waits on the peers)"):
-                self.ep_buffer.check_errors()
-        optimizer.step()
-        if self.state_bytes is None:  # the full footprint: after step, before zero_grad
-            self.state_bytes = optimizer.state_bytes()
-        optimizer.zero_grad(set_to_none=True)
+        self.state_bytes = apply_update(optimizer, self.ep_buffer, watch, self.state_bytes)
         with watch.phase("all_reduce of the router load (expert counts)"):
             values = step_values(out, grad_norm)  # the pipeline's routers live on several ranks
             values["moe"] = runner.update_router_biases()  # a collective
