@@ -20,7 +20,19 @@ import sys
 from pathlib import Path
 
 
-def _bubbles(run_dir: Path, last: int) -> dict | None:
+def bubble_record(run_dir: Path, last: int) -> dict | None:
+    """The bubble of a pipeline run folder's last ``last`` recorded steps, for a results record.
+
+    ``run_dir`` holds ``timeline_rank*.jsonl`` (``ptxtrain train --timeline``); each step's
+    bubble is :func:`ptxtrain.parallel.bubble_stats` over the ranks' records of that step.
+    Returns None without timelines, else a dict: ``schedule``, ``ranks``, ``num_chunks``,
+    ``steps_used``, ``measured`` / ``predicted`` (per step, fractions of the step's window),
+    their medians ``measured_median`` / ``predicted_median``, ``formula`` (DeepSeek-V3's, as
+    text) and ``mean_ms_last_step`` (F, B_full, W, FB and the window, ms).
+
+    Raises:
+        ValueError: the timelines are not of one run (from ``bubble_stats``).
+    """
     from ptxtrain.parallel import bubble_stats, read_timelines
 
     if not any(run_dir.glob("timeline_rank*.jsonl")):
@@ -92,7 +104,7 @@ def run_record(run_dir: Path, last: int) -> dict:
         "last_loss": s["last_loss"],
         "last_val_loss": s["last_val_loss"],
         "peak_memory_mib_per_rank": [None if p is None else round(p / 2**20, 1) for p in peaks],
-        "bubble": _bubbles(run_dir, last),
+        "bubble": bubble_record(run_dir, last),
     }
 
 
