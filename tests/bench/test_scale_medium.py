@@ -163,16 +163,17 @@ def test_cpu_run_records_every_entry(tmp_path):
     )
     rec = json.loads(out.read_text())
     assert rc == 1  # the NVLink backend needs CUDA GPUs
-    failed = rec["runs"]["ep2_fp8_nvlink"]
+    assert rec["run_names"] == ["ep2_bf16", "pp2_1f1b_bf16", "ep2_fp8_nvlink"], rec["run_names"]
+    failed = rec["ep2_fp8_nvlink"]
     assert "--ep-backend nvlink needs CUDA" in failed["error"] and failed["command"]
     assert rec["one_gpu_bf16_tokens_per_s"] > 0 and rec["device"] == "cpu"
     for name in ("ep2_bf16", "pp2_1f1b_bf16"):
-        e = rec["runs"][name]
+        e = rec[name]
         assert e["tokens_per_s"] > 0 and e["efficiency"] > 0 and e["ranks"] == 2, e
-    pp = rec["runs"]["pp2_1f1b_bf16"]
+    pp = rec["pp2_1f1b_bf16"]
     assert 0 < pp["bubble"] < 1 and 0 < pp["formula_bubble"] < 1
     assert rec["first_step_run"] == "ep2_bf16" and rec["first_step_s"] > 0
-    assert not stale.exists() and "TRITON_CACHE_DIR=" in rec["runs"]["ep2_bf16"]["command"]
+    assert not stale.exists() and "TRITON_CACHE_DIR=" in rec["ep2_bf16"]["command"]
     assert rec["checkpoint_save_s"] > 0 and len(rec["checkpoint_saves"]) >= 2
     for key in ("git_sha", "date", "torch", "command"):
         assert rec[key]
