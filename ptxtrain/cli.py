@@ -110,7 +110,8 @@ def _float_at_least(low: float, *, strict: bool = False) -> Callable[[str], floa
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     from .model import PRESETS
     from .parallel.stages import SCHEDULES
-    from .train.loop import DEVICES, EP_BACKENDS, FP8_RECIPES, PRECISIONS, TrainArgs
+    from .train.args import EP_BACKENDS, FP8_RECIPES, PRECISIONS, TrainArgs
+    from .train.runtime import DEVICES
 
     d = TrainArgs()  # the defaults, shown in the help; flags default to None ("not given")
 
@@ -462,8 +463,8 @@ def _train_args_from(ns: argparse.Namespace):
     settings, ``--deterministic``); the device and parallelism flags come from the command line
     only.
     """
+    from .train.args import RESUMED_RUN_FIELDS, TRAJECTORY_FIELDS, TrainArgs
     from .train.checkpoint import read_checkpoint_meta
-    from .train.loop import RESUMED_RUN_FIELDS, TRAJECTORY_FIELDS, TrainArgs
 
     fields = TRAJECTORY_FIELDS + _RUN_FIELDS
     given = {k: getattr(ns, k) for k in fields if getattr(ns, k) is not None}
@@ -497,7 +498,7 @@ def _train_args_from(ns: argparse.Namespace):
 def _saved_layout(saved: object, given: dict) -> tuple[int, ...] | None:
     """The checkpoint's stage layout when ``--resume`` runs the same ``--pp`` and
     ``--schedule`` without ``--pp-layout`` (so the stages stay as they were), else None."""
-    from .train.loop import TrainArgs
+    from .train.args import TrainArgs
 
     if "pp_layout" in given or not isinstance(saved, dict) or saved.get("layout") is None:
         return None
@@ -560,7 +561,7 @@ _BENCHES = ("quant", "gemm", "linear", "dispatch", "optim")
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .train.loop import FP8_RECIPES
+    from .train.args import FP8_RECIPES
 
     p.add_argument(
         "what",
@@ -802,7 +803,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .data import CorpusError
     from .train.checkpoint import CheckpointError
     from .train.faults import CollectiveError
-    from .train.loop import TrainConfigError
+    from .train.runtime import TrainConfigError
 
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -10,7 +10,7 @@ import torch
 from ..data import ByteTokenizer, Corpus, batch_generator
 
 if TYPE_CHECKING:
-    from .loop import TrainArgs
+    from .args import TrainArgs
 
 __all__ = [
     "SAMPLE_COUNT",

@@ -67,7 +67,7 @@ from .state_layout import StateLayout
 from .step import NO_CLIP, SingleDeviceStep, step_values
 
 if TYPE_CHECKING:
-    from .loop import TrainArgs
+    from .args import TrainArgs
 
 __all__ = [
     "PP_OVERLAP_ENV",
