@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .evaluation import shard_rows
-from .pipeline import all_reduce_grads
+from .pipeline import all_reduce_grads, clip_global_norm_
 from .step import LOSS_TERMS, NO_CLIP, accumulate_grads, step_values
 
 __all__ = ["ExpertParallelStep", "apply_update"]
@@ -140,21 +140,13 @@ class ExpertParallelStep:
         is applied on the device (a factor of 1 leaves the gradients' bits unchanged)."""
         model, optimizer = self.model, self.optimizer
         experts = {id(p) for p in model.expert_parameters()}
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [replicated, experts]
-        grads = []
-        for p in model.parameters():
-            g = optimizer.grad_for(p)
-            if g is None:
-                continue
-            grads.append(g)
-            n = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
-            sq[int(id(p) in experts)] += n.double() ** 2
-        dist.all_reduce(sq)
-        total = torch.sqrt(sq[0] / self.ranks + sq[1])  # replicated: the same on every rank
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0).float()
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
+        counted = [
+            (g, id(p) in experts)
+            for p in model.parameters()
+            if (g := optimizer.grad_for(p)) is not None
+        ]
+        grads = [g for g, _ in counted]
+        return clip_global_norm_(counted, grads, max_norm, self.ranks, [None], self.device)
 
     def mean_losses(self, out):
         """The step's losses averaged over the ranks (the global batch means), float64 device

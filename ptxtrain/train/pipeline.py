@@ -35,7 +35,6 @@ Not supported here: multi-token prediction and tied embeddings (see ``check_stag
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
@@ -133,6 +132,33 @@ def pipeline_groups(pp: int, ep: int, schedule: str) -> PipelineGroups:
     pairs = [p for e in range(ep) for p in p2p_pairs(schedule, [s * ep + e for s in range(pp)])]
     p2p = directional_groups(pairs)
     return PipelineGroups(pipe_group, expert_group, mirror, p_rank, e_rank, p2p)
+
+
+@torch.no_grad()
+def clip_global_norm_(
+    counted, scaled, max_norm: float, ep: int, groups, device: torch.device
+) -> torch.Tensor:
+    """Clip by the L2 norm of a model whose gradients are spread over ranks, on the device.
+
+    ``counted``: ``(grad, is_expert)`` of the gradients this rank contributes to the norm;
+    their per-tensor norms (FP32 or wider, as :meth:`~ptxtrain.optim.AdamW.clip_grad_norm_`)
+    are squared and summed in float64 into [replicated, experts] and all-reduced over each of
+    ``groups``. The replicated sum is then divided by ``ep`` (every EP rank holds the same
+    replicated gradients). ``scaled``: the gradients multiplied by ``min(1, max_norm / (norm +
+    1e-6))`` (a factor of 1 leaves their bits unchanged). Returns the norm before clipping, a
+    float64 scalar on ``device``; nothing is read back to the host.
+    """
+    sq = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, experts]
+    for g, is_expert in counted:
+        n = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
+        sq[int(is_expert)] += n.double() ** 2
+    for group in groups:
+        dist.all_reduce(sq, group=group)
+    total = torch.sqrt(sq[0] / ep + sq[1])
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0).float()
+    for g in scaled:
+        g.mul_(coef.to(g.dtype))
+    return total
 
 
 @torch.no_grad()
@@ -377,33 +403,22 @@ class PipelineRunner:
         all_reduce_grads(replicated, optimizer, self.ep_group, self.device, divide_by=self.ep)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, optimizer, max_norm: float) -> float:
-        """Clip every gradient of this rank by the global L2 norm over the whole model.
-
-        Each stage counts once (its owner's copy), a replicated gradient once over the EP group,
-        the expert shards of the EP group summed; per-tensor norms in FP32 or wider, as
-        :meth:`~ptxtrain.optim.AdamW.clip_grad_norm_`. Returns the norm before clipping.
+    def clip_grad_norm_(self, optimizer, max_norm: float) -> torch.Tensor:
+        """Clip every gradient of this rank by the global L2 norm over the whole model
+        (:func:`clip_global_norm_`): each stage counts once (its owner's copy), a replicated
+        gradient once over the EP group, the expert shards of the EP group summed. Returns the
+        norm before clipping, a float64 device scalar.
         """
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [replicated, experts]
-        for st in self.owned:
-            for p in st.parameters():
-                g = optimizer.grad_for(p)
-                if g is not None:
-                    n = torch.linalg.vector_norm(
-                        g, dtype=torch.promote_types(g.dtype, torch.float32)
-                    )
-                    sq[int(id(p) in self._expert_ids)] += n.double() ** 2
-        dist.all_reduce(sq, group=self.group)
-        if self.ep > 1:  # replicated gradients are equal over the EP group: count them once
-            dist.all_reduce(sq, group=self.ep_group)
-        total = math.sqrt(float(sq[0]) / self.ep + float(sq[1]))
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for p in self.module.parameters():
-                g = optimizer.grad_for(p)
-                if g is not None:
-                    g.mul_(torch.tensor(coef, dtype=torch.float32).to(g.dtype))
-        return total
+        counted = [
+            (g, id(p) in self._expert_ids)
+            for st in self.owned
+            for p in st.parameters()
+            if (g := optimizer.grad_for(p)) is not None
+        ]
+        scaled = [g for p in self.module.parameters() if (g := optimizer.grad_for(p)) is not None]
+        # Replicated gradients are equal over the EP group: the formula counts them once.
+        groups = [self.group] + ([self.ep_group] if self.ep > 1 else [])
+        return clip_global_norm_(counted, scaled, max_norm, self.ep, groups, self.device)
 
     def _routers(self, stages) -> list[Router]:
         return [m for st in stages for m in st.modules() if isinstance(m, Router)]
