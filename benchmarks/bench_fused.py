@@ -49,7 +49,10 @@ def _cases(tokens: int, dtype: torch.dtype) -> dict:
     freqs = rope_freqs(seq, c.qk_rope_head_dim, c.rope_theta, torch.device(dev))
     k_pe = kv_a[..., c.kv_lora_rank :]
     return {
-        f"rms_norm D={c.dim}": (lambda k: (fn.rms_norm(norm_x, norm_w, kernels=k),), (norm_x,)),
+        f"rms_norm D={c.dim}": (
+            lambda k: (fn.rms_norm(norm_x, norm_w, kernels=k),),
+            (norm_x, norm_w),
+        ),
         f"rms_norm D={c.q_lora_rank}": (
             lambda k: (fn.rms_norm(lora_x, lora_w, kernels=k),),
             (lora_x, lora_w),

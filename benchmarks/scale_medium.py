@@ -430,11 +430,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--json is required unless --dry-run")
     s = _settings(args)
     specs = [parse_run(n) for n in args.runs]
-    for sp in specs:
-        if sp.ranks > args.nproc:
-            raise ValueError(f"run {sp.name!r} needs {sp.ranks} ranks, --nproc is {args.nproc}")
     ckpt_name = args.ckpt_run or args.runs[0]
     ckpt = None if ckpt_name == "none" else parse_run(ckpt_name)
+    for sp in [*specs, *([ckpt] if ckpt else [])]:  # refused before any run starts
+        if sp.ranks > args.nproc:
+            raise ValueError(f"run {sp.name!r} needs {sp.ranks} ranks, --nproc is {args.nproc}")
     calls = plan(specs, s, ckpt)
     if args.dry_run:
         for call in calls:

@@ -43,7 +43,6 @@ from ptxtrain.model.config import DeepSeekV3Config
 from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.layer import MLP, MoE
 from ptxtrain.moe.router import Router, load_stats
-from ptxtrain.nn.functional import apply_rope_ref as _apply_rope  # noqa: F401 (tests)
 from ptxtrain.nn.functional import mla_qk, rms_norm
 from ptxtrain.nn.recompute import check_recompute, recompute
 

@@ -43,6 +43,7 @@ from ptxtrain.gemm.ref import M_GROUPED_ALIGNMENT
 from ptxtrain.nn import fp8_grouped as fg
 from ptxtrain.nn.fp8_linear import resolve_config, weight_cache_key
 from ptxtrain.nn.functional import swiglu, swiglu_stacked
+from ptxtrain.quant.ref import BLOCK as QUANT_BLOCK
 
 __all__ = ["Experts"]
 
@@ -155,7 +156,7 @@ class Experts(nn.Module):
         """Whether the FP8 path runs w1 and w3 as one stacked GEMM: I a multiple of 128, so
         every 128x128 block of ``[W1[e]; W3[e]]`` (and every 1x128 tile of ``d[h1 | h3]``) lies
         in one of the two (the stacked quantization is then W1's and W3's own)."""
-        return self.w1.shape[1] % M_GROUPED_ALIGNMENT == 0
+        return self.w1.shape[1] % QUANT_BLOCK == 0
 
     def _swiglu_fp8(self, x: torch.Tensor, layout, counts, cfg) -> torch.Tensor:
         """``w2(silu(w1 x) ⊙ w3 x)`` through the grouped FP8 linear on one layout.

@@ -687,12 +687,13 @@ def _read_tensors(
     unknown = sorted(n for n in needed if n not in files)
     if unknown:
         raise CheckpointError(f"corrupt checkpoint {ckpt}: {META_FILE} does not list {unknown}")
-    if share is not None:  # the largest first, dealt round-robin
-        needed = sorted(files, key=lambda n: (-files[n]["bytes"], n))[share[0] :: share[1]]
+    if share is not None:  # the largest first, dealt round-robin (the index is verified already)
+        data = (n for n in files if n != DCP_METADATA)
+        needed = sorted(data, key=lambda n: (-files[n]["bytes"], n))[share[0] :: share[1]]
     _verify_hashes(ckpt, files, needed)
     try:
         dcp.load(targets, storage_reader=reader, no_dist=True)
-    except (CheckpointException, Exception) as e:
+    except Exception as e:
         detail = _dcp_failure(e) if isinstance(e, CheckpointException) else _one_line(e)
         raise CheckpointError(f"corrupt checkpoint {ckpt}: cannot read tensors: {detail}") from None
 

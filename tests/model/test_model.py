@@ -20,9 +20,10 @@ from ptxtrain.model import (
     generate,
     get_preset,
 )
-from ptxtrain.model.deepseek import RMSNorm, _apply_rope, rope_freqs
+from ptxtrain.model.deepseek import RMSNorm, rope_freqs
 from ptxtrain.moe import MoE, Router
 from ptxtrain.moe.experts import Experts
+from ptxtrain.nn.functional import apply_rope_ref
 
 TINY = get_preset("tiny")
 
@@ -249,7 +250,7 @@ def test_rope_rotates_interleaved_pairs_and_is_relative():
     gen = torch.Generator().manual_seed(12)
     t, h, r, theta = 9, 3, 8, 50.0
     x = torch.randn(2, t, h, r, generator=gen)
-    got = _apply_rope(x, rope_freqs(t, r, theta, x.device))
+    got = apply_rope_ref(x, rope_freqs(t, r, theta, x.device))
     want = torch.empty_like(x, dtype=torch.float64)
     for pos in range(t):
         for j in range(r // 2):
@@ -264,7 +265,7 @@ def test_rope_rotates_interleaved_pairs_and_is_relative():
     q, k = torch.randn(r, generator=gen), torch.randn(r, generator=gen)
     seq_q = q.expand(1, t, 1, r).clone()
     seq_k = k.expand(1, t, 1, r).clone()
-    rq, rk = (_apply_rope(z, rope_freqs(t, r, theta, x.device))[0, :, 0] for z in (seq_q, seq_k))
+    rq, rk = (apply_rope_ref(z, rope_freqs(t, r, theta, x.device))[0, :, 0] for z in (seq_q, seq_k))
     torch.testing.assert_close(rq[5] @ rk[2], rq[8] @ rk[5], rtol=1e-5, atol=1e-5)  # fp32 dots
 
 
