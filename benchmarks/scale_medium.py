@@ -141,8 +141,10 @@ def parallel_flags(spec: RunSpec, s: Settings) -> list[str]:
         flags += ["--pp", str(spec.pp), "--schedule", spec.schedule, "--num-chunks", str(chunks)]
         flags += ["--batch-size", str(batch), "--timeline"]
         from ptxtrain.model import get_preset
+        from ptxtrain.parallel.stages import num_stages
 
-        stages = 2 * spec.pp if spec.schedule == "dualpipev" else spec.pp
+        # A decoder layer on every stage (the issues' DualPipeV at PP8 runs --n-layers 16).
+        stages = num_stages(spec.schedule, spec.pp)
         if get_preset(s.preset).n_layers < stages:
             flags += ["--n-layers", str(stages)]
     if spec.ep > 1:
