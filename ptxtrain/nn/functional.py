@@ -130,7 +130,9 @@ class _SwiGLUStackedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (rows,) = ctx.saved_tensors
-        g = grad.reshape(rows.shape[0], -1).contiguous()
+        # The width is explicit: an expert shard that received no rows has 0 of them, and
+        # reshape cannot infer a -1 next to a 0.
+        g = grad.reshape(rows.shape[0], rows.shape[1] // 2).contiguous()
         return _ops().swiglu_stacked_bwd(g, rows).view(ctx.shape)
 
 

@@ -142,10 +142,23 @@ def test_swiglu_stacked_equals_swiglu_on_the_halves_bitwise(shape, dtype, kernel
     # on the halves), so output and the [da | db] gradient are the same bits; the shapes take
     # the medium experts' I = 1408 (6 column tiles, the last one part-masked), a 3-D input, an
     # I below one tile, and rows that end inside a row tile.
+    # dh compares through `+ 0.0`: the halves' gradient sums two zero-padded slices, which
+    # turns a -0.0 into +0.0 (see the GPU test below).
     (y, dh), (y2, dh2) = _swiglu_stacked_pair(shape, dtype, kernels, seed=len(shape))
     assert y.shape == (*shape[:-1], shape[-1] // 2) and dh.shape == shape
     assert_bitwise_equal(y, y2, name="y")
-    assert_bitwise_equal(dh, dh2, name="dh")
+    assert_bitwise_equal(dh + 0.0, dh2 + 0.0, name="dh")
+
+
+@pytest.mark.parametrize("kernels", ["triton", "ref"])
+def test_swiglu_stacked_with_no_rows(kernels):
+    # An expert-parallel rank whose experts received no tokens runs the experts on [0, 2I]
+    # rows: forward gives [0, I], backward a [0, 2I] gradient, on both paths.
+    h = torch.randn(0, 2 * MEDIUM.moe_inter_dim, dtype=torch.bfloat16, requires_grad=True)
+    y = fn.swiglu_stacked(h, kernels=kernels)
+    assert y.shape == (0, MEDIUM.moe_inter_dim)
+    (dh,) = torch.autograd.grad(y, h, torch.empty_like(y))
+    assert dh.shape == h.shape and dh.dtype == h.dtype
 
 
 def test_swiglu_stacked_reference_gradcheck_float64_and_errors():
@@ -406,11 +419,14 @@ def test_swiglu_cuda_matches_reference(dtype):
 def test_swiglu_stacked_cuda_equals_swiglu_on_the_halves(dtype):
     # The same elementwise math compiled into both kernels, contraction off: the same bits on
     # the GPU too, at the medium experts' rows (16,384 tokens) and I = 1408, and an awkward I.
+    # The halves' gradient is autograd's sum of two zero-padded slices, so a -0.0 of da / db
+    # arrives there as +0.0: both sides go through `+ 0.0`, which maps -0.0 to +0.0 and leaves
+    # every other value's bits alone.
     for inter in (MEDIUM.moe_inter_dim, 1000):
         shape = (GPU_TOKENS[0] * GPU_TOKENS[1], 2 * inter)
         (y, dh), (y2, dh2) = _swiglu_stacked_pair(shape, dtype, "triton", "cuda", seed=inter)
         assert_bitwise_equal(y, y2, name=f"y I={inter}")
-        assert_bitwise_equal(dh, dh2, name=f"dh I={inter}")
+        assert_bitwise_equal(dh + 0.0, dh2 + 0.0, name=f"dh I={inter}")
 
 
 @pytest.mark.gpu
