@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -335,19 +336,24 @@ class Experts(nn.Module):
             return self._forward_loop(x_pad, layout.host_sizes())
         return self._swiglu_fp8(x_pad, grouped, None, cfg)  # [R, D]
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, tokens_per_expert: torch.Tensor | Sequence[int]
+    ) -> torch.Tensor:
         """Apply expert ``e`` to its contiguous slice of rows, for every local expert.
 
         Args:
             x: ``[N, D]`` float rows, expert-contiguous (expert 0's rows first).
-            tokens_per_expert: ``[E_local]`` int64 slice lengths, summing to ``N`` (one host
-                sync to read them).
+            tokens_per_expert: the ``E_local`` slice lengths, summing to ``N``: an int64
+                tensor (one host sync to read it) or, where the host already knows them (an
+                expert-parallel dispatch's ``num_recv_tokens_per_expert_list``), a sequence of
+                ints (no sync).
 
         Returns:
             ``[N, D]`` in ``x``'s dtype (reference path) or the FP8 path's output dtype.
 
         Raises:
-            TypeError: ``x`` is not floating point, ``tokens_per_expert`` not int64; (reference
+            TypeError: ``x`` is not floating point, ``tokens_per_expert`` not int64 (or not
+                ints); (reference
                 path) ``x``'s dtype (outside ``torch.autocast``) or device is not the weights'.
             ValueError: wrong shapes, or the counts are negative or do not sum to ``N``.
         """
@@ -356,13 +362,23 @@ class Experts(nn.Module):
             raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
         if x.shape[1] != self.dim:
             raise ValueError(f"x must be [N, {self.dim}], got {tuple(x.shape)}")
-        check_tensor("tokens_per_expert", tokens_per_expert, dtypes=(torch.int64,), ndim=1)
-        if tokens_per_expert.shape[0] != self.num_local_experts:
+        if isinstance(tokens_per_expert, torch.Tensor):
+            check_tensor("tokens_per_expert", tokens_per_expert, dtypes=(torch.int64,), ndim=1)
+            shape = tuple(tokens_per_expert.shape)
+            counts = tokens_per_expert.tolist()  # one host sync
+        else:
+            counts = list(tokens_per_expert)
+            if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+                raise TypeError(
+                    f"tokens_per_expert must be an int64 tensor or a sequence of ints, got "
+                    f"{tokens_per_expert!r}"
+                )
+            shape = (len(counts),)
+        if shape != (self.num_local_experts,):
             raise ValueError(
                 f"tokens_per_expert must be [{self.num_local_experts}] (one count per local "
-                f"expert), got {tuple(tokens_per_expert.shape)}"
+                f"expert), got {shape}"
             )
-        counts = tokens_per_expert.tolist()  # one host sync
         if min(counts) < 0 or sum(counts) != x.shape[0]:
             raise ValueError(
                 f"tokens_per_expert must be >= 0 and sum to x's {x.shape[0]} rows, got {counts}"

@@ -123,7 +123,11 @@ class _PermuteFn(torch.autograd.Function):
         (sorted_slots,) = ctx.saved_tensors
         n_tokens, k = ctx.shape
         ones = torch.ones((n_tokens, k), dtype=torch.float32, device=grad_perm.device)
-        grad_x = _mt().unpermute_weighted(grad_perm, sorted_slots, ones, n_tokens)  # [T, D]
+        # The slots are the forward's own permutation: no range check (a host sync that
+        # would wait for the whole backward queued so far).
+        grad_x = _mt().unpermute_weighted(
+            grad_perm, sorted_slots, ones, n_tokens, check_slots=False
+        )  # [T, D]
         return grad_x, None, None
 
 
@@ -131,8 +135,11 @@ class _UnpermuteFn(torch.autograd.Function):
     """Triton weighted un-permutation; backward to the permuted rows and to the gate weights."""
 
     @staticmethod
-    def forward(ctx, y_perm, sorted_slots, topk_weights):
-        out = _mt().unpermute_weighted(y_perm, sorted_slots, topk_weights, topk_weights.shape[0])
+    def forward(ctx, y_perm, sorted_slots, topk_weights, check_slots):
+        n_tokens = topk_weights.shape[0]
+        out = _mt().unpermute_weighted(
+            y_perm, sorted_slots, topk_weights, n_tokens, check_slots=check_slots
+        )
         ctx.save_for_backward(y_perm, sorted_slots, topk_weights)
         return out
 
@@ -149,7 +156,7 @@ class _UnpermuteFn(torch.autograd.Function):
             dots = (grad_rows * y_perm.float()).sum(1)  # [T·k] fp32, permuted order
             grad_w = torch.empty_like(dots).index_copy_(0, sorted_slots, dots)  # slot order
             grad_w = grad_w.view(topk_weights.shape).to(topk_weights.dtype)  # [T, k]
-        return grad_y, None, grad_w
+        return grad_y, None, grad_w, None
 
 
 class _Fp8RecvFn(torch.autograd.Function):
@@ -230,7 +237,11 @@ def permute_fused(
 
 
 def unpermute_fused(
-    y_perm: torch.Tensor, sorted_slots: torch.Tensor, topk_weights: torch.Tensor
+    y_perm: torch.Tensor,
+    sorted_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    check_slots: bool = True,
 ) -> torch.Tensor:
     """:func:`ptxtrain.moe.triton.unpermute_weighted` with autograd (bitwise ``unpermute_ref``
     on the CPU).
@@ -239,6 +250,8 @@ def unpermute_fused(
         y_perm: ``[T·k, D]`` float32 / bfloat16 / float16 expert outputs in permuted order.
         sorted_slots: ``[T·k]`` int64 from the permutation.
         topk_weights: ``[T, k]`` float gate weights.
+        check_slots: as :func:`~ptxtrain.moe.triton.unpermute_weighted` (False: the caller
+            made ``sorted_slots`` itself; no host sync).
 
     Returns:
         ``[T, D]`` in ``y_perm``'s dtype. Gradients: ``y_perm``'s (``w · grad_out`` rows) and
@@ -247,7 +260,7 @@ def unpermute_fused(
     Raises:
         TypeError / ValueError: as :func:`~ptxtrain.moe.triton.unpermute_weighted`.
     """
-    return _UnpermuteFn.apply(y_perm, sorted_slots, topk_weights)
+    return _UnpermuteFn.apply(y_perm, sorted_slots, topk_weights, check_slots)
 
 
 def dispatch_fp8(

@@ -95,10 +95,16 @@ def _unpermute_ref_own_slots(y_perm, sorted_slots, topk_weights):
     return unpermute_ref(y_perm, sorted_slots, topk_weights, check_slots=False)
 
 
+def _unpermute_fused_own_slots(y_perm, sorted_slots, topk_weights):
+    """``unpermute_fused`` on slots ``permute_fused`` just made: no range check (a host read)."""
+    return unpermute_fused(y_perm, sorted_slots, topk_weights, check_slots=False)
+
+
 def _permute_kernels(triton: bool) -> tuple:
-    """(permute, unpermute): the fused kernels, or the references."""
+    """(permute, unpermute): the fused kernels, or the references; the unpermutation trusts
+    the slots of the permutation before it."""
     if triton:
-        return permute_fused, unpermute_fused
+        return permute_fused, _unpermute_fused_own_slots
     return permute_ref, _unpermute_ref_own_slots
 
 
@@ -359,13 +365,15 @@ class MoE(nn.Module):
             dispatched = buffer.dispatch(
                 x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=self.n_routed_experts
             )
-        recv_x, recv_idx, recv_w, _, handle, _ = dispatched
+        recv_x, recv_idx, recv_w, recv_counts, handle, _ = dispatched
         # recv_x [M, D] in x's dtype, recv_idx [M, k] local ids or -1, recv_w [M, k] (0 where -1)
         # Slots of other ranks' experts go to a spill expert n_local, sorted last and dropped.
+        # The rows per local expert are the dispatch's host counts (read with its split sizes,
+        # the one host sync of the layer), so the permutation's device counts stay unread.
         spill_idx = torch.where(recv_idx >= 0, recv_idx, n_local)  # [M, k]
-        x_perm, sorted_slots, counts = permute(recv_x, spill_idx, n_local + 1, check_ids=False)
-        n_valid = x_perm.shape[0] - int(counts[n_local])
-        y_valid = self.experts(x_perm[:n_valid], counts[:n_local])  # [n_valid, D]
+        x_perm, sorted_slots, _ = permute(recv_x, spill_idx, n_local + 1, check_ids=False)
+        n_valid = sum(recv_counts)
+        y_valid = self.experts(x_perm[:n_valid], recv_counts)  # [n_valid, D]
         y_perm = torch.cat([y_valid, y_valid.new_zeros(x_perm.shape[0] - n_valid, self.dim)])
         y_recv = unpermute(y_perm, sorted_slots, recv_w)  # [M, D], weight 0 on spill slots
         return buffer.combine(y_recv, handle)[0]  # [N, D]

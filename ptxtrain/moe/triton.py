@@ -545,6 +545,7 @@ def unpermute_weighted(
     num_tokens: int,
     *,
     padded_rows: torch.Tensor | None = None,
+    check_slots: bool = True,
 ) -> torch.Tensor:
     """Inverse permutation with the gate-weighted sum over each token's ``k`` slots.
 
@@ -562,14 +563,18 @@ def unpermute_weighted(
         num_tokens: ``T`` (must equal ``topk_weights.shape[0]``; makes the call self-describing
             when ``T = 0``).
         padded_rows: optional ``[T·k]`` int64, permuted position -> row of ``y``.
+        check_slots: read the min and max of ``sorted_slots`` (and ``padded_rows``) back to
+            reject out-of-range values: one host sync each, which waits for all queued work.
+            Callers whose indices come from their own permutation (the MoE layer, and the
+            permutation's backward) pass False.
 
     Returns:
         ``[T, D]`` in ``y.dtype``.
 
     Raises:
         TypeError: wrong tensor types/dtypes, or ``num_tokens`` is not an int.
-        ValueError: shapes disagree, an index is out of range, or the tensors are on different
-            devices or not on CUDA (with the interpreter off).
+        ValueError: shapes disagree, an index is out of range (``check_slots``), or the
+            tensors are on different devices or not on CUDA (with the interpreter off).
 
     Source: DeepSeek-V3 report §2.1.2 (eq. 12, the gated sum of expert outputs); docs/design.md §4.
     """
@@ -602,9 +607,10 @@ def unpermute_weighted(
         tensors["padded_rows"] = padded_rows
     check_same_device(**tensors)
     _check_device("y", y)
-    _check_index_range("sorted_slots", sorted_slots, n_slots)
-    if padded_rows is not None:
-        _check_index_range("padded_rows", padded_rows, y.shape[0])
+    if check_slots:
+        _check_index_range("sorted_slots", sorted_slots, n_slots)
+        if padded_rows is not None:
+            _check_index_range("padded_rows", padded_rows, y.shape[0])
     if y.shape[1] > 1 and y.stride(1) != 1:
         y = y.contiguous()
 

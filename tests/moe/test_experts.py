@@ -39,6 +39,8 @@ def test_matches_modulelist_of_mlps_bitwise(dtype):
     x = torch.randn(int(counts.sum()), 40, dtype=dtype, requires_grad=True)
     dy = torch.randn(x.shape[0], 40, dtype=dtype)
     y = experts(x, counts)
+    # The counts as host ints (an EP dispatch's list): the same call without reading a tensor.
+    assert torch.equal(experts(x, counts.tolist()), y)
     x2 = x.detach().clone().requires_grad_(True)
     y2 = torch.cat([m(r) for m, r in zip(mlps, x2.split(counts.tolist()), strict=True)])
     # The same F.linear calls on the same values: bit-identical forward and backward.
@@ -85,6 +87,15 @@ def test_bad_arguments():
         experts(x, torch.tensor([-1, 4, 2, 1]))
     with pytest.raises(TypeError, match="tokens_per_expert"):
         experts(x, torch.tensor([1.0, 2.0, 3.0, 0.0]))
+    # Host counts: the same checks, and ints only.
+    with pytest.raises(ValueError, match=r"tokens_per_expert must be \[4\].*got \(3,\)"):
+        experts(x, [1, 2, 3])
+    with pytest.raises(ValueError, match="sum to x's 6 rows"):
+        experts(x, (1, 2, 3, 1))
+    with pytest.raises(TypeError, match="sequence of ints"):
+        experts(x, [1, 2, 3.0, 0])
+    with pytest.raises(TypeError, match="sequence of ints"):
+        experts(x, [True, 2, 3, 0])
     with pytest.raises(ValueError, match=r"x must be \[N, 8\]"):
         experts(torch.randn(6, 7), torch.tensor([1, 2, 3, 0]))
     with pytest.raises(TypeError, match="x"):

@@ -270,6 +270,11 @@ def test_unpermute_weighted_matches_ref(n_tokens, dtype):
     assert_bitwise_equal(
         got.cpu(), ref.unpermute_ref(y, slots, topk_w), name=f"{n_tokens=} {dtype=}"
     )
+    # Without the range check (the layer's own slots): the same kernel, the same bits.
+    unchecked = mt.unpermute_weighted(
+        y.to(DEVICE), slots.to(DEVICE), topk_w.to(DEVICE), n_tokens, check_slots=False
+    )
+    assert_bitwise_equal(unchecked, got, name=f"unchecked {n_tokens=} {dtype=}")
 
 
 @runnable

@@ -22,6 +22,7 @@ from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.quant.ref import FP8_DTYPE
 from ptxtrain.testing import assert_bitwise_equal
 from ptxtrain.testing.triton_interp import patch_applied
+from tests._host_reads import host_reads
 from tests._spawn import run_gloo
 from tests.moe.test_kernels import DEVICE, INTERPRETED, _tokens, runnable
 
@@ -214,8 +215,13 @@ def _fp8_dispatch_worker(rank: int, world: int, with_triton: bool) -> None:
         outs = {}
         for name, layer in layers.items():
             x = xs[rank].clone().requires_grad_(True)
-            y = layer(x)
-            (y * gs[rank]).sum().backward()
+            with host_reads() as reads:
+                y = layer(x)
+                forward_reads = sum(reads.values())
+                (y * gs[rank]).sum().backward()
+            # One host read (a sync on a GPU) per layer: the dispatch's split sizes and rows
+            # per expert; the FP8 experts, the permutation and backward read nothing.
+            assert (forward_reads, sum(reads.values())) == (1, 1), (name, dict(reads))
             outs[name] = (y.detach(), x.grad)
     finally:
         Buffer.dispatch = orig
