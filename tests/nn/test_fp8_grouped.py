@@ -672,6 +672,30 @@ def test_grouped_weight_transpose_equals_each_experts_own(n_out, k):
             assert_bitwise_equal(got, ref)
 
 
+def _check_experts_with_no_rows(inter, device):
+    ex = _experts(4, 256, inter, torch.bfloat16, 53).to(device)
+    x = torch.empty(0, 256, dtype=torch.bfloat16, device=device)
+    y, dx, *dws = _experts_run(ex, x, [0, 0, 0, 0], torch.empty_like(x))
+    assert y.shape == (0, 256) and dx.shape == (0, 256)
+    for name, dw in zip(EXPERT_OUTPUTS[2:], dws, strict=True):
+        assert dw is not None and torch.count_nonzero(dw) == 0, name
+
+
+@pytest.mark.parametrize("inter", [128, 100])
+def test_experts_with_no_rows_at_all(inter, ref_gemms):
+    # An expert-parallel rank whose experts received no tokens (the routing at init can send
+    # every token to the other rank's experts) runs its experts on 0 rows: y and dx are [0, D]
+    # and every weight gets a zero gradient (stacked gate/up at I = 128, three GEMMs at 100).
+    _check_experts_with_no_rows(inter, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inter", [1408, 100])
+def test_gpu_experts_with_no_rows_at_all(inter):
+    # As above through the GPU kernels, at the medium experts' I = 1408.
+    _check_experts_with_no_rows(inter, "cuda")
+
+
 @pytest.mark.gpu
 def test_gpu_experts_medium_shapes_stacked_gate_up(monkeypatch):
     # The medium preset's routed experts (64 experts, D = 2048, I = 1408) on one micro-batch's
