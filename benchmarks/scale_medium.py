@@ -22,8 +22,13 @@ step), the median measured ``bubble`` and ``formula_bubble`` (DeepSeek-V3's) of 
 ``--bubble-steps`` steps of a pipeline run (``--timeline``), ``peak_mem_gib`` (the largest
 rank's). The record also holds ``first_step_s`` of the first EP run, which runs with empty JIT
 caches (fresh ``PTXTRAIN_JIT_CACHE_DIR`` and ``TRITON_CACHE_DIR``), and the checkpoint run's
-``checkpoint_save_s`` and ``async_step_slowdown``. A run that fails is recorded with the last
-lines of its stderr and the others go on. ``--dry-run`` prints the commands.
+``checkpoint_save_s`` and ``async_step_slowdown``, then whether a ``--resume`` of that run
+from its last checkpoint finished (``resume_ok``, ``resume_step``). A name ``dispatch_ep<E>``
+runs ``ptxtrain bench dispatch`` on E ranks in DeepSeek-V3's setting (4,096 tokens per rank,
+hidden 7,168, 256 experts, top-8) and records its rows (µs, GB/s and SMs per backend). A run
+that fails is recorded with the last lines of its stderr and the others go on. The record is
+rewritten after every call, so a call cut short keeps what finished. ``--dry-run`` prints the
+commands.
 """
 
 from __future__ import annotations
@@ -49,6 +54,40 @@ _NAME = re.compile(
     r"(?:ep(?P<ep>[1-9]\d*))?_(?P<precision>fp8|bf16)(?P<nvlink>_nvlink)?$"
 )
 ERROR_LINES = 20  # stderr lines kept for a failed run
+_DISPATCH = re.compile(r"^dispatch_ep(?P<ep>[1-9]\d*)$")
+# DeepSeek-V3's dispatch setting (DeepEP's normal-kernel benchmark): tokens per rank, hidden,
+# routed experts, top-k.
+DISPATCH_SIZES = ("--tokens", "4096", "--hidden", "7168", "--experts", "256", "--topk", "8")
+
+
+def dispatch_ranks(name: str) -> int | None:
+    """E of a ``dispatch_ep<E>`` name, else None."""
+    m = _DISPATCH.match(name)
+    return int(m["ep"]) if m else None
+
+
+def dispatch_command(s: Settings, ranks: int, out: Path) -> list[str]:
+    """``torchrun --nproc-per-node E -m ptxtrain bench dispatch`` at :data:`DISPATCH_SIZES`,
+    its record written to ``out/dispatch.json``."""
+    return [
+        *s.torchrun,
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "ptxtrain",
+        "bench",
+        "dispatch",
+        *DISPATCH_SIZES,
+        "--json",
+        str(out / "dispatch.json"),
+    ]
+
+
+def resume_command(ckpt_cmd: list[str]) -> list[str]:
+    """The checkpoint run's command continued from its checkpoint: ``--resume`` in place of
+    ``--overwrite`` (the same settings: a resume refuses others), so it loads the sharded
+    state every rank wrote and finishes the run."""
+    return [*(a for a in ckpt_cmd if a != "--overwrite"), "--resume"]
 
 
 @dataclass(frozen=True)
@@ -273,9 +312,15 @@ def _fresh_caches(s: Settings, name: str) -> dict[str, str]:
     }
 
 
-def plan(specs: list[RunSpec], s: Settings, ckpt_run: RunSpec | None) -> list[dict]:
-    """The calls in order: ``{key, name, cmd, out, env}``; ``key`` is ``baseline``, ``run`` or
-    ``ckpt``; ``env`` (the extra variables) gives the first EP run empty JIT caches."""
+def plan(
+    specs: list[RunSpec],
+    s: Settings,
+    ckpt_run: RunSpec | None,
+    dispatch: tuple[tuple[str, int], ...] = (),
+) -> list[dict]:
+    """The calls in order: ``{key, name, cmd, out, env}``; ``key`` is ``baseline``, ``run``,
+    ``dispatch`` (one per ``(name, ranks)`` of ``dispatch``), ``ckpt`` or ``resume``; ``env``
+    (the extra variables) gives the first EP run empty JIT caches."""
     calls = [
         {
             "key": "baseline",
@@ -292,10 +337,16 @@ def plan(specs: list[RunSpec], s: Settings, ckpt_run: RunSpec | None) -> list[di
         calls.append(
             {"key": "run", "name": sp.name, "cmd": run_command(sp, s, out), "out": out, "env": env}
         )
+    for name, ranks in dispatch:
+        out = s.out_dir / name
+        cmd = dispatch_command(s, ranks, out)
+        calls.append({"key": "dispatch", "name": name, "cmd": cmd, "out": out, "env": {}})
     if ckpt_run is not None:
         out = s.out_dir / f"ckpt-{ckpt_run.name}"
         cmd = run_command(ckpt_run, s, out, checkpoint=True)
         calls.append({"key": "ckpt", "name": ckpt_run.name, "cmd": cmd, "out": out, "env": {}})
+        resume = resume_command(cmd)
+        calls.append({"key": "resume", "name": ckpt_run.name, "cmd": resume, "out": out, "env": {}})
     return calls
 
 
@@ -312,8 +363,23 @@ def _checkpoint_fields(out: Path) -> dict:
     }
 
 
-def measure(calls: list[dict], s: Settings, timeout: float) -> dict:
-    """Run ``calls`` (from :func:`plan`) and return the record's measured part."""
+def _dispatch_fields(out: Path) -> dict:
+    """The rows of ``ptxtrain bench dispatch``'s record in ``out`` (µs, GB/s, SMs per backend
+    and op).
+
+    Raises:
+        FileNotFoundError: the bench wrote no record.
+    """
+    path = out / "dispatch.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{out}: no dispatch.json (did the bench finish?)")
+    bench = json.loads(path.read_text())
+    return {"settings": bench.get("settings"), "rows": bench.get("rows")}
+
+
+def measure(calls: list[dict], s: Settings, timeout: float, on_update=None) -> dict:
+    """Run ``calls`` (from :func:`plan`) and return the record's measured part;
+    ``on_update(rec)`` after each call (the record so far)."""
     base_key = f"one_gpu_{s.baseline_precision}_tokens_per_s"
     rec: dict = {
         base_key: None,
@@ -321,6 +387,8 @@ def measure(calls: list[dict], s: Settings, timeout: float) -> dict:
         "first_step_run": None,
         "checkpoint_save_s": None,
         "async_step_slowdown": None,
+        "resume_ok": None,
+        "resume_step": None,
         "runs": {},
     }
     base = None
@@ -340,6 +408,15 @@ def measure(calls: list[dict], s: Settings, timeout: float) -> dict:
                 rec[base_key] = round(base, 1)
             elif call["key"] == "ckpt":
                 rec.update(_checkpoint_fields(call["out"]), checkpoint_command=_shown(call))
+            elif call["key"] == "resume":
+                summary = read_summary(call["out"])
+                rec.update(resume_ok=True, resume_step=summary.get("step"))
+                rec["resume_command"] = _shown(call)
+            elif call["key"] == "dispatch":
+                rec["runs"][call["name"]] = {
+                    **_dispatch_fields(call["out"]),
+                    "command": _shown(call),
+                }
             else:
                 entry = run_entry(call["out"], base, s.bubble_steps)
                 rec["runs"][call["name"]] = {**entry, "command": _shown(call)}
@@ -348,10 +425,14 @@ def measure(calls: list[dict], s: Settings, timeout: float) -> dict:
         except (RuntimeError, FileNotFoundError, ValueError) as e:
             print(f"    FAILED: {e}", flush=True)
             failed = {"command": _shown(call), "error": str(e)}
-            if call["key"] == "run":
+            if call["key"] in ("run", "dispatch"):
                 rec["runs"][call["name"]] = failed
             else:
                 rec[f"{call['key']}_failure"] = failed
+                if call["key"] == "resume":
+                    rec["resume_ok"] = False
+        if on_update is not None:
+            on_update(rec)
     return rec
 
 
@@ -362,6 +443,9 @@ def _print_table(rec: dict) -> None:
     for name, e in rec["runs"].items():
         if "error" in e:
             print(f"{name:>20} FAILED: {e['error'].splitlines()[0]}")
+            continue
+        if "rows" in e:  # a dispatch bench: its own table is in its log
+            print(f"{name:>20} {len(e['rows'] or ())} rows (ptxtrain bench dispatch)")
             continue
         cells = [
             e["tokens_per_s"],
@@ -431,13 +515,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not args.json:
         p.error("--json is required unless --dry-run")
     s = _settings(args)
-    specs = [parse_run(n) for n in args.runs]
-    ckpt_name = args.ckpt_run or args.runs[0]
+    dispatch = tuple((n, r) for n in args.runs if (r := dispatch_ranks(n)) is not None)
+    names = [n for n in args.runs if dispatch_ranks(n) is None]
+    specs = [parse_run(n) for n in names]
+    ckpt_name = args.ckpt_run or (names[0] if names else "none")
     ckpt = None if ckpt_name == "none" else parse_run(ckpt_name)
-    for sp in [*specs, *([ckpt] if ckpt else [])]:  # refused before any run starts
-        if sp.ranks > args.nproc:
-            raise ValueError(f"run {sp.name!r} needs {sp.ranks} ranks, --nproc is {args.nproc}")
-    calls = plan(specs, s, ckpt)
+    sizes = [(sp.name, sp.ranks) for sp in [*specs, *([ckpt] if ckpt else [])]] + list(dispatch)
+    for name, ranks in sizes:  # refused before any run starts
+        if ranks > args.nproc:
+            raise ValueError(f"run {name!r} needs {ranks} ranks, --nproc is {args.nproc}")
+    calls = plan(specs, s, ckpt, dispatch)
     if args.dry_run:
         for call in calls:
             print(_shown(call))
@@ -453,18 +540,21 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": s.batch_size,
         "seq_len": s.seq_len,
         "steps": s.steps,
-        **measure(calls, s, args.timeout),
     }
-    _print_table(record)
-    failed = any("error" in e for e in record["runs"].values()) or any(
-        k.endswith("_failure") for k in record
+
+    def write(rec: dict) -> None:
+        # The issues' record keeps one top-level key per run (ep2_fp8, pp4_dualpipe_fp8, ...);
+        # "run_names" lists them in the order they ran.
+        out = {**record, **{k: v for k, v in rec.items() if k != "runs"}}
+        out.update(run_names=list(rec["runs"]), **rec["runs"])
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+    rec = measure(calls, s, args.timeout, on_update=write)
+    _print_table({**record, **rec})
+    failed = any("error" in e for e in rec["runs"].values()) or any(
+        k.endswith("_failure") for k in rec
     )
-    # The issues' record keeps one top-level key per run (ep2_fp8, pp4_dualpipe_fp8, ...);
-    # "run_names" lists them in the order they ran.
-    runs = record.pop("runs")
-    record.update(run_names=list(runs), **runs)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 1 if failed else 0
 
 

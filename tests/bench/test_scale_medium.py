@@ -71,12 +71,21 @@ def test_checkpoint_run_and_bad_names(tmp_path):
 def test_dry_run_prints_every_command(capsys):
     rc = main(["--nproc", "4", "--runs", "ep4_fp8", "pp2ep2_fp8", "--steps", "5", "--dry-run"])
     lines = capsys.readouterr().out.strip().splitlines()
-    assert rc == 0 and len(lines) == 4  # baseline, two runs, the checkpoint run
+    assert rc == 0 and len(lines) == 5  # baseline, two runs, the checkpoint run, its resume
     assert "--batch-size 8 " in lines[0] and "torchrun" not in lines[0]
     assert lines[1].startswith("PTXTRAIN_JIT_CACHE_DIR=") and "TRITON_CACHE_DIR=" in lines[1]
-    assert "--async-ckpt" in lines[3]
+    assert "--async-ckpt" in lines[3] and "--overwrite" in lines[3]
+    assert lines[4].endswith("--resume") and "--steps 5 " in lines[4]
+    assert "--overwrite" not in lines[4]
     with pytest.raises(ValueError, match="needs 8 ranks"):
         main(["--nproc", "4", "--runs", "ep8_fp8", "--dry-run"])
+    # The dispatch bench at EP8 in DeepSeek-V3's setting, on its own: no checkpoint run.
+    main(["--nproc", "8", "--runs", "dispatch_ep8", "--dry-run"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and "--nproc-per-node 8 -m ptxtrain bench dispatch" in lines[1]
+    assert "--tokens 4096 --hidden 7168 --experts 256 --topk 8" in lines[1]
+    with pytest.raises(ValueError, match="'dispatch_ep8' needs 8 ranks"):
+        main(["--nproc", "4", "--runs", "dispatch_ep8", "--dry-run"])
 
 
 def _summary(run_dir: Path, **fields) -> None:
@@ -135,6 +144,7 @@ def test_cpu_run_records_every_entry(tmp_path):
             "ep2_bf16",
             "pp2_1f1b_bf16",
             "ep2_fp8_nvlink",
+            "dispatch_ep2",
             "--preset",
             "tiny",
             "--batch-size",
@@ -162,10 +172,15 @@ def test_cpu_run_records_every_entry(tmp_path):
         ]
     )
     rec = json.loads(out.read_text())
-    assert rc == 1  # the NVLink backend needs CUDA GPUs
-    assert rec["run_names"] == ["ep2_bf16", "pp2_1f1b_bf16", "ep2_fp8_nvlink"], rec["run_names"]
+    assert rc == 1  # the NVLink backend and the dispatch bench need CUDA GPUs
+    names = ["ep2_bf16", "pp2_1f1b_bf16", "ep2_fp8_nvlink", "dispatch_ep2"]
+    assert rec["run_names"] == names, rec["run_names"]
     failed = rec["ep2_fp8_nvlink"]
     assert "--ep-backend nvlink needs CUDA" in failed["error"] and failed["command"]
+    assert "error" in rec["dispatch_ep2"] and "bench dispatch" in rec["dispatch_ep2"]["command"]
+    # The checkpoint run, then a resume that loads its sharded state (at its last step).
+    assert rec["resume_ok"] is True and rec["resume_step"] == 3, rec.get("resume_failure")
+    assert "--resume" in rec["resume_command"] and "--overwrite" not in rec["resume_command"]
     assert rec["one_gpu_bf16_tokens_per_s"] > 0 and rec["device"] == "cpu"
     for name in ("ep2_bf16", "pp2_1f1b_bf16"):
         e = rec[name]
