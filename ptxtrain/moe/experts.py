@@ -174,8 +174,10 @@ class Experts(nn.Module):
         add of the two [N, D] Dgrad outputs gone, and with a HostLayout one gather of h and
         one scatter and one gather in backward fewer. The weight cache quantizes the stacked
         weight once per weight change (2 passes instead of 3, after one copy of w1 and w3 into
-        a transient ``[E, 2I, D]`` stack). Bit for bit ``fp8_grouped_linear(x, cat([w1, w3],
-        1))`` -> split -> swiglu -> ``fp8_grouped_linear(h, w2)``.
+        a transient ``[E, 2I, D]`` stack). The SwiGLU keeps its input for backward in FP8
+        (``config.save_swiglu_input_fp8``). Bit for bit ``fp8_grouped_linear(x, cat([w1, w3],
+        1))`` -> ``swiglu_stacked`` (the same ``save_input_fp8``) -> ``fp8_grouped_linear(h,
+        w2)``.
 
         Otherwise (I not a multiple of 128) three calls, x's quantization shared by w1 and w3.
         """
@@ -183,7 +185,9 @@ class Experts(nn.Module):
         q = self._quantized_weight
         if self._gate_up_stacks():
             h = run(x, (self.w1, self.w3), layout, counts, cfg, q(("w1", "w3"), cfg))
-            h = swiglu_stacked(h)  # [N, 2I] -> [N, I]
+            fp8_saved = cfg.save_swiglu_input_fp8 and cfg.any_fp8
+            # [N, 2I] -> [N, I]; backward keeps [h1 | h3] in FP8 (the recipe's storage)
+            h = swiglu_stacked(h, save_input_fp8=fp8_saved, pow2_scale=cfg.pow2_scale)
             return run(h, self.w2, layout, counts, cfg, q(("w2",), cfg))  # [N, D]
         # x's quantization for w1 and w3 (same values, same tiles): made once. Which parts are
         # needed follows the Function's rule (fprop: 1x128; wgrad of a weight that wants grad:

@@ -66,9 +66,15 @@ class Fp8LinearConfig:
     # Costs one FP8 byte per weight element (+ scales) held between steps, two with dgrad on
     # (Wᵀ's quantization is cached beside W's, so backward does no transpose).
     cache_weight_fp8: bool = True
+    # The MoE experts keep their SwiGLU input [w1 x | w3 x] for backward as its 1x128 FP8
+    # quantization instead of in the activation dtype (DeepSeek-V3 report §3.3, low-precision
+    # storage): about half of those bytes, the largest activation of an MoE layer. Where the
+    # gate/up projections run as one stacked GEMM (I a multiple of 128) and a GEMM is FP8.
+    save_swiglu_input_fp8: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("fprop", "dgrad", "wgrad", "pow2_scale", "cache_weight_fp8"):
+        flags = ("fprop", "dgrad", "wgrad", "pow2_scale", "cache_weight_fp8")
+        for name in (*flags, "save_swiglu_input_fp8"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -114,7 +120,10 @@ class Fp8LinearConfig:
         if name == "deepseek_wgrad_bf16":
             return cls(wgrad=False, recipe_name=name)
         if name == "bf16":
-            return cls(fprop=False, dgrad=False, wgrad=False, recipe_name=name)
+            return cls(
+                fprop=False, dgrad=False, wgrad=False, save_swiglu_input_fp8=False,
+                recipe_name=name,
+            )  # fmt: skip
         raise ValueError(f"recipe name must be one of {', '.join(RECIPES)}; got {name!r}")
 
     @property

@@ -136,7 +136,57 @@ class _SwiGLUStackedFn(torch.autograd.Function):
         return _ops().swiglu_stacked_bwd(g, rows).view(ctx.shape)
 
 
-def swiglu_stacked(h: torch.Tensor, *, kernels: str = "auto") -> torch.Tensor:
+class _SwiGLUStackedFp8Fn(torch.autograd.Function):
+    """The stacked SwiGLU keeping its input for backward as the 1x128 FP8 quantization (Triton
+    kernels ``swiglu_stacked_fwd_q`` / ``bwd_q``)."""
+
+    @staticmethod
+    def forward(ctx, h, pow2_scale):
+        rows = h.reshape(-1, h.shape[-1]).contiguous()
+        y, q, sf = _ops().swiglu_stacked_fwd_q(rows, pow2_scale)
+        ctx.save_for_backward(q, sf)
+        ctx.shape, ctx.dtype = h.shape, h.dtype
+        return y.view(*h.shape[:-1], h.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, sf = ctx.saved_tensors
+        g = grad.reshape(q.shape[0], q.shape[1] // 2).contiguous()
+        return _ops().swiglu_stacked_bwd_q(g, q, sf, ctx.dtype).view(ctx.shape), None
+
+
+class _SwiGLUStackedFp8RefFn(torch.autograd.Function):
+    """The reference of :class:`_SwiGLUStackedFp8Fn`: forward :func:`swiglu_stacked_ref`, and
+    backward torch's autograd of :func:`swiglu_ref` at the dequantized input (fp32)."""
+
+    @staticmethod
+    def forward(ctx, h, pow2_scale):
+        from ptxtrain.quant import ref as qref
+
+        rows = h.detach().reshape(-1, h.shape[-1])
+        ctx.save_for_backward(*qref.per_token_cast_to_fp8(rows, pow2_scale=pow2_scale))
+        ctx.shape, ctx.dtype = h.shape, h.dtype
+        return swiglu_stacked_ref(h.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ptxtrain.quant import ref as qref
+
+        q, sf = ctx.saved_tensors
+        with torch.enable_grad():
+            h = qref.per_token_cast_back(q, sf).requires_grad_()
+            y = swiglu_ref(*h.chunk(2, dim=-1))
+            (dh,) = torch.autograd.grad(y, h, grad.reshape(y.shape).float())
+        return dh.to(ctx.dtype).view(ctx.shape), None
+
+
+def swiglu_stacked(
+    h: torch.Tensor,
+    *,
+    kernels: str = "auto",
+    save_input_fp8: bool = False,
+    pow2_scale: bool = False,
+) -> torch.Tensor:
     """SwiGLU of a stacked gate/up projection: ``silu(h[..., :I]) ⊙ h[..., I:]``.
 
     The experts' fused w1/w3 GEMM writes ``[w1 x | w3 x]`` as one ``[..., 2I]`` tensor
@@ -146,16 +196,25 @@ def swiglu_stacked(h: torch.Tensor, *, kernels: str = "auto") -> torch.Tensor:
     concatenation to autograd. Bit for bit ``swiglu(h[..., :I], h[..., I:], kernels=kernels)``
     (the same math on both paths: the Triton kernels share it, the reference is that call).
 
+    With ``save_input_fp8`` (DeepSeek-V3 report §3.3, low-precision storage: the SwiGLU input
+    of the MoE experts is cached in FP8) backward keeps ``h``'s 1x128 quantization (e4m3 and
+    fp32 scales, ``per_token_cast_to_fp8``'s bits) instead of ``h``, about half its bytes, and
+    computes the gradient at the dequantized values; the forward output is unchanged.
+
     Args:
         h: ``[..., 2I]`` float32 / bfloat16 / float16 (float64: reference), ``2I`` even and > 0.
         kernels: see :func:`ptxtrain._backend.use_triton_kernels`.
+        save_input_fp8: keep ``h`` for backward in FP8 (needs ``I`` a multiple of 128, so no
+            1x128 tile spans the two halves; not for float64).
+        pow2_scale: with ``save_input_fp8``, round the scales up to powers of two.
 
     Returns:
         ``[..., I]`` in ``h``'s dtype; fp32 math (fp64 for float64), one rounding.
 
     Raises:
-        TypeError: ``h`` not a float tensor.
-        ValueError: ``h`` 0-d or its last dim odd or 0; a bad ``kernels``.
+        TypeError: ``h`` not a float tensor; ``save_input_fp8`` / ``pow2_scale`` not a bool.
+        ValueError: ``h`` 0-d or its last dim odd or 0; a bad ``kernels``; ``save_input_fp8``
+            with ``I`` not a multiple of 128 or a float64 ``h``.
 
     Source: DeepSeek-V3 report §2.1.2 (SwiGLU experts); Megatron-LM's fused gate/up
     (``gated_linear_unit``) halves layout.
@@ -165,7 +224,20 @@ def swiglu_stacked(h: torch.Tensor, *, kernels: str = "auto") -> torch.Tensor:
         raise ValueError(
             f"h must be [..., 2I] with an even last dim 2I > 0, got shape {tuple(h.shape)}"
         )
-    if use_triton_kernels(kernels, h):
+    for name, flag in (("save_input_fp8", save_input_fp8), ("pow2_scale", pow2_scale)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+    triton = use_triton_kernels(kernels, h)
+    if save_input_fp8:
+        inter = h.shape[-1] // 2
+        if inter % 128 or h.dtype == torch.float64:
+            raise ValueError(
+                f"save_input_fp8 needs h [..., 2I] with I a multiple of 128 and a float32 / "
+                f"bfloat16 / float16 dtype, got shape {tuple(h.shape)} and {h.dtype}"
+            )
+        fn = _SwiGLUStackedFp8Fn if triton else _SwiGLUStackedFp8RefFn
+        return fn.apply(h, pow2_scale)
+    if triton:
         return _SwiGLUStackedFn.apply(h)
     return swiglu_stacked_ref(h)
 

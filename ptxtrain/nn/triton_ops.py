@@ -13,7 +13,12 @@ differs from them is named at each kernel (``exp`` and reduction orders).
   and ``b`` as the two column halves of one ``[rows, 2I]`` tensor (the experts' fused gate/up
   GEMM output) in ``[BLOCK_R, BLOCK_C]`` tiles and writes ``[da | db]`` into one ``[rows, 2I]``
   gradient; both forms share the math (``_silu_mul``, ``_silu_mul_grad``), so they agree bit for
-  bit. ``silu`` is ``a / (1 + e^-a)``,
+  bit. The ``_q`` variants of the stacked form keep the input for backward as its 1x128 FP8
+  quantization (DeepSeek-V3 report §3.3: the SwiGLU input is cached in FP8): the forward writes
+  ``[h1 | h3]``'s e4m3 tiles and fp32 scales beside the output (the quantizer's math from
+  :mod:`ptxtrain.quant.triton`, so the bits of ``per_token_cast_to_fp8``), a program owning
+  ``[BLOCK_R, 128]`` of each half; the backward reads those and dequantizes in registers
+  (``q·sf`` in fp32, as ``per_token_cast_back``). ``silu`` is ``a / (1 + e^-a)``,
   the formula of torch's kernels; ``exp`` is Triton's (``ex2.approx`` on the GPU, numpy in the
   interpreter), 1-2 fp32 ulps from torch's, so a bf16 output can sit one bf16 ulp off where the
   fp32 value lies at a rounding boundary.
@@ -37,6 +42,14 @@ import triton
 import triton.language as tl
 
 from ptxtrain._checks import ceil_div
+from ptxtrain.quant.ref import BLOCK as QUANT_BLOCK
+from ptxtrain.quant.triton import (
+    abs_bits,
+    all_finite,
+    cast_e4m3,
+    reciprocal,
+    scale_from_amax_bits,
+)
 
 __all__ = [
     "MAX_NORM_DIM",
@@ -47,7 +60,9 @@ __all__ = [
     "swiglu_bwd",
     "swiglu_fwd",
     "swiglu_stacked_bwd",
+    "swiglu_stacked_bwd_q",
     "swiglu_stacked_fwd",
+    "swiglu_stacked_fwd_q",
 ]
 
 MAX_NORM_DIM = 16384  # an RMSNorm row lives in one program's registers
@@ -134,6 +149,103 @@ def _swiglu_stacked_bwd_kernel(
     da, db = _silu_mul_grad(g, a, b)
     tl.store(dh_ptr + ab, da.to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(dh_ptr + ab + cols, db.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quant_rows(x, POW2: tl.constexpr):
+    """1x128 quantization of an fp32 tile ``[R, 128]``: (e4m3 tile, fp32 scales ``[R]``)."""
+    sf = scale_from_amax_bits(tl.max(abs_bits(x), axis=1), POW2)
+    return cast_e4m3(x, sf[:, None], reciprocal(sf)[:, None], all_finite(sf)), sf
+
+
+@triton.jit
+def _q_tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """This program's rows and ``BLOCK_Q`` columns of the first half of a stacked ``[rows, 2I]``
+    tensor (``I = cols``, a multiple of ``BLOCK_Q``): row offsets, column offsets, row mask."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    return r, c, (r < rows)[:, None]
+
+
+@triton.jit
+def _swiglu_stacked_fwd_q_kernel(
+    h_ptr, out_ptr, q_ptr, sf_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
+    POW2: tl.constexpr,
+):  # fmt: skip
+    r, c, mask = _q_tile(rows, cols, BLOCK_R, BLOCK_Q)
+    ab = r[:, None] * (2 * cols) + c[None, :]
+    a = tl.load(h_ptr + ab, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(h_ptr + ab + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r[:, None] * cols + c[None, :], _silu_mul(a, b).to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+    # The scale columns of a's tile and b's: tile j of the first half, tile j + I/128 of the
+    # second ([rows, 2I/128] row-major).
+    n_sf = 2 * (cols // BLOCK_Q)
+    j = tl.program_id(1)
+    qa, sfa = _quant_rows(a, POW2)
+    tl.store(q_ptr + ab, qa, mask=mask)
+    tl.store(sf_ptr + r * n_sf + j, sfa, mask=r < rows)
+    qb, sfb = _quant_rows(b, POW2)
+    tl.store(q_ptr + ab + cols, qb, mask=mask)
+    tl.store(sf_ptr + r * n_sf + j + n_sf // 2, sfb, mask=r < rows)
+
+
+@triton.jit
+def _swiglu_stacked_bwd_q_kernel(
+    g_ptr, q_ptr, sf_ptr, dh_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr
+):
+    r, c, mask = _q_tile(rows, cols, BLOCK_R, BLOCK_Q)
+    ab = r[:, None] * (2 * cols) + c[None, :]
+    n_sf = 2 * (cols // BLOCK_Q)
+    j = tl.program_id(1)
+    sfa = tl.load(sf_ptr + r * n_sf + j, mask=r < rows, other=1.0)
+    sfb = tl.load(sf_ptr + r * n_sf + j + n_sf // 2, mask=r < rows, other=1.0)
+    a = tl.load(q_ptr + ab, mask=mask, other=0.0).to(tl.float32) * sfa[:, None]
+    b = tl.load(q_ptr + ab + cols, mask=mask, other=0.0).to(tl.float32) * sfb[:, None]
+    g = tl.load(g_ptr + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    da, db = _silu_mul_grad(g, a, b)
+    tl.store(dh_ptr + ab, da.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + ab + cols, db.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+_Q_ROWS = 32  # rows per program of the _q kernels: two [32, 128] tiles
+
+
+def swiglu_stacked_fwd_q(
+    h: torch.Tensor, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`swiglu_stacked_fwd` of a contiguous ``[rows, 2I]`` tensor (``I`` a multiple of
+    128), plus ``h``'s 1x128 quantization for backward: ``(out [rows, I] in h's dtype,
+    h_fp8 [rows, 2I] e4m3, sf [rows, 2I/128] fp32 row-major)``, the bits of
+    ``per_token_cast_to_fp8(h, pow2_scale=pow2_scale)``."""
+    rows, cols = h.shape[0], h.shape[1] // 2
+    out = h.new_empty(rows, cols)
+    q = torch.empty(h.shape, dtype=torch.float8_e4m3fn, device=h.device)
+    sf = torch.empty(rows, 2 * cols // QUANT_BLOCK, dtype=torch.float32, device=h.device)
+    if out.numel():
+        grid = (triton.cdiv(rows, _Q_ROWS), cols // QUANT_BLOCK)
+        _swiglu_stacked_fwd_q_kernel[grid](
+            h, out, q, sf, rows, cols, BLOCK_R=_Q_ROWS, BLOCK_Q=QUANT_BLOCK, POW2=pow2_scale,
+            num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    return out, q, sf
+
+
+def swiglu_stacked_bwd_q(
+    g: torch.Tensor, q: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``d[h1 | h3]`` ``[rows, 2I]`` in ``dtype`` for the contiguous output gradient ``g``
+    ``[rows, I]``, from :func:`swiglu_stacked_fwd_q`'s quantization: bit for bit
+    :func:`swiglu_stacked_bwd` of ``per_token_cast_back(q, sf)`` (fp32), cast to ``dtype``."""
+    rows, cols = g.shape
+    dh = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if g.numel():
+        grid = (triton.cdiv(rows, _Q_ROWS), cols // QUANT_BLOCK)
+        _swiglu_stacked_bwd_q_kernel[grid](
+            g, q, sf, dh, rows, cols, BLOCK_R=_Q_ROWS, BLOCK_Q=QUANT_BLOCK, num_warps=4,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    return dh
 
 
 def swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

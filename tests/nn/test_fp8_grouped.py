@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ptxtrain.nn import Fp8Linear, Fp8LinearConfig
 from ptxtrain.nn.fp8_grouped import fp8_grouped_linear
 from ptxtrain.nn.fp8_linear import resolve_config
-from ptxtrain.nn.functional import swiglu
+from ptxtrain.nn.functional import swiglu, swiglu_stacked
 from ptxtrain.testing import assert_bitwise_equal, calc_diff, sqnr_db
 from ptxtrain.testing.shapes import DSV3_DENSE_NK
 
@@ -372,16 +372,18 @@ def _experts(e, d, i, dtype, seed):
 def _experts_reference(ex, x, counts, dy):
     """The experts' FP8 path as public calls on copies of ex's weights: (y, dx, dw1/3/2).
 
-    I a multiple of 128: ``fp8_grouped_linear(x, cat([w1, w3], 1))`` -> split -> swiglu ->
-    ``fp8_grouped_linear(h, w2)`` (the cat's gradient split back to w1 / w3 by autograd);
-    otherwise the three calls ``w1``, ``w3``, ``w2``.
+    I a multiple of 128: ``fp8_grouped_linear(x, cat([w1, w3], 1))`` -> ``swiglu_stacked``
+    (input kept in FP8 as the config says) -> ``fp8_grouped_linear(h, w2)`` (the cat's gradient
+    split back to w1 / w3 by autograd); otherwise the three calls ``w1``, ``w3``, ``w2``.
     """
     x = x.detach().clone().requires_grad_()
     ws = [getattr(ex, n).detach().clone().requires_grad_() for n in ("w1", "w3", "w2")]
     cfg, inter = ex.fp8_config, ws[0].shape[1]
     if inter % 128 == 0:
         h13 = fp8_grouped_linear(x, torch.cat(ws[:2], dim=1), counts, config=cfg)
-        h = swiglu(*h13.split(inter, dim=1))
+        rc = resolve_config(cfg)
+        fp8_saved = rc.save_swiglu_input_fp8 and rc.any_fp8
+        h = swiglu_stacked(h13, save_input_fp8=fp8_saved, pow2_scale=rc.pow2_scale)
     else:
         h = fp8_grouped_linear(x, ws[0], counts, config=cfg)
         h = swiglu(h, fp8_grouped_linear(x, ws[1], counts, config=cfg))  # the experts' gate

@@ -150,12 +150,99 @@ def test_swiglu_stacked_equals_swiglu_on_the_halves_bitwise(shape, dtype, kernel
     assert_bitwise_equal(dh + 0.0, dh2 + 0.0, name="dh")
 
 
+# ----------------------------------------------------------- stacked SwiGLU, input kept in FP8
+def _fp8_saved_case(rows, inter, dtype, seed):
+    """h [rows, 2I] (leaf, spread over ±9 so tiles have distinct scales) and g [rows, I]."""
+    h = _leaf(rows, 2 * inter, dtype=dtype, seed=seed, scale=3.0)
+    with torch.no_grad():
+        h.mul_(torch.linspace(0.1, 3.0, rows, dtype=dtype).unsqueeze(1))
+    return h, _rand(rows, inter, dtype=dtype, seed=seed + 1)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,inter", [(37, MEDIUM.moe_inter_dim), (70, 128), (0, 256)])
+def test_swiglu_stacked_fp8_saved_kernels_bitwise(rows, inter, dtype, pow2):
+    # The _q kernels against their definitions, bit for bit: the output is the unquantized
+    # kernel's, the saved pair is per_token_cast_to_fp8's (the reference quantizer), and the
+    # gradient is the unquantized backward kernel at the dequantized input, cast once; the
+    # autograd function returns exactly that gradient. Rows end inside a 32-row program (37,
+    # 70) or are none at all; I = 1408 is the medium experts' (11 tiles per half).
+    from ptxtrain.nn import triton_ops
+    from ptxtrain.quant import ref as qref
+
+    h, g = _fp8_saved_case(rows, inter, dtype, seed=rows + inter)
+    y, q, sf = triton_ops.swiglu_stacked_fwd_q(h.detach(), pow2)
+    assert_bitwise_equal(y, triton_ops.swiglu_stacked_fwd(h.detach()), name="y")
+    q_ref, sf_ref = qref.per_token_cast_to_fp8(h.detach(), pow2_scale=pow2)
+    assert_bitwise_equal(q, q_ref, name="h_fp8")
+    assert_bitwise_equal(sf, sf_ref, name="sf")
+    dh = triton_ops.swiglu_stacked_bwd_q(g, q, sf, dtype)
+    want = triton_ops.swiglu_stacked_bwd(g, qref.per_token_cast_back(q, sf)).to(dtype)
+    assert_bitwise_equal(dh, want, name="dh")
+    y2 = fn.swiglu_stacked(h, kernels="triton", save_input_fp8=True, pow2_scale=pow2)
+    assert_bitwise_equal(y2, y, name="y (autograd)")
+    (dh2,) = torch.autograd.grad(y2, h, g)
+    assert_bitwise_equal(dh2, dh, name="dh (autograd)")
+
+
 @pytest.mark.parametrize("kernels", ["triton", "ref"])
-def test_swiglu_stacked_with_no_rows(kernels):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_stacked_fp8_saved_gradient(kernels, dtype):
+    # Against the input kept as is: the forward is unchanged (bitwise) and the gradient carries
+    # the 1x128 e4m3 quantization of h (3 mantissa bits: about 30 dB SQNR); 25 dB leaves margin
+    # while a wrong scale or half gives below 10. The Triton and reference paths differ only in
+    # exp (1-2 fp32 ulps) and da's cancellation near a = -1.28: one ulp of the dtype plus a
+    # floor of 4 fp32 ulps of the largest gradient.
+    from ptxtrain.testing import sqnr_db
+
+    h, g = _fp8_saved_case(64, 256, dtype, seed=9)
+    y = fn.swiglu_stacked(h, kernels=kernels, save_input_fp8=True)
+    y_full = fn.swiglu_stacked(h, kernels=kernels)
+    assert_bitwise_equal(y, y_full, name="y")
+    (dh,) = torch.autograd.grad(y, h, g)
+    (dh_full,) = torch.autograd.grad(y_full, h, g)
+    assert sqnr_db(dh.float(), dh_full.float()) > 25
+    if kernels == "triton":
+        y_r = fn.swiglu_stacked(h, kernels="ref", save_input_fp8=True)
+        (dh_r,) = torch.autograd.grad(y_r, h, g)
+        floor = 4 * FP32_REL * float(dh_r.abs().max())
+        _assert_within(dh, dh_r, _rel(dtype), floor, what="triton vs reference dh")
+
+
+@pytest.mark.parametrize("kernels", ["triton", "ref"])
+def test_swiglu_stacked_fp8_saved_keeps_no_16_bit_copy(kernels):
+    # What backward holds: the e4m3 tiles and their fp32 scales, not h (about half the bytes).
+    h, _ = _fp8_saved_case(64, 256, torch.bfloat16, seed=3)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn.swiglu_stacked(h, kernels=kernels, save_input_fp8=True)
+    assert sorted(saved, key=str) == [(torch.float32, 64 * 4), (torch.float8_e4m3fn, h.numel())]
+
+
+def test_swiglu_stacked_fp8_saved_errors():
+    with pytest.raises(ValueError, match="I a multiple of 128"):
+        fn.swiglu_stacked(torch.randn(4, 200), save_input_fp8=True)
+    with pytest.raises(ValueError, match="I a multiple of 128"):
+        fn.swiglu_stacked(torch.randn(4, 256, dtype=torch.float64), save_input_fp8=True)
+    with pytest.raises(TypeError, match="save_input_fp8 must be a bool"):
+        fn.swiglu_stacked(torch.randn(4, 256), save_input_fp8=1)
+    with pytest.raises(TypeError, match="pow2_scale must be a bool"):
+        fn.swiglu_stacked(torch.randn(4, 256), save_input_fp8=True, pow2_scale=None)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "ref"])
+@pytest.mark.parametrize("fp8_saved", [False, True])
+def test_swiglu_stacked_with_no_rows(kernels, fp8_saved):
     # An expert-parallel rank whose experts received no tokens runs the experts on [0, 2I]
     # rows: forward gives [0, I], backward a [0, 2I] gradient, on both paths.
     h = torch.randn(0, 2 * MEDIUM.moe_inter_dim, dtype=torch.bfloat16, requires_grad=True)
-    y = fn.swiglu_stacked(h, kernels=kernels)
+    y = fn.swiglu_stacked(h, kernels=kernels, save_input_fp8=fp8_saved)
     assert y.shape == (0, MEDIUM.moe_inter_dim)
     (dh,) = torch.autograd.grad(y, h, torch.empty_like(y))
     assert dh.shape == h.shape and dh.dtype == h.dtype
@@ -427,6 +514,30 @@ def test_swiglu_stacked_cuda_equals_swiglu_on_the_halves(dtype):
         (y, dh), (y2, dh2) = _swiglu_stacked_pair(shape, dtype, "triton", "cuda", seed=inter)
         assert_bitwise_equal(y, y2, name=f"y I={inter}")
         assert_bitwise_equal(dh + 0.0, dh2 + 0.0, name=f"dh I={inter}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_swiglu_stacked_fp8_saved_cuda_bitwise(pow2):
+    # The _q kernels on the GPU at the medium experts' rows (16,384 tokens x 6) and I = 1408:
+    # the output is the unquantized kernel's, the saved pair is the CUDA quantizer's (bit-exact
+    # with the reference by its own tests), and the gradient is the unquantized backward kernel
+    # at the dequantized input: the same bits (contraction off in both kernels).
+    from ptxtrain import quant
+    from ptxtrain.nn import triton_ops
+
+    rows, inter = GPU_TOKENS[0] * GPU_TOKENS[1] * 6, MEDIUM.moe_inter_dim
+    h, g = _fp8_saved_case(rows, inter, torch.bfloat16, seed=11)
+    h, g = h.detach().cuda(), g.cuda()
+    y, q, sf = triton_ops.swiglu_stacked_fwd_q(h, pow2)
+    assert_bitwise_equal(y, triton_ops.swiglu_stacked_fwd(h), name="y")
+    q_ref, sf_ref = quant.per_token_cast_to_fp8(h, pow2_scale=pow2)
+    assert_bitwise_equal(q, q_ref, name="h_fp8")
+    assert_bitwise_equal(sf, sf_ref, name="sf")
+    dh = triton_ops.swiglu_stacked_bwd_q(g, q, sf, torch.bfloat16)
+    deq = quant.ref.per_token_cast_back(q, sf)
+    want = triton_ops.swiglu_stacked_bwd(g, deq).to(torch.bfloat16)
+    assert_bitwise_equal(dh, want, name="dh")
 
 
 @pytest.mark.gpu
