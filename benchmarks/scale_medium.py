@@ -20,7 +20,10 @@ Per run: ``tokens_per_s`` per GPU (the summary's ``steady_tokens_per_s``, which 
 rank's tokens, over the ranks), ``efficiency`` (that over the one GPU's, both without the first
 step), the median measured ``bubble`` and ``formula_bubble`` (DeepSeek-V3's) of the last
 ``--bubble-steps`` steps of a pipeline run (``--timeline``), ``peak_mem_gib`` (the largest
-rank's). The record also holds ``first_step_s`` of the first EP run, which runs with empty JIT
+rank's) and ``max_load_ratio`` (the routing balance). ``--measure-last N`` takes tokens/s over
+each run's last N steps instead (from ``metrics.jsonl``): the routers start unbalanced, and an
+EP run pays for that (one rank's experts get most tokens) until the bias update catches up.
+The record also holds ``first_step_s`` of the first EP run, which runs with empty JIT
 caches (fresh ``PTXTRAIN_JIT_CACHE_DIR`` and ``TRITON_CACHE_DIR``), and the checkpoint run's
 ``checkpoint_save_s`` and ``async_step_slowdown``, then whether a ``--resume`` of that run
 from its last checkpoint finished (``resume_ok``, ``resume_step``). A name ``dispatch_ep<E>``
@@ -142,6 +145,7 @@ class Settings:
     baseline_precision: str = "fp8"
     out_dir: Path = Path("/tmp/scale-medium")
     bubble_steps: int = 5
+    measure_last: int | None = None
 
     def common(self, precision: str) -> list[str]:
         flags = ["--preset", self.preset, "--no-mtp", "--precision", precision]
@@ -242,22 +246,76 @@ def per_gpu_tokens_per_s(summary: dict) -> float:
     return steady / summary.get("ranks", 1)
 
 
+def step_records(run_dir: Path) -> list[dict]:
+    """The per-step records of ``run_dir/metrics.jsonl`` that carry a step time (``time_s``),
+    in step order; [] without the file."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted((r for r in recs if "step" in r and r.get("time_s")), key=lambda r: r["step"])
+
+
+def window_tokens_per_s(run_dir: Path, summary: dict, last: int) -> float:
+    """Tokens/s per GPU over the run's last ``last`` steps (their ``time_s`` in
+    ``metrics.jsonl``): past the first steps, where the routers are still unbalanced.
+
+    Raises:
+        ValueError: fewer than ``last`` timed steps, or the first step among them.
+    """
+    recs = step_records(run_dir)[-last:]
+    if len(recs) < last or recs[0]["step"] <= 1:
+        raise ValueError(
+            f"{run_dir}: --measure-last {last} needs that many timed steps after the first, "
+            f"metrics.jsonl has {len(step_records(run_dir))}"
+        )
+    tokens = summary["tokens_per_step"] * last
+    return tokens / sum(r["time_s"] for r in recs) / summary.get("ranks", 1)
+
+
+def max_load_ratio(run_dir: Path, last: int | None) -> float | None:
+    """The median over the measured steps (the last ``last``, or all after the first) of the
+    busiest expert's load over the mean (``moe.max_load_ratio``): 1 is balanced routing, E/k
+    all tokens on the same experts. None without the records."""
+    recs = [r for r in step_records(run_dir) if r["step"] > 1]
+    vals = sorted(r["moe"]["max_load_ratio"] for r in recs[-(last or len(recs)) :] if "moe" in r)
+    return round(vals[len(vals) // 2], 3) if vals else None
+
+
 def peak_mem_gib(summary: dict) -> float | None:
     """The largest rank's peak device memory in GiB (None on CPU: no rank measured one)."""
     peaks = [p for p in summary.get("peak_memory_bytes_per_rank") or () if p is not None]
     return round(max(peaks) / 2**30, 2) if peaks else None
 
 
-def run_entry(run_dir: Path, base_per_gpu: float | None, bubble_steps: int) -> dict:
-    """One run's numbers: ``tokens_per_s`` (per GPU), ``efficiency`` (over ``base_per_gpu``,
-    None without it), ``bubble`` / ``formula_bubble`` / ``formula`` (None without timelines),
-    ``peak_mem_gib``, ``first_step_s``, ``ranks``, ``tokens_per_step``.
+def run_tokens_per_s(run_dir: Path, measure_last: int | None) -> float:
+    """Per-GPU tokens/s of a finished run: over its last ``measure_last`` steps, or (None) every
+    step after the first.
 
     Raises:
-        FileNotFoundError, ValueError: from :func:`read_summary`, :func:`per_gpu_tokens_per_s`.
+        FileNotFoundError, ValueError: as :func:`read_summary`, :func:`per_gpu_tokens_per_s`,
+            :func:`window_tokens_per_s`.
     """
     summary = read_summary(run_dir)
-    per_gpu = per_gpu_tokens_per_s(summary)
+    if measure_last:
+        return window_tokens_per_s(run_dir, summary, measure_last)
+    return per_gpu_tokens_per_s(summary)
+
+
+def run_entry(
+    run_dir: Path, base_per_gpu: float | None, bubble_steps: int, measure_last: int | None = None
+) -> dict:
+    """One run's numbers: ``tokens_per_s`` (per GPU, over the last ``measure_last`` steps or
+    every step after the first), ``efficiency`` (over ``base_per_gpu``, None without it),
+    ``bubble`` / ``formula_bubble`` / ``formula`` (None without timelines), ``peak_mem_gib``,
+    ``max_load_ratio`` (routing balance over the measured steps), ``first_step_s``, ``ranks``,
+    ``tokens_per_step``.
+
+    Raises:
+        FileNotFoundError, ValueError: from :func:`run_tokens_per_s`.
+    """
+    summary = read_summary(run_dir)
+    per_gpu = run_tokens_per_s(run_dir, measure_last)
     b = bubble_record(run_dir, bubble_steps) or {}
     return {
         "tokens_per_s": round(per_gpu, 1),
@@ -266,6 +324,7 @@ def run_entry(run_dir: Path, base_per_gpu: float | None, bubble_steps: int) -> d
         "formula_bubble": b.get("predicted_median"),
         "formula": b.get("formula"),
         "peak_mem_gib": peak_mem_gib(summary),
+        "max_load_ratio": max_load_ratio(run_dir, measure_last),
         "first_step_s": summary.get("first_step_s"),
         "ranks": summary.get("ranks", 1),
         "tokens_per_step": summary.get("tokens_per_step"),
@@ -404,8 +463,9 @@ def measure(calls: list[dict], s: Settings, timeout: float, on_update=None) -> d
                 raise RuntimeError(error)
             if call["key"] == "baseline":
                 rec["baseline_command"] = _shown(call)
-                base = per_gpu_tokens_per_s(read_summary(call["out"]))
+                base = run_tokens_per_s(call["out"], s.measure_last)
                 rec[base_key] = round(base, 1)
+                rec["one_gpu_max_load_ratio"] = max_load_ratio(call["out"], s.measure_last)
             elif call["key"] == "ckpt":
                 rec.update(_checkpoint_fields(call["out"]), checkpoint_command=_shown(call))
             elif call["key"] == "resume":
@@ -418,7 +478,7 @@ def measure(calls: list[dict], s: Settings, timeout: float, on_update=None) -> d
                     "command": _shown(call),
                 }
             else:
-                entry = run_entry(call["out"], base, s.bubble_steps)
+                entry = run_entry(call["out"], base, s.bubble_steps, s.measure_last)
                 rec["runs"][call["name"]] = {**entry, "command": _shown(call)}
                 if call["env"]:
                     rec.update(first_step_s=entry["first_step_s"], first_step_run=call["name"])
@@ -483,6 +543,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run name for the checkpoint run (default: the first of --runs; 'none' skips it)",
     )
     p.add_argument("--bubble-steps", type=int, default=5, help="last steps of the bubble")
+    p.add_argument(
+        "--measure-last",
+        type=int,
+        help="tokens/s over each run's last N steps (default: every step after the first); "
+        "the routers start unbalanced, which an EP run pays for until the bias catches up",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return p
@@ -494,10 +560,16 @@ def _settings(args: argparse.Namespace) -> Settings:
         got = getattr(args, name)
         if got < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {got}")
+    last = args.measure_last
+    if last is not None and not 1 <= last < args.steps:
+        raise ValueError(f"--measure-last must be in [1, --steps={args.steps}), got {last}")
     # The flags of the same names; the launcher is split into its words.
     same = ("preset", "batch_size", "seq_len", "steps", "micro_batch", "num_chunks", "device")
     return Settings(
-        **{name: getattr(args, name) for name in (*same, "baseline_precision", "bubble_steps")},
+        **{
+            name: getattr(args, name)
+            for name in (*same, "baseline_precision", "bubble_steps", "measure_last")
+        },
         torchrun=tuple(shlex.split(args.torchrun)),
         out_dir=Path(args.out_dir),
     )

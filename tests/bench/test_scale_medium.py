@@ -129,6 +129,30 @@ def test_entry_math_on_fabricated_summaries(tmp_path):
         run_entry(tmp_path / "missing", base, 5)
 
 
+def test_window_math_on_fabricated_metrics(tmp_path):
+    """--measure-last: tokens over the last N steps' summed time, over the ranks; the routing
+    balance is the median of those steps' max_load_ratio; too few steps is an error."""
+    run = tmp_path / "r"
+    _summary(run, steady_tokens_per_s=1.0, ranks=2, tokens_per_step=1000)
+    times = [9.0, 4.0, 2.0, 1.0, 1.5, 0.5]  # the first steps are slow (unbalanced routers)
+    loads = [8.0, 6.0, 3.0, 1.2, 1.4, 1.1]
+    lines = [
+        json.dumps({"step": i + 1, "time_s": t, "moe": {"max_load_ratio": m}})
+        for i, (t, m) in enumerate(zip(times, loads, strict=True))
+    ]
+    (run / "metrics.jsonl").write_text("\n".join([*lines, json.dumps({"eval": 1})]) + "\n")
+    e = run_entry(run, 250.0, 5, measure_last=3)
+    assert e["tokens_per_s"] == pytest.approx(3 * 1000 / 3.0 / 2)  # steps 4-6: 3 s
+    assert e["efficiency"] == pytest.approx(500 / 250.0)
+    assert e["max_load_ratio"] == 1.2
+    assert run_entry(run, None, 5)["max_load_ratio"] == 1.4  # steps 2-6
+    with pytest.raises(ValueError, match="needs that many timed steps after the first"):
+        run_entry(run, None, 5, measure_last=6)
+    with pytest.raises(ValueError, match=r"--measure-last must be in \[1, --steps=5\)"):
+        main(["--nproc", "2", "--runs", "ep2_fp8", "--steps", "5", "--measure-last", "5",
+              "--dry-run"])  # fmt: skip
+
+
 def test_cpu_run_records_every_entry(tmp_path):
     """The whole script on CPU (tiny preset, gloo): baseline, EP 2 with fresh JIT caches, a
     1F1B pipeline with its bubble, the checkpoint run, and a run that fails (recorded, the
@@ -159,6 +183,8 @@ def test_cpu_run_records_every_entry(tmp_path):
             "4",
             "--bubble-steps",
             "2",
+            "--measure-last",
+            "2",
             "--device",
             "cpu",
             "--baseline-precision",
@@ -185,6 +211,7 @@ def test_cpu_run_records_every_entry(tmp_path):
     for name in ("ep2_bf16", "pp2_1f1b_bf16"):
         e = rec[name]
         assert e["tokens_per_s"] > 0 and e["efficiency"] > 0 and e["ranks"] == 2, e
+    assert rec["ep2_bf16"]["max_load_ratio"] >= 1 and rec["one_gpu_max_load_ratio"] >= 1
     pp = rec["pp2_1f1b_bf16"]
     assert 0 < pp["bubble"] < 1 and 0 < pp["formula_bubble"] < 1
     assert rec["first_step_run"] == "ep2_bf16" and rec["first_step_s"] > 0
