@@ -6,6 +6,8 @@ import json
 import sys
 import types
 
+import pytest
+
 from benchmarks import host_sections as hs
 
 
@@ -36,6 +38,7 @@ def test_sections_wrap_count_once_and_restore(monkeypatch):
     assert sections.calls["hs_fake:fib"] == 1  # no longer timed
 
 
+@pytest.mark.slow
 def test_host_sections_cpu_smoke(tmp_path, monkeypatch, capsys):
     out = tmp_path / "hs.json"
     argv = ["host_sections", "--device", "cpu", "--preset", "tiny", "--batch", "1", "--seq",

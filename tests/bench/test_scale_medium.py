@@ -153,6 +153,7 @@ def test_window_math_on_fabricated_metrics(tmp_path):
               "--dry-run"])  # fmt: skip
 
 
+@pytest.mark.slow
 def test_cpu_run_records_every_entry(tmp_path):
     """The whole script on CPU (tiny preset, gloo): baseline, EP 2 with fresh JIT caches, a
     1F1B pipeline with its bubble, a dispatch bench that fails (recorded, the script goes on),

@@ -309,6 +309,7 @@ def test_kernel_block_n_rule_matches_the_scale_blocks(block_n, ok, tmp_path, mon
             ptx.compile_gemm("1d2d", cfg, 2112, 1536, torch.bfloat16, False)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 def test_every_dsv3_variant_compiles_to_qgmma_without_spills(tmp_path, monkeypatch):
     monkeypatch.setenv("PTXTRAIN_JIT_CACHE_DIR", str(tmp_path))
