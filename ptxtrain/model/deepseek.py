@@ -43,6 +43,7 @@ from ptxtrain.model.config import DeepSeekV3Config
 from ptxtrain.moe.experts import Experts
 from ptxtrain.moe.layer import MLP, MoE
 from ptxtrain.moe.router import Router, load_stats
+from ptxtrain.nn.fp8_linear import shared_input_quantization
 from ptxtrain.nn.functional import mla_qk, rms_norm
 from ptxtrain.nn.recompute import check_recompute, recompute
 
@@ -136,13 +137,16 @@ class MLA(nn.Module):
         b, t, _ = x.shape
         h = self.n_heads
         selective = self.recompute == "selective"
+        # The two down-projections of x quantize it once between them (FP8; else {}).
+        down = self.wq if self.q_lora_rank == 0 else self.wq_a
+        x_q = shared_input_quantization(x, down, self.wkv_a)
         if self.q_lora_rank == 0:
-            q = self.wq(x)
+            q = self.wq(x, **x_q)
         else:  # the up-projection and its norm: recomputed in backward under "selective"
-            q = recompute(self._q_up, self.wq_a(x), enabled=selective)
+            q = recompute(self._q_up, self.wq_a(x, **x_q), enabled=selective)
         q = q.view(b, t, h, self.nope_dim + self.rope_dim)  # [B, T, H, nope|rope]
 
-        kv = self.wkv_a(x)  # [B, T, kv_lora + rope]
+        kv = self.wkv_a(x, **x_q)  # [B, T, kv_lora + rope]
         kv_c, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # k_pe: one per token
         kv = recompute(self._kv_up, kv_c, enabled=selective)
         kv = kv.view(b, t, h, self.nope_dim + self.v_dim)  # [B, T, H, nope|v]

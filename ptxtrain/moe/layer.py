@@ -84,7 +84,7 @@ from ptxtrain.moe.grouped_layout import (
 )
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
 from ptxtrain.moe.router import Router
-from ptxtrain.nn.fp8_linear import Fp8LinearConfig, resolve_config
+from ptxtrain.nn.fp8_linear import Fp8LinearConfig, resolve_config, shared_input_quantization
 from ptxtrain.nn.functional import swiglu
 
 __all__ = ["MLP", "MoE"]
@@ -134,7 +134,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., dim] -> [..., dim]`` in ``x``'s dtype (the gate through
         :func:`ptxtrain.nn.functional.swiglu`)."""
-        return self.w2(swiglu(self.w1(x), self.w3(x), kernels=self.kernels))
+        x_q = shared_input_quantization(x, self.w1, self.w3)  # one quantization of x (FP8)
+        return self.w2(swiglu(self.w1(x, **x_q), self.w3(x, **x_q), kernels=self.kernels))
 
 
 class MoE(nn.Module):

@@ -27,6 +27,7 @@ from ptxtrain.nn.fp8_linear import (
     convert_to_fp8_training,
     invalidate_fp8_weight_caches,
     register_fp8_cache_hooks,
+    shared_input_quantization,
 )
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "fp8_grouped_linear",
     "invalidate_fp8_weight_caches",
     "register_fp8_cache_hooks",
+    "shared_input_quantization",
 ]

@@ -322,13 +322,16 @@ def saved_operands(ctx) -> dict[str, torch.Tensor]:
 class _Fp8LinearFunction(torch.autograd.Function):
     """``y = x·Wᵀ + b`` with the GEMMs chosen by an :class:`Fp8LinearConfig`.
 
-    Inputs: x [M, K] (fp32 / bf16 / fp16), weight [N, K], bias [N] or None, config, and whether
-    grad mode was on at the call (nothing is prepared for backward when it was off).
+    Inputs: x [M, K] (fp32 / bf16 / fp16), weight [N, K], bias [N] or None, config, whether
+    grad mode was on at the call (nothing is prepared for backward when it was off), the
+    cached weight quantization and x's shared quantization (:meth:`Fp8Linear.quantize_input`,
+    or None).
     Output: y [M, N] in x's dtype.
     """
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, bias_hp, config, grad_enabled, weight_q=None):
+    def forward(ctx, input_hp, weight_hp, bias_hp, config, grad_enabled, weight_q=None,
+                input_q=None):  # fmt: skip
         # needs_input_grad ignores an outer no_grad / inference_mode: honour grad_enabled too.
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
@@ -338,16 +341,20 @@ class _Fp8LinearFunction(torch.autograd.Function):
         layout = _sf_layout(input_hp.device)
         with autocast_off(input_hp.device.type):
             # -- quantize x: 1x128 for fprop, 128x1 (transposed) for wgrad; one pass when both.
-            input_fp8 = input_sf = input_t_fp8 = input_t_sf = None
-            if config.fprop and keep_xt_fp8:
+            # ``input_q`` (the same values' quantization, shared by projections of one input)
+            # supplies the parts it holds.
+            input_fp8, input_sf, input_t_fp8, input_t_sf = input_q or (None,) * 4
+            want_row = config.fprop and input_fp8 is None
+            want_t = keep_xt_fp8 and input_t_fp8 is None
+            if want_row and want_t:
                 input_fp8, input_sf, input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_both(
                     input_hp, pow2_scale=pow2, sf_layout=layout
                 )
-            elif config.fprop:
+            elif want_row:
                 input_fp8, input_sf = quant.per_token_cast_to_fp8(
                     input_hp, pow2_scale=pow2, sf_layout=layout
                 )
-            elif keep_xt_fp8:
+            elif want_t:
                 input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_t(
                     input_hp, pow2_scale=pow2, sf_layout=layout
                 )
@@ -438,7 +445,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # -- dbias [N]: summed over tokens in fp32.
             if need_db:
                 db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -544,7 +551,7 @@ class Fp8Linear(nn.Linear):
         new.train(linear.training)
         return new
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, input: torch.Tensor) -> None:
         check_tensor("input", input, dtypes=HP_DTYPES)
         if input.dim() == 0 or input.shape[-1] != self.in_features:
             raise ValueError(
@@ -557,17 +564,57 @@ class Fp8Linear(nn.Linear):
             raise ValueError(
                 f"input must be on the weight's device {self.weight.device}, got {input.device}"
             )
+
+    def _fp8_input(self, input: torch.Tensor) -> torch.Tensor:
+        """``input`` as the FP8 path reads it: cast as autocast would for ``nn.Linear``, then
+        ``[M, K]``."""
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            input = input.to(torch.get_autocast_dtype(device_type))
+        return input.reshape(-1, self.in_features)
+
+    def quantize_input(self, input: torch.Tensor) -> tuple | None:
+        """``input``'s quantization as this module's forward would make it, to hand to several
+        FP8 projections of the same input (``forward(input, input_q=...)``; MLA's ``wq_a`` and
+        ``wkv_a``, an MLP's ``w1`` and ``w3``) so they quantize it once and save one copy for
+        their Wgrads.
+
+        Returns ``(x_fp8 [M, K], sf, xt_fp8 [K, M], sf_t)`` (the 1x128 tiles when Fprop is FP8,
+        the 128x1 tiles when Wgrad is and grad mode is on; None where not made), or None when
+        no GEMM of the config is FP8. Raises as :meth:`forward`.
+        """
+        self._check_input(input)
+        cfg = self.config
+        if not cfg.any_fp8:
+            return None
+        row = cfg.fprop
+        col = cfg.wgrad and torch.is_grad_enabled()  # what a forward in this mode saves
+        if not (row or col):
+            return None
+        x = self._fp8_input(input.detach())
+        pow2, layout = cfg.pow2_scale, _sf_layout(x.device)
+        with torch.no_grad(), autocast_off(x.device.type):
+            kw = dict(pow2_scale=pow2, sf_layout=layout)
+            if row and col:
+                return quant.per_token_cast_to_fp8_both(x, **kw)
+            if row:
+                return (*quant.per_token_cast_to_fp8(x, **kw), None, None)
+            return (None, None, *quant.per_token_cast_to_fp8_t(x, **kw))
+
+    def forward(self, input: torch.Tensor, *, input_q: tuple | None = None) -> torch.Tensor:
+        """``input [*, K] -> [*, N]``; ``input_q``: :meth:`quantize_input` of this very input
+        by a module of the same config (or None)."""
+        self._check_input(input)
         if not self.config.any_fp8:  # "bf16" recipe: exactly nn.Linear
             return F.linear(input, self.weight, self.bias)
-        device_type = input.device.type
-        if torch.is_autocast_enabled(device_type):  # cast as autocast would for nn.Linear
-            input = input.to(torch.get_autocast_dtype(device_type))
         lead = input.shape[:-1]
-        x = input.reshape(-1, self.in_features)  # [M, K]
+        x = self._fp8_input(input)  # [M, K]
         # (The Function turns autocast off inside, so the reference GEMMs stay in fp32.)
         grad = torch.is_grad_enabled()
         weight_q = self._quantized_weight()
-        y = _Fp8LinearFunction.apply(x, self.weight, self.bias, self.config, grad, weight_q)
+        y = _Fp8LinearFunction.apply(
+            x, self.weight, self.bias, self.config, grad, weight_q, input_q
+        )
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -577,6 +624,22 @@ class Fp8Linear(nn.Linear):
             f"{super().extra_repr()}, recipe={cfg.recipe_name}, fp8_gemms=({gemms}), "
             f"pow2_scale={cfg.pow2_scale}"
         )
+
+
+def shared_input_quantization(x: torch.Tensor, *modules: nn.Module) -> dict:
+    """``{"input_q": ...}`` for calling each of ``modules`` on the same ``x`` with one
+    quantization of it, where every one is an :class:`Fp8Linear` of one config; else ``{}``
+    (plain ``nn.Linear`` modules, mixed configs: each call quantizes on its own).
+
+    Usage: ``q = shared_input_quantization(x, a, b); a(x, **q); b(x, **q)``. The results are
+    the bits of the separate calls.
+    """
+    if not modules or not all(isinstance(m, Fp8Linear) for m in modules):
+        return {}
+    if any(m.config != modules[0].config for m in modules[1:]):
+        return {}
+    q = modules[0].quantize_input(x)
+    return {} if q is None else {"input_q": q}
 
 
 def convert_to_fp8_training(

@@ -473,3 +473,29 @@ def test_tiny_model_fits_one_batch():
         losses.append(float(out.lm_loss.detach()))
     # Memorizing 64 tokens: the loss leaves ln 256 ≈ 5.5 fast; a broken gradient path stalls.
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_fp8_model_quantizes_each_shared_projection_input_once():
+    # MLA's two down-projections (wq_a, wkv_a) and every MLP's gate / up (w1, w3) read one x:
+    # the second of each pair gets the first's quantization of it instead of making its own.
+    from ptxtrain.model.deepseek import convert_model_to_fp8_training
+    from ptxtrain.nn import Fp8Linear
+
+    model = build_model(get_preset("tiny"), dtype=torch.bfloat16, device="cpu", seed=0)
+    convert_model_to_fp8_training(model)
+    shared = {}
+
+    def record(name):
+        def hook(module, args, kwargs):
+            shared[name] = kwargs.get("input_q") is not None
+
+        return hook
+
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear) and name.rsplit(".", 1)[-1] in ("wq_a", "wkv_a", "w1", "w3"):
+            m.register_forward_pre_hook(record(name), with_kwargs=True)
+    x = torch.randint(0, 256, (2, 16))
+    model(x, x).loss.backward()
+    assert shared and all(shared.values()), {n: s for n, s in shared.items() if not s}
+    kinds = {n.rsplit(".", 1)[-1] for n in shared}
+    assert kinds == {"wq_a", "wkv_a", "w1", "w3"}, kinds

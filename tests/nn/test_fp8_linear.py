@@ -18,6 +18,7 @@ from ptxtrain.nn import (
     Fp8LinearConfig,
     convert_to_fp8_training,
     register_fp8_cache_hooks,
+    shared_input_quantization,
 )
 from ptxtrain.quant import ref as quant_ref
 from ptxtrain.testing import assert_bitwise_equal, sqnr_db
@@ -377,6 +378,67 @@ def test_needs_input_grad_skips_work(monkeypatch):
         lin(xg)
     assert spy.calls == {"fp8_gemm_nt": 4, "fp8_gemm_nt_1d1d": 1}
     assert quant_calls == [] and saved == []
+
+
+@pytest.mark.parametrize("recipe", ["deepseek", "deepseek_pow2", "deepseek_wgrad_bf16"])
+def test_shared_input_quantization_gives_the_separate_calls_bits(monkeypatch, recipe):
+    # Two projections of one x (MLA's wq_a / wkv_a, an MLP's w1 / w3) with one quantization of
+    # x between them: the same y, dx and dW bits as two separate calls, x quantized once in the
+    # forward instead of twice, and one FP8 copy of xᵀ saved for both Wgrads.
+    a = Fp8Linear.from_linear(_make_linear(256, 384, False, torch.bfloat16, 31), recipe)
+    b = Fp8Linear.from_linear(_make_linear(200, 384, False, torch.bfloat16, 32), recipe)
+    x = torch.randn(3, 50, 384, generator=_gen(33)).bfloat16()
+    dya = torch.randn(3, 50, 256, generator=_gen(34)).bfloat16()
+    dyb = torch.randn(3, 50, 200, generator=_gen(35)).bfloat16()
+
+    def run(shared):
+        xg = x.clone().requires_grad_()
+        for p in (a.weight, b.weight):
+            p.grad = None
+        calls = []
+        for name in ("per_token_cast_to_fp8_both", "per_token_cast_to_fp8"):
+            real = getattr(ptxtrain.quant, name)
+            monkeypatch.setattr(
+                ptxtrain.quant,
+                name,
+                lambda *ar, _r=real, _n=name, **kw: calls.append(_n) or _r(*ar, **kw),
+            )
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            q = shared_input_quantization(xg, a, b) if shared else {}
+            ya, yb = a(xg, **q), b(xg, **q)
+        n_fwd = len(calls)
+        torch.autograd.backward([ya, yb], [dya, dyb])
+        storages = {t.untyped_storage().data_ptr() for t in saved if t.dtype == quant_ref.FP8_DTYPE}
+        return (ya, yb, xg.grad, a.weight.grad, b.weight.grad), n_fwd, len(storages)
+
+    want, fwd_separate, fp8_separate = run(False)
+    got, fwd_shared, fp8_shared = run(True)
+    for name, g, w in zip(("ya", "yb", "dx", "dWa", "dWb"), got, want, strict=True):
+        assert_bitwise_equal(g, w, name=f"{recipe} {name}")
+    assert (fwd_separate, fwd_shared) == (2, 1)
+    # Saved FP8: each layer's Wᵀ and (FP8 wgrad) xᵀ; shared, the two xᵀ are one tensor.
+    wgrad_fp8 = Fp8LinearConfig.from_recipe_name(recipe).wgrad
+    assert fp8_separate - fp8_shared == (1 if wgrad_fp8 else 0)
+
+
+def test_shared_input_quantization_only_for_fp8_linears_of_one_config():
+    x = torch.randn(4, 64)
+    a, b = (
+        _make_linear(128, 64, False, torch.float32, 1),
+        _make_linear(128, 64, False, torch.float32, 2),
+    )
+    assert shared_input_quantization(x, a, b) == {}  # plain nn.Linear: each call on its own
+    fa, fb = Fp8Linear.from_linear(a), Fp8Linear.from_linear(b, "deepseek_pow2")
+    assert shared_input_quantization(x, fa, fb) == {}  # two configs: two quantizations
+    assert shared_input_quantization(x, Fp8Linear.from_linear(a, "bf16")) == {}  # no FP8 GEMM
+    q = shared_input_quantization(x, fa, Fp8Linear.from_linear(b))["input_q"]
+    assert q[0].shape == (4, 64) and q[2].shape == (64, 4)  # 1x128 and 128x1 (grad mode on)
+    with torch.no_grad():  # evaluation: only the Fprop's 1x128 tiles
+        q = shared_input_quantization(x, fa, Fp8Linear.from_linear(b))["input_q"]
+    assert q[0] is not None and q[2] is None
+    with pytest.raises(ValueError, match=r"input must have shape \[\*, 64\]"):
+        fa.quantize_input(torch.randn(4, 32))
 
 
 @pytest.mark.parametrize("recipe", ["deepseek", "deepseek_wgrad_bf16"])
