@@ -107,13 +107,14 @@ class _PermuteFn(torch.autograd.Function):
     """Row gather to expert order; backward = Triton gather-sum of the ``k`` slot rows."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, num_experts):
+    def forward(ctx, x, topk_idx, num_experts, num_valid):
         from ptxtrain.moe.ref import permute_ref
 
         x_perm, sorted_slots, tokens_per_expert = permute_ref(
-            x, topk_idx, num_experts, check_ids=False
+            x, topk_idx, num_experts, check_ids=False, num_valid=num_valid
         )  # ids checked by permute_fused
         ctx.shape = tuple(topk_idx.shape)  # (T, k)
+        ctx.num_valid = num_valid
         ctx.mark_non_differentiable(sorted_slots, tokens_per_expert)
         ctx.save_for_backward(sorted_slots)
         return x_perm, sorted_slots, tokens_per_expert
@@ -126,20 +127,21 @@ class _PermuteFn(torch.autograd.Function):
         # The slots are the forward's own permutation: no range check (a host sync that
         # would wait for the whole backward queued so far).
         grad_x = _mt().unpermute_weighted(
-            grad_perm, sorted_slots, ones, n_tokens, check_slots=False
+            grad_perm, sorted_slots, ones, n_tokens, check_slots=False, num_valid=ctx.num_valid
         )  # [T, D]
-        return grad_x, None, None
+        return grad_x, None, None, None
 
 
 class _UnpermuteFn(torch.autograd.Function):
     """Triton weighted un-permutation; backward to the permuted rows and to the gate weights."""
 
     @staticmethod
-    def forward(ctx, y_perm, sorted_slots, topk_weights, check_slots):
+    def forward(ctx, y_perm, sorted_slots, topk_weights, check_slots, num_valid):
         n_tokens = topk_weights.shape[0]
         out = _mt().unpermute_weighted(
-            y_perm, sorted_slots, topk_weights, n_tokens, check_slots=check_slots
-        )
+            y_perm, sorted_slots, topk_weights, n_tokens, check_slots=check_slots,
+            num_valid=num_valid,
+        )  # fmt: skip
         ctx.save_for_backward(y_perm, sorted_slots, topk_weights)
         return out
 
@@ -147,16 +149,20 @@ class _UnpermuteFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         y_perm, sorted_slots, topk_weights = ctx.saved_tensors
         k = topk_weights.shape[1]
-        grad_rows = grad_out.float().index_select(0, sorted_slots // k)  # [T·k, D] fp32
+        kept = sorted_slots[: y_perm.shape[0]]  # the positions with a row in y_perm
+        grad_rows = grad_out.float().index_select(0, kept // k)  # [rows, D] fp32
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_perm = topk_weights.float().flatten().index_select(0, sorted_slots)  # [T·k]
-            grad_y = (grad_rows * w_perm.unsqueeze(1)).to(y_perm.dtype)  # [T·k, D]
+            w_perm = topk_weights.float().flatten().index_select(0, kept)  # [rows]
+            grad_y = (grad_rows * w_perm.unsqueeze(1)).to(y_perm.dtype)  # [rows, D]
         if ctx.needs_input_grad[2]:
-            dots = (grad_rows * y_perm.float()).sum(1)  # [T·k] fp32, permuted order
-            grad_w = torch.empty_like(dots).index_copy_(0, sorted_slots, dots)  # slot order
+            dots = (grad_rows * y_perm.float()).sum(1)  # [rows] fp32, permuted order
+            # slot order; a slot without a row (past num_valid) added nothing: gradient 0
+            n = sorted_slots.shape
+            grad_w = dots.new_empty(n) if kept.shape == n else dots.new_zeros(n)
+            grad_w.index_copy_(0, kept, dots)
             grad_w = grad_w.view(topk_weights.shape).to(topk_weights.dtype)  # [T, k]
-        return grad_y, None, grad_w, None
+        return grad_y, None, grad_w, None, None
 
 
 class _Fp8RecvFn(torch.autograd.Function):
@@ -215,13 +221,18 @@ def route_fused(router, x: torch.Tensor, *, seq_len: int | None = None):
 
 
 def permute_fused(
-    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, check_ids: bool = True
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    *,
+    check_ids: bool = True,
+    num_valid: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ptxtrain.moe.ref.permute_ref` whose backward is the Triton gather-sum.
 
     Args and returns: as :func:`~ptxtrain.moe.ref.permute_ref` (``x`` float32 / bfloat16 /
     float16 on CUDA, or the CPU under ``TRITON_INTERPRET=1``; duplicates in a row allowed;
-    ``check_ids`` as there).
+    ``check_ids`` and ``num_valid`` as there).
     Gradient w.r.t. ``x``: ``[T, D]`` in ``x``'s dtype, the sum of the ``k`` slot rows' gradients
     accumulated in fp32.
 
@@ -233,7 +244,7 @@ def permute_fused(
         from ptxtrain.moe.ref import check_expert_ids
 
         check_expert_ids(topk_idx, num_experts)  # (other bad inputs: permute_ref raises)
-    return _PermuteFn.apply(x, topk_idx, num_experts)
+    return _PermuteFn.apply(x, topk_idx, num_experts, num_valid)
 
 
 def unpermute_fused(
@@ -242,6 +253,7 @@ def unpermute_fused(
     topk_weights: torch.Tensor,
     *,
     check_slots: bool = True,
+    num_valid: int | None = None,
 ) -> torch.Tensor:
     """:func:`ptxtrain.moe.triton.unpermute_weighted` with autograd (bitwise ``unpermute_ref``
     on the CPU).
@@ -252,6 +264,7 @@ def unpermute_fused(
         topk_weights: ``[T, k]`` float gate weights.
         check_slots: as :func:`~ptxtrain.moe.triton.unpermute_weighted` (False: the caller
             made ``sorted_slots`` itself; no host sync).
+        num_valid: ``y_perm`` holds the first ``num_valid`` permuted rows only, as there.
 
     Returns:
         ``[T, D]`` in ``y_perm``'s dtype. Gradients: ``y_perm``'s (``w · grad_out`` rows) and
@@ -260,7 +273,7 @@ def unpermute_fused(
     Raises:
         TypeError / ValueError: as :func:`~ptxtrain.moe.triton.unpermute_weighted`.
     """
-    return _UnpermuteFn.apply(y_perm, sorted_slots, topk_weights, check_slots)
+    return _UnpermuteFn.apply(y_perm, sorted_slots, topk_weights, check_slots, num_valid)
 
 
 def dispatch_fp8(

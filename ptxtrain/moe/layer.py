@@ -90,14 +90,16 @@ from ptxtrain.nn.functional import swiglu
 __all__ = ["MLP", "MoE"]
 
 
-def _unpermute_ref_own_slots(y_perm, sorted_slots, topk_weights):
+def _unpermute_ref_own_slots(y_perm, sorted_slots, topk_weights, num_valid=None):
     """``unpermute_ref`` on slots ``permute_ref`` just made: no range check (a host read)."""
-    return unpermute_ref(y_perm, sorted_slots, topk_weights, check_slots=False)
+    return unpermute_ref(y_perm, sorted_slots, topk_weights, check_slots=False, num_valid=num_valid)
 
 
-def _unpermute_fused_own_slots(y_perm, sorted_slots, topk_weights):
+def _unpermute_fused_own_slots(y_perm, sorted_slots, topk_weights, num_valid=None):
     """``unpermute_fused`` on slots ``permute_fused`` just made: no range check (a host read)."""
-    return unpermute_fused(y_perm, sorted_slots, topk_weights, check_slots=False)
+    return unpermute_fused(
+        y_perm, sorted_slots, topk_weights, check_slots=False, num_valid=num_valid
+    )
 
 
 def _permute_kernels(triton: bool) -> tuple:
@@ -368,13 +370,15 @@ class MoE(nn.Module):
             )
         recv_x, recv_idx, recv_w, recv_counts, handle, _ = dispatched
         # recv_x [M, D] in x's dtype, recv_idx [M, k] local ids or -1, recv_w [M, k] (0 where -1)
-        # Slots of other ranks' experts go to a spill expert n_local, sorted last and dropped.
-        # The rows per local expert are the dispatch's host counts (read with its split sizes,
-        # the one host sync of the layer), so the permutation's device counts stay unread.
+        # Slots of other ranks' experts go to a spill expert n_local, sorted last: only the
+        # rows before them are copied, and in the combine those slots add nothing. The rows
+        # per local expert are the dispatch's host counts (read with its split sizes, the one
+        # host sync of the layer), so the permutation's device counts stay unread.
         spill_idx = torch.where(recv_idx >= 0, recv_idx, n_local)  # [M, k]
-        x_perm, sorted_slots, _ = permute(recv_x, spill_idx, n_local + 1, check_ids=False)
         n_valid = sum(recv_counts)
-        y_valid = self.experts(x_perm[:n_valid], recv_counts)  # [n_valid, D]
-        y_perm = torch.cat([y_valid, y_valid.new_zeros(x_perm.shape[0] - n_valid, self.dim)])
-        y_recv = unpermute(y_perm, sorted_slots, recv_w)  # [M, D], weight 0 on spill slots
+        x_valid, sorted_slots, _ = permute(
+            recv_x, spill_idx, n_local + 1, check_ids=False, num_valid=n_valid
+        )  # [n_valid, D]
+        y_valid = self.experts(x_valid, recv_counts)  # [n_valid, D]
+        y_recv = unpermute(y_valid, sorted_slots, recv_w, num_valid=n_valid)  # [M, D]
         return buffer.combine(y_recv, handle)[0]  # [N, D]

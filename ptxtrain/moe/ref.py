@@ -235,8 +235,23 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
             )
 
 
+def check_num_valid(num_valid: object, n_slots: int) -> int:
+    """``num_valid`` (the permuted rows kept, see :func:`permute_ref`) if it is an int in
+    ``[0, n_slots]``; else ValueError / TypeError naming it."""
+    if isinstance(num_valid, bool) or not isinstance(num_valid, int):
+        raise TypeError(f"num_valid must be an int, got {type(num_valid).__name__}")
+    if not 0 <= num_valid <= n_slots:
+        raise ValueError(f"num_valid must be in [0, T·k = {n_slots}], got {num_valid}")
+    return num_valid
+
+
 def permute_ref(
-    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, *, check_ids: bool = True
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    *,
+    check_ids: bool = True,
+    num_valid: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy each token once per selected expert, grouped by expert (stable order).
 
@@ -248,15 +263,20 @@ def permute_ref(
         num_experts: ``E``.
         check_ids: check the id range (one device-to-host read of the min and max); callers
             whose ids are valid by construction (the MoE layer: the router's top-k) pass False.
+        num_valid: copy only the first ``num_valid`` permuted rows (None: all ``T·k``). An
+            expert-parallel rank sends the slots of other ranks' experts to a last "spill"
+            expert and keeps the rows before them.
 
     Returns:
-        ``x_permuted [T·k, D]`` (dtype of ``x``; rows of expert 0 first, then expert 1, ...),
+        ``x_permuted [T·k, D]`` (``[num_valid, D]``; dtype of ``x``; rows of expert 0 first,
+        then expert 1, ...),
         ``sorted_slots [T·k]`` int64 (permuted row -> slot ``t·k + j``; token = ``slot // k``),
         ``tokens_per_expert [E]`` int64 (slice lengths, summing to ``T·k``).
 
     Raises:
-        ValueError: shapes disagree, or (``check_ids``) an id is outside ``[0, num_experts)``.
-        TypeError: ``topk_idx`` is not int64.
+        ValueError: shapes disagree, (``check_ids``) an id is outside ``[0, num_experts)``, or
+            ``num_valid`` is outside ``[0, T·k]``.
+        TypeError: ``topk_idx`` is not int64; ``num_valid`` not an int.
     """
     if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(
@@ -271,7 +291,10 @@ def permute_ref(
     flat = topk_idx.flatten()  # [T·k]
     sorted_slots = flat.argsort(stable=True)  # [T·k]
     tokens_per_expert = count_per_expert(flat, num_experts)  # [E], no host sync
-    x_permuted = x.index_select(0, sorted_slots // k)  # [T·k, D]
+    kept = sorted_slots
+    if num_valid is not None:
+        kept = sorted_slots[: check_num_valid(num_valid, flat.numel())]
+    x_permuted = x.index_select(0, kept // k)  # [T·k, D] or [num_valid, D]
     return x_permuted, sorted_slots, tokens_per_expert
 
 
@@ -281,6 +304,7 @@ def unpermute_ref(
     topk_weights: torch.Tensor,
     *,
     check_slots: bool = True,
+    num_valid: int | None = None,
 ) -> torch.Tensor:
     """Weighted sum of each token's expert outputs back in token order (the "combine").
 
@@ -293,6 +317,8 @@ def unpermute_ref(
         topk_weights: ``[T, k]`` gate weights (fp32).
         check_slots: check that ``sorted_slots`` holds int64 values in ``[0, T·k)`` (one
             device-to-host read of its min and max); callers that built it themselves may skip.
+        num_valid: ``y_permuted`` holds only the first ``num_valid`` permuted rows
+            (:func:`permute_ref`'s); the slots of the later positions add nothing.
 
     Returns:
         ``y [T, D]`` in ``y_permuted.dtype``.
@@ -302,9 +328,10 @@ def unpermute_ref(
         TypeError: ``sorted_slots`` is not int64.
     """
     n_tokens, k = topk_weights.shape
-    if y_permuted.dim() != 2 or y_permuted.shape[0] != n_tokens * k:
+    rows = n_tokens * k if num_valid is None else check_num_valid(num_valid, n_tokens * k)
+    if y_permuted.dim() != 2 or y_permuted.shape[0] != rows:
         raise ValueError(
-            f"y_permuted must be [T·k, D] = [{n_tokens * k}, D], got {tuple(y_permuted.shape)}"
+            f"y_permuted must be [T·k or num_valid, D] = [{rows}, D], got {tuple(y_permuted.shape)}"
         )
     if sorted_slots.shape != (n_tokens * k,):
         raise ValueError(f"sorted_slots must be [{n_tokens * k}], got {tuple(sorted_slots.shape)}")
@@ -318,10 +345,11 @@ def unpermute_ref(
                 f"[{lo}, {hi}]"
             )
     acc = _acc_dtype(y_permuted.dtype)
-    w = topk_weights.to(acc).flatten().index_select(0, sorted_slots)  # [T·k] in permuted order
-    contrib = y_permuted.to(acc) * w.unsqueeze(1)  # [T·k, D] fp32
+    kept = sorted_slots[:rows]
+    w = topk_weights.to(acc).flatten().index_select(0, kept)  # [rows] in permuted order
+    contrib = y_permuted.to(acc) * w.unsqueeze(1)  # [rows, D] fp32
     y = torch.zeros(n_tokens, y_permuted.shape[1], dtype=acc, device=y_permuted.device)
-    y = y.index_add(0, sorted_slots // k, contrib)  # [T, D] fp32
+    y = y.index_add(0, kept // k, contrib)  # [T, D] fp32
     return y.to(y_permuted.dtype)
 
 

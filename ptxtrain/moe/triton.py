@@ -230,7 +230,7 @@ def _unpermute_kernel(
     cols = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)  # [BD]
     mask = tok_ok[:, None] & (cols < D)[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    live = slot_ok
+    live = slot_ok & (rows >= 0)  # a slot whose row is -1 has no row in y: it adds nothing
     big = tl.full([BLOCK_T, KP], 2**62, dtype=tl.int64)
     for _ in tl.static_range(K):
         # The token's next slot in ascending row order (rows of one token are distinct).
@@ -238,10 +238,14 @@ def _unpermute_kernel(
         hit = live & (rows == row[:, None])
         wi = tl.max(tl.where(hit, w, _NEG_INF), axis=1)  # [BT] its weight
         live = live & ~hit
-        row = tl.where(tok_ok, row, 0)
-        wi = tl.where(tok_ok, wi, 0.0)  # tokens past T: no -inf * 0
-        y = tl.load(y_ptr + row[:, None] * stride_ym + cols[None, :], mask=mask, other=0.0)
-        acc = acc + y.to(tl.float32) * wi[:, None]  # product rounded, then added (no FMA)
+        ok = tok_ok & (row < 2**62)  # tokens past T, or with no slot left: nothing to add
+        row = tl.where(ok, row, 0)
+        wi = tl.where(ok, wi, 0.0)  # no -inf * 0
+        y = tl.load(
+            y_ptr + row[:, None] * stride_ym + cols[None, :], mask=mask & ok[:, None], other=0.0
+        )
+        # product rounded, then added (no FMA); a token without this slot keeps its sum as is
+        acc = tl.where(ok[:, None], acc + y.to(tl.float32) * wi[:, None], acc)
     tl.store(
         out_ptr + toks[:, None] * stride_om + cols[None, :],
         acc.to(out_ptr.dtype.element_ty),
@@ -546,6 +550,7 @@ def unpermute_weighted(
     *,
     padded_rows: torch.Tensor | None = None,
     check_slots: bool = True,
+    num_valid: int | None = None,
 ) -> torch.Tensor:
     """Inverse permutation with the gate-weighted sum over each token's ``k`` slots.
 
@@ -567,6 +572,10 @@ def unpermute_weighted(
             reject out-of-range values: one host sync each, which waits for all queued work.
             Callers whose indices come from their own permutation (the MoE layer, and the
             permutation's backward) pass False.
+        num_valid: ``y`` is ``[num_valid, D]``, the first ``num_valid`` permuted positions;
+            the slots at later positions add nothing (an expert-parallel rank's slots of other
+            ranks' experts, :func:`~ptxtrain.moe.ref.permute_ref`'s ``num_valid``). Not with
+            ``padded_rows``.
 
     Returns:
         ``[T, D]`` in ``y.dtype``.
@@ -595,7 +604,15 @@ def unpermute_weighted(
             f"sorted_slots must be [T·k] = [{n_slots}], got {tuple(sorted_slots.shape)}"
         )
     tensors = dict(y=y, sorted_slots=sorted_slots, topk_weights=topk_weights)
-    if padded_rows is None:
+    if num_valid is not None:
+        from ptxtrain.moe.ref import check_num_valid
+
+        check_num_valid(num_valid, n_slots)
+        if padded_rows is not None:
+            raise ValueError("num_valid and padded_rows exclude each other")
+        if y.shape[0] != num_valid:
+            raise ValueError(f"y must be [num_valid, D] = [{num_valid}, D], got {tuple(y.shape)}")
+    elif padded_rows is None:
         if y.shape[0] != n_slots:
             raise ValueError(f"y must be [T·k, D] = [{n_slots}, D], got {tuple(y.shape)}")
     else:
@@ -620,6 +637,8 @@ def unpermute_weighted(
         return out
     positions = torch.arange(n_slots, device=y.device)
     rows = positions if padded_rows is None else padded_rows
+    if num_valid is not None:  # later positions: row -1, skipped by the kernel
+        rows = torch.where(positions < num_valid, positions, -1)
     slot_row = torch.zeros(n_slots, dtype=torch.int64, device=y.device)  # never a wild row
     slot_row.index_copy_(0, sorted_slots, rows)  # [T·k] slot -> row of y
     return _combine(y, slot_row.view(num_tokens, k), topk_weights, out)

@@ -335,6 +335,12 @@ def test_bad_input_raises():
         mt.unpermute_weighted(y, slots, w, 4, padded_rows=slots + 3)
     with pytest.raises(TypeError, match="sorted_slots"):
         mt.unpermute_weighted(y, slots.float(), w, 4)
+    with pytest.raises(ValueError, match=r"y must be \[num_valid, D\] = \[5, D\]"):
+        mt.unpermute_weighted(y, slots, w, 4, num_valid=5)
+    with pytest.raises(ValueError, match="num_valid must be in"):
+        mt.unpermute_weighted(y, slots, w, 4, num_valid=9)
+    with pytest.raises(ValueError, match="num_valid and padded_rows exclude each other"):
+        mt.unpermute_weighted(y[:5], slots, w, 4, num_valid=5, padded_rows=slots)
 
 
 def test_cpu_tensors_without_interpreter_raise(monkeypatch):
@@ -386,6 +392,11 @@ def test_v3_unpermute_weighted_gpu():
     got = mt.unpermute_weighted(y.cuda(), slots.cuda(), w.cuda(), n)
     # The CPU reference adds in a fixed order (CUDA's index_add uses atomics): bitwise.
     assert_bitwise_equal(got.cpu(), ref.unpermute_ref(y, slots, w), name="V3 unpermute")
+    # Only the first rows (an EP rank's own experts' slots; the rest skipped): bitwise too.
+    nv = n * k * 3 // 5
+    got = mt.unpermute_weighted(y[:nv].cuda(), slots.cuda(), w.cuda(), n, num_valid=nv)
+    want = ref.unpermute_ref(y[:nv], slots, w, num_valid=nv)
+    assert_bitwise_equal(got.cpu(), want, name="V3 unpermute, valid rows only")
 
 
 # --------------------------------------------------------------------------------------------

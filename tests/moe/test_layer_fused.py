@@ -146,6 +146,63 @@ def test_fused_permutation_functions_match_reference_autograd(n_tokens, k):
             _close(f"{name} ({n_tokens=}, {k=})", a, b, GRAD_RTOL[torch.float32])
 
 
+@runnable
+@pytest.mark.parametrize(("n_tokens", "k"), [(13, 4), (9, 2), (0, 3)])
+def test_valid_rows_only_equal_the_full_permutation(n_tokens, k):
+    # An EP rank's slots of other ranks' experts go to the last ("spill") expert: with
+    # num_valid the permutation copies only the rows before them and the combine skips their
+    # slots. Against the full permutation whose spill rows are zero, fused and reference:
+    # the same values (bitwise; zeros compared by value), the same gradients, 0 for the spill
+    # slots' weights. Token 0 sends every slot to the spill expert (it gets back zeros).
+    gen = torch.Generator().manual_seed(n_tokens * 7 + k)
+    n_experts, dim = 5, 40  # expert 4 is the spill
+    idx = torch.randint(0, n_experts, (n_tokens, k), generator=gen)
+    if n_tokens > 0:
+        idx[0] = n_experts - 1
+    n_valid = int((idx < n_experts - 1).sum())
+    x = _tokens(n_tokens, dim, torch.float32, 8)
+    w = torch.rand(n_tokens, k, generator=gen) * (idx < n_experts - 1)  # 0 on spill slots
+    g = torch.randn(n_tokens, dim, generator=gen)
+    mix = torch.randn(n_tokens * k, dim, generator=gen)
+
+    def run(permute, unpermute, valid):
+        xx = x.clone().to(DEVICE).requires_grad_(True)
+        ww = w.clone().to(DEVICE).requires_grad_(True)
+        if valid:
+            x_v, slots, _ = permute(xx, idx.to(DEVICE), n_experts, num_valid=n_valid)
+            out = unpermute(x_v * mix[:n_valid].to(DEVICE), slots, ww, num_valid=n_valid)
+        else:
+            x_perm, slots, _ = permute(xx, idx.to(DEVICE), n_experts)
+            keep = (torch.arange(n_tokens * k) < n_valid).unsqueeze(1).to(DEVICE)
+            out = unpermute(x_perm * mix.to(DEVICE) * keep, slots, ww)
+        (out * g.to(DEVICE)).sum().backward()
+        return [t.detach().cpu() + 0.0 for t in (out, xx.grad, ww.grad)]
+
+    want = run(permute_ref, unpermute_ref, valid=False)
+    for name, fns in (("reference", (permute_ref, unpermute_ref)),
+                      ("fused", (fused.permute_fused, fused.unpermute_fused))):  # fmt: skip
+        got = run(*fns, valid=True)
+        for what, a, b in zip(("out", "dx", "dw"), got, want, strict=True):
+            if INTERPRETED or name == "reference":
+                assert_bitwise_equal(a, b, name=f"{name} {what} ({n_tokens=}, {k=})")
+            else:  # the GPU reference's index_add sums in a varying order
+                _close(f"{name} {what}", a, b, GRAD_RTOL[torch.float32])
+        if n_tokens:
+            assert not got[0][0].any() and not got[2][0].any()  # all-spill token: 0, dw 0
+
+
+def test_num_valid_errors():
+    x, idx = torch.randn(4, 8), torch.tensor([[0, 1], [1, 2], [2, 0], [1, 1]])
+    with pytest.raises(ValueError, match=r"num_valid must be in \[0, T·k = 8\], got 9"):
+        permute_ref(x, idx, 3, num_valid=9)
+    with pytest.raises(TypeError, match="num_valid must be an int"):
+        permute_ref(x, idx, 3, num_valid=2.0)
+    _, slots, _ = permute_ref(x, idx, 3)
+    w = torch.rand(4, 2)
+    with pytest.raises(ValueError, match=r"y_permuted must be \[T·k or num_valid, D\] = \[5, D\]"):
+        unpermute_ref(torch.randn(6, 8), slots, w, num_valid=5)
+
+
 def test_kernel_choice():
     x = torch.randn(4, DIM)
     assert not fused.use_triton_kernels("auto", x)  # CPU: the reference, whatever TRITON_INTERPRET
