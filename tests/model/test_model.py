@@ -499,3 +499,52 @@ def test_fp8_model_quantizes_each_shared_projection_input_once():
     assert shared and all(shared.values()), {n: s for n, s in shared.items() if not s}
     kinds = {n.rsplit(".", 1)[-1] for n in shared}
     assert kinds == {"wq_a", "wkv_a", "w1", "w3"}, kinds
+
+
+def test_fp8_model_keeps_the_experts_swiglu_input_in_fp8():
+    # What one FP8 forward keeps for backward: with save_swiglu_input_fp8 each MoE layer's
+    # [w1 x | w3 x] (the routed experts' padded rows, [R, 2I]) is kept as e4m3 plus fp32 scales
+    # [R, 2I/128]; without it, in bf16 (the reference SwiGLU keeps its two [R, I] halves).
+    import dataclasses as dc
+
+    from ptxtrain.model.deepseek import convert_model_to_fp8_training
+    from ptxtrain.nn import Fp8LinearConfig
+
+    cfg, width = TINY, 2 * TINY.moe_inter_dim
+    x = torch.randint(0, 256, (2, 16))
+    n_moe = sum(isinstance(m, Experts) for m in build_model(cfg, device="meta").modules())
+
+    def saved(save_fp8):
+        model = build_model(cfg, dtype=torch.bfloat16, device="cpu", seed=0)
+        recipe = Fp8LinearConfig.from_recipe_name("deepseek")
+        convert_model_to_fp8_training(model, dc.replace(recipe, save_swiglu_input_fp8=save_fp8))
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        shapes = []
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:  # activations, not weight views
+                shapes.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x, x)
+        return shapes
+
+    on = saved(True)
+    # (Other FP8 tensors of that width are cached weight blocks of 64 rows: the routed rows
+    # are padded to multiples of 128.)
+    h13 = [s for d, s in on if d == torch.float8_e4m3fn and s[1] == width and s[0] % 128 == 0]
+    assert len(h13) == n_moe, on
+    rows = {s[0] for s in h13}  # R, the same for every MoE layer
+    assert len(rows) == 1
+    r = rows.pop()
+    assert on.count((torch.float32, (r, width // 128))) == n_moe  # their scales
+    off = saved(False)
+    assert (torch.float8_e4m3fn, (r, width)) not in off
+
+    # Without it the SwiGLU keeps its input in 16 bits or wider (the CPU reference keeps the
+    # fp32 halves it computes in): at least 2 - 1 - 4/128 bytes more per element of [R, 2I].
+    def nbytes(shapes):
+        return sum(math.prod(s) * torch.empty((), dtype=d).element_size() for d, s in shapes)
+
+    assert nbytes(off) - nbytes(on) >= n_moe * r * width * (2 - 1 - 4 / 128)
