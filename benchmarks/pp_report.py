@@ -62,16 +62,25 @@ def bubble_record(run_dir: Path, last: int) -> dict | None:
     }
 
 
+def read_summary(run_dir: Path) -> dict:
+    """``run_dir/summary.json``.
+
+    Raises:
+        FileNotFoundError: there is none (the run did not finish).
+    """
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no summary.json (did the run finish?)")
+    return json.loads(path.read_text())
+
+
 def run_record(run_dir: Path, last: int) -> dict:
     """The numbers of one run folder (``summary.json`` + ``config.json`` + timelines).
 
     Raises:
         FileNotFoundError: ``run_dir`` has no ``summary.json`` (the run did not finish).
     """
-    summary_path = run_dir / "summary.json"
-    if not summary_path.is_file():
-        raise FileNotFoundError(f"{run_dir}: no summary.json (did the run finish?)")
-    s = json.loads(summary_path.read_text())
+    s = read_summary(run_dir)
     cfg = json.loads((run_dir / "config.json").read_text())
     peaks = s.get("peak_memory_bytes_per_rank") or [s.get("peak_memory_bytes")]
     gpus = s["ranks"]

@@ -21,8 +21,9 @@ rank's tokens, over the ranks), ``efficiency`` (that over the one GPU's, both wi
 step), the median measured ``bubble`` and ``formula_bubble`` (DeepSeek-V3's) of the last
 ``--bubble-steps`` steps of a pipeline run (``--timeline``), ``peak_mem_gib`` (the largest
 rank's) and ``max_load_ratio`` (the routing balance). ``--measure-last N`` takes tokens/s over
-each run's last N steps instead (from ``metrics.jsonl``): the routers start unbalanced, and an
-EP run pays for that (one rank's experts get most tokens) until the bias update catches up.
+each run's last N steps instead (from ``metrics.jsonl``, logged every N steps so that they are
+one logging window; N divides ``--steps``): the routers start unbalanced, and an EP run pays
+for that (one rank's experts get most tokens) until the bias update catches up.
 The record also holds ``first_step_s`` of the first EP run, which runs with empty JIT
 caches (fresh ``PTXTRAIN_JIT_CACHE_DIR`` and ``TRITON_CACHE_DIR``), and the checkpoint run's
 ``checkpoint_save_s`` and ``async_step_slowdown``, then whether a ``--resume`` of that run
@@ -48,7 +49,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.pp_report import bubble_record
+from benchmarks.pp_report import bubble_record, read_summary
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
@@ -151,6 +152,8 @@ class Settings:
         flags = ["--preset", self.preset, "--no-mtp", "--precision", precision]
         flags += ["--seq-len", str(self.seq_len), "--steps", str(self.steps)]
         flags += ["--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--overwrite"]
+        if self.measure_last:  # step times are logged per window: the last one is the measured
+            flags += ["--log-every", str(self.measure_last)]
         return flags + (["--device", self.device] if self.device else [])
 
 
@@ -221,18 +224,6 @@ def run_command(spec: RunSpec, s: Settings, out: Path, checkpoint: bool = False)
     ]
 
 
-def read_summary(run_dir: Path) -> dict:
-    """``run_dir/summary.json``.
-
-    Raises:
-        FileNotFoundError: there is none (the run did not finish).
-    """
-    path = run_dir / "summary.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir}: no summary.json (did the run finish?)")
-    return json.loads(path.read_text())
-
-
 def per_gpu_tokens_per_s(summary: dict) -> float:
     """Steady-state tokens/s per GPU: ``steady_tokens_per_s`` (every rank's tokens, the first
     step left out) over ``ranks``.
@@ -246,38 +237,48 @@ def per_gpu_tokens_per_s(summary: dict) -> float:
     return steady / summary.get("ranks", 1)
 
 
-def step_records(run_dir: Path) -> list[dict]:
-    """The per-step records of ``run_dir/metrics.jsonl`` that carry a step time (``time_s``),
-    in step order; [] without the file."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted((r for r in recs if "step" in r and r.get("time_s")), key=lambda r: r["step"])
-
-
-def window_tokens_per_s(run_dir: Path, summary: dict, last: int) -> float:
-    """Tokens/s per GPU over the run's last ``last`` steps (their ``time_s`` in
-    ``metrics.jsonl``): past the first steps, where the routers are still unbalanced.
+def run_files(run_dir: Path) -> tuple[dict, list[dict]]:
+    """A finished run's ``summary.json`` and the records of ``metrics.jsonl`` that carry a
+    step time (``time_s``), in step order ([] without the file).
 
     Raises:
-        ValueError: fewer than ``last`` timed steps, or the first step among them.
+        FileNotFoundError: no ``summary.json`` (the run did not finish).
     """
-    recs = step_records(run_dir)[-last:]
-    if len(recs) < last or recs[0]["step"] <= 1:
+    from ptxtrain.train.metrics import read_metrics  # (torch: not for --dry-run)
+
+    summary = read_summary(run_dir)
+    path = run_dir / "metrics.jsonl"
+    recs = read_metrics(path) if path.is_file() else []
+    steps = sorted((r for r in recs if "step" in r and r.get("time_s")), key=lambda r: r["step"])
+    return summary, steps
+
+
+def run_tokens_per_s(summary: dict, steps: list[dict], measure_last: int | None) -> float:
+    """Per-GPU tokens/s of a finished run (:func:`run_files`' values): over its last
+    ``measure_last`` steps (their ``time_s``: past the first steps, where the routers are
+    still unbalanced), or (None) every step after the first.
+
+    Raises:
+        ValueError: fewer than ``measure_last`` timed steps, or the first step among them; as
+            :func:`per_gpu_tokens_per_s`.
+    """
+    if not measure_last:
+        return per_gpu_tokens_per_s(summary)
+    window = steps[-measure_last:]
+    if len(window) < measure_last or window[0]["step"] <= 1:
         raise ValueError(
-            f"{run_dir}: --measure-last {last} needs that many timed steps after the first, "
-            f"metrics.jsonl has {len(step_records(run_dir))}"
+            f"{summary.get('out')!r}: --measure-last {measure_last} needs that many timed steps "
+            f"after the first, metrics.jsonl has {len(steps)}"
         )
-    tokens = summary["tokens_per_step"] * last
-    return tokens / sum(r["time_s"] for r in recs) / summary.get("ranks", 1)
+    tokens = summary["tokens_per_step"] * measure_last
+    return tokens / sum(r["time_s"] for r in window) / summary.get("ranks", 1)
 
 
-def max_load_ratio(run_dir: Path, last: int | None) -> float | None:
+def max_load_ratio(steps: list[dict], last: int | None) -> float | None:
     """The median over the measured steps (the last ``last``, or all after the first) of the
     busiest expert's load over the mean (``moe.max_load_ratio``): 1 is balanced routing, E/k
     all tokens on the same experts. None without the records."""
-    recs = [r for r in step_records(run_dir) if r["step"] > 1]
+    recs = [r for r in steps if r["step"] > 1]
     vals = sorted(r["moe"]["max_load_ratio"] for r in recs[-(last or len(recs)) :] if "moe" in r)
     return round(vals[len(vals) // 2], 3) if vals else None
 
@@ -286,20 +287,6 @@ def peak_mem_gib(summary: dict) -> float | None:
     """The largest rank's peak device memory in GiB (None on CPU: no rank measured one)."""
     peaks = [p for p in summary.get("peak_memory_bytes_per_rank") or () if p is not None]
     return round(max(peaks) / 2**30, 2) if peaks else None
-
-
-def run_tokens_per_s(run_dir: Path, measure_last: int | None) -> float:
-    """Per-GPU tokens/s of a finished run: over its last ``measure_last`` steps, or (None) every
-    step after the first.
-
-    Raises:
-        FileNotFoundError, ValueError: as :func:`read_summary`, :func:`per_gpu_tokens_per_s`,
-            :func:`window_tokens_per_s`.
-    """
-    summary = read_summary(run_dir)
-    if measure_last:
-        return window_tokens_per_s(run_dir, summary, measure_last)
-    return per_gpu_tokens_per_s(summary)
 
 
 def run_entry(
@@ -312,10 +299,10 @@ def run_entry(
     ``tokens_per_step``.
 
     Raises:
-        FileNotFoundError, ValueError: from :func:`run_tokens_per_s`.
+        FileNotFoundError, ValueError: from :func:`run_files`, :func:`run_tokens_per_s`.
     """
-    summary = read_summary(run_dir)
-    per_gpu = run_tokens_per_s(run_dir, measure_last)
+    summary, steps = run_files(run_dir)
+    per_gpu = run_tokens_per_s(summary, steps, measure_last)
     b = bubble_record(run_dir, bubble_steps) or {}
     return {
         "tokens_per_s": round(per_gpu, 1),
@@ -324,7 +311,7 @@ def run_entry(
         "formula_bubble": b.get("predicted_median"),
         "formula": b.get("formula"),
         "peak_mem_gib": peak_mem_gib(summary),
-        "max_load_ratio": max_load_ratio(run_dir, measure_last),
+        "max_load_ratio": max_load_ratio(steps, measure_last),
         "first_step_s": summary.get("first_step_s"),
         "ranks": summary.get("ranks", 1),
         "tokens_per_step": summary.get("tokens_per_step"),
@@ -436,7 +423,7 @@ def _dispatch_fields(out: Path) -> dict:
     return {"settings": bench.get("settings"), "rows": bench.get("rows")}
 
 
-def measure(calls: list[dict], s: Settings, timeout: float, on_update=None) -> dict:
+def measure(calls: list[dict], s: Settings, timeout: float, on_update) -> dict:
     """Run ``calls`` (from :func:`plan`) and return the record's measured part;
     ``on_update(rec)`` after each call (the record so far)."""
     base_key = f"one_gpu_{s.baseline_precision}_tokens_per_s"
@@ -463,9 +450,10 @@ def measure(calls: list[dict], s: Settings, timeout: float, on_update=None) -> d
                 raise RuntimeError(error)
             if call["key"] == "baseline":
                 rec["baseline_command"] = _shown(call)
-                base = run_tokens_per_s(call["out"], s.measure_last)
+                summary, steps = run_files(call["out"])
+                base = run_tokens_per_s(summary, steps, s.measure_last)
                 rec[base_key] = round(base, 1)
-                rec["one_gpu_max_load_ratio"] = max_load_ratio(call["out"], s.measure_last)
+                rec["one_gpu_max_load_ratio"] = max_load_ratio(steps, s.measure_last)
             elif call["key"] == "ckpt":
                 rec.update(_checkpoint_fields(call["out"]), checkpoint_command=_shown(call))
             elif call["key"] == "resume":
@@ -491,8 +479,7 @@ def measure(calls: list[dict], s: Settings, timeout: float, on_update=None) -> d
                 rec[f"{call['key']}_failure"] = failed
                 if call["key"] == "resume":
                     rec["resume_ok"] = False
-        if on_update is not None:
-            on_update(rec)
+        on_update(rec)
     return rec
 
 
@@ -561,8 +548,12 @@ def _settings(args: argparse.Namespace) -> Settings:
         if got < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {got}")
     last = args.measure_last
-    if last is not None and not 1 <= last < args.steps:
-        raise ValueError(f"--measure-last must be in [1, --steps={args.steps}), got {last}")
+    if last is not None and not (1 <= last < args.steps and args.steps % last == 0):
+        # A metrics record's time_s is its logging window's mean step time: with --log-every
+        # N and N dividing --steps, the last N steps are exactly one window.
+        raise ValueError(
+            f"--measure-last must be in [1, --steps={args.steps}) and divide --steps, got {last}"
+        )
     # The flags of the same names; the launcher is split into its words.
     same = ("preset", "batch_size", "seq_len", "steps", "micro_batch", "num_chunks", "device")
     return Settings(
@@ -623,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
     rec = measure(calls, s, args.timeout, on_update=write)
-    _print_table({**record, **rec})
+    _print_table(rec)
     failed = any("error" in e for e in rec["runs"].values()) or any(
         k.endswith("_failure") for k in rec
     )

@@ -37,8 +37,8 @@ def _candidates(
                     continue
                 for eb in epi_boxes if tma else (0,):
                     epi = ptx.epilogue_bytes(bm, bn, out_dtype, eb) if tma else 0
-                    stages = 8
-                    while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind, epi) > 227 * 1024:
+                    stages, cap = 8, ptx.SM90_SMEM_BYTES
+                    while stages > 2 and ptx.smem_bytes(bm, bn, stages, kind, epi) > cap:
                         stages -= 1
                     for u, dbl in itertools.product(unrolls, doubles):
                         if dbl and (bm == 256 or bn > 128):

@@ -86,6 +86,11 @@ def test_dry_run_prints_every_command(capsys):
     assert "--tokens 4096 --hidden 7168 --experts 256 --topk 8" in lines[1]
     with pytest.raises(ValueError, match="'dispatch_ep8' needs 8 ranks"):
         main(["--nproc", "4", "--runs", "dispatch_ep8", "--dry-run"])
+    # --measure-last N: the baseline and the runs log every N steps (one window measured).
+    main(["--nproc", "2", "--runs", "ep2_fp8", "--steps", "6", "--measure-last", "3",
+          "--ckpt-run", "none", "--dry-run"])  # fmt: skip
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and all("--log-every 3 " in line for line in lines), lines
 
 
 def _summary(run_dir: Path, **fields) -> None:
@@ -151,6 +156,10 @@ def test_window_math_on_fabricated_metrics(tmp_path):
     with pytest.raises(ValueError, match=r"--measure-last must be in \[1, --steps=5\)"):
         main(["--nproc", "2", "--runs", "ep2_fp8", "--steps", "5", "--measure-last", "5",
               "--dry-run"])  # fmt: skip
+    # The measured steps are one logging window: N divides --steps, and runs log every N.
+    with pytest.raises(ValueError, match="and divide --steps, got 4"):
+        main(["--nproc", "2", "--runs", "ep2_fp8", "--steps", "6", "--measure-last", "4",
+              "--dry-run"])  # fmt: skip
 
 
 @pytest.mark.slow
@@ -184,7 +193,7 @@ def test_cpu_run_records_every_entry(tmp_path):
             "--bubble-steps",
             "2",
             "--measure-last",
-            "2",
+            "1",
             "--device",
             "cpu",
             "--baseline-precision",
