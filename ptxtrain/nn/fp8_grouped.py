@@ -56,8 +56,10 @@ from ptxtrain.gemm import ref as gemm_ref
 from ptxtrain.nn.fp8_linear import (
     Fp8LinearConfig,
     autocast_off,
+    complete_quantization,
     gemm_out_dtype,
     main_grad_target,
+    quantize_activation,
     resolve_config,
     save_operands,
     saved_operands,
@@ -282,12 +284,7 @@ def quantize_grouped_input(
     """
     if not (row or col):
         return None, None, None, None
-    x_pad = layout.scatter(x)
-    if row and col:
-        return quant.per_token_cast_to_fp8_both(x_pad, pow2_scale=pow2)
-    if row:
-        return (*quant.per_token_cast_to_fp8(x_pad, pow2_scale=pow2), None, None)
-    return (None, None, *quant.per_token_cast_to_fp8_t(x_pad, pow2_scale=pow2))
+    return quantize_activation(layout.scatter(x), pow2, row, col)
 
 
 def _hp_grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int], b_t: bool) -> torch.Tensor:
@@ -352,15 +349,10 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
             # -- x in the padded layout [R, K]: 1x128 for fprop, 128x1 (transposed [K, R]) for
             # wgrad; one pass when both. ``input_q`` (from quantize_grouped_input on these very
             # values, shared by projections of one input) supplies the parts it holds.
-            input_fp8, input_sf, input_t_fp8, input_t_sf = input_q or (None,) * 4
-            want_row = config.fprop and input_fp8 is None
-            want_t = keep_xt_fp8 and input_t_fp8 is None
-            if want_row or want_t:
-                q = quantize_grouped_input(input_hp, layout, pow2, want_row, want_t)
-                if want_row:
-                    input_fp8, input_sf = q[0], q[1]
-                if want_t:
-                    input_t_fp8, input_t_sf = q[2], q[3]
+            input_fp8, input_sf, input_t_fp8, input_t_sf = complete_quantization(
+                input_q, config.fprop, keep_xt_fp8,
+                lambda row, col: quantize_grouped_input(input_hp, layout, pow2, row, col),
+            )  # fmt: skip
             # -- each expert's W 128x128, and W[g]ᵀ's blocks when dgrad will need them (or the
             # caller's cached copy, ``weight_q``, made by quantize_grouped_weight from this weight).
             if cached_w:
@@ -415,16 +407,9 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         with autocast_off(dy.device.type):
             fp8_dgrad, fp8_wgrad = need_dx and config.dgrad, need_dw and config.wgrad
             # -- dy in the padded layout: 1x128 along N_out (dgrad), 128x1 transposed (wgrad).
-            if fp8_dgrad or fp8_wgrad:
-                dy_pad = layout.scatter(dy)  # [R, N_out]
-                if fp8_dgrad and fp8_wgrad:
-                    dy_fp8, dy_sf, dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_both(
-                        dy_pad, pow2_scale=pow2
-                    )
-                elif fp8_dgrad:
-                    dy_fp8, dy_sf = quant.per_token_cast_to_fp8(dy_pad, pow2_scale=pow2)
-                else:
-                    dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_t(dy_pad, pow2_scale=pow2)
+            dy_fp8, dy_sf, dy_t_fp8, dy_t_sf = quantize_grouped_input(
+                dy, layout, pow2, fp8_dgrad, fp8_wgrad
+            )  # [R, N_out] in the padded layout
             # -- Dgrad: dx_pad [R, K] = dy_pad · W[g], B = W[g]ᵀ [K, N_out] per expert: one GEMM
             # over the stacked N_out, its sum in fp32 inside the GEMM.
             if fp8_dgrad:

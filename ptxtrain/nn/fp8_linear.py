@@ -235,6 +235,37 @@ def _sf_layout(device: torch.device) -> str:
     return "mn_major" if device.type == "cuda" else "row"
 
 
+def quantize_activation(
+    x: torch.Tensor, pow2: bool, row: bool, col: bool, sf_layout: str = "row"
+) -> tuple[torch.Tensor | None, ...]:
+    """``x`` [M, K]'s 1x128 tiles (``row``: the A operand of Fprop / Dgrad) and 128x1 tiles
+    stored transposed (``col``: an operand of the 1D1D Wgrad), one pass when both:
+    ``(x_fp8 [M, K], sf, xt_fp8 [K, M], sf_t)``, None where not asked for. Scales in
+    ``sf_layout``; raises as the :mod:`ptxtrain.quant` functions."""
+    kw = dict(pow2_scale=pow2, sf_layout=sf_layout)
+    if row and col:
+        return quant.per_token_cast_to_fp8_both(x, **kw)
+    if row:
+        return (*quant.per_token_cast_to_fp8(x, **kw), None, None)
+    if col:
+        return (None, None, *quant.per_token_cast_to_fp8_t(x, **kw))
+    return None, None, None, None
+
+
+def complete_quantization(parts: tuple | None, row: bool, col: bool, quantize) -> tuple:
+    """``parts`` (an input's shared quantization, or None) with the parts a call needs and it
+    lacks made by ``quantize(row, col)`` (:func:`quantize_activation`'s result)."""
+    fp8, sf, t_fp8, t_sf = parts or (None,) * 4
+    want_row, want_t = row and fp8 is None, col and t_fp8 is None
+    if want_row or want_t:
+        q = quantize(want_row, want_t)
+        if want_row:
+            fp8, sf = q[0], q[1]
+        if want_t:
+            t_fp8, t_sf = q[2], q[3]
+    return fp8, sf, t_fp8, t_sf
+
+
 def gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
     """Output dtype to ask of an FP8 GEMM whose result ends up in ``dtype``: bfloat16 for
     bfloat16, else float32 (the GEMMs write only those two; a float16 or float64 result is cast
@@ -343,21 +374,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # -- quantize x: 1x128 for fprop, 128x1 (transposed) for wgrad; one pass when both.
             # ``input_q`` (the same values' quantization, shared by projections of one input)
             # supplies the parts it holds.
-            input_fp8, input_sf, input_t_fp8, input_t_sf = input_q or (None,) * 4
-            want_row = config.fprop and input_fp8 is None
-            want_t = keep_xt_fp8 and input_t_fp8 is None
-            if want_row and want_t:
-                input_fp8, input_sf, input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_both(
-                    input_hp, pow2_scale=pow2, sf_layout=layout
-                )
-            elif want_row:
-                input_fp8, input_sf = quant.per_token_cast_to_fp8(
-                    input_hp, pow2_scale=pow2, sf_layout=layout
-                )
-            elif want_t:
-                input_t_fp8, input_t_sf = quant.per_token_cast_to_fp8_t(
-                    input_hp, pow2_scale=pow2, sf_layout=layout
-                )
+            input_fp8, input_sf, input_t_fp8, input_t_sf = complete_quantization(
+                input_q, config.fprop, keep_xt_fp8,
+                lambda row, col: quantize_activation(input_hp, pow2, row, col, layout),
+            )  # fmt: skip
             # -- quantize W 128x128 once (or take the module's cached copy, ``weight_q``), with
             # Wᵀ's blocks (W's, transposed) written by the same pass when dgrad will need them.
             need_wt = need_dx and config.dgrad
@@ -409,16 +429,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         with autocast_off(dy.device.type):
             # -- quantize dy: 1x128 along N for dgrad, 128x1 (transposed [N, M]) for wgrad.
             fp8_dgrad, fp8_wgrad = need_dx and config.dgrad, need_dw and config.wgrad
-            if fp8_dgrad and fp8_wgrad:
-                dy_fp8, dy_sf, dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_both(
-                    dy, pow2_scale=pow2, sf_layout=layout
-                )
-            elif fp8_dgrad:
-                dy_fp8, dy_sf = quant.per_token_cast_to_fp8(dy, pow2_scale=pow2, sf_layout=layout)
-            elif fp8_wgrad:
-                dy_t_fp8, dy_t_sf = quant.per_token_cast_to_fp8_t(
-                    dy, pow2_scale=pow2, sf_layout=layout
-                )
+            dy_fp8, dy_sf, dy_t_fp8, dy_t_sf = quantize_activation(
+                dy, pow2, fp8_dgrad, fp8_wgrad, layout
+            )
             # -- Dgrad: dx [M, K] = dy [M, N] · W [N, K]; B = Wᵀ [K, N] from W's blocks transposed.
             if fp8_dgrad:
                 weight_t = (saved["weight_t_fp8"], saved["weight_t_sf"])
@@ -592,14 +605,8 @@ class Fp8Linear(nn.Linear):
         if not (row or col):
             return None
         x = self._fp8_input(input.detach())
-        pow2, layout = cfg.pow2_scale, _sf_layout(x.device)
         with torch.no_grad(), autocast_off(x.device.type):
-            kw = dict(pow2_scale=pow2, sf_layout=layout)
-            if row and col:
-                return quant.per_token_cast_to_fp8_both(x, **kw)
-            if row:
-                return (*quant.per_token_cast_to_fp8(x, **kw), None, None)
-            return (None, None, *quant.per_token_cast_to_fp8_t(x, **kw))
+            return quantize_activation(x, cfg.pow2_scale, row, col, _sf_layout(x.device))
 
     def forward(self, input: torch.Tensor, *, input_q: tuple | None = None) -> torch.Tensor:
         """``input [*, K] -> [*, N]``; ``input_q``: :meth:`quantize_input` of this very input
