@@ -61,6 +61,8 @@ flag; set ``fp8_dispatch = False`` on a layer to send BF16.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -90,24 +92,12 @@ from ptxtrain.nn.functional import swiglu
 __all__ = ["MLP", "MoE"]
 
 
-def _unpermute_ref_own_slots(y_perm, sorted_slots, topk_weights, num_valid=None):
-    """``unpermute_ref`` on slots ``permute_ref`` just made: no range check (a host read)."""
-    return unpermute_ref(y_perm, sorted_slots, topk_weights, check_slots=False, num_valid=num_valid)
-
-
-def _unpermute_fused_own_slots(y_perm, sorted_slots, topk_weights, num_valid=None):
-    """``unpermute_fused`` on slots ``permute_fused`` just made: no range check (a host read)."""
-    return unpermute_fused(
-        y_perm, sorted_slots, topk_weights, check_slots=False, num_valid=num_valid
-    )
-
-
 def _permute_kernels(triton: bool) -> tuple:
     """(permute, unpermute): the fused kernels, or the references; the unpermutation trusts
-    the slots of the permutation before it."""
+    the slots of the permutation before it (no range check: a host read)."""
     if triton:
-        return permute_fused, _unpermute_fused_own_slots
-    return permute_ref, _unpermute_ref_own_slots
+        return permute_fused, functools.partial(unpermute_fused, check_slots=False)
+    return permute_ref, functools.partial(unpermute_ref, check_slots=False)
 
 
 def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:

@@ -43,13 +43,7 @@ import triton.language as tl
 
 from ptxtrain._checks import ceil_div
 from ptxtrain.quant.ref import BLOCK as QUANT_BLOCK
-from ptxtrain.quant.triton import (
-    abs_bits,
-    all_finite,
-    cast_e4m3,
-    reciprocal,
-    scale_from_amax_bits,
-)
+from ptxtrain.quant.triton import quant_rows
 
 __all__ = [
     "MAX_NORM_DIM",
@@ -119,20 +113,20 @@ def _swiglu_bwd_kernel(g_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constex
 
 @triton.jit
 def _stacked_tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """This program's ``[BLOCK_R, BLOCK_C]`` tile of a ``[rows, cols]`` output: the offsets of
-    ``a`` in the stacked ``[rows, 2·cols]`` input (``b`` at ``+ cols``), of the output, and the
-    mask."""
+    """This program's ``[BLOCK_R, BLOCK_C]`` tile of a ``[rows, cols]`` output: its rows, the
+    offsets of ``a`` in the stacked ``[rows, 2·cols]`` input (``b`` at ``+ cols``), of the
+    output, and the mask."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
-    return r[:, None] * (2 * cols) + c[None, :], r[:, None] * cols + c[None, :], mask
+    return r, r[:, None] * (2 * cols) + c[None, :], r[:, None] * cols + c[None, :], mask
 
 
 @triton.jit
 def _swiglu_stacked_fwd_kernel(
     h_ptr, out_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
 ):
-    ab, o, mask = _stacked_tile(rows, cols, BLOCK_R, BLOCK_C)
+    _, ab, o, mask = _stacked_tile(rows, cols, BLOCK_R, BLOCK_C)
     a = tl.load(h_ptr + ab, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(h_ptr + ab + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + o, _silu_mul(a, b).to(out_ptr.dtype.element_ty), mask=mask)
@@ -142,7 +136,7 @@ def _swiglu_stacked_fwd_kernel(
 def _swiglu_stacked_bwd_kernel(
     g_ptr, h_ptr, dh_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
 ):
-    ab, o, mask = _stacked_tile(rows, cols, BLOCK_R, BLOCK_C)
+    _, ab, o, mask = _stacked_tile(rows, cols, BLOCK_R, BLOCK_C)
     g = tl.load(g_ptr + o, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(h_ptr + ab, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(h_ptr + ab + cols, mask=mask, other=0.0).to(tl.float32)
@@ -152,40 +146,22 @@ def _swiglu_stacked_bwd_kernel(
 
 
 @triton.jit
-def _quant_rows(x, POW2: tl.constexpr):
-    """1x128 quantization of an fp32 tile ``[R, 128]``: (e4m3 tile, fp32 scales ``[R]``)."""
-    sf = scale_from_amax_bits(tl.max(abs_bits(x), axis=1), POW2)
-    return cast_e4m3(x, sf[:, None], reciprocal(sf)[:, None], all_finite(sf)), sf
-
-
-@triton.jit
-def _q_tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """This program's rows and ``BLOCK_Q`` columns of the first half of a stacked ``[rows, 2I]``
-    tensor (``I = cols``, a multiple of ``BLOCK_Q``): row offsets, column offsets, row mask."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    return r, c, (r < rows)[:, None]
-
-
-@triton.jit
 def _swiglu_stacked_fwd_q_kernel(
     h_ptr, out_ptr, q_ptr, sf_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
     POW2: tl.constexpr,
 ):  # fmt: skip
-    r, c, mask = _q_tile(rows, cols, BLOCK_R, BLOCK_Q)
-    ab = r[:, None] * (2 * cols) + c[None, :]
+    r, ab, o, mask = _stacked_tile(rows, cols, BLOCK_R, BLOCK_Q)
     a = tl.load(h_ptr + ab, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(h_ptr + ab + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r[:, None] * cols + c[None, :], _silu_mul(a, b).to(out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    tl.store(out_ptr + o, _silu_mul(a, b).to(out_ptr.dtype.element_ty), mask=mask)
     # The scale columns of a's tile and b's: tile j of the first half, tile j + I/128 of the
     # second ([rows, 2I/128] row-major).
     n_sf = 2 * (cols // BLOCK_Q)
     j = tl.program_id(1)
-    qa, sfa = _quant_rows(a, POW2)
+    qa, sfa = quant_rows(a, POW2)
     tl.store(q_ptr + ab, qa, mask=mask)
     tl.store(sf_ptr + r * n_sf + j, sfa, mask=r < rows)
-    qb, sfb = _quant_rows(b, POW2)
+    qb, sfb = quant_rows(b, POW2)
     tl.store(q_ptr + ab + cols, qb, mask=mask)
     tl.store(sf_ptr + r * n_sf + j + n_sf // 2, sfb, mask=r < rows)
 
@@ -194,15 +170,14 @@ def _swiglu_stacked_fwd_q_kernel(
 def _swiglu_stacked_bwd_q_kernel(
     g_ptr, q_ptr, sf_ptr, dh_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr
 ):
-    r, c, mask = _q_tile(rows, cols, BLOCK_R, BLOCK_Q)
-    ab = r[:, None] * (2 * cols) + c[None, :]
+    r, ab, o, mask = _stacked_tile(rows, cols, BLOCK_R, BLOCK_Q)
     n_sf = 2 * (cols // BLOCK_Q)
     j = tl.program_id(1)
     sfa = tl.load(sf_ptr + r * n_sf + j, mask=r < rows, other=1.0)
     sfb = tl.load(sf_ptr + r * n_sf + j + n_sf // 2, mask=r < rows, other=1.0)
     a = tl.load(q_ptr + ab, mask=mask, other=0.0).to(tl.float32) * sfa[:, None]
     b = tl.load(q_ptr + ab + cols, mask=mask, other=0.0).to(tl.float32) * sfb[:, None]
-    g = tl.load(g_ptr + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + o, mask=mask, other=0.0).to(tl.float32)
     da, db = _silu_mul_grad(g, a, b)
     tl.store(dh_ptr + ab, da.to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(dh_ptr + ab + cols, db.to(dh_ptr.dtype.element_ty), mask=mask)

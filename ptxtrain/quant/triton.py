@@ -147,6 +147,14 @@ def all_finite(sf):
 
 
 @triton.jit
+def quant_rows(x, POW2: tl.constexpr):
+    """1 x C quantization of an fp32 tile ``[R, C]``, one scale per row (C = 128: the 1x128
+    tiles): ``(e4m3 tile, fp32 scales [R])``."""
+    sf = scale_from_amax_bits(tl.max(abs_bits(x), axis=1), POW2)
+    return cast_e4m3(x, sf[:, None], reciprocal(sf)[:, None], all_finite(sf)), sf
+
+
+@triton.jit
 def _quant_1x_kernel(
     x_ptr,
     q_ptr,
@@ -200,13 +208,12 @@ def _quant_1x_kernel(
         ptrs = x_ptr + rows64[:, None] * stride_xm + cols64[None, :]
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         if ROW:
-            if not TWO_PASS:  # the chunk is the whole 1 x BLOCK_K tile
-                sf = scale_from_amax_bits(tl.max(abs_bits(x), axis=1), POW2)
-                y = reciprocal(sf)
-                finite = all_finite(sf)
+            if TWO_PASS:
+                q = cast_e4m3(x, sf[:, None], y[:, None], finite)
+            else:  # the chunk is the whole 1 x BLOCK_K tile
+                q, sf_row = quant_rows(x, POW2)
                 sf_ptrs = sf_ptr + rows64 * stride_sf_m + pid_k.to(tl.int64) * stride_sf_k
-                tl.store(sf_ptrs, sf, mask=row_ok)
-            q = cast_e4m3(x, sf[:, None], y[:, None], finite)
+                tl.store(sf_ptrs, sf_row, mask=row_ok)
             tl.store(q_ptr + rows64[:, None] * stride_qm + cols64[None, :], q, mask=mask)
         if COL:  # BLOCK_M x 1 tiles, complete in the chunk; xt [K, M] written transposed
             sft = scale_from_amax_bits(tl.max(abs_bits(x), axis=0), POW2)  # [SK]
