@@ -35,3 +35,13 @@ def host_reads() -> Iterator[collections.Counter]:
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
+
+
+def forward_backward_reads(forward, backward) -> tuple:
+    """``out = forward()`` then ``backward(out)``, counting host reads: ``(out, the forward's
+    reads, the backward's reads, reads by method name)``."""
+    with host_reads() as reads:
+        out = forward()
+        n_forward = sum(reads.values())
+        backward(out)
+    return out, n_forward, sum(reads.values()) - n_forward, dict(reads)

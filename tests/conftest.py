@@ -34,3 +34,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture
+def ref_gemms(monkeypatch):
+    """Run every GEMM (grouped and dense) on the pure-PyTorch reference. Without it, CPU tests
+    run the grouped GEMMs' Triton kernels under Triton's interpreter (TRITON_INTERPRET=1 above),
+    which is slow; tests/nn/test_fp8_grouped.py tests those kernels on their own."""
+    monkeypatch.setenv("PTXTRAIN_GEMM_BACKEND", "ref")

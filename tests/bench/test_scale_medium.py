@@ -101,7 +101,7 @@ def _summary(run_dir: Path, **fields) -> None:
 def test_entry_math_on_fabricated_summaries(tmp_path):
     """Per GPU = steady tokens/s over the ranks; efficiency against the one GPU's per GPU; the
     peak memory of the largest rank (a rank without a reading left out)."""
-    rng = random.Random()
+    rng = random.Random(104)  # fixed: a failure reproduces
     steady, base, ranks = rng.uniform(1e4, 1e5), rng.uniform(1e4, 1e5), rng.choice([2, 4, 8])
     peaks = [rng.randrange(2**33, 2**37) for _ in range(ranks - 1)] + [None]
     _summary(
@@ -125,8 +125,8 @@ def test_entry_math_on_fabricated_summaries(tmp_path):
         ranks=2,
         peak_memory_bytes_per_rank=[None, None],
     )
-    assert run_entry(tmp_path / "cpu", None, 5)["efficiency"] is None
-    assert run_entry(tmp_path / "cpu", None, 5)["peak_mem_gib"] is None
+    cpu = run_entry(tmp_path / "cpu", None, 5)
+    assert cpu["efficiency"] is None and cpu["peak_mem_gib"] is None
     _summary(tmp_path / "one", steady_tokens_per_s=None, ranks=2)
     with pytest.raises(ValueError, match="steady_tokens_per_s"):
         run_entry(tmp_path / "one", base, 5)

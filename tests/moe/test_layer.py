@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ptxtrain.moe import MoE
 from ptxtrain.moe.ref import permute_ref, unpermute_ref
-from tests._host_reads import host_reads
+from tests._host_reads import forward_backward_reads
 from tests._spawn import run_gloo
 
 
@@ -193,13 +193,13 @@ def _ep_worker(rank: int, world: int) -> None:
     # Each rank: its own tokens; loss weights the (per-sequence mean) balance loss by its
     # sequence count so that the ranks' losses sum to the single-process loss below.
     x = xs[rank].clone().requires_grad_(True)
-    with host_reads() as reads:
-        y, aux = ep(x, return_aux_loss=True)
-        forward_reads = sum(reads.values())
-        (y * gs[rank]).sum().add(aux * x.shape[0]).backward()
+    (y, _), n_fwd, n_bwd, reads = forward_backward_reads(
+        lambda: ep(x, return_aux_loss=True),
+        lambda out: (out[0] * gs[rank]).sum().add(out[1] * x.shape[0]).backward(),
+    )
     # On a GPU each read of a tensor's value on the host is a sync: the forward's only one is
     # the dispatch's (the split sizes and the rows per expert), and backward has none.
-    assert (forward_reads, sum(reads.values())) == (1, 1), dict(reads)
+    assert (n_fwd, n_bwd) == (1, 0), reads
 
     x_all = torch.cat(xs).requires_grad_(True)
     y_all, aux_all = ref(x_all, return_aux_loss=True)

@@ -47,14 +47,6 @@ def _triton_interpreted():
     return grouped.is_interpreted()
 
 
-@pytest.fixture
-def ref_gemms(monkeypatch):
-    """Run every GEMM (grouped and dense) on the pure-PyTorch reference. Without it, CPU tests
-    run the grouped GEMMs' Triton kernels under Triton's interpreter (tests/conftest.py sets
-    TRITON_INTERPRET=1), which is slow; they get their own test below."""
-    monkeypatch.setenv("PTXTRAIN_GEMM_BACKEND", "ref")
-
-
 def _inputs(counts, k, n_out, dtype, seed):
     """Fresh Gaussian x [N, K], weight [G, N_out, K] (std 1/√K) and dy [N, N_out]."""
     g = torch.Generator().manual_seed(seed)

@@ -391,23 +391,22 @@ def test_shared_input_quantization_gives_the_separate_calls_bits(monkeypatch, re
     dya = torch.randn(3, 50, 256, generator=_gen(34)).bfloat16()
     dyb = torch.randn(3, 50, 200, generator=_gen(35)).bfloat16()
 
+    calls = []  # every 1x128 quantization of an activation (x, or dy in backward)
+    for name in ("per_token_cast_to_fp8_both", "per_token_cast_to_fp8"):
+        real = getattr(ptxtrain.quant, name)
+        monkeypatch.setattr(
+            ptxtrain.quant, name, lambda *ar, _r=real, **kw: calls.append(1) or _r(*ar, **kw)
+        )
+
     def run(shared):
         xg = x.clone().requires_grad_()
         for p in (a.weight, b.weight):
             p.grad = None
-        calls = []
-        for name in ("per_token_cast_to_fp8_both", "per_token_cast_to_fp8"):
-            real = getattr(ptxtrain.quant, name)
-            monkeypatch.setattr(
-                ptxtrain.quant,
-                name,
-                lambda *ar, _r=real, _n=name, **kw: calls.append(_n) or _r(*ar, **kw),
-            )
-        saved = []
+        saved, before = [], len(calls)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             q = shared_input_quantization(xg, a, b) if shared else {}
             ya, yb = a(xg, **q), b(xg, **q)
-        n_fwd = len(calls)
+        n_fwd = len(calls) - before
         torch.autograd.backward([ya, yb], [dya, dyb])
         storages = {t.untyped_storage().data_ptr() for t in saved if t.dtype == quant_ref.FP8_DTYPE}
         return (ya, yb, xg.grad, a.weight.grad, b.weight.grad), n_fwd, len(storages)

@@ -159,6 +159,25 @@ def _fp8_saved_case(rows, inter, dtype, seed):
     return h, _rand(rows, inter, dtype=dtype, seed=seed + 1)
 
 
+def _check_fp8_saved_kernels(h, g, pow2, quantize):
+    """The _q kernels on h [rows, 2I] and g [rows, I] against their definitions, bit for bit:
+    the output is the unquantized kernel's, the saved pair is ``quantize``'s (a 1x128
+    quantizer bit-exact with the reference), and the gradient is the unquantized backward
+    kernel at the dequantized input, cast once. Returns (y, dh)."""
+    from ptxtrain.nn import triton_ops
+    from ptxtrain.quant import ref as qref
+
+    y, q, sf = triton_ops.swiglu_stacked_fwd_q(h, pow2)
+    assert_bitwise_equal(y, triton_ops.swiglu_stacked_fwd(h), name="y")
+    q_ref, sf_ref = quantize(h, pow2_scale=pow2)
+    assert_bitwise_equal(q, q_ref, name="h_fp8")
+    assert_bitwise_equal(sf, sf_ref, name="sf")
+    dh = triton_ops.swiglu_stacked_bwd_q(g, q, sf, h.dtype)
+    want = triton_ops.swiglu_stacked_bwd(g, qref.per_token_cast_back(q, sf)).to(h.dtype)
+    assert_bitwise_equal(dh, want, name="dh")
+    return y, dh
+
+
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,inter", [(37, MEDIUM.moe_inter_dim), (70, 128), (0, 256)])
@@ -168,18 +187,10 @@ def test_swiglu_stacked_fp8_saved_kernels_bitwise(rows, inter, dtype, pow2):
     # gradient is the unquantized backward kernel at the dequantized input, cast once; the
     # autograd function returns exactly that gradient. Rows end inside a 32-row program (37,
     # 70) or are none at all; I = 1408 is the medium experts' (11 tiles per half).
-    from ptxtrain.nn import triton_ops
     from ptxtrain.quant import ref as qref
 
     h, g = _fp8_saved_case(rows, inter, dtype, seed=rows + inter)
-    y, q, sf = triton_ops.swiglu_stacked_fwd_q(h.detach(), pow2)
-    assert_bitwise_equal(y, triton_ops.swiglu_stacked_fwd(h.detach()), name="y")
-    q_ref, sf_ref = qref.per_token_cast_to_fp8(h.detach(), pow2_scale=pow2)
-    assert_bitwise_equal(q, q_ref, name="h_fp8")
-    assert_bitwise_equal(sf, sf_ref, name="sf")
-    dh = triton_ops.swiglu_stacked_bwd_q(g, q, sf, dtype)
-    want = triton_ops.swiglu_stacked_bwd(g, qref.per_token_cast_back(q, sf)).to(dtype)
-    assert_bitwise_equal(dh, want, name="dh")
+    y, dh = _check_fp8_saved_kernels(h.detach(), g, pow2, qref.per_token_cast_to_fp8)
     y2 = fn.swiglu_stacked(h, kernels="triton", save_input_fp8=True, pow2_scale=pow2)
     assert_bitwise_equal(y2, y, name="y (autograd)")
     (dh2,) = torch.autograd.grad(y2, h, g)
@@ -524,20 +535,10 @@ def test_swiglu_stacked_fp8_saved_cuda_bitwise(pow2):
     # with the reference by its own tests), and the gradient is the unquantized backward kernel
     # at the dequantized input: the same bits (contraction off in both kernels).
     from ptxtrain import quant
-    from ptxtrain.nn import triton_ops
 
     rows, inter = GPU_TOKENS[0] * GPU_TOKENS[1] * 6, MEDIUM.moe_inter_dim
     h, g = _fp8_saved_case(rows, inter, torch.bfloat16, seed=11)
-    h, g = h.detach().cuda(), g.cuda()
-    y, q, sf = triton_ops.swiglu_stacked_fwd_q(h, pow2)
-    assert_bitwise_equal(y, triton_ops.swiglu_stacked_fwd(h), name="y")
-    q_ref, sf_ref = quant.per_token_cast_to_fp8(h, pow2_scale=pow2)
-    assert_bitwise_equal(q, q_ref, name="h_fp8")
-    assert_bitwise_equal(sf, sf_ref, name="sf")
-    dh = triton_ops.swiglu_stacked_bwd_q(g, q, sf, torch.bfloat16)
-    deq = quant.ref.per_token_cast_back(q, sf)
-    want = triton_ops.swiglu_stacked_bwd(g, deq).to(torch.bfloat16)
-    assert_bitwise_equal(dh, want, name="dh")
+    _check_fp8_saved_kernels(h.detach().cuda(), g.cuda(), pow2, quant.per_token_cast_to_fp8)
 
 
 @pytest.mark.gpu
