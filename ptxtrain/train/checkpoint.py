@@ -69,6 +69,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..parallel.p2p import group_timeout
 from .state_layout import LayoutError, StateLayout
 
 __all__ = [
@@ -214,7 +215,10 @@ def checkpoint_group():
     world = dist.group.WORLD
     cached = _GROUPS.get(id(world))
     if cached is None or cached[0] is not world:
-        cached = _GROUPS[id(world)] = (world, dist.new_group(backend="gloo"))
+        # The default group's timeout (--collective-timeout), not gloo's 30 min default: a
+        # peer that died mid-save ends the wait as it would a training collective.
+        group = dist.new_group(backend="gloo", timeout=group_timeout())
+        cached = _GROUPS[id(world)] = (world, group)
     return cached[1]
 
 

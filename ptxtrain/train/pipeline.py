@@ -312,7 +312,7 @@ class PipelineRunner:
                     pair = [r, self.pp - 1 - r]
                     if group is not None:
                         pair = [dist.get_global_rank(group, q) for q in pair]
-                    g = dist.new_group(pair)
+                    g = dist.new_group(pair, timeout=group_timeout())  # --collective-timeout
                     if self.rank in (r, self.pp - 1 - r):
                         self.mirror_group = g
 

@@ -161,9 +161,9 @@ class ParallelStrategy:
             flags = f"--pp {args.pp} --schedule {args.schedule}"
             if args.pp_layout is not None:
                 flags += f" --pp-layout {format_layout(args.pp_layout)}"
-            # one micro-batch's tokens on one rank: the batch is split over EP, then into chunks
-            tokens = args.batch_size // (args.chunks() * self.ep) * args.seq_len
-            kw = dict(seq_len=args.seq_len, micro_batch_tokens=tokens, ep=self.ep)
+            kw = dict(
+                seq_len=args.seq_len, micro_batch_tokens=self.micro_batch_tokens(), ep=self.ep
+            )
             try:
                 self.layout = resolve_layout(
                     config, args.schedule, args.pp, layout=args.pp_layout, **kw

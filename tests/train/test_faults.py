@@ -343,3 +343,24 @@ def test_collective_timeout_flag(capsys):
     assert _train_args_from(parse(["train"])).collective_timeout == faults.DEFAULT_TIMEOUT_S == 600
     assert main(["train", "--collective-timeout", "0"]) == 2
     assert "--collective-timeout: must be > 0" in capsys.readouterr().err
+
+
+def _worker_side_groups_take_the_timeout(rank: int, world: int) -> None:
+    from ptxtrain.parallel.p2p import group_timeout
+    from ptxtrain.train.checkpoint import checkpoint_group
+
+    timeout = datetime.timedelta(seconds=7)
+    dist.init_process_group("gloo", timeout=timeout)
+    try:
+        assert group_timeout() == timeout  # what the others are compared with
+        # The checkpoint's own gloo group (saves, async writes) waits on a peer as long as a
+        # training collective does, not gloo's 30 min default.
+        assert group_timeout(checkpoint_group()) == timeout
+    finally:
+        dist.destroy_process_group()
+
+
+def test_side_groups_take_the_collective_timeout():
+    from tests._spawn import run_torchrun_like
+
+    run_torchrun_like(_worker_side_groups_take_the_timeout, 2, timeout=60)
